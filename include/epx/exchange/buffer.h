@@ -1,0 +1,203 @@
+// Buffer: dispatch and combine for one rank, on any Transport.
+//
+// A Buffer owns the peer-mapped receive and combine regions of its rank,
+// sized once from a BufferConfig, and runs the exchange contract of
+// docs/design.md:
+//
+//  - dispatch: rank r receives one row per (source token, rank r) pair,
+//    deduplicated, ordered by (source rank, source token index), with the
+//    token's top-k ids translated to r's local expert ids (-1 where the
+//    expert lives elsewhere), its weights (0 there), its source, and
+//    per-local-expert counts. Inside a node every source writes straight into
+//    its peers' receive regions (one copy per (token, rank)); across nodes a
+//    token crosses once per destination node, to the rank with the same local
+//    rank, which forwards it inside its node (two-hop).
+//  - combine: out[t] = sum over the ranks r holding t of y_r[row of t],
+//    accumulated in fp32: flat, in ascending rank order; hierarchical, per
+//    node in ascending rank order, then over nodes in ascending node order.
+//    The same inputs on the same topology give the same bits on every run.
+//  - backward: the gradient of dispatch is a combine, the gradient of
+//    combine a cached dispatch.
+//
+// All ranks call each operation in the same order. Inputs are checked on
+// the calling rank before anything is sent; a rank that rejects its input
+// makes the others return Aborted; a peer that never arrives makes the
+// others return DeadlineExceeded after `timeout`.
+//
+//   epx::BufferConfig config{.num_experts = 256, .hidden = 7168, .dtype = epx::DType::kBF16,
+//                            .max_tokens_per_rank = 4096};
+//   EPX_ASSIGN_OR_RETURN(auto buffer, epx::Buffer::create(transport, config));
+//   epx::DispatchResult recv;
+//   EPX_RETURN_IF_ERROR(buffer->dispatch({.x = x, .topk_idx = idx, .topk_weights = w}, &recv));
+//   ... experts turn recv.recv_x into y, ideally written straight into
+//       buffer->combine_input(recv.handle, dtype) ...
+//   EPX_RETURN_IF_ERROR(buffer->combine(y, recv.handle, out));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "epx/comm/transport.h"
+#include "epx/core/clock.h"
+#include "epx/core/tensor.h"
+#include "epx/core/trace.h"
+#include "epx/exchange/layout.h"
+#include "epx/exchange/placement.h"
+
+namespace epx {
+
+enum class DispatchAlgorithm : uint8_t {
+  kAuto,          // hierarchical when the topology has more than one node
+  kFlat,          // every (token, rank) pair travels directly, messages across nodes
+  kHierarchical,  // two-hop: once per (token, node), forwarded inside the node
+};
+
+struct BufferConfig {
+  int num_experts = 0;
+  int hidden = 0;                      // elements per row
+  DType dtype = DType::kBF16;          // dispatch payload: kF32 or kBF16
+  int max_topk = 8;                    // widest topk_idx accepted
+  int max_tokens_per_rank = 0;         // inputs with more tokens are rejected
+  int64_t max_recv_tokens = 0;         // rows one rank can receive; 0: num_ranks * max_tokens_per_rank
+  int expert_alignment = 1;            // per-expert counts and expanded segments round up to this
+  DType max_combine_dtype = DType::kF32;  // widest combine input; kBF16 halves the combine region
+  std::optional<ExpertPlacement> placement;  // default: contiguous blocks of E / R
+  DispatchAlgorithm algorithm = DispatchAlgorithm::kAuto;
+  Milliseconds timeout{30000};         // for each whole operation
+  Tracer* tracer = nullptr;            // spans "dispatch", "combine", ... per rank when set
+};
+
+// What one rank moved in one operation.
+struct ExchangeStats {
+  int64_t rows_sent = 0;                  // (token, destination rank) pairs from this rank
+  int64_t rows_received = 0;              // rows this rank ended with
+  int64_t intra_node_payload_bytes = 0;   // row bytes this rank copied inside its node
+  int64_t inter_node_payload_bytes = 0;   // row bytes this rank sent to other nodes
+  int64_t inter_node_meta_bytes = 0;      // routing metadata sent with them
+  double seconds = 0;
+};
+
+namespace detail {
+struct HandleData;
+}
+
+// What a dispatch decided: the routes, counts and receive metadata. Combine,
+// the backward passes and a cached re-dispatch take it and skip the layout
+// and count exchange. Cheap to copy (shared, immutable).
+class Handle {
+ public:
+  Handle() = default;
+  explicit Handle(std::shared_ptr<const detail::HandleData> data) : data_(std::move(data)) {}
+  [[nodiscard]] bool valid() const { return data_ != nullptr; }
+  [[nodiscard]] int num_tokens() const;         // tokens this rank dispatched
+  [[nodiscard]] int64_t num_recv_tokens() const;  // rows this rank received
+  [[nodiscard]] int topk() const;
+  [[nodiscard]] const detail::HandleData& data() const { return *data_; }
+
+ private:
+  std::shared_ptr<const detail::HandleData> data_;
+};
+
+struct DispatchInputs {
+  TensorView x;             // [T, H] of config.dtype
+  TensorView topk_idx;      // [T, K] i32 global expert ids, -1 = none
+  TensorView topk_weights;  // optional [T, K] f32
+};
+
+struct DispatchResult {
+  // [num_recv, H], in this rank's receive region: valid until the next
+  // dispatch (cached or not) on this Buffer.
+  TensorView recv_x;
+  // The rest lives in the handle and stays valid as long as it does.
+  TensorView recv_topk_idx;      // [num_recv, K] i32 local ids, -1 where the expert is elsewhere
+  TensorView recv_topk_weights;  // [num_recv, K] f32, 0 where -1; undefined without input weights
+  TensorView recv_src_rank;      // [num_recv] i32
+  TensorView recv_src_idx;       // [num_recv] i32 token index on the source rank
+  std::vector<int32_t> num_recv_tokens_per_expert;  // [E_local], each rounded up to expert_alignment
+  Handle handle;
+  ExchangeStats stats;
+};
+
+struct CombineOptions {
+  TensorView bias;  // optional [T, H], f32 or the output dtype, added after the sum
+  // Optional dispatch-backward of the weights: grad_recv_topk_weights
+  // [num_recv, K] f32 in, grad_topk_weights [T, K] f32 out; slot k of token t
+  // takes the value from the rank holding expert topk_idx[t][k] (0 for -1).
+  TensorView grad_recv_topk_weights;
+  TensorView grad_topk_weights;
+};
+
+// The expanded per-expert layout of one rank's received rows: one row per
+// (received token, local expert), grouped by local expert in receive order,
+// each group padded to expert_alignment with zero rows.
+struct ExpandedLayout {
+  std::vector<int64_t> expert_offsets;        // [E_local + 1]: group e is rows [offsets[e], offsets[e+1])
+  std::vector<int32_t> num_tokens_per_expert; // [E_local], before padding
+  std::vector<int64_t> row_of;                // [num_recv, K]: expanded row of (row, slot k), -1 if not local
+  std::vector<int64_t> recv_row;              // [num_rows]: received row of each expanded row, -1 = padding
+  [[nodiscard]] int64_t num_rows() const { return expert_offsets.empty() ? 0 : expert_offsets.back(); }
+};
+
+class Buffer {
+ public:
+  // Collective: every rank of `transport` calls it with the same config.
+  static Result<std::unique_ptr<Buffer>> create(Transport& transport, BufferConfig config);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  [[nodiscard]] const BufferConfig& config() const;
+  [[nodiscard]] const ExpertPlacement& placement() const;
+  [[nodiscard]] int num_local_experts() const;
+  // True when dispatch and combine take the two-hop path.
+  [[nodiscard]] bool hierarchical() const;
+
+  // Validates and computes the layout of topk_idx (no communication).
+  [[nodiscard]] Result<DispatchLayout> get_layout(const TensorView& topk_idx) const;
+
+  // Dispatch (collective). `layout`, when given, must be get_layout(topk_idx).
+  [[nodiscard]] Status dispatch(const DispatchInputs& inputs, DispatchResult* out,
+                                const DispatchLayout* layout = nullptr);
+  // Re-sends new rows along the routes of `handle` (same tokens, same routing):
+  // no layout, no count exchange. `recv_x` gets a view like DispatchResult::recv_x.
+  [[nodiscard]] Status dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x);
+
+  // A [num_recv, H] view of `dtype` in this rank's combine region. Experts
+  // that write their output there save combine one copy.
+  [[nodiscard]] Result<TensorView> combine_input(const Handle& handle, DType dtype);
+  // Combine (collective): y [num_recv, H] (f32 or bf16, rows in receive
+  // order) -> out [T, H] of the caller's dtype.
+  [[nodiscard]] Status combine(const TensorView& y, const Handle& handle, const TensorView& out,
+                               const CombineOptions& options = {});
+
+  // Backward of dispatch: grad_x [T, H] = combine(grad_recv_x), and through
+  // options the gradient of the top-k weights.
+  [[nodiscard]] Status dispatch_backward(const TensorView& grad_recv_x, const Handle& handle,
+                                         const TensorView& grad_x, const CombineOptions& options = {});
+  // Backward of combine: grad_y = the cached dispatch of grad_out; a view like recv_x.
+  [[nodiscard]] Status combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y);
+
+  // The expanded layout of `handle` (computed at dispatch).
+  [[nodiscard]] const ExpandedLayout& expanded_layout(const Handle& handle) const;
+  // Copies received rows into the expanded layout: out [layout.num_rows(), H]
+  // of recv_x's dtype, padding rows zero. Local; no communication.
+  [[nodiscard]] Status expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) const;
+  // Weighted combine over the expanded layout (collective): each rank first
+  // sums w[row, k] * y[row_of(row, k)] over its local slots in top-k order in
+  // fp32, then the partial rows are combined as by combine(). `weights` is
+  // [num_recv, K] f32; undefined means the dispatched recv_topk_weights.
+  [[nodiscard]] Status combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                        const TensorView& weights = {}, const CombineOptions& options = {});
+
+  // Bytes of peer-mapped memory this rank holds.
+  [[nodiscard]] std::size_t region_bytes() const;
+
+ private:
+  struct Impl;
+  explicit Buffer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epx

@@ -1,0 +1,15 @@
+#include "epx/comm/transport.h"
+
+namespace epx {
+
+TransportCounters& TransportCounters::operator+=(const TransportCounters& other) {
+  inter_node_bytes += other.inter_node_bytes;
+  inter_node_messages += other.inter_node_messages;
+  intra_node_bytes += other.intra_node_bytes;
+  intra_node_messages += other.intra_node_messages;
+  collective_calls += other.collective_calls;
+  collective_bytes += other.collective_bytes;
+  return *this;
+}
+
+}  // namespace epx
