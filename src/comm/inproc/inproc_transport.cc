@@ -1,0 +1,619 @@
+#include "comm/inproc/inproc_transport.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <new>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace epx {
+namespace {
+
+using detail::CollectiveOp;
+
+std::string_view op_name(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::kBarrier: return "barrier";
+    case CollectiveOp::kAllGather: return "all_gather_bytes";
+    case CollectiveOp::kAllToAll: return "all_to_all_bytes";
+    case CollectiveOp::kAllReduce: return "all_reduce_raw";
+    case CollectiveOp::kMapPeerMemory: return "map_peer_memory";
+  }
+  return "unknown collective";
+}
+
+std::string_view reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "unknown";
+}
+
+int64_t elapsed_ms(Clock::time_point start) {
+  return std::chrono::duration_cast<Milliseconds>(Clock::now() - start).count();
+}
+
+bool passed(const Deadline& deadline) { return Clock::now() >= deadline.when(); }
+
+}  // namespace
+
+namespace detail {
+
+InprocState::InprocState(const Topology& topology)
+    : topology(topology), ranks(std::make_unique<RankState[]>(static_cast<std::size_t>(topology.num_ranks()))) {
+  for (CollectiveSlot& slot : slots) slot.entries.resize(static_cast<std::size_t>(topology.num_ranks()));
+}
+
+void InprocState::poison_locked(const Status& reason) {
+  if (!failure.is_ok()) return;
+  failure = reason.is_ok() ? internal_error("abort() was called with an OK status") : reason;
+  poisoned.store(true, std::memory_order_release);
+}
+
+void InprocState::abort(const Status& reason) {
+  {
+    std::lock_guard lock(mutex);
+    poison_locked(reason);
+  }
+  notify_all_ranks();
+}
+
+void InprocState::notify_all_ranks() {
+  for (int r = 0; r < topology.num_ranks(); ++r) ranks[r].cv.notify_all();
+}
+
+Status InprocState::aborted_locked(std::string_view what, int rank) const {
+  const std::string cause = failure.code() == StatusCode::kAborted ? failure.message() : failure.to_string();
+  return aborted("{} on rank {} aborted: {}", what, rank, cause);
+}
+
+Status InprocState::interrupted_locked(std::string_view what, int rank, int64_t waited_ms,
+                                       std::string_view waiting_for) const {
+  if (failure.code() != StatusCode::kDeadlineExceeded) return aborted_locked(what, rank);
+  return deadline_exceeded("rank {} waited {} ms in {}{}, until another deadline passed: {}", rank, waited_ms, what,
+                           waiting_for, failure.message());
+}
+
+TransportCounters InprocState::counters_of(int rank) const {
+  const RankState& r = ranks[rank];
+  TransportCounters c;
+  c.inter_node_bytes = r.inter_node_bytes.load(std::memory_order_relaxed);
+  c.inter_node_messages = r.inter_node_messages.load(std::memory_order_relaxed);
+  c.intra_node_bytes = r.intra_node_bytes.load(std::memory_order_relaxed);
+  c.intra_node_messages = r.intra_node_messages.load(std::memory_order_relaxed);
+  c.collective_calls = r.collective_calls.load(std::memory_order_relaxed);
+  c.collective_bytes = r.collective_bytes.load(std::memory_order_relaxed);
+  return c;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::CollectiveEntry;
+using detail::CollectiveSlot;
+using detail::InprocState;
+using detail::SendOp;
+
+bool reducible(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kI32 || dtype == DType::kI64;
+}
+
+// Checks that every rank called the same collective with consistent sizes.
+// Every rank computes the same verdict from the same entries.
+Status validate(const CollectiveSlot& slot, uint64_t seq, int num_ranks) {
+  const CollectiveEntry& first = slot.entries[0];
+  for (int r = 1; r < num_ranks; ++r) {
+    const CollectiveEntry& e = slot.entries[r];
+    if (e.op != first.op)
+      return invalid_argument(
+          "collective #{}: rank 0 called {} but rank {} called {}; every rank must call the collectives in the same "
+          "order",
+          seq, op_name(first.op), r, op_name(e.op));
+  }
+  const std::string what = fmt::format("{} #{}", op_name(first.op), seq);
+  switch (first.op) {
+    case CollectiveOp::kBarrier:
+      return Status::ok();
+    case CollectiveOp::kAllGather:
+    case CollectiveOp::kAllToAll:
+      for (int r = 1; r < num_ranks; ++r) {
+        const CollectiveEntry& e = slot.entries[r];
+        if (e.in_bytes != first.in_bytes)
+          return invalid_argument("{}: rank 0 passed {} bytes but rank {} passed {} bytes; every rank must pass the same size",
+                                  what, first.in_bytes, r, e.in_bytes);
+      }
+      for (int r = 0; r < num_ranks; ++r) {
+        const CollectiveEntry& e = slot.entries[r];
+        if (first.op == CollectiveOp::kAllGather && e.out_bytes != e.in_bytes * num_ranks)
+          return invalid_argument("{}: rank {} passed out of {} bytes for {} ranks x {} bytes = {} bytes", what, r,
+                                  e.out_bytes, num_ranks, e.in_bytes, e.in_bytes * num_ranks);
+        if (first.op == CollectiveOp::kAllToAll && (e.out_bytes != e.in_bytes || e.in_bytes % num_ranks != 0))
+          return invalid_argument(
+              "{}: rank {} passed in of {} bytes and out of {} bytes; they must be equal and a multiple of num_ranks = {}",
+              what, r, e.in_bytes, e.out_bytes, num_ranks);
+      }
+      return Status::ok();
+    case CollectiveOp::kAllReduce:
+      for (int r = 1; r < num_ranks; ++r) {
+        const CollectiveEntry& e = slot.entries[r];
+        if (e.count != first.count)
+          return invalid_argument("{}: rank 0 passed {} elements but rank {} passed {}; every rank must pass the same count",
+                                  what, first.count, r, e.count);
+        if (e.dtype != first.dtype)
+          return invalid_argument("{}: rank 0 passed dtype {} but rank {} passed {}", what, dtype_name(first.dtype), r,
+                                  dtype_name(e.dtype));
+        if (e.reduce_op != first.reduce_op)
+          return invalid_argument("{}: rank 0 passed op {} but rank {} passed {}", what,
+                                  reduce_op_name(first.reduce_op), r, reduce_op_name(e.reduce_op));
+      }
+      if (!reducible(first.dtype))
+        return invalid_argument("{}: dtype {} cannot be reduced; use f32, f64, i32 or i64", what,
+                                dtype_name(first.dtype));
+      return Status::ok();
+    case CollectiveOp::kMapPeerMemory:
+      for (int r = 1; r < num_ranks; ++r) {
+        const CollectiveEntry& e = slot.entries[r];
+        if (e.in_bytes != first.in_bytes)
+          return invalid_argument("{}: rank 0 asked for {} bytes but rank {} asked for {} bytes; every rank must ask for "
+                                  "the same size",
+                                  what, first.in_bytes, r, e.in_bytes);
+      }
+      for (int r = 0; r < num_ranks; ++r) {
+        if (!slot.entries[r].region)
+          return resource_exhausted("{}: rank {} could not allocate {} bytes of peer memory", what, r, first.in_bytes);
+      }
+      return Status::ok();
+  }
+  return internal_error("{}: unknown collective", what);
+}
+
+template <typename T>
+T combine(T a, T b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      if constexpr (std::is_integral_v<T>) {
+        using U = std::make_unsigned_t<T>;  // wraps instead of overflowing
+        return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
+      } else {
+        return a + b;
+      }
+    case ReduceOp::kMax: return b > a ? b : a;
+    case ReduceOp::kMin: return b < a ? b : a;
+  }
+  return a;
+}
+
+// out = ((entry 0 op entry 1) op entry 2) ..., the same bits on every rank.
+template <typename T>
+void reduce_in_rank_order(const CollectiveSlot& slot, int num_ranks, std::size_t count, ReduceOp op, void* data) {
+  T* out = static_cast<T*>(data);
+  if (count == 0) return;
+  std::memcpy(out, slot.entries[0].staged.data(), count * sizeof(T));
+  for (int r = 1; r < num_ranks; ++r) {
+    const std::byte* in = slot.entries[r].staged.data();
+    for (std::size_t i = 0; i < count; ++i) {
+      T value;
+      std::memcpy(&value, in + i * sizeof(T), sizeof(T));
+      out[i] = combine(out[i], value, op);
+    }
+  }
+}
+
+Status check_peer_and_tag(int peer, int tag, int num_ranks) {
+  if (peer < 0 || peer >= num_ranks) return invalid_argument("peer = {} is outside [0, {})", peer, num_ranks);
+  if (tag < 0) return invalid_argument("tag = {} must be at least 0", tag);
+  return Status::ok();
+}
+
+class InprocPeerMemory final : public PeerMemory {
+ public:
+  InprocPeerMemory(std::size_t size, int rank, std::vector<std::shared_ptr<AlignedBuffer>> regions)
+      : size_(size), rank_(rank), regions_(std::move(regions)) {}
+  [[nodiscard]] std::size_t size() const override { return size_; }
+  [[nodiscard]] std::byte* local() const override { return regions_[rank_]->data(); }
+  [[nodiscard]] std::byte* peer(int rank) const override {
+    if (rank < 0 || rank >= static_cast<int>(regions_.size()) || !regions_[rank]) return nullptr;
+    return regions_[rank]->data();
+  }
+
+ private:
+  std::size_t size_;
+  int rank_;
+  // The regions of this rank's node (null elsewhere). Shared: a region lives
+  // while any rank of its node still holds its PeerMemory.
+  std::vector<std::shared_ptr<AlignedBuffer>> regions_;
+};
+
+class InprocRequest final : public Request::Impl {
+ public:
+  InprocRequest(std::shared_ptr<InprocState> state, std::shared_ptr<SendOp> op)
+      : state_(std::move(state)), op_(std::move(op)) {}
+
+  Status wait(const Deadline& deadline) override {
+    const auto start = Clock::now();
+    InprocState& state = *state_;
+    std::condition_variable& cv = state.ranks[op_->src].cv;
+    const std::string what = fmt::format("send to rank {} with tag {} ({} bytes)", op_->dst, op_->tag, op_->size);
+    std::unique_lock lock(state.mutex);
+    for (bool blocked = false;; blocked = true) {
+      if (op_->stage == SendOp::Stage::kDone) return op_->status;
+      if (op_->stage == SendOp::Stage::kCopying) {
+        // The receiver is copying out of our buffer; it finishes without waiting on anyone.
+        cv.wait(lock);
+        continue;
+      }
+      if (passed(deadline)) {
+        Status status = deadline_exceeded("rank {} waited {} ms in {}; the receiver did not take the message",
+                                          op_->src, elapsed_ms(start), what);
+        finish_unreceived_locked(status);
+        state.poison_locked(status);
+        state.notify_all_ranks();
+        return status;
+      }
+      if (!state.failure.is_ok()) {
+        Status status = blocked ? state.interrupted_locked(what, op_->src, elapsed_ms(start), "")
+                                : state.aborted_locked(what, op_->src);
+        finish_unreceived_locked(status);
+        return status;
+      }
+      cv.wait_until(lock, deadline.when());
+    }
+  }
+
+ private:
+  // Takes a message nobody received out of its FIFO, so no receiver reads
+  // the buffer after wait() returns.
+  void finish_unreceived_locked(const Status& status) {
+    auto& fifo = state_->mailboxes[{op_->src, op_->dst, op_->tag}];
+    fifo.erase(std::remove(fifo.begin(), fifo.end(), op_), fifo.end());
+    op_->stage = SendOp::Stage::kDone;
+    op_->status = status;
+  }
+
+  std::shared_ptr<InprocState> state_;
+  std::shared_ptr<SendOp> op_;
+};
+
+}  // namespace
+
+InprocTransport::InprocTransport(std::shared_ptr<detail::InprocState> state, int rank)
+    : state_(std::move(state)), rank_(rank) {}
+
+Status InprocTransport::rendezvous(const Contribution& mine, const Deadline& deadline,
+                                   const detail::CollectiveSlot** slot_out, uint64_t* seq_out) {
+  const auto start = Clock::now();
+  InprocState& state = *state_;
+  detail::RankState& me = state.ranks[rank_];
+  const uint64_t seq = me.next_seq++;
+  const int num_ranks = this->num_ranks();
+  auto what = [&] { return fmt::format("{} #{}", op_name(mine.op), seq); };
+
+  // A rank that saw a failure must not touch the slots again: a slower rank
+  // may still be reading an unfinished collective's entries.
+  if (state.poisoned.load(std::memory_order_acquire)) {
+    std::lock_guard lock(state.mutex);
+    return state.aborted_locked(what(), rank_);
+  }
+
+  CollectiveSlot& slot = state.slots[seq % 2];
+  CollectiveEntry& entry = slot.entries[rank_];
+  if (entry.staged.size() < mine.stage.size()) entry.staged.resize(mine.stage.size());
+  if (!mine.stage.empty()) std::memcpy(entry.staged.data(), mine.stage.data(), mine.stage.size());
+  entry.region = mine.region;
+
+  std::unique_lock lock(state.mutex);
+  if (!state.failure.is_ok()) return state.aborted_locked(what(), rank_);
+  if (slot.seq != seq) {
+    EPX_CHECK_LT(slot.seq, seq);
+    slot.seq = seq;
+    slot.num_arrived = 0;
+  }
+  entry.seq = seq;
+  entry.op = mine.op;
+  entry.in_bytes = mine.in_bytes;
+  entry.out_bytes = mine.out_bytes;
+  entry.count = mine.count;
+  entry.dtype = mine.dtype;
+  entry.reduce_op = mine.reduce_op;
+  if (++slot.num_arrived == num_ranks) {
+    lock.unlock();
+    for (int r = 0; r < num_ranks; ++r) {
+      if (r != rank_) state.ranks[r].cv.notify_all();
+    }
+  } else {
+    // " for ranks {1, 2}": the ranks that have not arrived.
+    auto waiting_for = [&] {
+      std::string missing;
+      for (int r = 0; r < num_ranks; ++r) {
+        if (slot.entries[r].seq == seq) continue;
+        if (!missing.empty()) missing += ", ";
+        missing += std::to_string(r);
+      }
+      return fmt::format(" for ranks {{{}}}", missing);
+    };
+    // slot.seq stays `seq` until this rank arrives at seq + 1.
+    for (;;) {
+      me.cv.wait_until(lock, deadline.when());
+      if (slot.num_arrived == num_ranks) break;
+      if (passed(deadline)) {
+        Status status =
+            deadline_exceeded("rank {} waited {} ms in {}{}", rank_, elapsed_ms(start), what(), waiting_for());
+        state.poison_locked(status);
+        state.notify_all_ranks();
+        return status;
+      }
+      if (!state.failure.is_ok()) return state.interrupted_locked(what(), rank_, elapsed_ms(start), waiting_for());
+    }
+    lock.unlock();
+  }
+  *slot_out = &slot;
+  *seq_out = seq;
+  return validate(slot, seq, num_ranks);
+}
+
+Status InprocTransport::barrier(const Deadline& deadline) {
+  state_->ranks[rank_].collective_calls.fetch_add(1, std::memory_order_relaxed);
+  const CollectiveSlot* slot = nullptr;
+  uint64_t seq = 0;
+  Contribution mine;
+  mine.op = CollectiveOp::kBarrier;
+  return rendezvous(mine, deadline, &slot, &seq);
+}
+
+Status InprocTransport::all_gather_bytes(std::span<const std::byte> in, std::span<std::byte> out,
+                                         const Deadline& deadline) {
+  detail::RankState& me = state_->ranks[rank_];
+  me.collective_calls.fetch_add(1, std::memory_order_relaxed);
+  me.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
+  const CollectiveSlot* slot = nullptr;
+  uint64_t seq = 0;
+  Contribution mine;
+  mine.op = CollectiveOp::kAllGather;
+  mine.stage = in;
+  mine.in_bytes = in.size();
+  mine.out_bytes = out.size();
+  EPX_RETURN_IF_ERROR(rendezvous(mine, deadline, &slot, &seq));
+  if (in.empty()) return Status::ok();
+  for (int r = 0; r < num_ranks(); ++r)
+    std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), slot->entries[r].staged.data(), in.size());
+  return Status::ok();
+}
+
+Status InprocTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<std::byte> out,
+                                         const Deadline& deadline) {
+  detail::RankState& me = state_->ranks[rank_];
+  me.collective_calls.fetch_add(1, std::memory_order_relaxed);
+  me.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
+  const CollectiveSlot* slot = nullptr;
+  uint64_t seq = 0;
+  Contribution mine;
+  mine.op = CollectiveOp::kAllToAll;
+  mine.stage = in;
+  mine.in_bytes = in.size();
+  mine.out_bytes = out.size();
+  EPX_RETURN_IF_ERROR(rendezvous(mine, deadline, &slot, &seq));
+  const std::size_t block = in.size() / static_cast<std::size_t>(num_ranks());
+  if (block == 0) return Status::ok();
+  for (int src = 0; src < num_ranks(); ++src) {
+    std::memcpy(out.data() + static_cast<std::size_t>(src) * block,
+                slot->entries[src].staged.data() + static_cast<std::size_t>(rank_) * block, block);
+  }
+  return Status::ok();
+}
+
+Status InprocTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, ReduceOp op,
+                                       const Deadline& deadline) {
+  const std::size_t bytes = count * dtype_size(dtype);
+  detail::RankState& me = state_->ranks[rank_];
+  me.collective_calls.fetch_add(1, std::memory_order_relaxed);
+  me.collective_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  const CollectiveSlot* slot = nullptr;
+  uint64_t seq = 0;
+  Contribution mine;
+  mine.op = CollectiveOp::kAllReduce;
+  mine.stage = std::span(static_cast<const std::byte*>(data), bytes);
+  mine.in_bytes = bytes;
+  mine.count = count;
+  mine.dtype = dtype;
+  mine.reduce_op = op;
+  EPX_RETURN_IF_ERROR(rendezvous(mine, deadline, &slot, &seq));
+  switch (dtype) {
+    case DType::kF32: reduce_in_rank_order<float>(*slot, num_ranks(), count, op, data); break;
+    case DType::kF64: reduce_in_rank_order<double>(*slot, num_ranks(), count, op, data); break;
+    case DType::kI32: reduce_in_rank_order<int32_t>(*slot, num_ranks(), count, op, data); break;
+    case DType::kI64: reduce_in_rank_order<int64_t>(*slot, num_ranks(), count, op, data); break;
+    default: return internal_error("all_reduce_raw #{}: dtype {} passed validation", seq, dtype_name(dtype));
+  }
+  return Status::ok();
+}
+
+Result<std::unique_ptr<PeerMemory>> InprocTransport::map_peer_memory(std::size_t bytes, const Deadline& deadline) {
+  // Padded to whole cache lines, and at least one, so every region has a
+  // distinct non-null address.
+  std::shared_ptr<AlignedBuffer> region;
+  if (bytes <= std::numeric_limits<std::size_t>::max() - kCacheLine) {
+    const std::size_t padded = std::max(kCacheLine, (bytes + kCacheLine - 1) / kCacheLine * kCacheLine);
+    try {
+      region = std::make_shared<AlignedBuffer>(padded, kCacheLine, /*zero=*/true);
+    } catch (const std::bad_alloc&) {
+      region = nullptr;  // reported on every rank by validate()
+    }
+  }
+  const CollectiveSlot* slot = nullptr;
+  uint64_t seq = 0;
+  Contribution mine;
+  mine.op = CollectiveOp::kMapPeerMemory;
+  mine.in_bytes = bytes;
+  mine.region = std::move(region);
+  EPX_RETURN_IF_ERROR(rendezvous(mine, deadline, &slot, &seq));
+  std::vector<std::shared_ptr<AlignedBuffer>> regions(static_cast<std::size_t>(num_ranks()));
+  for (int r = 0; r < num_ranks(); ++r) {
+    if (topology().same_node(rank_, r)) regions[r] = slot->entries[r].region;
+  }
+  std::unique_ptr<PeerMemory> memory = std::make_unique<InprocPeerMemory>(bytes, rank_, std::move(regions));
+  return memory;
+}
+
+Result<Request> InprocTransport::send_async(int peer, int tag, std::span<const std::byte> data) {
+  EPX_RETURN_IF_ERROR(check_peer_and_tag(peer, tag, num_ranks()));
+  InprocState& state = *state_;
+  auto op = std::make_shared<SendOp>();
+  op->data = data.data();
+  op->size = data.size();
+  op->src = rank_;
+  op->dst = peer;
+  op->tag = tag;
+  {
+    std::lock_guard lock(state.mutex);
+    if (!state.failure.is_ok())
+      return state.aborted_locked(fmt::format("send to rank {} with tag {}", peer, tag), rank_);
+    state.mailboxes[{rank_, peer, tag}].push_back(op);
+  }
+  state.ranks[peer].cv.notify_all();
+  detail::RankState& me = state.ranks[rank_];
+  if (topology().same_node(rank_, peer)) {
+    me.intra_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
+    me.intra_node_messages.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    me.inter_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
+    me.inter_node_messages.fetch_add(1, std::memory_order_relaxed);
+  }
+  return Request(std::make_shared<InprocRequest>(state_, std::move(op)));
+}
+
+Result<std::size_t> InprocTransport::recv(int peer, int tag, std::span<std::byte> out, const Deadline& deadline) {
+  EPX_RETURN_IF_ERROR(check_peer_and_tag(peer, tag, num_ranks()));
+  const auto start = Clock::now();
+  InprocState& state = *state_;
+  auto what = [&] { return fmt::format("recv from rank {} with tag {}", peer, tag); };
+  std::unique_lock lock(state.mutex);
+  if (!state.failure.is_ok()) return state.aborted_locked(what(), rank_);
+  auto& fifo = state.mailboxes[{peer, rank_, tag}];  // map nodes are never erased
+  while (fifo.empty()) {
+    state.ranks[rank_].cv.wait_until(lock, deadline.when());
+    if (!fifo.empty()) break;
+    if (passed(deadline)) {
+      Status status = deadline_exceeded("rank {} waited {} ms in {}; no message arrived", rank_,
+                                        elapsed_ms(start), what());
+      state.poison_locked(status);
+      state.notify_all_ranks();
+      return status;
+    }
+    if (!state.failure.is_ok()) return state.interrupted_locked(what(), rank_, elapsed_ms(start), "");
+  }
+  std::shared_ptr<SendOp> op = std::move(fifo.front());
+  fifo.pop_front();
+  op->stage = SendOp::Stage::kCopying;
+  lock.unlock();
+
+  // The sender's buffer stays valid while the stage is kCopying: its wait()
+  // does not return before kDone.
+  Status recv_status;
+  Status send_status;
+  if (op->size > out.size()) {
+    recv_status = resource_exhausted(
+        "message from rank {} with tag {} is {} bytes but out holds {} bytes; the message was dropped", peer, tag,
+        op->size, out.size());
+    send_status = resource_exhausted(
+        "message to rank {} with tag {} is {} bytes but the receiver's buffer holds {} bytes; the message was dropped",
+        rank_, tag, op->size, out.size());
+  } else if (op->size > 0) {
+    std::memcpy(out.data(), op->data, op->size);
+  }
+  const std::size_t size = op->size;
+  const int src = op->src;
+  lock.lock();
+  op->stage = SendOp::Stage::kDone;
+  op->status = std::move(send_status);
+  lock.unlock();
+  state.ranks[src].cv.notify_all();
+  if (!recv_status.is_ok()) return recv_status;
+  return size;
+}
+
+void InprocTransport::reset_counters() {
+  detail::RankState& me = state_->ranks[rank_];
+  me.inter_node_bytes.store(0, std::memory_order_relaxed);
+  me.inter_node_messages.store(0, std::memory_order_relaxed);
+  me.intra_node_bytes.store(0, std::memory_order_relaxed);
+  me.intra_node_messages.store(0, std::memory_order_relaxed);
+  me.collective_calls.store(0, std::memory_order_relaxed);
+  me.collective_bytes.store(0, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------
+// InprocWorld
+
+InprocWorld::InprocWorld(const Topology& topology) : state_(std::make_shared<detail::InprocState>(topology)) {}
+
+InprocWorld::~InprocWorld() = default;
+
+const Topology& InprocWorld::topology() const { return state_->topology; }
+
+std::unique_ptr<Transport> InprocWorld::connect(int rank) {
+  EPX_CHECK_GE(rank, 0);
+  EPX_CHECK_LT(rank, state_->topology.num_ranks());
+  return std::make_unique<InprocTransport>(state_, rank);
+}
+
+std::vector<Status> InprocWorld::run(const std::function<Status(Transport&)>& fn) {
+  const int num_ranks = state_->topology.num_ranks();
+  std::vector<Status> statuses(static_cast<std::size_t>(num_ranks));
+  auto fail = [&](int rank, Status status) {
+    state_->abort(aborted("rank {} failed: {}", rank, status.to_string()));
+    statuses[rank] = std::move(status);
+  };
+  auto body = [&](int rank) {
+    Status status;
+    try {
+      InprocTransport transport(state_, rank);
+      status = fn(transport);
+    } catch (const std::exception& e) {
+      status = internal_error("rank {} threw an exception: {}", rank, e.what());
+    } catch (...) {
+      status = internal_error("rank {} threw an exception that is not a std::exception", rank);
+    }
+    if (!status.is_ok()) fail(rank, std::move(status));
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(num_ranks));
+  for (int rank = 0; rank < num_ranks; ++rank) {
+    try {
+      threads.emplace_back(body, rank);
+    } catch (const std::system_error& e) {
+      fail(rank, internal_error("could not start the thread of rank {}: {}", rank, e.what()));
+    }
+  }
+  for (std::thread& thread : threads) thread.join();
+  return statuses;
+}
+
+TransportCounters InprocWorld::total_counters() const {
+  TransportCounters total;
+  for (int r = 0; r < state_->topology.num_ranks(); ++r) total += state_->counters_of(r);
+  return total;
+}
+
+std::vector<Status> run_ranks(const Topology& topology, const std::function<Status(Transport&)>& fn) {
+  InprocWorld world(topology);
+  return world.run(fn);
+}
+
+Status first_error(const std::vector<Status>& statuses) {
+  for (std::size_t i = 0; i < statuses.size(); ++i) {
+    if (!statuses[i].is_ok()) return Status(statuses[i].code(), fmt::format("rank {}: {}", i, statuses[i].message()));
+  }
+  return Status::ok();
+}
+
+}  // namespace epx

@@ -1,0 +1,947 @@
+#include "epx/exchange/buffer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <numeric>
+
+#include "epx/core/buffer.h"
+#include "exchange/handle_data.h"
+
+namespace epx {
+namespace {
+
+constexpr int kTagPayload = 100;
+constexpr int kTagMeta = 101;
+constexpr int kTagCombine = 102;
+constexpr int kTagCombineSlots = 103;
+
+std::atomic<uint64_t> g_next_buffer_id{1};
+
+bool is_payload_dtype(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
+
+// acc[c] += y[c], in fp32.
+void accumulate_row(float* acc, const std::byte* src, DType dtype, int hidden) {
+  if (dtype == DType::kBF16) {
+    const auto* s = reinterpret_cast<const uint16_t*>(src);
+    for (int c = 0; c < hidden; ++c) acc[c] += bf16_to_f32(s[c]);
+  } else {
+    const auto* s = reinterpret_cast<const float*>(src);
+    for (int c = 0; c < hidden; ++c) acc[c] += s[c];
+  }
+}
+
+// acc[c] += w * y[c], in fp32.
+void accumulate_weighted_row(float* acc, float w, const std::byte* src, DType dtype, int hidden) {
+  if (dtype == DType::kBF16) {
+    const auto* s = reinterpret_cast<const uint16_t*>(src);
+    for (int c = 0; c < hidden; ++c) acc[c] += w * bf16_to_f32(s[c]);
+  } else {
+    const auto* s = reinterpret_cast<const float*>(src);
+    for (int c = 0; c < hidden; ++c) acc[c] += w * s[c];
+  }
+}
+
+void store_row(std::byte* dst, DType dtype, const float* acc, int hidden) {
+  if (dtype == DType::kBF16) {
+    auto* d = reinterpret_cast<uint16_t*>(dst);
+    for (int c = 0; c < hidden; ++c) d[c] = f32_to_bf16(acc[c]);
+  } else {
+    std::memcpy(dst, acc, sizeof(float) * static_cast<std::size_t>(hidden));
+  }
+}
+
+// One rank's peer-mapped region: the receive rows and their metadata, then the
+// combine rows and the combine's per-slot values.
+struct Region {
+  std::byte* recv_x = nullptr;
+  int32_t* src_idx = nullptr;
+  int32_t* topk_idx = nullptr;     // [max_recv, K] local ids, K = the dispatch's topk
+  float* topk_weights = nullptr;   // [max_recv, K]
+  std::byte* combine = nullptr;    // [max_recv, hidden] of the combine's dtype
+  float* combine_slots = nullptr;  // [max_recv, K]
+
+  // Returns the bytes; fills the pointers when base is not null.
+  static std::size_t carve(std::byte* base, int64_t max_recv, std::size_t row_bytes, int max_topk,
+                           std::size_t combine_row_bytes, Region* out) {
+    Carver c(base);
+    const auto rows = static_cast<std::size_t>(max_recv);
+    Region r;
+    r.recv_x = c.take<std::byte>(rows * row_bytes);
+    r.src_idx = c.take<int32_t>(rows);
+    r.topk_idx = c.take<int32_t>(rows * max_topk);
+    r.topk_weights = c.take<float>(rows * max_topk);
+    r.combine = c.take<std::byte>(rows * combine_row_bytes);
+    r.combine_slots = c.take<float>(rows * max_topk);
+    if (out) *out = r;
+    return c.bytes();
+  }
+};
+
+// A remote destination of this rank's rows: a rank of another node (flat) or
+// the same-local-rank peer of another node (two-hop), with its rows staged
+// contiguously.
+struct RemoteTarget {
+  int peer = 0;
+  int64_t first_row = 0;  // in the staging buffers
+  int64_t num_rows = 0;
+};
+
+}  // namespace
+
+int Handle::num_tokens() const { return data_ ? data_->num_tokens : 0; }
+int64_t Handle::num_recv_tokens() const { return data_ ? data_->num_recv : 0; }
+int Handle::topk() const { return data_ ? data_->topk : 0; }
+
+struct Buffer::Impl {
+  Impl(Transport& t, BufferConfig c, ExpertPlacement p)
+      : transport(t), config(std::move(c)), placement(std::move(p)), topology(t.topology()) {}
+
+  Transport& transport;
+  BufferConfig config;
+  ExpertPlacement placement;
+  Topology topology;
+  uint64_t id = 0;
+  bool hierarchical = false;
+  int rank = 0;
+  int num_ranks = 0;
+  int num_nodes = 0;
+  int ranks_per_node = 0;
+  int node = 0;
+  int local_rank = 0;
+  int64_t max_recv = 0;
+  std::size_t row_bytes = 0;
+  std::size_t combine_row_bytes = 0;
+  std::unique_ptr<PeerMemory> memory;
+  std::vector<Region> regions;  // by rank; only this node's ranks are set
+
+  // Private staging, grown as needed and kept between calls.
+  AlignedBuffer send_payload, send_meta, recv_payload, recv_meta;
+  DispatchLayout layout_scratch;
+  std::vector<float> acc, partial;
+
+  const Region& local() const { return regions[rank]; }
+  int meta_words(int topk, bool has_weights) const { return 1 + topk + (has_weights ? topk : 0); }
+
+  // Row offset on rank d of the block that rank s sends it.
+  static int64_t block_base(const detail::HandleData& h, int num_ranks, int s, int d) {
+    int64_t base = 0;
+    for (int q = 0; q < s; ++q) base += h.counts[static_cast<std::size_t>(q) * num_ranks + d];
+    return base;
+  }
+
+  // Exchanges one header per rank whose first word says whether that rank's
+  // input was valid. A rank that rejected its input returns its own error;
+  // the others return Aborted: nothing is sent by anyone.
+  Status gather_header(const Status& local_status, std::vector<int64_t> words, std::vector<int64_t>* all,
+                       std::string_view op, const Deadline& deadline) {
+    words.insert(words.begin(), local_status.is_ok() ? 0 : 1);
+    all->assign(words.size() * num_ranks, 0);
+    EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(words), std::span<int64_t>(*all), deadline));
+    if (!local_status.is_ok()) return local_status;
+    for (int r = 0; r < num_ranks; ++r)
+      if ((*all)[r * words.size()] != 0)
+        return aborted("rank {} rejected its {} input, so no rank sent anything", r, op);
+    return Status::ok();
+  }
+
+  void write_meta(int dest, int64_t row, int topk, int32_t src_idx, const int32_t* topk_global,
+                  const float* weights) {
+    const Region& r = regions[dest];
+    r.src_idx[row] = src_idx;
+    int32_t* idx = r.topk_idx + row * topk;
+    float* w = r.topk_weights + row * topk;
+    for (int k = 0; k < topk; ++k) {
+      const int32_t e = topk_global[k];
+      const bool here = e >= 0 && placement.rank_of(e) == dest;
+      idx[k] = here ? placement.local_id(e) : -1;
+      w[k] = here && weights ? weights[k] : 0.0f;
+    }
+  }
+
+  Status validate_dispatch(const DispatchInputs& in, const DispatchLayout* given);
+  // A full dispatch passes topk_idx and `plan` (filled here); a cached one
+  // passes neither and follows h.forward.
+  Status move_rows(const TensorView& x, const TensorView* topk_idx, const TensorView* topk_weights,
+                   const detail::HandleData& h, detail::ForwardPlan* plan, const Deadline& deadline,
+                   ExchangeStats* stats);
+  void finish_receive(detail::HandleData& h);
+  Status check_handle(const Handle& handle, std::string_view op) const;
+  Status combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h, const TensorView& out,
+                      const CombineOptions& options, std::string_view op);
+  Status validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
+                          const CombineOptions& options) const;
+};
+
+Buffer::Buffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Buffer::~Buffer() = default;
+
+const BufferConfig& Buffer::config() const { return impl_->config; }
+const ExpertPlacement& Buffer::placement() const { return impl_->placement; }
+int Buffer::num_local_experts() const { return impl_->placement.num_local_experts(impl_->rank); }
+bool Buffer::hierarchical() const { return impl_->hierarchical; }
+std::size_t Buffer::region_bytes() const { return impl_->memory ? impl_->memory->size() : 0; }
+
+Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfig config) {
+  const Topology& topo = transport.topology();
+  const int num_ranks = topo.num_ranks();
+  auto check = [&]() -> Status {
+    if (config.num_experts < 1) return invalid_argument("num_experts = {} must be at least 1", config.num_experts);
+    if (config.hidden < 1) return invalid_argument("hidden = {} must be at least 1", config.hidden);
+    if (config.dtype == DType::kFP8E4M3)
+      return unimplemented("fp8 payloads are not built yet; use bf16 or f32");
+    if (!is_payload_dtype(config.dtype))
+      return invalid_argument("dtype = {} is not a payload type; use bf16 or f32", dtype_name(config.dtype));
+    if (!is_payload_dtype(config.max_combine_dtype))
+      return invalid_argument("max_combine_dtype = {} must be bf16 or f32", dtype_name(config.max_combine_dtype));
+    const std::size_t row_bytes = static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
+    if (row_bytes % 8 != 0)
+      return invalid_argument("hidden = {} gives rows of {} bytes; rows must be a multiple of 8 bytes", config.hidden,
+                              row_bytes);
+    if (config.max_topk < 1 || config.max_topk > config.num_experts)
+      return invalid_argument("max_topk = {} is outside [1, num_experts = {}]", config.max_topk, config.num_experts);
+    if (config.max_tokens_per_rank < 1)
+      return invalid_argument("max_tokens_per_rank = {} must be at least 1", config.max_tokens_per_rank);
+    if (config.max_recv_tokens < 0)
+      return invalid_argument("max_recv_tokens = {} must be 0 (the worst case) or positive", config.max_recv_tokens);
+    if (config.expert_alignment < 1)
+      return invalid_argument("expert_alignment = {} must be at least 1", config.expert_alignment);
+    if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
+    if (config.placement) {
+      if (config.placement->num_ranks() != num_ranks)
+        return invalid_argument("the placement is for {} ranks but the transport has {}", config.placement->num_ranks(),
+                                num_ranks);
+      if (config.placement->num_experts() != config.num_experts)
+        return invalid_argument("the placement places {} experts but num_experts = {}",
+                                config.placement->num_experts(), config.num_experts);
+    }
+    return Status::ok();
+  };
+  EPX_RETURN_IF_ERROR(check());
+  if (!config.placement) {
+    EPX_ASSIGN_OR_RETURN(ExpertPlacement p, ExpertPlacement::contiguous(config.num_experts, num_ranks));
+    config.placement = std::move(p);
+  }
+  ExpertPlacement placement = *config.placement;
+  auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement));
+  Impl& m = *impl;
+  m.id = g_next_buffer_id.fetch_add(1);
+  m.rank = transport.rank();
+  m.num_ranks = num_ranks;
+  m.num_nodes = topo.num_nodes();
+  m.ranks_per_node = topo.ranks_per_node();
+  m.node = topo.node_of(m.rank);
+  m.local_rank = topo.local_rank_of(m.rank);
+  m.hierarchical = m.num_nodes > 1 && m.config.algorithm != DispatchAlgorithm::kFlat;
+  m.max_recv = m.config.max_recv_tokens > 0 ? m.config.max_recv_tokens
+                                            : static_cast<int64_t>(num_ranks) * m.config.max_tokens_per_rank;
+  m.row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.dtype);
+  m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
+
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  // Every rank must describe the same exchange.
+  std::vector<int64_t> mine = {m.config.num_experts, m.config.hidden, static_cast<int64_t>(m.config.dtype),
+                               m.config.max_topk, m.max_recv, m.config.expert_alignment,
+                               static_cast<int64_t>(m.config.max_combine_dtype), m.hierarchical ? 1 : 0};
+  std::vector<int64_t> all(mine.size() * num_ranks);
+  EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(mine), std::span<int64_t>(all), deadline));
+  static constexpr const char* kNames[] = {"num_experts", "hidden", "dtype", "max_topk", "max_recv_tokens",
+                                           "expert_alignment", "max_combine_dtype", "algorithm"};
+  for (int r = 0; r < num_ranks; ++r)
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      if (all[r * mine.size() + i] != all[i])
+        return invalid_argument("BufferConfig differs between ranks: {} is {} on rank 0 but {} on rank {}", kNames[i],
+                                all[i], all[r * mine.size() + i], r);
+
+  const std::size_t bytes =
+      Region::carve(nullptr, m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes, nullptr);
+  EPX_ASSIGN_OR_RETURN(m.memory, transport.map_peer_memory(bytes, deadline));
+  m.regions.resize(num_ranks);
+  for (int r = 0; r < num_ranks; ++r)
+    if (topo.same_node(r, m.rank))
+      Region::carve(m.memory->peer(r), m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes,
+                    &m.regions[r]);
+  m.acc.resize(m.config.hidden);
+  m.partial.resize(m.config.hidden);
+  return std::unique_ptr<Buffer>(new Buffer(std::move(impl)));
+}
+
+Result<DispatchLayout> Buffer::get_layout(const TensorView& topk_idx) const {
+  return compute_layout(topk_idx, impl_->placement, impl_->topology);
+}
+
+Status Buffer::Impl::validate_dispatch(const DispatchInputs& in, const DispatchLayout* given) {
+  if (in.topk_idx.ndim() != 2)
+    return invalid_argument("topk_idx must be 2-D [num_tokens, topk], got {}", in.topk_idx.describe());
+  const int64_t num_tokens = in.topk_idx.size(0);
+  const int64_t topk = in.topk_idx.size(1);
+  if (num_tokens > config.max_tokens_per_rank)
+    return invalid_argument("num_tokens = {} is above max_tokens_per_rank = {}", num_tokens,
+                            config.max_tokens_per_rank);
+  if (topk < 1 || topk > config.max_topk)
+    return invalid_argument("topk = {} is outside [1, max_topk = {}]", topk, config.max_topk);
+  EPX_RETURN_IF_ERROR(check_matrix(in.x, "x", config.dtype, num_tokens, config.hidden));
+  if (in.topk_weights.defined())
+    EPX_RETURN_IF_ERROR(check_matrix(in.topk_weights, "topk_weights", DType::kF32, num_tokens, topk));
+  if (given) {
+    if (given->num_tokens != num_tokens || given->num_ranks != num_ranks ||
+        static_cast<int>(given->num_tokens_per_expert.size()) != config.num_experts)
+      return invalid_argument("the layout passed to dispatch is for {} tokens, {} ranks, {} experts; expected {}, {}, {}",
+                              given->num_tokens, given->num_ranks, given->num_tokens_per_expert.size(), num_tokens,
+                              num_ranks, config.num_experts);
+    return validate_topk_idx(in.topk_idx, config.num_experts);
+  }
+  return compute_layout(in.topk_idx, placement, topology, &layout_scratch);
+}
+
+Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const DispatchLayout* given) {
+  Impl& m = *impl_;
+  ScopedSpan span(m.config.tracer, m.rank, "dispatch");
+  Stopwatch watch;
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  const int R = m.num_ranks, N = m.num_nodes, E = m.config.num_experts;
+
+  Status local_status = out ? m.validate_dispatch(in, given) : invalid_argument("dispatch needs an output");
+  const DispatchLayout* layout = given ? given : &m.layout_scratch;
+  const bool has_weights = in.topk_weights.defined();
+  std::vector<int64_t> words(3 + R + N + E, 0);
+  if (local_status.is_ok()) {
+    words[0] = layout->num_tokens;
+    words[1] = in.topk_idx.size(1);
+    words[2] = has_weights ? 1 : 0;
+    std::copy(layout->num_tokens_per_rank.begin(), layout->num_tokens_per_rank.end(), words.begin() + 3);
+    std::copy(layout->num_tokens_per_node.begin(), layout->num_tokens_per_node.end(), words.begin() + 3 + R);
+    std::copy(layout->num_tokens_per_expert.begin(), layout->num_tokens_per_expert.end(), words.begin() + 3 + R + N);
+  }
+  std::vector<int64_t> all;
+  EPX_RETURN_IF_ERROR(m.gather_header(local_status, words, &all, "dispatch", deadline));
+  const std::size_t stride = words.size() + 1;
+  auto header = [&](int r, std::size_t i) { return all[r * stride + 1 + i]; };
+
+  const int topk = static_cast<int>(header(m.rank, 1));
+  for (int r = 0; r < R; ++r) {
+    if (header(r, 1) != topk)
+      return invalid_argument("topk differs between ranks: rank {} passes {} and rank {} passes {}", m.rank, topk, r,
+                              header(r, 1));
+    if (header(r, 2) != header(0, 2))
+      return invalid_argument("rank 0 {} topk_weights but rank {} {}; pass them on every rank or none",
+                              header(0, 2) ? "passes" : "does not pass", r, header(r, 2) ? "does" : "does not");
+  }
+  auto h = std::make_shared<detail::HandleData>();
+  h->buffer_id = m.id;
+  h->rank = m.rank;
+  h->num_tokens = layout->num_tokens;
+  h->topk = topk;
+  h->has_weights = has_weights;
+  h->counts.resize(static_cast<std::size_t>(R) * R);
+  h->node_counts.resize(static_cast<std::size_t>(R) * N);
+  for (int s = 0; s < R; ++s) {
+    for (int d = 0; d < R; ++d) h->counts[s * R + d] = static_cast<int32_t>(header(s, 3 + d));
+    for (int n = 0; n < N; ++n) h->node_counts[s * N + n] = static_cast<int32_t>(header(s, 3 + R + n));
+  }
+  for (int d = 0; d < R; ++d) {
+    int64_t total = 0;
+    for (int s = 0; s < R; ++s) total += h->counts[s * R + d];
+    if (total > m.max_recv)
+      return resource_exhausted(
+          "rank {} would receive {} rows but max_recv_tokens = {}; nothing was sent. Raise BufferConfig::max_recv_tokens",
+          d, total, m.max_recv);
+  }
+
+  // Where each of this rank's tokens lands on each destination.
+  const int T = h->num_tokens;
+  h->send_row.assign(static_cast<std::size_t>(T) * R, -1);
+  std::vector<int64_t> next_row(R);
+  for (int d = 0; d < R; ++d) next_row[d] = Impl::block_base(*h, R, m.rank, d);
+  for (int t = 0; t < T; ++t)
+    for (int d = 0; d < R; ++d)
+      if (layout->in_rank(t, d)) h->send_row[static_cast<std::size_t>(t) * R + d] = static_cast<int32_t>(next_row[d]++);
+  h->topk_rank.resize(static_cast<std::size_t>(T) * topk);
+  for (int t = 0; t < T; ++t) {
+    const int32_t* row = in.topk_idx.row<int32_t>(t);
+    for (int k = 0; k < topk; ++k) h->topk_rank[t * topk + k] = row[k] < 0 ? -1 : m.placement.rank_of(row[k]);
+  }
+
+  ExchangeStats stats;
+  EPX_RETURN_IF_ERROR(m.move_rows(in.x, &in.topk_idx, has_weights ? &in.topk_weights : nullptr, *h, &h->forward,
+                                  deadline, &stats));
+  EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
+
+  // Per-local-expert counts come from the senders' layouts.
+  const int num_local = m.placement.num_local_experts(m.rank);
+  h->num_recv_tokens_per_expert.assign(num_local, 0);
+  for (int e = 0; e < num_local; ++e) {
+    int64_t n = 0;
+    for (int s = 0; s < R; ++s) n += header(s, 3 + R + N + m.placement.global_id(m.rank, e));
+    const int64_t a = m.config.expert_alignment;
+    h->num_recv_tokens_per_expert[e] = static_cast<int32_t>((n + a - 1) / a * a);
+  }
+  m.finish_receive(*h);
+
+  const int64_t num_recv = h->num_recv;
+  out->recv_x = TensorView::contiguous(m.local().recv_x, m.config.dtype, {num_recv, m.config.hidden});
+  out->recv_topk_idx = TensorView::contiguous(h->recv_topk_idx.data(), DType::kI32, {num_recv, topk});
+  out->recv_topk_weights = has_weights ? TensorView::contiguous(h->recv_topk_weights.data(), DType::kF32, {num_recv, topk})
+                                       : TensorView();
+  out->recv_src_rank = TensorView::contiguous(h->recv_src_rank.data(), DType::kI32, {num_recv});
+  out->recv_src_idx = TensorView::contiguous(h->recv_src_idx.data(), DType::kI32, {num_recv});
+  out->num_recv_tokens_per_expert = h->num_recv_tokens_per_expert;
+  stats.rows_received = num_recv;
+  stats.seconds = watch.seconds();
+  out->stats = stats;
+  out->handle = Handle(std::move(h));
+  return Status::ok();
+}
+
+// Moves this rank's rows (and, for a full dispatch, their metadata) to every
+// destination: straight into same-node regions, through messages across
+// nodes, forwarding what arrives for this node in two-hop mode.
+Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, const TensorView* topk_weights,
+                               const detail::HandleData& h, detail::ForwardPlan* plan, const Deadline& deadline,
+                               ExchangeStats* stats) {
+  const int R = num_ranks, T = h.num_tokens, K = h.topk;
+  const bool with_meta = topk_idx != nullptr;
+  const int mw = with_meta ? meta_words(K, h.has_weights) : 0;
+  const std::size_t meta_bytes = static_cast<std::size_t>(mw) * 4;
+
+  // 1. Inside the node: one copy per (token, rank).
+  for (int t = 0; t < T; ++t) {
+    const std::byte* src = x.row<std::byte>(t);
+    for (int l = 0; l < ranks_per_node; ++l) {
+      const int d = topology.rank_of(node, l);
+      const int32_t row = h.send_row[static_cast<std::size_t>(t) * R + d];
+      if (row < 0) continue;
+      std::memcpy(regions[d].recv_x + static_cast<std::size_t>(row) * row_bytes, src, row_bytes);
+      if (with_meta)
+        write_meta(d, row, K, t, topk_idx->row<int32_t>(t), topk_weights ? topk_weights->row<float>(t) : nullptr);
+      ++stats->rows_sent;
+      stats->intra_node_payload_bytes += static_cast<int64_t>(row_bytes);
+    }
+  }
+
+  // 2. Across nodes: stage rows per remote target and send them.
+  std::vector<RemoteTarget> targets;
+  std::vector<int> target_of(R, -1);  // destination rank -> target index
+  for (int d = 0; d < R; ++d) {
+    if (topology.same_node(d, rank)) continue;
+    const int n = topology.node_of(d);
+    if (hierarchical) {
+      const int peer = topology.rank_of(n, local_rank);
+      if (d == topology.rank_of(n, 0)) targets.push_back({peer, 0, h.node_counts[static_cast<std::size_t>(rank) * num_nodes + n]});
+      target_of[d] = static_cast<int>(targets.size()) - 1;
+    } else {
+      targets.push_back({d, 0, h.counts[static_cast<std::size_t>(rank) * R + d]});
+      target_of[d] = static_cast<int>(targets.size()) - 1;
+    }
+  }
+  int64_t staged = 0;
+  for (RemoteTarget& tg : targets) {
+    tg.first_row = staged;
+    staged += tg.num_rows;
+  }
+  send_payload.reserve(static_cast<std::size_t>(staged) * row_bytes);
+  send_meta.reserve(static_cast<std::size_t>(staged) * meta_bytes);
+  std::vector<int64_t> fill(targets.size(), 0);
+  std::vector<int> last_token(targets.size(), -1);
+  for (int t = 0; t < T && !targets.empty(); ++t) {
+    for (int d = 0; d < R; ++d) {
+      const int ti = target_of[d];
+      if (ti < 0 || h.send_row[static_cast<std::size_t>(t) * R + d] < 0 || last_token[ti] == t) continue;
+      last_token[ti] = t;
+      const int64_t slot = targets[ti].first_row + fill[ti]++;
+      std::memcpy(send_payload.data() + slot * row_bytes, x.row<std::byte>(t), row_bytes);
+      if (with_meta) {
+        auto* meta = reinterpret_cast<int32_t*>(send_meta.data() + slot * meta_bytes);
+        meta[0] = t;
+        std::memcpy(meta + 1, topk_idx->row<int32_t>(t), sizeof(int32_t) * K);
+        if (h.has_weights) std::memcpy(meta + 1 + K, topk_weights->row<float>(t), sizeof(float) * K);
+      }
+    }
+  }
+  std::vector<Request> requests;
+  for (std::size_t ti = 0; ti < targets.size(); ++ti) {
+    const RemoteTarget& tg = targets[ti];
+    EPX_CHECK_EQ(fill[ti], tg.num_rows);
+    if (tg.num_rows == 0) continue;
+    const std::size_t n = static_cast<std::size_t>(tg.num_rows);
+    EPX_ASSIGN_OR_RETURN(Request rp, transport.send_async(tg.peer, kTagPayload,
+                                                          {send_payload.data() + tg.first_row * row_bytes, n * row_bytes}));
+    requests.push_back(std::move(rp));
+    stats->inter_node_payload_bytes += static_cast<int64_t>(n * row_bytes);
+    if (with_meta) {
+      EPX_ASSIGN_OR_RETURN(Request rm, transport.send_async(tg.peer, kTagMeta,
+                                                            {send_meta.data() + tg.first_row * meta_bytes, n * meta_bytes}));
+      requests.push_back(std::move(rm));
+      stats->inter_node_meta_bytes += static_cast<int64_t>(n * meta_bytes);
+    }
+    if (!hierarchical) stats->rows_sent += tg.num_rows;
+  }
+
+  // 3. Receive what other nodes sent here.
+  if (!hierarchical) {
+    // Flat: each remote source's block lands in place; metadata is unpacked.
+    for (int s = 0; s < R; ++s) {
+      if (topology.same_node(s, rank)) continue;
+      const int64_t n = h.counts[static_cast<std::size_t>(s) * R + rank];
+      if (n == 0) continue;
+      const int64_t base = block_base(h, R, s, rank);
+      EPX_ASSIGN_OR_RETURN(std::size_t got, transport.recv(s, kTagPayload,
+                                                            {local().recv_x + base * row_bytes, n * row_bytes}, deadline));
+      EPX_CHECK_EQ(got, n * row_bytes);
+      if (!with_meta) continue;
+      recv_meta.reserve(n * meta_bytes);
+      EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
+      EPX_CHECK_EQ(got, n * meta_bytes);
+      for (int64_t j = 0; j < n; ++j) {
+        const auto* meta = reinterpret_cast<const int32_t*>(recv_meta.data() + j * meta_bytes);
+        write_meta(rank, base + j, K, meta[0], meta + 1,
+                   h.has_weights ? reinterpret_cast<const float*>(meta + 1 + K) : nullptr);
+      }
+    }
+  } else {
+    // Two-hop: rows from the same-local-rank peers of the other nodes are
+    // forwarded to every rank of this node that holds one of their experts.
+    if (plan) {
+      plan->row.assign(num_nodes, {});
+      plan->slot.assign(num_nodes, {});
+    }
+    const detail::ForwardPlan& forward = plan ? *plan : h.forward;
+    std::vector<int64_t> next_row(R);
+    for (int src_node = 0; src_node < num_nodes; ++src_node) {
+      if (src_node == node) continue;
+      const int s = topology.rank_of(src_node, local_rank);
+      const int64_t n = h.node_counts[static_cast<std::size_t>(s) * num_nodes + node];
+      if (n == 0) continue;
+      recv_payload.reserve(n * row_bytes);
+      EPX_ASSIGN_OR_RETURN(std::size_t got,
+                           transport.recv(s, kTagPayload, {recv_payload.data(), n * row_bytes}, deadline));
+      EPX_CHECK_EQ(got, n * row_bytes);
+      if (plan) {
+        recv_meta.reserve(n * meta_bytes);
+        EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
+        EPX_CHECK_EQ(got, n * meta_bytes);
+        // Decide each row's destinations: ascending local rank, rows in source order.
+        for (int l = 0; l < ranks_per_node; ++l) {
+          const int d = topology.rank_of(node, l);
+          next_row[d] = block_base(h, R, s, d);
+        }
+        std::vector<int32_t>& fwd_row = plan->row[src_node];
+        fwd_row.assign(static_cast<std::size_t>(n) * ranks_per_node, -1);
+        std::vector<int32_t>& fwd_slot = plan->slot[src_node];
+        fwd_slot.assign(static_cast<std::size_t>(n) * K, -1);
+        for (int64_t j = 0; j < n; ++j) {
+          const auto* meta = reinterpret_cast<const int32_t*>(recv_meta.data() + j * meta_bytes);
+          for (int k = 0; k < K; ++k) {
+            const int32_t e = meta[1 + k];
+            if (e < 0 || !topology.same_node(placement.rank_of(e), rank)) continue;
+            fwd_slot[j * K + k] = topology.local_rank_of(placement.rank_of(e));
+          }
+          for (int k = 0; k < K; ++k) {
+            const int l = fwd_slot[j * K + k];
+            if (l < 0 || fwd_row[j * ranks_per_node + l] >= 0) continue;
+            fwd_row[j * ranks_per_node + l] = 0;  // marked; numbered below in rank order
+          }
+          for (int l = 0; l < ranks_per_node; ++l) {
+            if (fwd_row[j * ranks_per_node + l] < 0) continue;
+            const int d = topology.rank_of(node, l);
+            fwd_row[j * ranks_per_node + l] = static_cast<int32_t>(next_row[d]++);
+          }
+        }
+      }
+      const std::vector<int32_t>& fwd_row = forward.row[src_node];
+      for (int64_t j = 0; j < n; ++j) {
+        const std::byte* src = recv_payload.data() + j * row_bytes;
+        const auto* meta = with_meta ? reinterpret_cast<const int32_t*>(recv_meta.data() + j * meta_bytes) : nullptr;
+        for (int l = 0; l < ranks_per_node; ++l) {
+          const int32_t row = fwd_row[j * ranks_per_node + l];
+          if (row < 0) continue;
+          const int d = topology.rank_of(node, l);
+          std::memcpy(regions[d].recv_x + static_cast<std::size_t>(row) * row_bytes, src, row_bytes);
+          if (meta)
+            write_meta(d, row, K, meta[0], meta + 1,
+                       h.has_weights ? reinterpret_cast<const float*>(meta + 1 + K) : nullptr);
+          stats->intra_node_payload_bytes += static_cast<int64_t>(row_bytes);
+        }
+      }
+    }
+    // Rows this rank's tokens make on other nodes, counted at the source.
+    for (int t = 0; t < T; ++t)
+      for (int d = 0; d < R; ++d)
+        if (!topology.same_node(d, rank) && h.send_row[static_cast<std::size_t>(t) * R + d] >= 0) ++stats->rows_sent;
+  }
+  for (Request& r : requests) EPX_RETURN_IF_ERROR(r.wait(deadline));
+  return Status::ok();
+}
+
+// Copies the receive metadata out of the region into the handle and builds
+// the expanded layout.
+void Buffer::Impl::finish_receive(detail::HandleData& h) {
+  const int R = num_ranks, K = h.topk;
+  int64_t num_recv = 0;
+  for (int s = 0; s < R; ++s) num_recv += h.counts[static_cast<std::size_t>(s) * R + rank];
+  h.num_recv = num_recv;
+  h.recv_src_rank.resize(num_recv);
+  int64_t i = 0;
+  for (int s = 0; s < R; ++s)
+    for (int32_t j = 0; j < h.counts[static_cast<std::size_t>(s) * R + rank]; ++j) h.recv_src_rank[i++] = s;
+  const Region& r = local();
+  h.recv_src_idx.assign(r.src_idx, r.src_idx + num_recv);
+  h.recv_topk_idx.assign(r.topk_idx, r.topk_idx + num_recv * K);
+  if (h.has_weights) h.recv_topk_weights.assign(r.topk_weights, r.topk_weights + num_recv * K);
+
+  // Expanded: group e holds the rows listing local expert e, in receive order.
+  const int num_local = placement.num_local_experts(rank);
+  const int64_t align = config.expert_alignment;
+  ExpandedLayout& x = h.expanded;
+  x.num_tokens_per_expert.assign(num_local, 0);
+  for (int64_t row = 0; row < num_recv * K; ++row)
+    if (h.recv_topk_idx[row] >= 0) ++x.num_tokens_per_expert[h.recv_topk_idx[row]];
+  x.expert_offsets.assign(num_local + 1, 0);
+  for (int e = 0; e < num_local; ++e)
+    x.expert_offsets[e + 1] = x.expert_offsets[e] + (x.num_tokens_per_expert[e] + align - 1) / align * align;
+  x.recv_row.assign(x.num_rows(), -1);
+  x.row_of.assign(num_recv * K, -1);
+  std::vector<int64_t> next(x.expert_offsets.begin(), x.expert_offsets.end() - 1);
+  for (int64_t row = 0; row < num_recv; ++row)
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = h.recv_topk_idx[row * K + k];
+      if (e < 0) continue;
+      x.row_of[row * K + k] = next[e];
+      x.recv_row[next[e]++] = row;
+    }
+}
+
+Status Buffer::Impl::check_handle(const Handle& handle, std::string_view op) const {
+  if (!handle.valid()) return invalid_argument("{} needs the handle of a dispatch; this one is empty", op);
+  if (handle.data().buffer_id != id)
+    return invalid_argument("{} got a handle made by another Buffer (id {}, this is {})", op, handle.data().buffer_id, id);
+  return Status::ok();
+}
+
+Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+  Impl& m = *impl_;
+  ScopedSpan span(m.config.tracer, m.rank, "dispatch_cached");
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  Status local_status = m.check_handle(handle, "dispatch_cached");
+  if (local_status.is_ok())
+    local_status = check_matrix(x, "x", m.config.dtype, handle.num_tokens(), m.config.hidden);
+  if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("dispatch_cached needs an output");
+  std::vector<int64_t> all;
+  EPX_RETURN_IF_ERROR(m.gather_header(local_status, {}, &all, "dispatch_cached", deadline));
+  const detail::HandleData& h = handle.data();
+  ExchangeStats stats;
+  EPX_RETURN_IF_ERROR(m.move_rows(x, nullptr, nullptr, h, nullptr, deadline, &stats));
+  EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
+  *recv_x = TensorView::contiguous(m.local().recv_x, m.config.dtype, {h.num_recv, m.config.hidden});
+  return Status::ok();
+}
+
+Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
+  Impl& m = *impl_;
+  EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_input"));
+  if (!is_payload_dtype(dtype) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
+    return invalid_argument("combine_input dtype {} must be bf16 or f32 and no wider than max_combine_dtype = {}",
+                            dtype_name(dtype), dtype_name(m.config.max_combine_dtype));
+  return TensorView::contiguous(m.local().combine, dtype, {handle.num_recv_tokens(), m.config.hidden});
+}
+
+Status Buffer::Impl::validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
+                                      const CombineOptions& options) const {
+  if (y.ndim() != 2 || !is_payload_dtype(y.dtype()))
+    return invalid_argument("y must be a 2-D bf16 or f32 array, got {}", y.describe());
+  if (dtype_size(y.dtype()) > dtype_size(config.max_combine_dtype))
+    return invalid_argument("y is {} but max_combine_dtype = {}; raise BufferConfig::max_combine_dtype",
+                            dtype_name(y.dtype()), dtype_name(config.max_combine_dtype));
+  EPX_RETURN_IF_ERROR(check_matrix(y, "y", y.dtype(), h.num_recv, config.hidden));
+  if (out.ndim() != 2 || !is_payload_dtype(out.dtype()))
+    return invalid_argument("out must be a 2-D bf16 or f32 array, got {}", out.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(out, "out", out.dtype(), h.num_tokens, config.hidden));
+  if (options.bias.defined()) {
+    if (options.bias.dtype() != DType::kF32 && options.bias.dtype() != out.dtype())
+      return invalid_argument("bias must be f32 or the output's dtype {}, got {}", dtype_name(out.dtype()),
+                              options.bias.describe());
+    EPX_RETURN_IF_ERROR(check_matrix(options.bias, "bias", options.bias.dtype(), h.num_tokens, config.hidden));
+  }
+  if (options.grad_recv_topk_weights.defined() != options.grad_topk_weights.defined())
+    return invalid_argument("grad_recv_topk_weights and grad_topk_weights go together; got only one");
+  if (options.grad_recv_topk_weights.defined()) {
+    EPX_RETURN_IF_ERROR(check_matrix(options.grad_recv_topk_weights, "grad_recv_topk_weights", DType::kF32,
+                                     h.num_recv, h.topk));
+    EPX_RETURN_IF_ERROR(check_matrix(options.grad_topk_weights, "grad_topk_weights", DType::kF32, h.num_tokens, h.topk));
+  }
+  return Status::ok();
+}
+
+Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
+                       const CombineOptions& options) {
+  Status local_status = impl_->check_handle(handle, "combine");
+  if (local_status.is_ok()) local_status = impl_->validate_combine(y, handle.data(), out, options);
+  static const detail::HandleData kEmpty;
+  return impl_->combine_impl(local_status, y, handle.valid() ? handle.data() : kEmpty, out, options, "combine");
+}
+
+Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h,
+                                  const TensorView& out, const CombineOptions& options, std::string_view op) {
+  ScopedSpan span(config.tracer, rank, std::string(op));
+  const Deadline deadline = Deadline::after(config.timeout);
+  const int R = num_ranks, H = config.hidden;
+  const bool slots = local_status.is_ok() && options.grad_recv_topk_weights.defined();
+  const DType ydtype = local_status.is_ok() ? y.dtype() : DType::kF32;
+  const std::size_t yrow = static_cast<std::size_t>(H) * dtype_size(ydtype);
+  const int K = h.topk;
+  const Region& mine = local();
+
+  // Put y in this rank's combine region, where peers read it.
+  if (local_status.is_ok()) {
+    if (y.data() != mine.combine)
+      for (int64_t i = 0; i < h.num_recv; ++i) std::memcpy(mine.combine + i * yrow, y.row<std::byte>(i), yrow);
+    if (slots)
+      for (int64_t i = 0; i < h.num_recv; ++i)
+        std::memcpy(mine.combine_slots + i * K, options.grad_recv_topk_weights.row<float>(i), sizeof(float) * K);
+  }
+  std::vector<int64_t> all;
+  EPX_RETURN_IF_ERROR(gather_header(local_status, {static_cast<int64_t>(ydtype), slots ? 1 : 0}, &all, op, deadline));
+  for (int r = 0; r < R; ++r)
+    if (all[r * 3 + 1] != static_cast<int64_t>(ydtype) || all[r * 3 + 2] != (slots ? 1 : 0))
+      return invalid_argument("{} inputs differ between ranks: rank {} has y {}{} and rank {} has y {}{}", op, rank,
+                              dtype_name(ydtype), slots ? " with weight gradients" : "", r,
+                              dtype_name(static_cast<DType>(all[r * 3 + 1])), all[r * 3 + 2] ? " with weight gradients" : "");
+
+  const std::size_t prow = hierarchical ? static_cast<std::size_t>(H) * sizeof(float) : yrow;  // row on the wire
+  std::vector<Request> requests;
+  // Remote sources: what they receive from this rank, by source rank (flat) or node (two-hop).
+  std::vector<int64_t> stage_first(hierarchical ? num_nodes : R, -1);
+  int64_t stage_rows = 0;
+  if (!hierarchical) {
+    for (int s = 0; s < R; ++s) {
+      if (topology.same_node(s, rank)) continue;
+      const int64_t n = h.counts[static_cast<std::size_t>(s) * R + rank];
+      if (n == 0) continue;
+      const int64_t base = block_base(h, R, s, rank);
+      EPX_ASSIGN_OR_RETURN(Request req, transport.send_async(s, kTagCombine, {mine.combine + base * yrow, n * yrow}));
+      requests.push_back(std::move(req));
+      if (slots) {
+        EPX_ASSIGN_OR_RETURN(Request rs, transport.send_async(s, kTagCombineSlots,
+                                                              std::as_bytes(std::span(mine.combine_slots + base * K, n * K))));
+        requests.push_back(std::move(rs));
+      }
+    }
+    for (int d = 0; d < R; ++d) {
+      if (topology.same_node(d, rank) || h.counts[static_cast<std::size_t>(rank) * R + d] == 0) continue;
+      stage_first[d] = stage_rows;
+      stage_rows += h.counts[static_cast<std::size_t>(rank) * R + d];
+    }
+  } else {
+    // As forwarder: reduce inside this node the rows of each remote peer's tokens.
+    int64_t fwd_rows = 0;
+    std::vector<int64_t> fwd_first(num_nodes, 0);
+    for (int n = 0; n < num_nodes; ++n) {
+      fwd_first[n] = fwd_rows;
+      if (n != node) fwd_rows += h.node_counts[static_cast<std::size_t>(topology.rank_of(n, local_rank)) * num_nodes + node];
+    }
+    send_payload.reserve(fwd_rows * prow);
+    send_meta.reserve(fwd_rows * K * sizeof(float));
+    for (int n = 0; n < num_nodes; ++n) {
+      if (n == node) continue;
+      const int s = topology.rank_of(n, local_rank);
+      const int64_t rows = h.node_counts[static_cast<std::size_t>(s) * num_nodes + node];
+      if (rows == 0) continue;
+      const std::vector<int32_t>& fwd_row = h.forward.row[n];
+      auto* part = reinterpret_cast<float*>(send_payload.data()) + fwd_first[n] * H;
+      auto* part_slots = reinterpret_cast<float*>(send_meta.data()) + fwd_first[n] * K;
+      for (int64_t j = 0; j < rows; ++j) {
+        float* p = part + j * H;
+        std::fill(p, p + H, 0.0f);
+        for (int l = 0; l < ranks_per_node; ++l) {
+          const int32_t row = fwd_row[j * ranks_per_node + l];
+          if (row >= 0) accumulate_row(p, regions[topology.rank_of(node, l)].combine + row * yrow, ydtype, H);
+        }
+        if (slots)
+          for (int k = 0; k < K; ++k) {
+            const int l = h.forward.slot[n][j * K + k];
+            part_slots[j * K + k] =
+                l < 0 ? 0.0f
+                      : regions[topology.rank_of(node, l)].combine_slots[fwd_row[j * ranks_per_node + l] * K + k];
+          }
+      }
+      EPX_ASSIGN_OR_RETURN(Request req, transport.send_async(s, kTagCombine, std::as_bytes(std::span(part, rows * H))));
+      requests.push_back(std::move(req));
+      if (slots) {
+        EPX_ASSIGN_OR_RETURN(Request rs, transport.send_async(s, kTagCombineSlots,
+                                                              std::as_bytes(std::span(part_slots, rows * K))));
+        requests.push_back(std::move(rs));
+      }
+    }
+    for (int n = 0; n < num_nodes; ++n) {
+      const int64_t rows = h.node_counts[static_cast<std::size_t>(rank) * num_nodes + n];
+      if (n == node || rows == 0) continue;
+      stage_first[n] = stage_rows;
+      stage_rows += rows;
+    }
+  }
+  // Receive the remote contributions to this rank's tokens.
+  recv_payload.reserve(stage_rows * prow);
+  recv_meta.reserve(stage_rows * K * sizeof(float));
+  for (std::size_t i = 0; i < stage_first.size(); ++i) {
+    if (stage_first[i] < 0) continue;
+    const int peer = hierarchical ? topology.rank_of(static_cast<int>(i), local_rank) : static_cast<int>(i);
+    const int64_t rows = hierarchical ? h.node_counts[static_cast<std::size_t>(rank) * num_nodes + i]
+                                      : h.counts[static_cast<std::size_t>(rank) * R + i];
+    EPX_ASSIGN_OR_RETURN(std::size_t got, transport.recv(peer, kTagCombine,
+                                                          {recv_payload.data() + stage_first[i] * prow, rows * prow}, deadline));
+    EPX_CHECK_EQ(got, rows * prow);
+    if (slots) {
+      EPX_ASSIGN_OR_RETURN(got, transport.recv(peer, kTagCombineSlots,
+                                               {recv_meta.data() + stage_first[i] * K * sizeof(float), rows * K * sizeof(float)},
+                                               deadline));
+      EPX_CHECK_EQ(got, rows * K * sizeof(float));
+    }
+  }
+
+  // Reduce each token in the documented order.
+  const auto* staged_slots = reinterpret_cast<const float*>(recv_meta.data());
+  std::vector<int64_t> next(stage_first.size(), 0);
+  std::vector<int64_t> d_base(R, 0);
+  for (int d = 0; d < R; ++d) d_base[d] = block_base(h, R, rank, d);
+  std::vector<int64_t> node_row(num_nodes, -1);  // staged row of the current token per node
+  float* acc = this->acc.data();
+  float* p = partial.data();
+  for (int t = 0; t < h.num_tokens; ++t) {
+    const int32_t* send_row = h.send_row.data() + static_cast<std::size_t>(t) * R;
+    std::fill(acc, acc + H, 0.0f);
+    if (!hierarchical) {
+      for (int d = 0; d < R; ++d) {
+        if (send_row[d] < 0) continue;
+        const std::byte* src = topology.same_node(d, rank)
+                                   ? regions[d].combine + send_row[d] * yrow
+                                   : recv_payload.data() + (stage_first[d] + send_row[d] - d_base[d]) * prow;
+        accumulate_row(acc, src, ydtype, H);
+      }
+    } else {
+      for (int n = 0; n < num_nodes; ++n) {
+        node_row[n] = -1;
+        if (n == node) {
+          std::fill(p, p + H, 0.0f);
+          bool any = false;
+          for (int l = 0; l < ranks_per_node; ++l) {
+            const int d = topology.rank_of(n, l);
+            if (send_row[d] < 0) continue;
+            accumulate_row(p, regions[d].combine + send_row[d] * yrow, ydtype, H);
+            any = true;
+          }
+          if (any) accumulate_row(acc, reinterpret_cast<const std::byte*>(p), DType::kF32, H);
+          continue;
+        }
+        bool goes = false;
+        for (int l = 0; l < ranks_per_node && !goes; ++l) goes = send_row[topology.rank_of(n, l)] >= 0;
+        if (!goes) continue;
+        node_row[n] = stage_first[n] + next[n]++;
+        accumulate_row(acc, recv_payload.data() + node_row[n] * prow, DType::kF32, H);
+      }
+    }
+    if (options.bias.defined()) accumulate_row(acc, options.bias.row<std::byte>(t), options.bias.dtype(), H);
+    store_row(out.row<std::byte>(t), out.dtype(), acc, H);
+    if (slots) {
+      float* g = options.grad_topk_weights.row<float>(t);
+      for (int k = 0; k < K; ++k) {
+        const int r = h.topk_rank[static_cast<std::size_t>(t) * K + k];
+        if (r < 0) {
+          g[k] = 0.0f;
+        } else if (topology.same_node(r, rank)) {
+          g[k] = regions[r].combine_slots[send_row[r] * K + k];
+        } else if (hierarchical) {
+          g[k] = staged_slots[node_row[topology.node_of(r)] * K + k];
+        } else {
+          g[k] = staged_slots[(stage_first[r] + send_row[r] - d_base[r]) * K + k];
+        }
+      }
+    }
+  }
+  for (Request& r : requests) EPX_RETURN_IF_ERROR(r.wait(deadline));
+  // No rank may overwrite its combine region while a peer still reads it.
+  return transport.barrier(deadline);
+}
+
+Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
+                                 const CombineOptions& options) {
+  Status local_status = impl_->check_handle(handle, "dispatch_backward");
+  if (local_status.is_ok()) local_status = impl_->validate_combine(grad_recv_x, handle.data(), grad_x, options);
+  static const detail::HandleData kEmpty;
+  return impl_->combine_impl(local_status, grad_recv_x, handle.valid() ? handle.data() : kEmpty, grad_x, options,
+                             "dispatch_backward");
+}
+
+Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
+  return dispatch_cached(grad_out, handle, grad_y);
+}
+
+const ExpandedLayout& Buffer::expanded_layout(const Handle& handle) const {
+  EPX_CHECK(handle.valid());
+  return handle.data().expanded;
+}
+
+Status Buffer::expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) const {
+  const Impl& m = *impl_;
+  EPX_RETURN_IF_ERROR(m.check_handle(handle, "expand"));
+  const detail::HandleData& h = handle.data();
+  if (recv_x.ndim() != 2 || !is_payload_dtype(recv_x.dtype()))
+    return invalid_argument("recv_x must be a 2-D bf16 or f32 array, got {}", recv_x.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(recv_x, "recv_x", recv_x.dtype(), h.num_recv, m.config.hidden));
+  EPX_RETURN_IF_ERROR(check_matrix(out, "out", recv_x.dtype(), h.expanded.num_rows(), m.config.hidden));
+  const std::size_t bytes = static_cast<std::size_t>(m.config.hidden) * recv_x.element_size();
+  for (int64_t i = 0; i < h.expanded.num_rows(); ++i) {
+    const int64_t src = h.expanded.recv_row[i];
+    if (src < 0)
+      std::memset(out.row<std::byte>(i), 0, bytes);
+    else
+      std::memcpy(out.row<std::byte>(i), recv_x.row<std::byte>(src), bytes);
+  }
+  return Status::ok();
+}
+
+Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                const TensorView& weights, const CombineOptions& options) {
+  Impl& m = *impl_;
+  Status local_status = m.check_handle(handle, "combine_expanded");
+  static const detail::HandleData kEmpty;
+  const detail::HandleData& h = handle.valid() ? handle.data() : kEmpty;
+  const int H = m.config.hidden, K = h.topk;
+  const float* w = nullptr;
+  if (local_status.is_ok()) {
+    local_status = [&]() -> Status {
+      if (m.config.max_combine_dtype != DType::kF32)
+        return failed_precondition("combine_expanded sums in fp32 and needs max_combine_dtype = f32, not {}",
+                                   dtype_name(m.config.max_combine_dtype));
+      if (y_expanded.ndim() != 2 || !is_payload_dtype(y_expanded.dtype()))
+        return invalid_argument("y_expanded must be a 2-D bf16 or f32 array, got {}", y_expanded.describe());
+      EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), h.expanded.num_rows(), H));
+      if (weights.defined()) {
+        EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_recv, K));
+        if (weights.stride(0) != K) return invalid_argument("weights must be dense, got {}", weights.describe());
+        w = weights.data_as<float>();
+      } else if (h.has_weights) {
+        w = h.recv_topk_weights.data();
+      } else {
+        return invalid_argument("combine_expanded needs weights: none were dispatched and none were passed");
+      }
+      TensorView partial_view = TensorView::contiguous(m.local().combine, DType::kF32, {h.num_recv, H});
+      return m.validate_combine(partial_view, h, out, options);
+    }();
+  }
+  // Each received row's partial: its local slots in top-k order, in fp32.
+  TensorView partial_view = TensorView::contiguous(m.local().combine, DType::kF32, {h.num_recv, H});
+  if (local_status.is_ok()) {
+    auto* partial = reinterpret_cast<float*>(m.local().combine);
+    for (int64_t i = 0; i < h.num_recv; ++i) {
+      float* p = partial + i * H;
+      std::fill(p, p + H, 0.0f);
+      for (int k = 0; k < K; ++k) {
+        const int64_t row = h.expanded.row_of[i * K + k];
+        if (row >= 0) accumulate_weighted_row(p, w[i * K + k], y_expanded.row<std::byte>(row), y_expanded.dtype(), H);
+      }
+    }
+  }
+  return m.combine_impl(local_status, partial_view, h, out, options, "combine_expanded");
+}
+
+}  // namespace epx

@@ -1,0 +1,48 @@
+// Private: what a dispatch records for combine, backward and cached re-dispatch.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "epx/exchange/buffer.h"
+
+namespace epx::detail {
+
+// Two-hop forwarding done by this rank for the peers with its local rank on
+// the other nodes, indexed by source node. row[n][j * ranks_per_node + l] is
+// the row that message row j from node n took on local rank l (-1: none);
+// slot[n][j * K + k] is the local rank holding slot k's expert (-1: none).
+struct ForwardPlan {
+  std::vector<std::vector<int32_t>> row;
+  std::vector<std::vector<int32_t>> slot;
+};
+
+struct HandleData {
+  uint64_t buffer_id = 0;
+  int rank = 0;
+  int num_tokens = 0;
+  int topk = 0;
+  bool has_weights = false;
+
+  // counts[s * R + d]: tokens rank s sends to rank d (deduplicated).
+  std::vector<int32_t> counts;
+  // node_counts[s * N + n]: tokens rank s sends to node n (deduplicated).
+  std::vector<int32_t> node_counts;
+  // send_row[t * R + d]: row of this rank's token t on rank d, or -1.
+  std::vector<int32_t> send_row;
+  // topk_rank[t * K + k]: rank holding the expert of slot k of token t, or -1.
+  std::vector<int32_t> topk_rank;
+
+  ForwardPlan forward;
+
+  // What this rank received, in receive order.
+  int64_t num_recv = 0;
+  std::vector<int32_t> recv_src_rank;
+  std::vector<int32_t> recv_src_idx;
+  std::vector<int32_t> recv_topk_idx;    // [num_recv, K] local ids
+  std::vector<float> recv_topk_weights;  // [num_recv, K]
+  std::vector<int32_t> num_recv_tokens_per_expert;  // aligned
+  ExpandedLayout expanded;
+};
+
+}  // namespace epx::detail

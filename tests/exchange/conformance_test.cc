@@ -1,0 +1,589 @@
+// The exchange conformance table: every operation of Buffer, on every rank,
+// against the reference (exchange/reference.h), swept over world sizes
+// {1, 2, 3, 4, 8}, node shapes (1 x R, 2 x 1, 2 x 2, 2 x 4, 4 x 2), flat and
+// two-hop algorithms, f32 and bf16 payloads, top-k {1, 2, 8}, expert counts
+// {R, 4R, 32+} and the routing shapes of harness.h.
+//
+// Everything is compared bit for bit: rows and metadata exactly, combines in
+// the order the contract fixes (flat: ranks ascending; two-hop: ranks of a
+// node ascending, then nodes ascending). Each gtest case is one (shape,
+// algorithm, dtype) and runs its sub-cases one after the other, naming each
+// in a SCOPED_TRACE.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "epx/comm/inproc.h"
+#include "epx/comm/topology.h"
+#include "epx/exchange/buffer.h"
+#include "exchange/harness.h"
+#include "exchange/reference.h"
+
+namespace epx::exchange_test {
+namespace {
+
+constexpr int kMaxTokens = 40;
+constexpr float kPaddingGarbage = 1.0e4f;  // written into expanded padding rows; must never reach an output
+
+// One (shape, algorithm, payload dtype): a gtest case.
+struct Shape {
+  int num_ranks;
+  int num_nodes;
+  DispatchAlgorithm algorithm;
+  DType dtype;
+};
+
+const char* algorithm_name(DispatchAlgorithm a) {
+  return a == DispatchAlgorithm::kFlat ? "flat" : a == DispatchAlgorithm::kHierarchical ? "hierarchical" : "auto";
+}
+
+std::string shape_name(const ::testing::TestParamInfo<Shape>& info) {
+  const Shape& s = info.param;
+  return fmt::format("{}ranks_{}nodes_{}_{}", s.num_ranks, s.num_nodes, algorithm_name(s.algorithm),
+                     dtype_name(s.dtype));
+}
+
+// One sub-case: the routing and the knobs that vary with it.
+struct Case {
+  Shape shape;
+  int num_experts = 0;
+  int topk = 0;
+  Routing routing = Routing::kUniform;
+  uint32_t seed = 0;
+  int hidden = 0;
+  int alignment = 1;
+  bool with_weights = false;
+  bool pass_layout = false;
+  bool with_bias = false;
+  DType combine_input_dtype = DType::kF32;
+  DType expanded_dtype = DType::kF32;
+  bool explicit_expand_weights = false;
+  std::vector<int32_t> expert_map;  // expert -> rank; empty: contiguous blocks
+
+  [[nodiscard]] std::string name() const {
+    return fmt::format(
+        "{} ranks as {} nodes, {}, {} payload; E={} K={} routing={} seed={} hidden={} alignment={} weights={} "
+        "pass_layout={} bias={} combine_input={} expanded_y={} explicit_expand_weights={}{}",
+        shape.num_ranks, shape.num_nodes, algorithm_name(shape.algorithm), dtype_name(shape.dtype), num_experts, topk,
+        routing_name(routing), seed, hidden, alignment, with_weights, pass_layout, with_bias,
+        dtype_name(combine_input_dtype), dtype_name(expanded_dtype), explicit_expand_weights,
+        expert_map.empty() ? "" : fmt::format(" expert_map={}", fmt::join(expert_map, ",")));
+  }
+};
+
+// Seeds of the per-rank tensors a rank makes up (biases, weights, gradients);
+// the checking side makes the same ones.
+uint32_t sub_seed(const Case& c, int what, int rank) { return c.seed * 1009u + static_cast<uint32_t>(what * 97 + rank); }
+enum : int { kBiasA = 1, kBiasB, kExpandWeights, kGradRecvWeights };
+
+std::vector<Case> make_cases(const Shape& shape) {
+  const int r = shape.num_ranks;
+  std::vector<int> experts = {r, 4 * r, 32 % r == 0 ? 32 : 48};
+  if (experts[2] == experts[1]) experts[2] = 64;
+  std::vector<Case> cases;
+  uint32_t index = 0;
+  for (int e : experts) {
+    for (int k : {1, 2, 8}) {
+      if (k > e) continue;
+      for (Routing routing : kAllRoutings) {
+        Case c;
+        c.shape = shape;
+        c.num_experts = e;
+        c.topk = k;
+        c.routing = routing;
+        c.seed = 7919u * (static_cast<uint32_t>(shape.num_ranks) * 16 + shape.num_nodes) +
+                 131u * static_cast<uint32_t>(shape.dtype) + 17u * static_cast<uint32_t>(shape.algorithm) + index * 3u +
+                 1u;
+        const uint32_t bits = (index * 2654435761u) >> 7;
+        c.hidden = (index % 3 == 0) ? 8 : (index % 3 == 1) ? 36 : 64;
+        c.alignment = (bits & 1u) ? 4 : 1;
+        c.with_weights = (bits & 6u) != 0;  // 3 in 4
+        c.pass_layout = (bits & 8u) != 0;
+        c.with_bias = (bits & 16u) != 0;
+        c.combine_input_dtype = (bits & 32u) ? DType::kBF16 : DType::kF32;
+        c.expanded_dtype = (bits & 64u) ? DType::kBF16 : DType::kF32;
+        c.explicit_expand_weights = !c.with_weights || (bits & 128u) != 0;
+        cases.push_back(c);
+        ++index;
+      }
+    }
+  }
+  return cases;
+}
+
+// What one rank saw.
+struct RankResult {
+  bool hierarchical = false;
+  int num_local_experts = -1;
+  DispatchLayout layout;
+  // dispatch
+  Matrix recv_x;
+  std::vector<int32_t> recv_idx, recv_src_rank, recv_src_idx, counts;
+  std::vector<float> recv_w;
+  bool recv_w_defined = false;
+  ExchangeStats stats;
+  int64_t handle_num_recv = -1;
+  int handle_num_tokens = -1;
+  int handle_topk = -1;
+  TransportCounters dispatch_counters;
+  // combine A: y f32 -> out of the payload dtype (+ bias of that dtype);
+  // combine B: y bf16 -> out f32 (+ f32 bias); C: through combine_input().
+  Matrix out_a, out_b, out_c;
+  TransportCounters combine_a_counters, combine_b_counters, combine_e_counters;
+  DType combine_input_dtype = DType::kF32;
+  int64_t combine_input_rows = -1, combine_input_cols = -1;
+  // expanded
+  ExpandedLayout expanded;
+  Matrix expanded_x;
+  Matrix out_e;
+  // cached dispatch with the same x, with another x
+  Matrix cached_same, cached_x2;
+  // backward
+  Matrix grad_x;
+  std::vector<float> grad_w;
+  Matrix grad_y;
+  // the same dispatch + combine A again
+  Matrix recv_x_again, out_a_again;
+  std::vector<int32_t> recv_idx_again, recv_src_rank_again, counts_again;
+};
+
+Status with_context(const char* what, Status status) {
+  if (status.is_ok()) return status;
+  return Status(status.code(), std::string(what) + ": " + status.message());
+}
+
+BufferConfig make_config(const Case& c) {
+  BufferConfig config;
+  config.num_experts = c.num_experts;
+  config.hidden = c.hidden;
+  config.dtype = c.shape.dtype;
+  config.max_topk = std::min(8, c.num_experts);  // at least topk; may be wider
+  config.max_tokens_per_rank = kMaxTokens;
+  config.expert_alignment = c.alignment;
+  config.algorithm = c.shape.algorithm;
+  config.timeout = Milliseconds(20000);
+  if (!c.expert_map.empty()) config.placement = *ExpertPlacement::from_map(c.expert_map, c.shape.num_ranks);
+  return config;
+}
+
+// Fills `y` (expanded rows) with expert output, padding rows with garbage.
+Matrix expanded_expert_output(const Matrix& expanded_x, const std::vector<int64_t>& recv_row, int rank, DType dtype) {
+  Matrix y = expert_output(expanded_x, rank, dtype);
+  for (int64_t j = 0; j < y.rows() && j < static_cast<int64_t>(recv_row.size()); ++j)
+    if (recv_row[j] < 0)
+      for (int64_t col = 0; col < y.cols(); ++col) y.set(j, col, kPaddingGarbage);
+  return y;
+}
+
+Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankResult* res) {
+  const int r = transport.rank();
+  const int T = in.num_tokens();
+  const int H = c.hidden;
+  const int K = c.topk;
+  EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(transport, make_config(c)));
+  res->hierarchical = buffer->hierarchical();
+  res->num_local_experts = buffer->num_local_experts();
+  EPX_ASSIGN_OR_RETURN(res->layout, buffer->get_layout(in.idx_view()));
+
+  TransportCounters before = transport.counters();
+  DispatchResult d;
+  EPX_RETURN_IF_ERROR(
+      with_context("dispatch", buffer->dispatch(in.dispatch_inputs(), &d, c.pass_layout ? &res->layout : nullptr)));
+  res->dispatch_counters = counters_delta(before, transport.counters());
+  res->recv_x = Matrix::copy_of(d.recv_x);
+  res->recv_idx = copy_i32(d.recv_topk_idx);
+  res->recv_w_defined = d.recv_topk_weights.defined();
+  res->recv_w = copy_f32(d.recv_topk_weights);
+  res->recv_src_rank = copy_i32(d.recv_src_rank);
+  res->recv_src_idx = copy_i32(d.recv_src_idx);
+  res->counts = d.num_recv_tokens_per_expert;
+  res->stats = d.stats;
+  const Handle handle = d.handle;
+  res->handle_num_recv = handle.num_recv_tokens();
+  res->handle_num_tokens = handle.num_tokens();
+  res->handle_topk = handle.topk();
+  const int64_t n = res->recv_x.rows();
+
+  // combine A
+  const Matrix y_a = expert_output(res->recv_x, r, DType::kF32);
+  const Matrix bias_a = c.with_bias ? make_random_matrix(sub_seed(c, kBiasA, r), T, H, c.shape.dtype) : Matrix();
+  CombineOptions options_a;
+  if (c.with_bias) options_a.bias = bias_a.view();
+  res->out_a = Matrix::filled(c.shape.dtype, T, H, kUnwritten);
+  before = transport.counters();
+  EPX_RETURN_IF_ERROR(with_context("combine A", buffer->combine(y_a.view(), handle, res->out_a.view(), options_a)));
+  res->combine_a_counters = counters_delta(before, transport.counters());
+
+  // combine B
+  const Matrix y_b = expert_output(res->recv_x, r, DType::kBF16);
+  const Matrix bias_b = c.with_bias ? make_random_matrix(sub_seed(c, kBiasB, r), T, H, DType::kF32) : Matrix();
+  CombineOptions options_b;
+  if (c.with_bias) options_b.bias = bias_b.view();
+  res->out_b = Matrix::filled(DType::kF32, T, H, kUnwritten);
+  before = transport.counters();
+  EPX_RETURN_IF_ERROR(with_context("combine B", buffer->combine(y_b.view(), handle, res->out_b.view(), options_b)));
+  res->combine_b_counters = counters_delta(before, transport.counters());
+
+  // combine C: the experts write straight into the combine region.
+  auto input = buffer->combine_input(handle, c.combine_input_dtype);
+  if (!input.is_ok()) return with_context("combine_input", input.status());
+  const TensorView y_c = *input;
+  res->combine_input_dtype = y_c.dtype();
+  res->combine_input_rows = y_c.ndim() == 2 ? y_c.size(0) : -1;
+  res->combine_input_cols = y_c.ndim() == 2 ? y_c.size(1) : -1;
+  if (res->combine_input_dtype != c.combine_input_dtype || res->combine_input_rows != n || res->combine_input_cols != H)
+    return internal_error("combine_input returned {}", y_c.describe());
+  const bool c_is_a = c.combine_input_dtype == DType::kF32;
+  for (int64_t i = 0; i < n; ++i)
+    for (int col = 0; col < H; ++col)
+      store_from_f32(y_c.row(i), y_c.dtype(), col, expert_value(res->recv_x.get(i, col), r, col));
+  res->out_c = Matrix::filled(c_is_a ? c.shape.dtype : DType::kF32, T, H, kUnwritten);
+  EPX_RETURN_IF_ERROR(
+      with_context("combine C", buffer->combine(y_c, handle, res->out_c.view(), c_is_a ? options_a : options_b)));
+
+  // expanded
+  res->expanded = buffer->expanded_layout(handle);
+  res->expanded_x = Matrix::filled(c.shape.dtype, res->expanded.num_rows(), H, kUnwritten);
+  EPX_RETURN_IF_ERROR(with_context("expand", buffer->expand(res->recv_x.view(), handle, res->expanded_x.view())));
+  const Matrix y_e = expanded_expert_output(res->expanded_x, res->expanded.recv_row, r, c.expanded_dtype);
+  const std::vector<float> expand_weights =
+      c.explicit_expand_weights ? make_random_floats(sub_seed(c, kExpandWeights, r), n * K) : std::vector<float>();
+  const TensorView expand_weights_view = c.explicit_expand_weights
+                                             ? TensorView::contiguous(expand_weights.data(), DType::kF32, {n, K})
+                                             : TensorView();
+  res->out_e = Matrix::filled(DType::kF32, T, H, kUnwritten);
+  before = transport.counters();
+  EPX_RETURN_IF_ERROR(with_context(
+      "combine_expanded", buffer->combine_expanded(y_e.view(), handle, res->out_e.view(), expand_weights_view)));
+  res->combine_e_counters = counters_delta(before, transport.counters());
+
+  // cached dispatch
+  TensorView cached;
+  EPX_RETURN_IF_ERROR(with_context("dispatch_cached(x)", buffer->dispatch_cached(in.x.view(), handle, &cached)));
+  res->cached_same = Matrix::copy_of(cached);
+  const Matrix x2 = make_payload(7, r, T, H, c.shape.dtype);
+  EPX_RETURN_IF_ERROR(with_context("dispatch_cached(x2)", buffer->dispatch_cached(x2.view(), handle, &cached)));
+  res->cached_x2 = Matrix::copy_of(cached);
+
+  // dispatch backward, with the weights' gradient
+  const Matrix grad_recv_x = expert_output(res->recv_x, r + 5, DType::kF32);
+  const std::vector<float> grad_recv_w = make_random_floats(sub_seed(c, kGradRecvWeights, r), n * K);
+  res->grad_w.assign(static_cast<std::size_t>(T) * K, -7.0f);
+  res->grad_x = Matrix::filled(DType::kF32, T, H, kUnwritten);
+  CombineOptions grad_options;
+  grad_options.grad_recv_topk_weights = TensorView::contiguous(grad_recv_w.data(), DType::kF32, {n, K});
+  grad_options.grad_topk_weights = TensorView::contiguous(res->grad_w.data(), DType::kF32, {T, K});
+  EPX_RETURN_IF_ERROR(with_context(
+      "dispatch_backward", buffer->dispatch_backward(grad_recv_x.view(), handle, res->grad_x.view(), grad_options)));
+
+  // combine backward
+  const Matrix grad_out = make_payload(11, r, T, H, c.shape.dtype);
+  TensorView grad_y;
+  EPX_RETURN_IF_ERROR(with_context("combine_backward", buffer->combine_backward(grad_out.view(), handle, &grad_y)));
+  res->grad_y = Matrix::copy_of(grad_y);
+
+  // the same dispatch and combine again, on the same Buffer
+  DispatchResult again;
+  EPX_RETURN_IF_ERROR(with_context("second dispatch", buffer->dispatch(in.dispatch_inputs(), &again)));
+  res->recv_x_again = Matrix::copy_of(again.recv_x);
+  res->recv_idx_again = copy_i32(again.recv_topk_idx);
+  res->recv_src_rank_again = copy_i32(again.recv_src_rank);
+  res->counts_again = again.num_recv_tokens_per_expert;
+  const Matrix y_again = expert_output(res->recv_x_again, r, DType::kF32);
+  res->out_a_again = Matrix::filled(c.shape.dtype, T, H, kUnwritten);
+  EPX_RETURN_IF_ERROR(
+      with_context("second combine", buffer->combine(y_again.view(), again.handle, res->out_a_again.view(), options_a)));
+  return Status::ok();
+}
+
+std::vector<Matrix> per_rank(int num_ranks, const std::function<Matrix(int)>& make) {
+  std::vector<Matrix> out;
+  for (int r = 0; r < num_ranks; ++r) out.push_back(make(r));
+  return out;
+}
+
+// Runs one sub-case on a fresh world and checks every rank against the reference.
+void check_case(const Case& c) {
+  SCOPED_TRACE(c.name());
+  const int R = c.shape.num_ranks;
+  auto topology = Topology::create(R, c.shape.num_nodes);
+  ASSERT_TRUE(topology.is_ok()) << topology.status().to_string();
+  auto placement = c.expert_map.empty() ? ExpertPlacement::contiguous(c.num_experts, R)
+                                        : ExpertPlacement::from_map(c.expert_map, R);
+  ASSERT_TRUE(placement.is_ok()) << placement.status().to_string();
+  const ExchangeSpec spec{*topology, *placement, c.shape.dtype, c.hidden, c.alignment};
+  const std::vector<RankInputs> inputs = make_inputs(spec, c.routing, c.topk, kMaxTokens, c.with_weights, c.seed);
+
+  std::vector<RankResult> results(R);
+  {
+    InprocWorld world(*topology);
+    const std::vector<Status> statuses =
+        world.run([&](Transport& t) { return run_rank(t, c, inputs[t.rank()], &results[t.rank()]); });
+    for (int r = 0; r < R; ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+    if (!first_error(statuses).is_ok()) return;
+  }
+
+  const int H = c.hidden;
+  const int K = c.topk;
+  const CombineOrder order = expected_combine_order(spec.topology, c.shape.algorithm);
+  const CombineOrder other = order == CombineOrder::kFlat ? CombineOrder::kHierarchical : CombineOrder::kFlat;
+  const std::vector<RefRecv> recv = reference_dispatch(spec, inputs);
+  const std::vector<Matrix> xs = xs_of(inputs);
+  const std::vector<Matrix> recv_x = gather_rows(xs, recv);
+
+  // Layout and dispatch.
+  int64_t total_recv = 0;
+  bool dispatch_ok = true;
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    const RankResult& res = results[r];
+    const RefRecv& want = recv[r];
+    total_recv += want.num_recv();
+    EXPECT_EQ(res.hierarchical, order == CombineOrder::kHierarchical);
+    EXPECT_EQ(res.num_local_experts, spec.placement.num_local_experts(r));
+    const DispatchLayout layout = reference_layout(spec, inputs[r]);
+    EXPECT_EQ(res.layout.num_tokens, layout.num_tokens);
+    EXPECT_EQ(res.layout.num_ranks, layout.num_ranks);
+    EXPECT_TRUE(same_vector(res.layout.num_tokens_per_rank, layout.num_tokens_per_rank)) << "num_tokens_per_rank";
+    EXPECT_TRUE(same_vector(res.layout.num_tokens_per_node, layout.num_tokens_per_node)) << "num_tokens_per_node";
+    EXPECT_TRUE(same_vector(res.layout.num_tokens_per_expert, layout.num_tokens_per_expert)) << "num_tokens_per_expert";
+    EXPECT_TRUE(same_vector(res.layout.is_token_in_rank, layout.is_token_in_rank, R)) << "is_token_in_rank";
+
+    const bool rows_ok = same_vector(res.recv_src_rank, want.src_rank) && same_vector(res.recv_src_idx, want.src_idx);
+    EXPECT_TRUE(same_vector(res.recv_src_rank, want.src_rank)) << "recv_src_rank";
+    EXPECT_TRUE(same_vector(res.recv_src_idx, want.src_idx)) << "recv_src_idx";
+    EXPECT_TRUE(same_vector(res.recv_idx, want.topk_idx, K)) << "recv_topk_idx";
+    EXPECT_EQ(res.recv_w_defined, c.with_weights) << "recv_topk_weights defined";
+    if (c.with_weights) {
+      EXPECT_TRUE(same_vector(res.recv_w, want.topk_weights, K)) << "recv_topk_weights";
+    }
+    EXPECT_TRUE(same_vector(res.counts, want.num_recv_tokens_per_expert)) << "num_recv_tokens_per_expert";
+    EXPECT_TRUE(same_matrix(res.recv_x, recv_x[r], &xs)) << "recv_x";
+    EXPECT_EQ(res.stats.rows_received, want.num_recv()) << "stats.rows_received";
+    int64_t pairs_sent = 0;
+    for (int32_t n : layout.num_tokens_per_rank) pairs_sent += n;
+    EXPECT_EQ(res.stats.rows_sent, pairs_sent) << "stats.rows_sent: (token, destination rank) pairs";
+    EXPECT_EQ(res.handle_num_recv, want.num_recv()) << "handle.num_recv_tokens()";
+    EXPECT_EQ(res.handle_num_tokens, inputs[r].num_tokens()) << "handle.num_tokens()";
+    EXPECT_EQ(res.handle_topk, K) << "handle.topk()";
+    dispatch_ok = dispatch_ok && rows_ok && res.recv_x.rows() == want.num_recv();
+  }
+  // Everything below depends on the rows being where the contract puts them.
+  ASSERT_TRUE(dispatch_ok) << "dispatch delivered the wrong rows; later checks skipped";
+  std::vector<Matrix> actual_recv_x;
+  for (const RankResult& res : results) actual_recv_x.push_back(res.recv_x);
+  if (total_recv > 0) {
+    EXPECT_TRUE(any_nonzero(actual_recv_x)) << "every received row is zero";
+  }
+
+  // Bytes across nodes.
+  const RefTraffic traffic = reference_traffic(spec, inputs);
+  const int64_t pairs = order == CombineOrder::kHierarchical ? traffic.remote_node_pairs : traffic.remote_rank_pairs;
+  const int64_t row_bytes = static_cast<int64_t>(H * dtype_size(c.shape.dtype));
+  int64_t dispatch_bytes = 0, payload_bytes = 0, meta_bytes = 0, combine_a_bytes = 0, combine_b_bytes = 0,
+          combine_e_bytes = 0;
+  for (const RankResult& res : results) {
+    dispatch_bytes += static_cast<int64_t>(res.dispatch_counters.inter_node_bytes);
+    payload_bytes += res.stats.inter_node_payload_bytes;
+    meta_bytes += res.stats.inter_node_meta_bytes;
+    combine_a_bytes += static_cast<int64_t>(res.combine_a_counters.inter_node_bytes);
+    combine_b_bytes += static_cast<int64_t>(res.combine_b_counters.inter_node_bytes);
+    combine_e_bytes += static_cast<int64_t>(res.combine_e_counters.inter_node_bytes);
+  }
+  EXPECT_EQ(dispatch_bytes, pairs * (row_bytes + dispatch_meta_bytes(K, c.with_weights)))
+      << "dispatch inter_node_bytes; " << pairs << " pairs cross nodes";
+  EXPECT_EQ(payload_bytes, pairs * row_bytes) << "sum of stats.inter_node_payload_bytes";
+  EXPECT_EQ(meta_bytes, pairs * dispatch_meta_bytes(K, c.with_weights)) << "sum of stats.inter_node_meta_bytes";
+  const int64_t combine_row_f32 = 4 * H;
+  const int64_t combine_row_bf16 = order == CombineOrder::kHierarchical ? 4 * H : 2 * H;
+  EXPECT_EQ(combine_a_bytes, pairs * combine_row_f32) << "combine (f32 y) inter_node_bytes";
+  EXPECT_EQ(combine_b_bytes, pairs * combine_row_bf16) << "combine (bf16 y) inter_node_bytes";
+  EXPECT_EQ(combine_e_bytes, pairs * combine_row_f32) << "combine_expanded inter_node_bytes";
+
+  // Combines.
+  const auto y_a = per_rank(R, [&](int r) { return expert_output(recv_x[r], r, DType::kF32); });
+  const auto y_b = per_rank(R, [&](int r) { return expert_output(recv_x[r], r, DType::kBF16); });
+  std::vector<Matrix> bias_a, bias_b;
+  if (c.with_bias) {
+    bias_a = per_rank(R, [&](int r) {
+      return make_random_matrix(sub_seed(c, kBiasA, r), inputs[r].num_tokens(), H, c.shape.dtype);
+    });
+    bias_b = per_rank(R, [&](int r) {
+      return make_random_matrix(sub_seed(c, kBiasB, r), inputs[r].num_tokens(), H, DType::kF32);
+    });
+  }
+  const auto out_a = reference_combine(spec, inputs, recv, y_a, bias_a, c.shape.dtype, order);
+  const auto out_a_other = reference_combine(spec, inputs, recv, y_a, bias_a, c.shape.dtype, other);
+  const auto out_b = reference_combine(spec, inputs, recv, y_b, bias_b, DType::kF32, order);
+  const auto out_b_other = reference_combine(spec, inputs, recv, y_b, bias_b, DType::kF32, other);
+  const auto out_b_flat = reference_combine(spec, inputs, recv, y_b, bias_b, DType::kF32, CombineOrder::kFlat);
+
+  // Expanded and weighted.
+  std::vector<Matrix> partials;
+  std::vector<Matrix> grad_recv_x;
+  std::vector<std::vector<float>> grad_recv_w;
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    const RankResult& res = results[r];
+    const int64_t n = recv[r].num_recv();
+    const RefExpanded ex = reference_expanded(recv[r], spec.placement.num_local_experts(r), c.alignment);
+    EXPECT_TRUE(same_vector(res.expanded.expert_offsets, ex.expert_offsets)) << "expanded expert_offsets";
+    EXPECT_TRUE(same_vector(res.expanded.num_tokens_per_expert, ex.num_tokens_per_expert))
+        << "expanded num_tokens_per_expert";
+    EXPECT_TRUE(same_vector(res.expanded.row_of, ex.row_of, K)) << "expanded row_of";
+    EXPECT_TRUE(same_vector(res.expanded.recv_row, ex.recv_row)) << "expanded recv_row";
+    const Matrix expanded_x = reference_expand(recv_x[r], ex);
+    EXPECT_TRUE(same_matrix(res.expanded_x, expanded_x, &xs)) << "expand()";
+    const Matrix y_e = expanded_expert_output(expanded_x, ex.recv_row, r, c.expanded_dtype);
+    const std::vector<float> weights = c.explicit_expand_weights
+                                           ? make_random_floats(sub_seed(c, kExpandWeights, r), n * K)
+                                           : recv[r].topk_weights;
+    partials.push_back(reference_expert_partial(y_e, ex, weights, K));
+    grad_recv_x.push_back(expert_output(recv_x[r], r + 5, DType::kF32));
+    grad_recv_w.push_back(make_random_floats(sub_seed(c, kGradRecvWeights, r), n * K));
+  }
+  const auto out_e = reference_combine(spec, inputs, recv, partials, {}, DType::kF32, order);
+  const auto out_e_other = reference_combine(spec, inputs, recv, partials, {}, DType::kF32, other);
+  const auto grad_x = reference_combine(spec, inputs, recv, grad_recv_x, {}, DType::kF32, order);
+  const auto grad_x_other = reference_combine(spec, inputs, recv, grad_recv_x, {}, DType::kF32, other);
+  const auto grad_w = reference_weight_grads(spec, inputs, recv, grad_recv_w);
+  const auto x2 = per_rank(R, [&](int r) { return make_payload(7, r, inputs[r].num_tokens(), H, c.shape.dtype); });
+  const auto grad_out =
+      per_rank(R, [&](int r) { return make_payload(11, r, inputs[r].num_tokens(), H, c.shape.dtype); });
+  const auto cached_x2 = gather_rows(x2, recv);
+  const auto grad_y = gather_rows(grad_out, recv);
+
+  std::vector<Matrix> actual_a, actual_b, actual_e, actual_grad_x;
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    const RankResult& res = results[r];
+    const bool multi_node = spec.topology.num_nodes() > 1;
+    EXPECT_TRUE(same_combine(res.out_a, out_a[r], multi_node ? &out_a_other[r] : nullptr))
+        << "combine (f32 y, " << dtype_name(c.shape.dtype) << " out) in the " << combine_order_name(order) << " order";
+    EXPECT_TRUE(same_combine(res.out_b, out_b[r], multi_node ? &out_b_other[r] : nullptr))
+        << "combine (bf16 y, f32 out) in the " << combine_order_name(order) << " order";
+    if (order == CombineOrder::kHierarchical) {
+      EXPECT_TRUE(near_matrix(res.out_b, out_b_flat[r], 1e-5f)) << "two-hop combine vs the flat sum";
+    }
+    const Matrix& c_ref = c.combine_input_dtype == DType::kF32 ? res.out_a : res.out_b;
+    EXPECT_TRUE(same_matrix(res.out_c, c_ref)) << "combine of combine_input(" << dtype_name(c.combine_input_dtype)
+                                               << ") vs combine of a separate y";
+    EXPECT_TRUE(same_combine(res.out_e, out_e[r], multi_node ? &out_e_other[r] : nullptr))
+        << "combine_expanded (" << dtype_name(c.expanded_dtype) << " y) in the " << combine_order_name(order)
+        << " order";
+    EXPECT_TRUE(same_matrix(res.cached_same, res.recv_x, &xs)) << "dispatch_cached(x) vs dispatch(x)";
+    EXPECT_TRUE(same_matrix(res.cached_x2, cached_x2[r], &x2)) << "dispatch_cached(x2)";
+    EXPECT_TRUE(same_combine(res.grad_x, grad_x[r], multi_node ? &grad_x_other[r] : nullptr))
+        << "dispatch_backward grad_x";
+    EXPECT_TRUE(same_vector(res.grad_w, grad_w[r], K)) << "dispatch_backward grad_topk_weights";
+    EXPECT_TRUE(same_matrix(res.grad_y, grad_y[r], &grad_out)) << "combine_backward grad_y";
+    EXPECT_TRUE(same_matrix(res.recv_x_again, res.recv_x)) << "second dispatch recv_x";
+    EXPECT_TRUE(same_vector(res.recv_idx_again, res.recv_idx, K)) << "second dispatch recv_topk_idx";
+    EXPECT_TRUE(same_vector(res.recv_src_rank_again, res.recv_src_rank)) << "second dispatch recv_src_rank";
+    EXPECT_TRUE(same_vector(res.counts_again, res.counts)) << "second dispatch counts";
+    EXPECT_TRUE(same_matrix(res.out_a_again, res.out_a)) << "second combine: not the same bits";
+    actual_a.push_back(res.out_a);
+    actual_b.push_back(res.out_b);
+    actual_e.push_back(res.out_e);
+    actual_grad_x.push_back(res.grad_x);
+  }
+  if (total_recv > 0) {
+    EXPECT_TRUE(any_nonzero(actual_a)) << "every combine output is zero";
+    EXPECT_TRUE(any_nonzero(actual_b)) << "every combine output is zero";
+    EXPECT_TRUE(any_nonzero(actual_e)) << "every combine_expanded output is zero";
+    EXPECT_TRUE(any_nonzero(actual_grad_x)) << "every grad_x is zero";
+  }
+}
+
+class Conformance : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(Conformance, MatchesTheReference) {
+  for (const Case& c : make_cases(GetParam())) {
+    check_case(c);
+    if (HasFailure()) return;  // the trace above names the first failing sub-case; the rest would repeat it
+  }
+}
+
+std::vector<Shape> all_shapes() {
+  std::vector<Shape> shapes;
+  const struct {
+    int ranks;
+    int nodes;
+    std::vector<DispatchAlgorithm> algorithms;
+  } grid[] = {
+      {1, 1, {DispatchAlgorithm::kAuto}},
+      {2, 1, {DispatchAlgorithm::kAuto}},
+      {2, 2, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kHierarchical}},
+      {3, 1, {DispatchAlgorithm::kAuto}},
+      {4, 1, {DispatchAlgorithm::kAuto}},
+      {4, 2, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kAuto}},
+      {8, 1, {DispatchAlgorithm::kAuto}},
+      {8, 2, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kHierarchical}},
+      {8, 4, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kAuto}},
+  };
+  for (const auto& g : grid)
+    for (DispatchAlgorithm a : g.algorithms)
+      for (DType dtype : {DType::kF32, DType::kBF16}) shapes.push_back({g.ranks, g.nodes, a, dtype});
+  return shapes;
+}
+
+INSTANTIATE_TEST_SUITE_P(Exchange, Conformance, ::testing::ValuesIn(all_shapes()), shape_name);
+
+// Experts placed unevenly by ExpertPlacement::from_map (10 experts on 4 ranks:
+// 5, 0, 3 and 2, interleaved), so a rank may hold none and E need not divide
+// by R; flat and two-hop, with every operation checked as above.
+TEST(ConformanceUnevenPlacement, MatchesTheReference) {
+  const std::vector<int32_t> map = {0, 0, 2, 0, 3, 2, 0, 2, 0, 3};
+  // The reference trusts ExpertPlacement for rank_of / local_id; check it by hand first.
+  const ExpertPlacement placement = *ExpertPlacement::from_map(map, 4);
+  const std::vector<int32_t> local_id = {0, 1, 0, 2, 0, 1, 3, 2, 4, 1};
+  const int num_local[4] = {5, 0, 3, 2};
+  for (int e = 0; e < 10; ++e) {
+    EXPECT_EQ(placement.rank_of(e), map[e]) << "expert " << e;
+    EXPECT_EQ(placement.local_id(e), local_id[e]) << "expert " << e;
+  }
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(placement.num_local_experts(r), num_local[r]) << "rank " << r;
+  const ExpertPlacement blocks = *ExpertPlacement::contiguous(48, 3);
+  for (int e = 0; e < 48; ++e) {
+    EXPECT_EQ(blocks.rank_of(e), e / 16) << "expert " << e;
+    EXPECT_EQ(blocks.local_id(e), e % 16) << "expert " << e;
+  }
+  ASSERT_FALSE(HasFailure());
+  uint32_t index = 0;
+  for (DispatchAlgorithm algorithm : {DispatchAlgorithm::kFlat, DispatchAlgorithm::kHierarchical}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      for (Routing routing : {Routing::kUniform, Routing::kSkewed, Routing::kHoles, Routing::kOneRankPerToken,
+                              Routing::kAllToLast}) {
+        Case c;
+        c.shape = {4, 2, algorithm, dtype};
+        c.num_experts = 10;
+        c.topk = 3;
+        c.routing = routing;
+        c.seed = 500u + index;
+        c.hidden = index % 2 ? 36 : 8;
+        c.alignment = index % 3 == 0 ? 4 : 1;
+        c.with_weights = index % 4 != 3;
+        c.pass_layout = index % 2 == 0;
+        c.with_bias = index % 3 == 1;
+        c.combine_input_dtype = index % 2 ? DType::kBF16 : DType::kF32;
+        c.expanded_dtype = index % 4 < 2 ? DType::kBF16 : DType::kF32;
+        c.explicit_expand_weights = !c.with_weights || index % 5 == 0;
+        c.expert_map = map;
+        check_case(c);
+        if (HasFailure()) return;
+        ++index;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epx::exchange_test
