@@ -1,0 +1,91 @@
+# epx: the everyday commands.
+#
+#   make run     set up, build (Release, build/) and run `epx demo`
+#   make test    set up, then: Release build + ctest; ASan/UBSan build + ctest;
+#                install into a scratch prefix and build examples/consumer against it
+#   make build   set up and build (Release, build/)
+#   make bench   build, then `epx bench exchange`
+#   make clean   remove every build folder
+#
+# JOBS, BUILD_DIR, ASAN_DIR, INSTALL_CHECK_DIR and CTEST_TIMEOUT can be set on
+# the command line, e.g. `make test JOBS=8`.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.NOTPARALLEL:
+.DEFAULT_GOAL := run
+
+JOBS ?= 2
+BUILD_DIR ?= build
+ASAN_DIR ?= build-asan
+INSTALL_CHECK_DIR ?= build-install
+CTEST_TIMEOUT ?= 600
+CMAKE ?= cmake
+CTEST ?= ctest
+
+# The epx binary: $(BUILD_DIR)/apps/epx/epx, or $(BUILD_DIR)/bin/epx where
+# apps/epx sets its RUNTIME_OUTPUT_DIRECTORY there. Used as `$(call epx,ARGS)`.
+epx = @bin=$(BUILD_DIR)/apps/epx/epx; [[ -x $$bin ]] || bin=$(BUILD_DIR)/bin/epx; echo "$$bin $(1)"; "$$bin" $(1)
+CTEST_FLAGS := --output-on-failure -j$(JOBS) --timeout $(CTEST_TIMEOUT) --no-tests=error
+INSTALL_PREFIX := $(abspath $(INSTALL_CHECK_DIR))/prefix
+CONSUMER_BUILD := $(INSTALL_CHECK_DIR)/consumer
+
+section = @printf '\n==== %s ====\n' $(1)
+
+.PHONY: run test build bench clean setup configure test-readme test-release test-asan test-install
+
+setup:
+	@bash scripts/setup.sh
+
+configure: setup
+	$(call section,"configure Release ($(BUILD_DIR))")
+	$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release
+
+build: configure
+	$(call section,"build Release ($(BUILD_DIR))")
+	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)
+
+run: build
+	$(call section,"epx demo")
+	$(call epx,demo)
+
+bench: build
+	$(call section,"epx bench exchange")
+	$(call epx,bench exchange)
+
+test-release: build
+	$(call section,"ctest Release ($(BUILD_DIR))")
+	$(CTEST) --test-dir $(BUILD_DIR) $(CTEST_FLAGS)
+
+test-asan: setup
+	$(call section,"configure ASan+UBSan ($(ASAN_DIR))")
+	$(CMAKE) -S . -B $(ASAN_DIR) -DEPX_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_BENCH=OFF
+	$(call section,"build ASan+UBSan ($(ASAN_DIR))")
+	$(CMAKE) --build $(ASAN_DIR) -j$(JOBS)
+	$(call section,"ctest ASan+UBSan ($(ASAN_DIR))")
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST) --test-dir $(ASAN_DIR) $(CTEST_FLAGS)
+
+# Installs the Release build into a fresh prefix and builds the standalone
+# examples/consumer project against it, as a user of the package would.
+test-install: build
+	$(call section,"install check: cmake --install into $(INSTALL_PREFIX)")
+	rm -rf $(INSTALL_CHECK_DIR)
+	$(CMAKE) --install $(BUILD_DIR) --prefix $(INSTALL_PREFIX)
+	$(call section,"install check: build examples/consumer against the installed epx")
+	$(CMAKE) -S examples/consumer -B $(CONSUMER_BUILD) -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH=$(INSTALL_PREFIX) -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF
+	$(CMAKE) --build $(CONSUMER_BUILD) -j$(JOBS)
+	$(call section,"install check: run the consumer")
+	$(CONSUMER_BUILD)/epx_consumer
+
+# The C++ example in README.md must be examples/consumer/main.cc verbatim.
+test-readme:
+	$(call section,"README example == examples/consumer/main.cc")
+	awk '/<!-- examples\/consumer\/main.cc -->/{m=1;next} m==1&&/^```cpp/{m=2;next} m==2&&/^```$$/{exit} m==2' README.md \
+	  | diff -u examples/consumer/main.cc - && echo "identical"
+
+test: test-readme test-release test-asan test-install
+	$(call section,"make test: all passed")
+
+clean:
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(INSTALL_CHECK_DIR)

@@ -1,0 +1,262 @@
+// `epx bench exchange`: epx dispatch/combine vs memcpy and the naive
+// all-to-all, over a grid of token counts and node shapes.
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "commands.h"
+#include "exchange_bench.h"
+#include "machine.h"
+
+namespace epx::app {
+
+namespace {
+
+struct NodeShape {
+  int nodes = 0;
+  int ranks_per_node = 0;
+};
+
+Result<NodeShape> parse_node_shape(const std::string& text) {
+  const auto x = text.find('x');
+  NodeShape shape;
+  try {
+    if (x == std::string::npos) throw std::invalid_argument(text);
+    std::size_t used = 0;
+    shape.nodes = std::stoi(text.substr(0, x), &used);
+    if (used != x) throw std::invalid_argument(text);
+    shape.ranks_per_node = std::stoi(text.substr(x + 1), &used);
+    if (used != text.size() - x - 1) throw std::invalid_argument(text);
+  } catch (const std::exception&) {
+    return invalid_argument("node shape '{}' is not NODESxRANKS_PER_NODE (e.g. 2x4)", text);
+  }
+  if (shape.nodes < 1 || shape.ranks_per_node < 1)
+    return invalid_argument("node shape '{}' needs at least 1 node and 1 rank per node", text);
+  return shape;
+}
+
+nlohmann::json timing_json(const bench::MethodTiming& m) {
+  return {{"time_ms", m.time_ms},  {"min_ms", m.min_ms}, {"gbps", m.gbps},           {"gbps_total", m.gbps_total},
+          {"cpu_ms", m.cpu_ms},    {"page_faults", m.page_faults}, {"samples_ms", m.samples_ms}};
+}
+
+nlohmann::json result_json(const bench::ExchangeBenchResult& r) {
+  const auto& c = r.config;
+  return {{"tokens", c.num_tokens},
+          {"nodes", c.num_nodes},
+          {"ranks", c.num_ranks},
+          {"ranks_per_node", c.num_ranks / c.num_nodes},
+          {"path", r.hierarchical ? "two-hop" : "flat"},
+          {"schedule", r.schedule},
+          {"row_bytes", r.row_bytes},
+          {"rows", r.recv_rows},
+          {"bytes", r.recv_bytes},
+          {"max_recv_rows", r.max_recv_rows},
+          {"naive_rows", r.naive_rows},
+          {"naive_bytes_moved", r.naive_rows * r.row_bytes},
+          {"inter_node_bytes",
+           {{"dispatch", r.dispatch_inter_node_bytes},
+            {"combine", r.combine_inter_node_bytes},
+            {"naive_dispatch", r.naive_dispatch_inter_node_bytes},
+            {"naive_combine", r.naive_combine_inter_node_bytes}}},
+          {"memory_per_rank_bytes", {{"epx_regions", r.epx_region_bytes}, {"naive", r.naive_bytes}}},
+          {"other_cpu_share", r.other_cpu_share},
+          {"dispatch", timing_json(r.dispatch)},
+          {"combine", timing_json(r.combine)},
+          {"combine_copy_in", timing_json(r.combine_copy_in)},
+          {"memcpy", timing_json(r.memcpy)},
+          {"naive_dispatch", timing_json(r.naive_dispatch)},
+          {"naive_combine", timing_json(r.naive_combine)},
+          {"dispatch_vs_memcpy", r.dispatch_vs_memcpy},
+          {"combine_vs_memcpy", r.combine_vs_memcpy},
+          {"dispatch_vs_naive", r.dispatch_vs_naive},
+          {"combine_vs_naive", r.combine_vs_naive},
+          {"cpu_ratios",
+           {{"dispatch_vs_memcpy", r.dispatch_vs_memcpy_cpu},
+            {"combine_vs_memcpy", r.combine_vs_memcpy_cpu},
+            {"dispatch_vs_naive", r.dispatch_vs_naive_cpu},
+            {"combine_vs_naive", r.combine_vs_naive_cpu}}}};
+}
+
+void print_table(std::FILE* f, const std::vector<bench::ExchangeBenchResult>& results) {
+  fmt::print(f, "{:>7} {:>5}  {:<18} {:>10} {:>10} {:>11} {:>10} {:>9} {:>10}\n", "tokens", "shape", "method",
+             "time ms", "GB/s/rank", "GB/s total", "vs memcpy", "vs naive", "cpu ms");
+  for (const auto& r : results) {
+    const std::string shape = fmt::format("{}x{}", r.config.num_nodes, r.config.num_ranks / r.config.num_nodes);
+    auto line = [&](const char* name, const bench::MethodTiming& m, double vs_memcpy, double vs_naive) {
+      fmt::print(f, "{:>7} {:>5}  {:<18} {:>10.3f} {:>10.2f} {:>11.2f} {:>10} {:>9} {:>10.1f}\n", r.config.num_tokens,
+                 shape, name, m.time_ms, m.gbps, m.gbps_total, vs_memcpy > 0 ? fmt::format("{:.2f}x", vs_memcpy) : "",
+                 vs_naive > 0 ? fmt::format("{:.2f}x", vs_naive) : "", m.cpu_ms);
+    };
+    line("dispatch", r.dispatch, r.dispatch_vs_memcpy, r.dispatch_vs_naive);
+    line("combine", r.combine, r.combine_vs_memcpy, r.combine_vs_naive);
+    line("combine (copy-in)", r.combine_copy_in, r.memcpy.time_ms / r.combine_copy_in.time_ms,
+         r.naive_combine.time_ms / r.combine_copy_in.time_ms);
+    line("memcpy (limit)", r.memcpy, 0, 0);
+    line("naive dispatch", r.naive_dispatch, 0, 0);
+    line("naive combine", r.naive_combine, 0, 0);
+    fmt::print(f, "{:>14}  {} rows, {:.1f} MB received ({} max on one rank); naive moves {} rows; {}; {}",
+               "", r.recv_rows, static_cast<double>(r.recv_bytes) / 1e6, r.max_recv_rows, r.naive_rows,
+               r.hierarchical ? "two-hop" : "flat", r.schedule);
+    if (r.config.num_nodes > 1)
+      fmt::print(f, "; inter-node MB: dispatch {:.1f}, combine {:.1f}, naive {:.1f} + {:.1f}",
+                 static_cast<double>(r.dispatch_inter_node_bytes) / 1e6,
+                 static_cast<double>(r.combine_inter_node_bytes) / 1e6,
+                 static_cast<double>(r.naive_dispatch_inter_node_bytes) / 1e6,
+                 static_cast<double>(r.naive_combine_inter_node_bytes) / 1e6);
+    fmt::print(f, "; other processes took {:.0f}% of the CPU\n", 100 * r.other_cpu_share);
+    fmt::print(f, "{:>14}  from CPU time: dispatch {:.2f}x memcpy, {:.2f}x naive; combine {:.2f}x memcpy, {:.2f}x naive\n",
+               "", r.dispatch_vs_memcpy_cpu, r.dispatch_vs_naive_cpu, r.combine_vs_memcpy_cpu, r.combine_vs_naive_cpu);
+  }
+}
+
+// Chrome trace events ("X" spans, one track per rank, one process per shape).
+void append_trace(nlohmann::json& events, const Tracer& tracer, int pid, const std::string& label) {
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", label}}}});
+  for (const TraceSpan& s : tracer.spans())
+    events.push_back({{"name", s.name},
+                      {"ph", "X"},
+                      {"pid", pid},
+                      {"tid", s.rank},
+                      {"ts", static_cast<double>(s.begin_ns) * 1e-3},
+                      {"dur", static_cast<double>(s.end_ns - s.begin_ns) * 1e-3}});
+}
+
+}  // namespace
+
+int run_bench_exchange(const BenchExchangeOptions& o) {
+  auto usage = [](const std::string& message) {
+    fmt::print(stderr, "epx bench exchange: {}\n", message);
+    return kExitUsage;
+  };
+  std::vector<NodeShape> shapes;
+  for (const std::string& text : o.node_shapes) {
+    Result<NodeShape> shape = parse_node_shape(text);
+    if (!shape.is_ok()) return usage(fmt::format("--nodes-shapes: {}", shape.status().message()));
+    if (shape->nodes * shape->ranks_per_node != o.num_ranks)
+      return usage(fmt::format("--nodes-shapes {} has {} ranks but --ranks is {}", text,
+                               shape->nodes * shape->ranks_per_node, o.num_ranks));
+    shapes.push_back(*shape);
+  }
+  // Check every shape before running any.
+  std::vector<bench::ExchangeBenchConfig> configs;
+  for (int tokens : o.tokens) {
+    if (tokens < 1) return usage(fmt::format("--tokens {} must be at least 1", tokens));
+    for (const NodeShape& shape : shapes) {
+      bench::ExchangeBenchConfig c{.num_ranks = o.num_ranks,
+                                   .num_nodes = shape.nodes,
+                                   .num_tokens = tokens,
+                                   .hidden = o.hidden,
+                                   .num_experts = o.num_experts,
+                                   .topk = o.topk,
+                                   .dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16,
+                                   .reps = o.reps,
+                                   .warmup = o.warmup,
+                                   .skew = o.skew,
+                                   .seed = o.seed,
+                                   .verify = !o.no_verify,
+                                   .memory_fraction = o.memory_fraction};
+      if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
+      configs.push_back(c);
+    }
+  }
+
+  const MachineInfo machine = machine_info();
+  const std::string date = utc_now();
+  spdlog::info("epx bench exchange: {} shapes on {} ({} cores, {:.1f} GiB); {} rank threads",
+               configs.size(), machine.cpu_model, machine.cores,
+               static_cast<double>(machine.memory_bytes) / (1024.0 * 1024 * 1024), o.num_ranks);
+  std::vector<bench::ExchangeBenchResult> results;
+  nlohmann::json shapes_json = nlohmann::json::array();
+  nlohmann::json trace_events = nlohmann::json::array();
+  bool any_failed = false;
+  for (std::size_t i = 0; i < configs.size(); ++i) {
+    bench::ExchangeBenchConfig c = configs[i];
+    const std::string label = fmt::format("tokens {} {}x{}", c.num_tokens, c.num_nodes, c.num_ranks / c.num_nodes);
+    auto tracer = std::make_unique<Tracer>();
+    if (o.phases || !o.trace_path.empty()) c.tracer = tracer.get();
+    spdlog::info("[{}/{}] {}: starting", i + 1, configs.size(), label);
+    Result<bench::ExchangeBenchResult> r =
+        bench::run_exchange_bench(c, [&](const std::string& line) { spdlog::info("[{}/{}] {}: {}", i + 1, configs.size(), label, line); });
+    if (!r.is_ok()) {
+      any_failed = true;
+      spdlog::error("[{}/{}] {}: {}", i + 1, configs.size(), label, r.status().to_string());
+      shapes_json.push_back({{"tokens", c.num_tokens},
+                             {"nodes", c.num_nodes},
+                             {"ranks", c.num_ranks},
+                             {"error", r.status().to_string()}});
+      continue;
+    }
+    if (r->other_cpu_share > 0.05)
+      spdlog::warn("[{}/{}] {}: other processes took {:.0f}% of the {} cores meanwhile: the times are inflated and "
+                   "noisy (cpu ms and the ratios less so)",
+                   i + 1, configs.size(), label, 100 * r->other_cpu_share, machine.cores);
+    spdlog::info("[{}/{}] {}: dispatch {:.3f} ms ({:.2f}x memcpy, {:.2f}x naive), combine {:.3f} ms ({:.2f}x memcpy, "
+                 "{:.2f}x naive)",
+                 i + 1, configs.size(), label, r->dispatch.time_ms, r->dispatch_vs_memcpy, r->dispatch_vs_naive,
+                 r->combine.time_ms, r->combine_vs_memcpy, r->combine_vs_naive);
+    nlohmann::json shape = result_json(*r);
+    if (o.phases) {
+      nlohmann::json phases = nlohmann::json::array();
+      for (const bench::PhaseSummary& p : bench::summarize_phases(*tracer))
+        phases.push_back({{"name", p.name}, {"count", p.count}, {"mean_ms", p.mean_ms}, {"max_ms", p.max_ms}});
+      shape["phases"] = phases;
+    }
+    if (!o.trace_path.empty()) append_trace(trace_events, *tracer, static_cast<int>(i), label);
+    shapes_json.push_back(std::move(shape));
+    results.push_back(std::move(r).value());
+  }
+
+  if (!o.trace_path.empty()) {
+    std::ofstream trace(o.trace_path);
+    trace << nlohmann::json{{"traceEvents", trace_events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+    if (!trace) spdlog::error("could not write the trace to {}", o.trace_path);
+    else spdlog::info("trace written to {} (open in chrome://tracing or ui.perfetto.dev)", o.trace_path);
+  }
+
+  std::FILE* table = o.json ? stderr : stdout;
+  fmt::print(table, "\n");
+  print_table(table, results);
+  fmt::print(table,
+             "\nGB/s = received rows x row bytes / time (logical, DeepEP's figure), the same bytes for every method; "
+             "vs memcpy = memcpy time / time, vs naive = naive time / time; medians of {} interleaved reps; cpu ms = "
+             "CPU time of all rank threads in the operation; {} rank threads share {} cores.\n",
+             o.reps, o.num_ranks, machine.cores);
+  if (o.phases) {
+    for (std::size_t i = 0; i < shapes_json.size(); ++i) {
+      if (!shapes_json[i].contains("phases")) continue;
+      fmt::print(table, "\nphases, tokens {} {}x{} (mean ms per span over ranks and reps):\n",
+                 shapes_json[i]["tokens"].get<int>(), shapes_json[i]["nodes"].get<int>(),
+                 shapes_json[i]["ranks"].get<int>() / shapes_json[i]["nodes"].get<int>());
+      for (const auto& p : shapes_json[i]["phases"])
+        fmt::print(table, "  {:<32} {:>6} spans  mean {:>9.3f}  max {:>9.3f}\n", p["name"].get<std::string>(),
+                   p["count"].get<int64_t>(), p["mean_ms"].get<double>(), p["max_ms"].get<double>());
+    }
+  }
+
+  if (o.json) {
+    nlohmann::json j;
+    j["machine"] = {{"cpu_model", machine.cpu_model},
+                    {"cores", machine.cores},
+                    {"memory_bytes", machine.memory_bytes},
+                    {"kernel", machine.kernel}};
+    j["date"] = date;
+    j["epx_version"] = EPX_VERSION;
+    j["config"] = {{"ranks", o.num_ranks},      {"tokens", o.tokens}, {"node_shapes", o.node_shapes},
+                   {"hidden", o.hidden},        {"experts", o.num_experts}, {"topk", o.topk},
+                   {"dtype", o.dtype},          {"reps", o.reps},     {"warmup", o.warmup},
+                   {"skew", o.skew},            {"seed", o.seed},     {"verify", !o.no_verify},
+                   {"routing", o.skew == 0 ? "uniform random distinct experts per token" : "zipf-skewed"},
+                   {"bandwidth", "logical: received rows x row bytes / median time"}};
+    j["shapes"] = shapes_json;
+    fmt::print("{}\n", j.dump(2));
+  }
+  return any_failed ? kExitFailed : kExitOk;
+}
+
+}  // namespace epx::app

@@ -1,0 +1,52 @@
+// The subcommands of the `epx` command. Each takes its parsed options and
+// returns the process exit code: 0 done, 1 the run failed (a check or a
+// shape), 2 bad options (already reported by the caller or by the command).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace epx::app {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailed = 1;
+inline constexpr int kExitUsage = 2;
+
+struct DemoOptions {
+  int num_ranks = 4;
+  int num_nodes = 1;
+  int num_tokens = 64;
+  int hidden = 256;
+  int num_experts = 16;
+  int topk = 4;
+  double skew = 0.5;
+  uint64_t seed = 1;
+  std::string dtype = "bf16";
+  int reps = 5;
+  bool json = false;
+};
+
+struct BenchExchangeOptions {
+  std::vector<int> tokens = {128, 1024, 4096};
+  std::vector<std::string> node_shapes = {"1x8", "2x4"};
+  int num_ranks = 8;
+  int hidden = 7168;
+  int num_experts = 256;
+  int topk = 8;
+  std::string dtype = "bf16";
+  int reps = 5;
+  int warmup = 1;
+  double skew = 0.0;
+  uint64_t seed = 1;
+  bool no_verify = false;
+  double memory_fraction = 0.85;
+  bool phases = false;
+  std::string trace_path;
+  bool json = false;
+};
+
+int run_demo(const DemoOptions& options);
+int run_bench_exchange(const BenchExchangeOptions& options);
+
+}  // namespace epx::app

@@ -1,0 +1,122 @@
+// The `epx` command: thin over the public API.
+//
+//   epx demo                      a small dispatch/combine, shown and checked
+//   epx bench exchange --json     dispatch/combine vs memcpy and a naive all-to-all
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  using epx::app::kExitUsage;
+  CLI::App app{"epx: expert parallelism for Mixture-of-Experts models (dispatch, combine, load balance).\n"
+               "Ranks run as threads of this process; --nodes emulates several machines.",
+               "epx"};
+  app.set_version_flag("--version", std::string("epx ") + EPX_VERSION);
+  app.require_subcommand(1);
+  app.fallthrough();
+  bool quiet = false;
+  app.add_flag("-q,--quiet", quiet, "No progress lines on stderr");
+
+  // epx demo
+  epx::app::DemoOptions demo;
+  CLI::App* demo_cmd = app.add_subcommand(
+      "demo",
+      "A short dispatch/combine over in-process ranks: what moved where, load imbalance, bandwidth, and a round-trip "
+      "check (exit 1 if it fails)");
+  demo_cmd->add_option("--ranks", demo.num_ranks, "Ranks (threads)")->check(CLI::Range(1, 256))->capture_default_str();
+  demo_cmd->add_option("--nodes", demo.num_nodes, "Emulated nodes; must divide --ranks; > 1 takes the two-hop path")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  demo_cmd->add_option("--tokens", demo.num_tokens, "Tokens per rank")->check(CLI::Range(0, 65536))->capture_default_str();
+  demo_cmd->add_option("--hidden", demo.hidden, "Elements per token row")->check(CLI::Range(1, 65536))->capture_default_str();
+  demo_cmd->add_option("--experts", demo.num_experts, "Experts, placed in equal blocks over the ranks")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  demo_cmd->add_option("--topk", demo.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  demo_cmd->add_option("--skew", demo.skew, "Routing skew: expert e drawn with weight (e+1)^-skew; 0 = uniform")
+      ->check(CLI::Range(0.0, 16.0))
+      ->capture_default_str();
+  demo_cmd->add_option("--seed", demo.seed, "Routing seed")->capture_default_str();
+  demo_cmd->add_option("--dtype", demo.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
+  demo_cmd->add_option("--reps", demo.reps, "Timed repetitions after the checked warm-up")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  demo_cmd->add_flag("--json", demo.json, "Print one JSON object instead of the text report");
+
+  // epx bench exchange
+  CLI::App* bench_cmd = app.add_subcommand("bench", "Benchmarks");
+  bench_cmd->require_subcommand(1);
+  epx::app::BenchExchangeOptions bench;
+  CLI::App* exchange_cmd = bench_cmd->add_subcommand(
+      "exchange",
+      "Dispatch and combine against the physical limit (memcpy of the same bytes by the same threads) and a naive "
+      "Megatron-style all-to-all; medians of interleaved repetitions");
+  exchange_cmd->add_option("--tokens", bench.tokens, "Tokens per rank, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  exchange_cmd->add_option("--nodes-shapes", bench.node_shapes,
+                           "Node shapes NODESxRANKS_PER_NODE, comma-separated; each must have --ranks ranks")
+      ->delimiter(',')
+      ->capture_default_str();
+  exchange_cmd->add_option("--ranks", bench.num_ranks, "Ranks (threads)")->check(CLI::Range(1, 256))->capture_default_str();
+  exchange_cmd->add_option("--hidden", bench.hidden, "Elements per token row")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  exchange_cmd->add_option("--experts", bench.num_experts, "Experts")->check(CLI::Range(1, 65536))->capture_default_str();
+  exchange_cmd->add_option("--topk", bench.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  exchange_cmd->add_option("--dtype", bench.dtype, "Payload type")
+      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->capture_default_str();
+  exchange_cmd->add_option("--reps", bench.reps, "Timed repetitions of each method")
+      ->check(CLI::Range(1, 10000))
+      ->capture_default_str();
+  exchange_cmd->add_option("--warmup", bench.warmup, "Untimed warm-up iterations (the first is checked)")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  exchange_cmd->add_option("--skew", bench.skew, "Routing skew (0 = uniform random distinct experts)")
+      ->check(CLI::Range(0.0, 16.0))
+      ->capture_default_str();
+  exchange_cmd->add_option("--seed", bench.seed, "Routing seed")->capture_default_str();
+  exchange_cmd->add_flag("--no-verify", bench.no_verify, "Skip the check of every method's output after the warm-up");
+  exchange_cmd->add_option("--memory-fraction", bench.memory_fraction,
+                           "Share of available memory a shape may use; above it methods run one after the other")
+      ->check(CLI::Range(0.05, 1.0))
+      ->capture_default_str();
+  exchange_cmd->add_flag("--phases", bench.phases, "Time the exchange's internal phases (tracer spans) and print them");
+  exchange_cmd->add_option("--trace", bench.trace_path, "Write a Chrome trace of the timed repetitions to this file");
+  exchange_cmd->add_flag("--json", bench.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
+
+  // A word where a command belongs that is not one: say so plainly.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.empty() || arg[0] == '-') continue;
+    if (arg != "demo" && arg != "bench") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are demo and bench (see epx --help)\n", arg);
+      return kExitUsage;
+    }
+    break;
+  }
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : kExitUsage;
+  }
+
+  auto logger = spdlog::stderr_color_mt("epx");
+  logger->set_pattern("[%H:%M:%S.%e] %v");
+  logger->set_level(quiet ? spdlog::level::warn : spdlog::level::info);
+  spdlog::set_default_logger(logger);
+
+  if (*demo_cmd) return epx::app::run_demo(demo);
+  if (*exchange_cmd) return epx::app::run_bench_exchange(bench);
+  fmt::print(stderr, "epx: no command given; see epx --help\n");
+  return kExitUsage;
+}

@@ -1,0 +1,672 @@
+#include "exchange_bench.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string_view>
+
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "epx/comm/inproc.h"
+#include "epx/core/buffer.h"
+#include "epx/exchange/buffer.h"
+#include "epx/exchange/layout.h"
+#include "naive_alltoall.h"
+#include "synthetic_routing.h"
+
+namespace epx::bench {
+
+namespace {
+
+enum Method : int { kDispatch, kCombine, kCombineCopyIn, kMemcpy, kNaiveDispatch, kNaiveCombine, kNumMethods };
+constexpr std::array<std::string_view, kNumMethods> kSpanName = {
+    "bench.dispatch", "bench.combine", "bench.combine_copy_in", "bench.memcpy", "bench.naive_dispatch",
+    "bench.naive_combine"};
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Everything about a shape that the main thread can know before the ranks
+// start: routing, layouts, and the row counts each method will move.
+struct ShapePlan {
+  ExpertPlacement placement;
+  std::vector<RankRouting> routing{};    // [R]
+  std::vector<DispatchLayout> layout{};  // [R]
+  std::vector<int64_t> recv_rows{};      // [R] dispatch rows rank r receives
+  std::vector<int64_t> naive_send{};     // [R] (token, expert) rows rank r sends
+  std::vector<int64_t> naive_recv{};     // [R] ... and receives
+  int64_t max_recv_rows = 0;
+  int64_t naive_max_rows = 0;
+};
+
+// State the rank threads share: timestamps of the current operation and
+// the samples collected by rank 0.
+struct Shared {
+  explicit Shared(int num_ranks)
+      : begin(num_ranks), end(num_ranks), cpu_ns(num_ranks), faults(num_ranks), x(num_ranks),
+        inter_node_bytes(num_ranks) {}
+  std::vector<int64_t> begin;
+  std::vector<int64_t> end;
+  std::vector<int64_t> cpu_ns;  // thread CPU time of the operation
+  std::vector<int64_t> faults;  // page faults during the operation
+  std::array<std::vector<double>, kNumMethods> samples;
+  std::array<std::vector<double>, kNumMethods> cpu_samples;  // summed over ranks, ms
+  std::array<int64_t, kNumMethods> timed_faults{};           // summed over ranks and repetitions
+  std::vector<const std::byte*> x;                                // each rank's input rows
+  std::vector<std::array<int64_t, kNumMethods>> inter_node_bytes;  // last timed call, per rank
+  bool interleaved = true;
+  Status failure;  // set by rank 0 when the naive phase cannot fit
+  std::size_t epx_region_bytes = 0;
+  std::size_t naive_bytes = 0;
+  bool hierarchical = false;
+};
+
+// Payload value of (rank, token, column): exact in bf16, rarely zero, and
+// different for neighbouring rows so a misrouted row shows.
+float pattern(int rank, int token, int64_t column) {
+  const int64_t v = (static_cast<int64_t>(rank) * 131 + static_cast<int64_t>(token) * 31 + column * 7) % 253;
+  return static_cast<float>(v - 126) / 64.0f;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// CPU time of the calling thread, and its minor page faults so far.
+int64_t thread_cpu_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+int64_t thread_page_faults() {
+  rusage usage{};
+  getrusage(RUSAGE_THREAD, &usage);
+  return usage.ru_minflt + usage.ru_majflt;
+}
+
+std::string gib(std::size_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / kGiB); }
+
+Result<ShapePlan> plan_shape(const ExchangeBenchConfig& config, const Topology& topo) {
+  EPX_ASSIGN_OR_RETURN(ExpertPlacement placement, ExpertPlacement::contiguous(config.num_experts, config.num_ranks));
+  ShapePlan plan{.placement = std::move(placement)};
+  const int num_ranks = config.num_ranks;
+  plan.recv_rows.assign(num_ranks, 0);
+  plan.naive_send.assign(num_ranks, 0);
+  plan.naive_recv.assign(num_ranks, 0);
+  const RoutingSpec spec{.num_tokens = config.num_tokens, .num_experts = config.num_experts, .topk = config.topk,
+                         .skew = config.skew, .seed = config.seed};
+  for (int r = 0; r < num_ranks; ++r) {
+    EPX_ASSIGN_OR_RETURN(RankRouting routing, make_routing(spec, r));
+    EPX_ASSIGN_OR_RETURN(DispatchLayout layout, compute_layout(routing.idx(), plan.placement, topo));
+    for (int d = 0; d < num_ranks; ++d) plan.recv_rows[d] += layout.num_tokens_per_rank[d];
+    for (int32_t e : routing.topk_idx) {
+      if (e < 0) continue;
+      const int d = plan.placement.rank_of(e);
+      ++plan.naive_send[r];
+      ++plan.naive_recv[d];
+    }
+    plan.routing.push_back(std::move(routing));
+    plan.layout.push_back(std::move(layout));
+  }
+  for (int r = 0; r < num_ranks; ++r) {
+    plan.max_recv_rows = std::max(plan.max_recv_rows, plan.recv_rows[r]);
+    plan.naive_max_rows = std::max({plan.naive_max_rows, plan.naive_send[r], plan.naive_recv[r]});
+  }
+  return plan;
+}
+
+MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan) {
+  const std::size_t row_bytes = static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
+  const std::size_t num_ranks = static_cast<std::size_t>(config.num_ranks);
+  const std::size_t tokens = static_cast<std::size_t>(config.num_tokens);
+  MemoryPlan m;
+  m.common = num_ranks * 2 * tokens * row_bytes;  // x and out
+  // Receive region + combine region (max_combine_dtype = payload dtype);
+  // across nodes also the private staging the Buffer keeps between calls:
+  // rows for and from the other nodes, fp32 partials on the two-hop combine.
+  const std::size_t staged_row = config.num_nodes > 1 ? static_cast<std::size_t>(config.hidden) * 4 : 0;
+  m.epx = num_ranks * (2 * static_cast<std::size_t>(plan.max_recv_rows) * row_bytes + 2 * tokens * staged_row);
+  const NaiveConfig naive{.num_experts = config.num_experts, .hidden = config.hidden, .dtype = config.dtype,
+                          .max_topk = config.topk, .max_rows = plan.naive_max_rows};
+  m.naive = num_ranks * NaiveAllToAll::bytes_needed(naive);  // inproc messages are not copied
+  m.available = available_memory_bytes();
+  m.budget = m.available == 0 ? SIZE_MAX / 4 : static_cast<std::size_t>(m.available * config.memory_fraction);
+  return m;
+}
+
+// Compares a row with float expectations: exactly for bf16 results of exact
+// sums, within `rel` otherwise.
+bool row_matches(const std::byte* got, const float* expected, DType dtype, int64_t hidden, double rel,
+                 int64_t* bad_column, float* got_value) {
+  for (int64_t c = 0; c < hidden; ++c) {
+    const float g = load_as_f32(got, dtype, c);
+    float want;
+    if (dtype == DType::kBF16) {
+      want = bf16_to_f32(f32_to_bf16(expected[c]));
+    } else {
+      want = expected[c];
+    }
+    if (!(std::fabs(g - want) <= rel * std::fabs(want))) {
+      *bad_column = c;
+      *got_value = g;
+      return false;
+    }
+  }
+  return true;
+}
+
+// One rank of one shape.
+class RankBench {
+ public:
+  RankBench(Transport& transport, const ExchangeBenchConfig& config, const ShapePlan& plan, Shared& shared,
+            const ProgressFn& progress, std::size_t epx_staging_bytes)
+      : epx_staging_bytes_(epx_staging_bytes),
+        t_(transport),
+        config_(config),
+        plan_(plan),
+        shared_(shared),
+        progress_(progress),
+        rank_(transport.rank()),
+        row_bytes_(static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype)) {}
+
+  Status run() {
+    const int T = config_.num_tokens;
+    const int64_t H = config_.hidden;
+    x_ = AlignedBuffer(static_cast<std::size_t>(T) * row_bytes_, 4096);
+    out_ = AlignedBuffer(static_cast<std::size_t>(T) * row_bytes_, 4096, /*zero=*/true);
+    for (int t = 0; t < T; ++t)
+      for (int64_t c = 0; c < H; ++c) store_from_f32(x_.data() + t * row_bytes_, config_.dtype, c, pattern(rank_, t, c));
+    x_view_ = TensorView::contiguous(x_.data(), config_.dtype, {T, H});
+    out_view_ = TensorView::contiguous(out_.data(), config_.dtype, {T, H});
+    shared_.x[rank_] = x_.data();
+    const RankRouting& routing = plan_.routing[rank_];
+
+    BufferConfig buffer_config{.num_experts = config_.num_experts,
+                               .hidden = config_.hidden,
+                               .dtype = config_.dtype,
+                               .max_topk = config_.topk,
+                               .max_tokens_per_rank = T,
+                               .max_recv_tokens = plan_.max_recv_rows,
+                               .max_combine_dtype = config_.dtype,
+                               .placement = plan_.placement,
+                               .timeout = config_.timeout,
+                               .tracer = config_.tracer};
+    EPX_ASSIGN_OR_RETURN(buffer_, Buffer::create(t_, buffer_config));
+    inputs_ = DispatchInputs{.x = x_view_, .topk_idx = routing.idx(), .topk_weights = routing.weights()};
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    if (rank_ == 0) {
+      shared_.epx_region_bytes = buffer_->region_bytes();
+      shared_.hierarchical = buffer_->hierarchical();
+      // Decide now, with epx's regions really allocated, whether the naive
+      // baseline fits next to them.
+      const std::size_t available = available_memory_bytes();
+      const std::size_t need = naive_total_bytes() + epx_staging_bytes_;
+      shared_.interleaved = shared_.interleaved &&
+                            (available == 0 || need <= static_cast<std::size_t>(available * config_.memory_fraction));
+      say(fmt::format("epx regions {} per rank ({}); naive baseline and epx staging need {} more, {} available: {}",
+                      gib(shared_.epx_region_bytes), shared_.hierarchical ? "two-hop" : "flat", gib(need),
+                      gib(available), shared_.interleaved ? "interleaved" : "phased (epx first, then the others)"));
+    }
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+
+    if (shared_.interleaved) {
+      EPX_RETURN_IF_ERROR(create_naive());
+      for (int w = 0; w < config_.warmup; ++w) {
+        const bool check = config_.verify && w == 0;
+        EPX_RETURN_IF_ERROR(epx_group(false, check));
+        EPX_RETURN_IF_ERROR(memcpy_op(false));
+        EPX_RETURN_IF_ERROR(naive_group(false, check));
+      }
+      EPX_RETURN_IF_ERROR(after_warmup());
+      for (int rep = 0; rep < config_.reps; ++rep) {
+        EPX_RETURN_IF_ERROR(epx_group(true, false));
+        EPX_RETURN_IF_ERROR(memcpy_op(true));
+        EPX_RETURN_IF_ERROR(naive_group(true, false));
+        if (rank_ == 0) say(fmt::format("repetition {}/{} done", rep + 1, config_.reps));
+      }
+      return t_.barrier(deadline());
+    }
+
+    // Phased: epx alone, freed, then memcpy and naive.
+    for (int w = 0; w < config_.warmup; ++w) EPX_RETURN_IF_ERROR(epx_group(false, config_.verify && w == 0));
+    EPX_RETURN_IF_ERROR(after_warmup());
+    for (int rep = 0; rep < config_.reps; ++rep) EPX_RETURN_IF_ERROR(epx_group(true, false));
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    recv_ = DispatchResult{};
+    buffer_.reset();
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    if (rank_ == 0) {
+      const std::size_t available = available_memory_bytes();
+      const std::size_t need = naive_total_bytes();
+      if (available != 0 && need > static_cast<std::size_t>(available * config_.memory_fraction))
+        shared_.failure = resource_exhausted(
+            "the naive baseline needs {} for {} tokens/rank but only {} of {} available may be used "
+            "(memory_fraction {}); run fewer tokens",
+            gib(need), config_.num_tokens, gib(static_cast<std::size_t>(available * config_.memory_fraction)),
+            gib(available), config_.memory_fraction);
+    }
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    if (!shared_.failure.is_ok()) return shared_.failure;
+    EPX_RETURN_IF_ERROR(create_naive());
+    for (int w = 0; w < config_.warmup; ++w) {
+      EPX_RETURN_IF_ERROR(memcpy_op(false));
+      EPX_RETURN_IF_ERROR(naive_group(false, config_.verify && w == 0));
+    }
+    EPX_RETURN_IF_ERROR(after_warmup());
+    for (int rep = 0; rep < config_.reps; ++rep) {
+      EPX_RETURN_IF_ERROR(memcpy_op(true));
+      EPX_RETURN_IF_ERROR(naive_group(true, false));
+    }
+    return t_.barrier(deadline());
+  }
+
+ private:
+  [[nodiscard]] Deadline deadline() const { return Deadline::after(config_.timeout); }
+  void say(const std::string& line) const {
+    if (progress_) progress_(line);
+  }
+  [[nodiscard]] std::size_t naive_total_bytes() const {
+    const NaiveConfig naive{.num_experts = config_.num_experts, .hidden = config_.hidden, .dtype = config_.dtype,
+                            .max_topk = config_.topk, .max_rows = plan_.naive_max_rows};
+    return static_cast<std::size_t>(config_.num_ranks) * NaiveAllToAll::bytes_needed(naive);
+  }
+
+  Status create_naive() {
+    NaiveConfig naive_config{.num_experts = config_.num_experts,
+                             .hidden = config_.hidden,
+                             .dtype = config_.dtype,
+                             .max_topk = config_.topk,
+                             .max_rows = plan_.naive_max_rows,
+                             .placement = plan_.placement,
+                             .timeout = config_.timeout};
+    EPX_ASSIGN_OR_RETURN(naive_, NaiveAllToAll::create(t_, naive_config));
+    if (rank_ == 0) shared_.naive_bytes = naive_->bytes();
+    return Status::ok();
+  }
+
+  // Drops the warm-up's spans so the tracer holds the timed repetitions only.
+  Status after_warmup() {
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    if (rank_ == 0) {
+      if (config_.tracer) config_.tracer->clear();
+      say(config_.verify ? "warm-up done, outputs checked" : "warm-up done");
+    }
+    return Status::ok();
+  }
+
+  // Runs `op` on every rank from a common start; rank 0 records last end - first start.
+  template <typename Op>
+  Status timed(Method method, bool record, Op&& op) {
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    const uint64_t inter_before = t_.counters().inter_node_bytes;
+    Status status;
+    {
+      ScopedSpan span(config_.tracer, rank_, std::string(kSpanName[method]));
+      const int64_t faults = thread_page_faults();
+      const int64_t cpu = thread_cpu_ns();
+      shared_.begin[rank_] = now_ns();
+      status = op();
+      shared_.end[rank_] = now_ns();
+      shared_.cpu_ns[rank_] = thread_cpu_ns() - cpu;
+      shared_.faults[rank_] = thread_page_faults() - faults;
+    }
+    EPX_RETURN_IF_ERROR(status);
+    shared_.inter_node_bytes[rank_][method] = static_cast<int64_t>(t_.counters().inter_node_bytes - inter_before);
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    if (rank_ == 0 && record) {
+      const int64_t first = *std::min_element(shared_.begin.begin(), shared_.begin.end());
+      const int64_t last = *std::max_element(shared_.end.begin(), shared_.end.end());
+      shared_.samples[method].push_back(static_cast<double>(last - first) * 1e-6);
+      int64_t cpu = 0;
+      for (int64_t ns : shared_.cpu_ns) cpu += ns;
+      shared_.cpu_samples[method].push_back(static_cast<double>(cpu) * 1e-6);
+      for (int64_t f : shared_.faults) shared_.timed_faults[method] += f;
+    }
+    return Status::ok();
+  }
+
+  Status epx_group(bool record, bool check) {
+    EPX_RETURN_IF_ERROR(timed(kDispatch, record, [&] { return buffer_->dispatch(inputs_, &recv_); }));
+    if (check) EPX_RETURN_IF_ERROR(check_dispatch());
+    // The experts write their output straight into the combine region.
+    EPX_ASSIGN_OR_RETURN(TensorView y, buffer_->combine_input(recv_.handle, config_.dtype));
+    for (int64_t i = 0; i < recv_.recv_x.size(0); ++i) std::memcpy(y.row(i), recv_.recv_x.row(i), row_bytes_);
+    if (check) std::memset(out_.data(), 0, out_.size());
+    EPX_RETURN_IF_ERROR(timed(kCombine, record, [&] { return buffer_->combine(y, recv_.handle, out_view_); }));
+    if (check) EPX_RETURN_IF_ERROR(check_combine("combine (zero-copy)"));
+    if (check) std::memset(out_.data(), 0, out_.size());
+    EPX_RETURN_IF_ERROR(
+        timed(kCombineCopyIn, record, [&] { return buffer_->combine(recv_.recv_x, recv_.handle, out_view_); }));
+    if (check) EPX_RETURN_IF_ERROR(check_combine("combine (copy-in)"));
+    return Status::ok();
+  }
+
+  // The physical limit: the bytes this rank receives, one memcpy, between two
+  // of the naive baseline's buffers (already faulted in).
+  Status memcpy_op(bool record) {
+    const std::size_t bytes = static_cast<std::size_t>(plan_.recv_rows[rank_]) * row_bytes_;
+    std::span<std::byte> dst = naive_->scratch(0);
+    std::span<std::byte> src = naive_->scratch(1);
+    EPX_CHECK_LE(bytes, dst.size());
+    return timed(kMemcpy, record, [&] {
+      std::memcpy(dst.data(), src.data(), bytes);
+      return Status::ok();
+    });
+  }
+
+  Status naive_group(bool record, bool check) {
+    const RankRouting& routing = plan_.routing[rank_];
+    EPX_RETURN_IF_ERROR(
+        timed(kNaiveDispatch, record, [&] { return naive_->dispatch(x_view_, routing.idx(), &naive_recv_); }));
+    if (check) EPX_RETURN_IF_ERROR(check_naive_dispatch());
+    if (check) std::memset(out_.data(), 0, out_.size());
+    EPX_RETURN_IF_ERROR(timed(kNaiveCombine, record,
+                              [&] { return naive_->combine(naive_recv_.recv_x, routing.weights(), out_view_); }));
+    if (check) EPX_RETURN_IF_ERROR(check_naive_combine());
+    return Status::ok();
+  }
+
+  // recv_x row i must be row recv_src_idx[i] of rank recv_src_rank[i], in
+  // (source rank, source token) order, with the right local expert ids.
+  Status check_dispatch() const {
+    const int64_t n = recv_.recv_x.size(0);
+    if (n != plan_.recv_rows[rank_])
+      return internal_error("verify: rank {} received {} rows from dispatch, expected {}", rank_, n,
+                            plan_.recv_rows[rank_]);
+    const int topk = config_.topk;
+    std::vector<int32_t> per_expert(plan_.placement.num_local_experts(rank_), 0);
+    int64_t prev = -1;
+    for (int64_t i = 0; i < n; ++i) {
+      const int s = recv_.recv_src_rank.data_as<const int32_t>()[i];
+      const int t = recv_.recv_src_idx.data_as<const int32_t>()[i];
+      if (s < 0 || s >= config_.num_ranks || t < 0 || t >= config_.num_tokens || !plan_.layout[s].in_rank(t, rank_))
+        return internal_error("verify: rank {} row {} claims source (rank {}, token {}), which is not routed here",
+                              rank_, i, s, t);
+      const int64_t key = static_cast<int64_t>(s) * config_.num_tokens + t;
+      if (key <= prev)
+        return internal_error("verify: rank {} row {} (rank {}, token {}) is out of (source rank, token) order",
+                              rank_, i, s, t);
+      prev = key;
+      if (std::memcmp(recv_.recv_x.row(i), shared_.x[s] + t * row_bytes_, row_bytes_) != 0)
+        return internal_error("verify: rank {} row {} differs from token {} of rank {}", rank_, i, t, s);
+      const int32_t* idx = plan_.routing[s].topk_idx.data() + static_cast<std::size_t>(t) * topk;
+      const int32_t* got = recv_.recv_topk_idx.row<const int32_t>(i);
+      for (int k = 0; k < topk; ++k) {
+        const int e = idx[k];
+        const int want = e >= 0 && plan_.placement.rank_of(e) == rank_ ? plan_.placement.local_id(e) : -1;
+        if (got[k] != want)
+          return internal_error("verify: rank {} row {} recv_topk_idx[{}] = {}, expected {} (global expert {})", rank_,
+                                i, k, got[k], want, e);
+        if (want >= 0) ++per_expert[want];
+      }
+    }
+    if (per_expert != recv_.num_recv_tokens_per_expert)
+      return internal_error("verify: rank {} num_recv_tokens_per_expert differs from the count of its rows", rank_);
+    return Status::ok();
+  }
+
+  // out[t] must be x[t] times the number of ranks token t reached.
+  Status check_combine(std::string_view what) const {
+    const int64_t H = config_.hidden;
+    std::vector<float> expected(H);
+    for (int t = 0; t < config_.num_tokens; ++t) {
+      int reached = 0;
+      for (int r = 0; r < config_.num_ranks; ++r) reached += plan_.layout[rank_].in_rank(t, r);
+      for (int64_t c = 0; c < H; ++c) expected[c] = pattern(rank_, t, c) * static_cast<float>(reached);
+      int64_t column = 0;
+      float got = 0;
+      if (!row_matches(out_.data() + t * row_bytes_, expected.data(), config_.dtype, H, 0.0, &column, &got))
+        return internal_error("verify: {} on rank {}: out[{}][{}] = {}, expected {} (x times {} ranks)", what, rank_, t,
+                              column, got, expected[column], reached);
+    }
+    return Status::ok();
+  }
+
+  // Expert-major: for each local expert, for each source rank, its tokens in order.
+  Status check_naive_dispatch() const {
+    const int topk = config_.topk;
+    int64_t row = 0;
+    for (int j = 0; j < plan_.placement.num_local_experts(rank_); ++j) {
+      const int e = plan_.placement.global_id(rank_, j);
+      for (int s = 0; s < config_.num_ranks; ++s) {
+        const std::vector<int32_t>& idx = plan_.routing[s].topk_idx;
+        for (int t = 0; t < config_.num_tokens; ++t) {
+          if (std::find(idx.begin() + static_cast<std::ptrdiff_t>(t) * topk,
+                        idx.begin() + static_cast<std::ptrdiff_t>(t + 1) * topk, e) ==
+              idx.begin() + static_cast<std::ptrdiff_t>(t + 1) * topk)
+            continue;
+          if (row >= naive_recv_.recv_x.size(0))
+            return internal_error("verify: naive dispatch on rank {} returned only {} rows", rank_, row);
+          if (std::memcmp(naive_recv_.recv_x.row(row), shared_.x[s] + t * row_bytes_, row_bytes_) != 0)
+            return internal_error("verify: naive dispatch on rank {} row {} is not token {} of rank {}", rank_, row, t,
+                                  s);
+          ++row;
+        }
+      }
+    }
+    if (row != naive_recv_.recv_x.size(0))
+      return internal_error("verify: naive dispatch on rank {} returned {} rows, expected {}", rank_,
+                            naive_recv_.recv_x.size(0), row);
+    return Status::ok();
+  }
+
+  // out[t] = sum over k of w[t, k] * x[t], in fp32 in slot order.
+  Status check_naive_combine() const {
+    const int64_t H = config_.hidden;
+    const int topk = config_.topk;
+    const RankRouting& routing = plan_.routing[rank_];
+    std::vector<float> expected(H);
+    for (int t = 0; t < config_.num_tokens; ++t) {
+      std::fill(expected.begin(), expected.end(), 0.0f);
+      for (int k = 0; k < topk; ++k) {
+        if (routing.topk_idx[static_cast<std::size_t>(t) * topk + k] < 0) continue;
+        const float w = routing.topk_weights[static_cast<std::size_t>(t) * topk + k];
+        for (int64_t c = 0; c < H; ++c)
+          expected[c] += w * load_as_f32(x_.data() + t * row_bytes_, config_.dtype, c);
+      }
+      int64_t column = 0;
+      float got = 0;
+      if (!row_matches(out_.data() + t * row_bytes_, expected.data(), config_.dtype, H, 1e-2, &column, &got))
+        return internal_error("verify: naive combine on rank {}: out[{}][{}] = {}, expected {}", rank_, t, column, got,
+                              expected[column]);
+    }
+    return Status::ok();
+  }
+
+  const std::size_t epx_staging_bytes_;  // all ranks; allocated by the first operations, not by create
+  Transport& t_;
+  const ExchangeBenchConfig& config_;
+  const ShapePlan& plan_;
+  Shared& shared_;
+  const ProgressFn& progress_;
+  const int rank_;
+  const std::size_t row_bytes_;
+  AlignedBuffer x_;
+  AlignedBuffer out_;
+  TensorView x_view_;
+  TensorView out_view_;
+  DispatchInputs inputs_;
+  std::unique_ptr<Buffer> buffer_;
+  DispatchResult recv_;
+  std::unique_ptr<NaiveAllToAll> naive_;
+  NaiveDispatchResult naive_recv_;
+};
+
+MethodTiming summarize(const Shared& shared, Method method, int64_t bytes, int num_ranks) {
+  const std::vector<double>& samples = shared.samples[method];
+  MethodTiming m;
+  m.samples_ms = samples;
+  m.time_ms = median(samples);
+  m.min_ms = samples.empty() ? 0 : *std::min_element(samples.begin(), samples.end());
+  m.cpu_ms = median(shared.cpu_samples[method]);
+  m.page_faults = samples.empty() ? 0 : shared.timed_faults[method] / static_cast<int64_t>(samples.size());
+  if (m.time_ms > 0) {
+    m.gbps_total = static_cast<double>(bytes) / (m.time_ms * 1e-3) / 1e9;
+    m.gbps = m.gbps_total / num_ranks;
+  }
+  return m;
+}
+
+}  // namespace
+
+CpuSnapshot cpu_snapshot() {
+  CpuSnapshot snap;
+  std::ifstream in("/proc/stat");
+  std::string cpu;
+  uint64_t user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  if (in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal && cpu == "cpu")
+    snap.machine_busy_s =
+        static_cast<double>(user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  rusage self{};
+  getrusage(RUSAGE_SELF, &self);
+  snap.self_s = static_cast<double>(self.ru_utime.tv_sec + self.ru_stime.tv_sec) +
+                static_cast<double>(self.ru_utime.tv_usec + self.ru_stime.tv_usec) * 1e-6;
+  snap.wall_s = static_cast<double>(now_ns()) * 1e-9;
+  return snap;
+}
+
+double other_cpu_share(const CpuSnapshot& before, const CpuSnapshot& after) {
+  const double wall = after.wall_s - before.wall_s;
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  if (wall <= 0 || cores < 1 || after.machine_busy_s <= 0) return 0;
+  const double others = (after.machine_busy_s - before.machine_busy_s) - (after.self_s - before.self_s);
+  return std::clamp(others / (wall * static_cast<double>(cores)), 0.0, 1.0);
+}
+
+std::size_t available_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  std::size_t value = 0;
+  std::string unit;
+  while (in >> key >> value) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return value * 1024;
+  }
+  return 0;
+}
+
+Status validate_exchange_bench_config(const ExchangeBenchConfig& c) {
+  if (c.num_ranks < 1) return invalid_argument("ranks = {} must be at least 1", c.num_ranks);
+  if (c.num_nodes < 1) return invalid_argument("nodes = {} must be at least 1", c.num_nodes);
+  if (c.num_ranks % c.num_nodes != 0)
+    return invalid_argument("ranks = {} is not a multiple of nodes = {}", c.num_ranks, c.num_nodes);
+  if (c.num_tokens < 1) return invalid_argument("tokens = {} must be at least 1", c.num_tokens);
+  if (c.hidden < 1) return invalid_argument("hidden = {} must be at least 1", c.hidden);
+  if (c.num_experts < 1) return invalid_argument("experts = {} must be at least 1", c.num_experts);
+  if (c.num_experts % c.num_ranks != 0)
+    return invalid_argument("experts = {} is not a multiple of ranks = {} (experts are placed in equal blocks)",
+                            c.num_experts, c.num_ranks);
+  if (c.topk < 1) return invalid_argument("topk = {} must be at least 1", c.topk);
+  if (c.topk > c.num_experts)
+    return invalid_argument("topk = {} is larger than experts = {}: a token picks distinct experts", c.topk,
+                            c.num_experts);
+  if (c.dtype != DType::kBF16 && c.dtype != DType::kF32)
+    return invalid_argument("dtype {} is not supported here: use bf16 or f32", dtype_name(c.dtype));
+  if ((static_cast<std::size_t>(c.hidden) * dtype_size(c.dtype)) % 8 != 0)
+    return invalid_argument("hidden = {} gives {}-byte rows; rows must be a multiple of 8 bytes", c.hidden,
+                            static_cast<std::size_t>(c.hidden) * dtype_size(c.dtype));
+  if (c.reps < 1) return invalid_argument("reps = {} must be at least 1", c.reps);
+  if (c.warmup < 1) return invalid_argument("warmup = {} must be at least 1 (it also checks the results)", c.warmup);
+  if (!(c.skew >= 0) || !std::isfinite(c.skew)) return invalid_argument("skew = {} must be a finite number >= 0", c.skew);
+  if (!(c.memory_fraction > 0 && c.memory_fraction <= 1))
+    return invalid_argument("memory_fraction = {} must be in (0, 1]", c.memory_fraction);
+  return Status::ok();
+}
+
+Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config, const ProgressFn& progress) {
+  EPX_RETURN_IF_ERROR(validate_exchange_bench_config(config));
+  EPX_ASSIGN_OR_RETURN(Topology topo, Topology::create(config.num_ranks, config.num_nodes));
+  EPX_ASSIGN_OR_RETURN(ShapePlan plan, plan_shape(config, topo));
+  const MemoryPlan memory = plan_memory(config, plan);
+  if (progress)
+    progress(fmt::format("memory: inputs/outputs {}, epx about {}, naive baseline {}; {} available, budget {}",
+                         gib(memory.common), gib(memory.epx), gib(memory.naive), gib(memory.available),
+                         gib(memory.budget)));
+  if (!memory.fits_phased())
+    return resource_exhausted(
+        "{} tokens/rank x {} ranks at hidden {} {} needs about {} (inputs/outputs {}, epx {}, naive baseline {}) "
+        "even running the methods one after the other, but the budget is {} ({:.0f}% of {} available); "
+        "use fewer tokens",
+        config.num_tokens, config.num_ranks, config.hidden, dtype_name(config.dtype),
+        gib(memory.common + std::max(memory.epx, memory.naive)), gib(memory.common), gib(memory.epx),
+        gib(memory.naive), gib(memory.budget), config.memory_fraction * 100, gib(memory.available));
+
+  Shared shared(config.num_ranks);
+  shared.interleaved = memory.fits_interleaved();
+  const CpuSnapshot cpu_before = cpu_snapshot();
+  const std::size_t epx_staging =
+      memory.epx - static_cast<std::size_t>(config.num_ranks) * 2 * static_cast<std::size_t>(plan.max_recv_rows) *
+                       static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
+  InprocWorld world(topo);
+  const std::vector<Status> statuses = world.run([&](Transport& transport) -> Status {
+    RankBench bench(transport, config, plan, shared, progress, epx_staging);
+    return bench.run();
+  });
+  EPX_RETURN_IF_ERROR(first_error(statuses));
+
+  ExchangeBenchResult r;
+  r.config = config;
+  r.config.tracer = nullptr;
+  r.schedule = shared.interleaved ? "interleaved" : "phased";
+  r.other_cpu_share = other_cpu_share(cpu_before, cpu_snapshot());
+  r.hierarchical = shared.hierarchical;
+  r.row_bytes = static_cast<int64_t>(config.hidden) * static_cast<int64_t>(dtype_size(config.dtype));
+  for (int rank = 0; rank < config.num_ranks; ++rank) {
+    r.recv_rows += plan.recv_rows[rank];
+    r.naive_rows += plan.naive_send[rank];
+    r.dispatch_inter_node_bytes += shared.inter_node_bytes[rank][kDispatch];
+    r.combine_inter_node_bytes += shared.inter_node_bytes[rank][kCombine];
+    r.naive_dispatch_inter_node_bytes += shared.inter_node_bytes[rank][kNaiveDispatch];
+    r.naive_combine_inter_node_bytes += shared.inter_node_bytes[rank][kNaiveCombine];
+  }
+  r.max_recv_rows = plan.max_recv_rows;
+  r.recv_bytes = r.recv_rows * r.row_bytes;
+  r.epx_region_bytes = shared.epx_region_bytes;
+  r.naive_bytes = shared.naive_bytes;
+  r.dispatch = summarize(shared, kDispatch, r.recv_bytes, config.num_ranks);
+  r.combine = summarize(shared, kCombine, r.recv_bytes, config.num_ranks);
+  r.combine_copy_in = summarize(shared, kCombineCopyIn, r.recv_bytes, config.num_ranks);
+  r.memcpy = summarize(shared, kMemcpy, r.recv_bytes, config.num_ranks);
+  r.naive_dispatch = summarize(shared, kNaiveDispatch, r.recv_bytes, config.num_ranks);
+  r.naive_combine = summarize(shared, kNaiveCombine, r.recv_bytes, config.num_ranks);
+  auto ratio = [](double num, double den) { return den > 0 ? num / den : 0.0; };
+  r.dispatch_vs_memcpy = ratio(r.memcpy.time_ms, r.dispatch.time_ms);
+  r.combine_vs_memcpy = ratio(r.memcpy.time_ms, r.combine.time_ms);
+  r.dispatch_vs_naive = ratio(r.naive_dispatch.time_ms, r.dispatch.time_ms);
+  r.combine_vs_naive = ratio(r.naive_combine.time_ms, r.combine.time_ms);
+  r.dispatch_vs_memcpy_cpu = ratio(r.memcpy.cpu_ms, r.dispatch.cpu_ms);
+  r.combine_vs_memcpy_cpu = ratio(r.memcpy.cpu_ms, r.combine.cpu_ms);
+  r.dispatch_vs_naive_cpu = ratio(r.naive_dispatch.cpu_ms, r.dispatch.cpu_ms);
+  r.combine_vs_naive_cpu = ratio(r.naive_combine.cpu_ms, r.combine.cpu_ms);
+  return r;
+}
+
+std::vector<PhaseSummary> summarize_phases(const Tracer& tracer) {
+  std::map<std::string, PhaseSummary> by_name;
+  for (const TraceSpan& span : tracer.spans()) {
+    PhaseSummary& p = by_name[span.name];
+    p.name = span.name;
+    const double ms = static_cast<double>(span.end_ns - span.begin_ns) * 1e-6;
+    ++p.count;
+    p.total_ms += ms;
+    p.max_ms = std::max(p.max_ms, ms);
+  }
+  std::vector<PhaseSummary> out;
+  for (auto& [name, p] : by_name) {
+    p.mean_ms = p.count ? p.total_ms / static_cast<double>(p.count) : 0;
+    out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace epx::bench

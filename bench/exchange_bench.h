@@ -1,0 +1,153 @@
+// The exchange benchmark: epx's dispatch/combine against the physical limit
+// (memcpy of the same bytes) and the baseline users would otherwise write
+// (Megatron-style all-to-all, naive_alltoall.h), on in-process ranks.
+//
+// One shape = (ranks, nodes, tokens per rank, hidden, experts, top-k, dtype).
+// For each shape the ranks run a warm-up iteration of every method (checked
+// against plain references when `verify` is set), then `reps` repetitions of
+// the methods interleaved (epx, memcpy, naive, epx, memcpy, naive, ...), and
+// report the median time of each. Every method is timed the same way: all
+// ranks leave a barrier, each records when it starts and ends the operation,
+// and the time is the last end minus the first start.
+//
+// Bandwidth is logical, DeepEP's figure: the rows a rank receives in
+// dispatch (one per (token, rank) pair) times the row bytes, over the time.
+// The same byte count is used for every method, so the GB/s columns compare
+// useful work per second; the naive baseline moves more rows to do it.
+//
+//   epx::bench::ExchangeBenchConfig config{.num_ranks = 8, .num_nodes = 2, .num_tokens = 1024};
+//   EPX_ASSIGN_OR_RETURN(auto result, epx::bench::run_exchange_bench(config));
+//   result.dispatch.time_ms; result.dispatch_vs_memcpy;
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "epx/core/clock.h"
+#include "epx/core/dtype.h"
+#include "epx/core/status.h"
+#include "epx/core/trace.h"
+
+namespace epx::bench {
+
+struct ExchangeBenchConfig {
+  int num_ranks = 8;
+  int num_nodes = 1;      // emulated nodes; > 1 takes the two-hop path
+  int num_tokens = 4096;  // per rank
+  int hidden = 7168;
+  int num_experts = 256;
+  int topk = 8;
+  DType dtype = DType::kBF16;  // dispatch and combine payload
+  int reps = 5;
+  int warmup = 1;
+  double skew = 0.0;  // routing skew (synthetic_routing.h); 0 = uniform
+  uint64_t seed = 1;
+  bool verify = true;  // check every method's output after the first warm-up
+  Milliseconds timeout{300000};
+  Tracer* tracer = nullptr;  // when set: the Buffer's spans plus one "bench.*" span per timed operation
+  // Share of MemAvailable a shape may plan to use. Above it the methods run
+  // one after the other (epx, then naive + memcpy) instead of interleaved;
+  // when even that does not fit the shape fails with ResourceExhausted.
+  double memory_fraction = 0.85;
+};
+
+// One method on one shape.
+struct MethodTiming {
+  double time_ms = 0;     // median over the repetitions
+  double min_ms = 0;      // fastest repetition: the least disturbed by other work
+  double gbps = 0;        // logical bytes per rank / time (DeepEP's per-GPU figure)
+  double gbps_total = 0;  // logical bytes of all ranks / time
+  // CPU time the ranks' threads spent in the operation, summed (median over
+  // repetitions): with more rank threads than cores this is the cost, the
+  // wall time is the cost divided by the cores the run really got.
+  double cpu_ms = 0;
+  int64_t page_faults = 0;  // per repetition, summed over ranks; 0 once memory is warm
+  std::vector<double> samples_ms;
+};
+
+struct ExchangeBenchResult {
+  ExchangeBenchConfig config;
+  std::string schedule;  // "interleaved", or "phased" when memory did not allow all methods at once
+  bool hierarchical = false;
+  int64_t row_bytes = 0;
+  int64_t recv_rows = 0;      // dispatch rows received, summed over ranks
+  int64_t max_recv_rows = 0;  // most rows one rank receives (sets BufferConfig::max_recv_tokens)
+  int64_t recv_bytes = 0;     // recv_rows * row_bytes: the logical bytes of every method
+  int64_t naive_rows = 0;     // (token, expert) rows the naive baseline moves, summed over ranks
+  // Payload bytes that crossed emulated nodes in one operation, summed over ranks.
+  int64_t dispatch_inter_node_bytes = 0;
+  int64_t combine_inter_node_bytes = 0;
+  int64_t naive_dispatch_inter_node_bytes = 0;
+  int64_t naive_combine_inter_node_bytes = 0;
+  std::size_t epx_region_bytes = 0;  // Buffer::region_bytes() of one rank
+  // CPU time other processes took while the shape ran, as a share of all the
+  // cores (from /proc/stat minus this process): above a few percent the
+  // times are inflated and noisy; the ratios less so, as the methods are
+  // interleaved, and cpu_ms least.
+  double other_cpu_share = 0;
+  std::size_t naive_bytes = 0;       // the naive baseline's buffers on one rank
+
+  MethodTiming dispatch;         // Buffer::dispatch
+  MethodTiming combine;          // Buffer::combine, y already in combine_input (zero-copy)
+  MethodTiming combine_copy_in;  // Buffer::combine from a separate y (recv_x)
+  MethodTiming memcpy;           // each rank copies recv_rows * row_bytes with plain memcpy
+  MethodTiming naive_dispatch;
+  MethodTiming naive_combine;
+  double dispatch_vs_memcpy = 0;  // memcpy time / dispatch time (share of the memcpy rate reached)
+  double combine_vs_memcpy = 0;
+  double dispatch_vs_naive = 0;   // naive time / epx time (speed-up over the baseline)
+  double combine_vs_naive = 0;
+  // The same ratios from CPU time (MethodTiming::cpu_ms), steadier than wall
+  // time when other processes share the cores.
+  double dispatch_vs_memcpy_cpu = 0;
+  double combine_vs_memcpy_cpu = 0;
+  double dispatch_vs_naive_cpu = 0;
+  double combine_vs_naive_cpu = 0;
+};
+
+// Memory one shape needs, in bytes over all ranks.
+struct MemoryPlan {
+  std::size_t common = 0;  // inputs and outputs
+  std::size_t epx = 0;     // Buffer regions (estimate)
+  std::size_t naive = 0;   // the naive baseline's buffers (exact) and its in-flight messages
+  std::size_t available = 0;
+  std::size_t budget = 0;  // available * memory_fraction
+  [[nodiscard]] bool fits_interleaved() const { return common + epx + naive <= budget; }
+  [[nodiscard]] bool fits_phased() const { return common + std::max(epx, naive) <= budget; }
+};
+
+// InvalidArgument naming the first bad field and its limit.
+[[nodiscard]] Status validate_exchange_bench_config(const ExchangeBenchConfig& config);
+
+// MemAvailable of /proc/meminfo (0 when unreadable).
+[[nodiscard]] std::size_t available_memory_bytes();
+// CPU seconds: all cores' busy time (/proc/stat, steal included) and this
+// process's own, with the wall clock; two of them give other_cpu_share.
+struct CpuSnapshot {
+  double machine_busy_s = 0;
+  double self_s = 0;
+  double wall_s = 0;
+};
+[[nodiscard]] CpuSnapshot cpu_snapshot();
+[[nodiscard]] double other_cpu_share(const CpuSnapshot& before, const CpuSnapshot& after);
+
+using ProgressFn = std::function<void(const std::string& line)>;
+
+// Runs one shape (see the top of this file). Progress lines go to `progress`.
+[[nodiscard]] Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config,
+                                                             const ProgressFn& progress = {});
+
+// Spans of a Tracer folded per name: what each phase costs per call.
+struct PhaseSummary {
+  std::string name;
+  int64_t count = 0;       // spans over all ranks
+  double mean_ms = 0;      // mean span length
+  double max_ms = 0;
+  double total_ms = 0;     // summed over ranks and calls
+};
+[[nodiscard]] std::vector<PhaseSummary> summarize_phases(const Tracer& tracer);
+
+}  // namespace epx::bench
