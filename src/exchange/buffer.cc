@@ -7,6 +7,7 @@
 
 #include "epx/core/buffer.h"
 #include "exchange/handle_data.h"
+#include "exchange/row_kernels.h"
 
 namespace epx {
 namespace {
@@ -19,37 +20,6 @@ constexpr int kTagCombineSlots = 103;
 std::atomic<uint64_t> g_next_buffer_id{1};
 
 bool is_payload_dtype(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
-
-// acc[c] += y[c], in fp32.
-void accumulate_row(float* acc, const std::byte* src, DType dtype, int hidden) {
-  if (dtype == DType::kBF16) {
-    const auto* s = reinterpret_cast<const uint16_t*>(src);
-    for (int c = 0; c < hidden; ++c) acc[c] += bf16_to_f32(s[c]);
-  } else {
-    const auto* s = reinterpret_cast<const float*>(src);
-    for (int c = 0; c < hidden; ++c) acc[c] += s[c];
-  }
-}
-
-// acc[c] += w * y[c], in fp32.
-void accumulate_weighted_row(float* acc, float w, const std::byte* src, DType dtype, int hidden) {
-  if (dtype == DType::kBF16) {
-    const auto* s = reinterpret_cast<const uint16_t*>(src);
-    for (int c = 0; c < hidden; ++c) acc[c] += w * bf16_to_f32(s[c]);
-  } else {
-    const auto* s = reinterpret_cast<const float*>(src);
-    for (int c = 0; c < hidden; ++c) acc[c] += w * s[c];
-  }
-}
-
-void store_row(std::byte* dst, DType dtype, const float* acc, int hidden) {
-  if (dtype == DType::kBF16) {
-    auto* d = reinterpret_cast<uint16_t*>(dst);
-    for (int c = 0; c < hidden; ++c) d[c] = f32_to_bf16(acc[c]);
-  } else {
-    std::memcpy(dst, acc, sizeof(float) * static_cast<std::size_t>(hidden));
-  }
-}
 
 // One rank's peer-mapped region: the receive rows and their metadata, then the
 // combine rows and the combine's per-slot values.
@@ -118,7 +88,9 @@ struct Buffer::Impl {
   // Private staging, grown as needed and kept between calls.
   AlignedBuffer send_payload, send_meta, recv_payload, recv_meta;
   DispatchLayout layout_scratch;
-  std::vector<float> acc, partial;
+  // The last dispatch's handle data: reused (its vectors keep their capacity)
+  // once nobody else holds it, so steady-state dispatches allocate nothing.
+  std::shared_ptr<detail::HandleData> last_handle;
 
   const Region& local() const { return regions[rank]; }
   int meta_words(int topk, bool has_weights) const { return 1 + topk + (has_weights ? topk : 0); }
@@ -261,8 +233,6 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
     if (topo.same_node(r, m.rank))
       Region::carve(m.memory->peer(r), m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes,
                     &m.regions[r]);
-  m.acc.resize(m.config.hidden);
-  m.partial.resize(m.config.hidden);
   return std::unique_ptr<Buffer>(new Buffer(std::move(impl)));
 }
 
@@ -327,7 +297,19 @@ Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const Dis
       return invalid_argument("rank 0 {} topk_weights but rank {} {}; pass them on every rank or none",
                               header(0, 2) ? "passes" : "does not pass", r, header(r, 2) ? "does" : "does not");
   }
-  auto h = std::make_shared<detail::HandleData>();
+  for (int d = 0; d < R; ++d) {
+    int64_t total = 0;
+    for (int s = 0; s < R; ++s) total += header(s, 3 + d);
+    if (total > m.max_recv)
+      return resource_exhausted(
+          "rank {} would receive {} rows but max_recv_tokens = {}; nothing was sent. Raise BufferConfig::max_recv_tokens",
+          d, total, m.max_recv);
+  }
+  // Past every check that could fail on good input: the caller's previous
+  // result is being replaced, so its handle storage may be reused.
+  if (out->handle.valid() && &out->handle.data() == m.last_handle.get()) out->handle = Handle();
+  if (!m.last_handle || m.last_handle.use_count() > 1) m.last_handle = std::make_shared<detail::HandleData>();
+  std::shared_ptr<detail::HandleData> h = m.last_handle;
   h->buffer_id = m.id;
   h->rank = m.rank;
   h->num_tokens = layout->num_tokens;
@@ -338,14 +320,6 @@ Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const Dis
   for (int s = 0; s < R; ++s) {
     for (int d = 0; d < R; ++d) h->counts[s * R + d] = static_cast<int32_t>(header(s, 3 + d));
     for (int n = 0; n < N; ++n) h->node_counts[s * N + n] = static_cast<int32_t>(header(s, 3 + R + n));
-  }
-  for (int d = 0; d < R; ++d) {
-    int64_t total = 0;
-    for (int s = 0; s < R; ++s) total += h->counts[s * R + d];
-    if (total > m.max_recv)
-      return resource_exhausted(
-          "rank {} would receive {} rows but max_recv_tokens = {}; nothing was sent. Raise BufferConfig::max_recv_tokens",
-          d, total, m.max_recv);
   }
 
   // Where each of this rank's tokens lands on each destination.
@@ -573,8 +547,7 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
   return Status::ok();
 }
 
-// Copies the receive metadata out of the region into the handle and builds
-// the expanded layout.
+// Copies the receive metadata out of the region into the handle.
 void Buffer::Impl::finish_receive(detail::HandleData& h) {
   const int R = num_ranks, K = h.topk;
   int64_t num_recv = 0;
@@ -588,27 +561,36 @@ void Buffer::Impl::finish_receive(detail::HandleData& h) {
   h.recv_src_idx.assign(r.src_idx, r.src_idx + num_recv);
   h.recv_topk_idx.assign(r.topk_idx, r.topk_idx + num_recv * K);
   if (h.has_weights) h.recv_topk_weights.assign(r.topk_weights, r.topk_weights + num_recv * K);
+  h.num_local_experts = placement.num_local_experts(rank);
+  h.expert_alignment = config.expert_alignment;
+  h.reset_expanded();
+}
 
-  // Expanded: group e holds the rows listing local expert e, in receive order.
-  const int num_local = placement.num_local_experts(rank);
-  const int64_t align = config.expert_alignment;
-  ExpandedLayout& x = h.expanded;
-  x.num_tokens_per_expert.assign(num_local, 0);
+const ExpandedLayout& detail::HandleData::expanded() const {
+  std::lock_guard<std::mutex> lock(expanded_mutex_);
+  if (expanded_ready_) return expanded_;
+  // Group e holds the rows listing local expert e, in receive order.
+  const int K = topk;
+  const int64_t align = expert_alignment;
+  ExpandedLayout& x = expanded_;
+  x.num_tokens_per_expert.assign(num_local_experts, 0);
   for (int64_t row = 0; row < num_recv * K; ++row)
-    if (h.recv_topk_idx[row] >= 0) ++x.num_tokens_per_expert[h.recv_topk_idx[row]];
-  x.expert_offsets.assign(num_local + 1, 0);
-  for (int e = 0; e < num_local; ++e)
+    if (recv_topk_idx[row] >= 0) ++x.num_tokens_per_expert[recv_topk_idx[row]];
+  x.expert_offsets.assign(num_local_experts + 1, 0);
+  for (int e = 0; e < num_local_experts; ++e)
     x.expert_offsets[e + 1] = x.expert_offsets[e] + (x.num_tokens_per_expert[e] + align - 1) / align * align;
   x.recv_row.assign(x.num_rows(), -1);
   x.row_of.assign(num_recv * K, -1);
   std::vector<int64_t> next(x.expert_offsets.begin(), x.expert_offsets.end() - 1);
   for (int64_t row = 0; row < num_recv; ++row)
     for (int k = 0; k < K; ++k) {
-      const int32_t e = h.recv_topk_idx[row * K + k];
+      const int32_t e = recv_topk_idx[row * K + k];
       if (e < 0) continue;
       x.row_of[row * K + k] = next[e];
       x.recv_row[next[e]++] = row;
     }
+  expanded_ready_ = true;
+  return expanded_;
 }
 
 Status Buffer::Impl::check_handle(const Handle& handle, std::string_view op) const {
@@ -749,13 +731,19 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
       const std::vector<int32_t>& fwd_row = h.forward.row[n];
       auto* part = reinterpret_cast<float*>(send_payload.data()) + fwd_first[n] * H;
       auto* part_slots = reinterpret_cast<float*>(send_meta.data()) + fwd_first[n] * K;
+      std::vector<const std::byte*> holders(ranks_per_node);
+      std::vector<detail::SumGroup> groups(ranks_per_node);
       for (int64_t j = 0; j < rows; ++j) {
-        float* p = part + j * H;
-        std::fill(p, p + H, 0.0f);
+        int num_groups = 0;
         for (int l = 0; l < ranks_per_node; ++l) {
           const int32_t row = fwd_row[j * ranks_per_node + l];
-          if (row >= 0) accumulate_row(p, regions[topology.rank_of(node, l)].combine + row * yrow, ydtype, H);
+          if (row < 0) continue;
+          holders[num_groups] = regions[topology.rank_of(node, l)].combine + row * yrow;
+          groups[num_groups] = {&holders[num_groups], 1, ydtype};
+          ++num_groups;
         }
+        detail::sum_row(reinterpret_cast<std::byte*>(part + j * H), DType::kF32,
+                        std::span(groups.data(), num_groups), nullptr, DType::kF32, H);
         if (slots)
           for (int k = 0; k < K; ++k) {
             const int l = h.forward.slot[n][j * K + k];
@@ -804,43 +792,45 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
   std::vector<int64_t> d_base(R, 0);
   for (int d = 0; d < R; ++d) d_base[d] = block_base(h, R, rank, d);
   std::vector<int64_t> node_row(num_nodes, -1);  // staged row of the current token per node
-  float* acc = this->acc.data();
-  float* p = partial.data();
+  std::vector<const std::byte*> rows(R);
+  std::vector<detail::SumGroup> groups(R);
+  const std::byte* bias = nullptr;
   for (int t = 0; t < h.num_tokens; ++t) {
     const int32_t* send_row = h.send_row.data() + static_cast<std::size_t>(t) * R;
-    std::fill(acc, acc + H, 0.0f);
+    int num_rows = 0, num_groups = 0;
     if (!hierarchical) {
+      // One group per holder, ascending rank.
       for (int d = 0; d < R; ++d) {
         if (send_row[d] < 0) continue;
-        const std::byte* src = topology.same_node(d, rank)
-                                   ? regions[d].combine + send_row[d] * yrow
-                                   : recv_payload.data() + (stage_first[d] + send_row[d] - d_base[d]) * prow;
-        accumulate_row(acc, src, ydtype, H);
+        rows[num_rows] = topology.same_node(d, rank)
+                             ? regions[d].combine + send_row[d] * yrow
+                             : recv_payload.data() + (stage_first[d] + send_row[d] - d_base[d]) * prow;
+        groups[num_groups++] = {&rows[num_rows++], 1, ydtype};
       }
     } else {
+      // One group per node, ascending: this node's holders, or a remote node's partial.
       for (int n = 0; n < num_nodes; ++n) {
         node_row[n] = -1;
         if (n == node) {
-          std::fill(p, p + H, 0.0f);
-          bool any = false;
+          const int first = num_rows;
           for (int l = 0; l < ranks_per_node; ++l) {
             const int d = topology.rank_of(n, l);
-            if (send_row[d] < 0) continue;
-            accumulate_row(p, regions[d].combine + send_row[d] * yrow, ydtype, H);
-            any = true;
+            if (send_row[d] >= 0) rows[num_rows++] = regions[d].combine + send_row[d] * yrow;
           }
-          if (any) accumulate_row(acc, reinterpret_cast<const std::byte*>(p), DType::kF32, H);
+          if (num_rows > first) groups[num_groups++] = {&rows[first], num_rows - first, ydtype};
           continue;
         }
         bool goes = false;
         for (int l = 0; l < ranks_per_node && !goes; ++l) goes = send_row[topology.rank_of(n, l)] >= 0;
         if (!goes) continue;
         node_row[n] = stage_first[n] + next[n]++;
-        accumulate_row(acc, recv_payload.data() + node_row[n] * prow, DType::kF32, H);
+        rows[num_rows] = recv_payload.data() + node_row[n] * prow;
+        groups[num_groups++] = {&rows[num_rows++], 1, DType::kF32};
       }
     }
-    if (options.bias.defined()) accumulate_row(acc, options.bias.row<std::byte>(t), options.bias.dtype(), H);
-    store_row(out.row<std::byte>(t), out.dtype(), acc, H);
+    if (options.bias.defined()) bias = options.bias.row<std::byte>(t);
+    detail::sum_row(out.row<std::byte>(t), out.dtype(), std::span(groups.data(), num_groups), bias,
+                    options.bias.dtype(), H);
     if (slots) {
       float* g = options.grad_topk_weights.row<float>(t);
       for (int k = 0; k < K; ++k) {
@@ -877,7 +867,7 @@ Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle
 
 const ExpandedLayout& Buffer::expanded_layout(const Handle& handle) const {
   EPX_CHECK(handle.valid());
-  return handle.data().expanded;
+  return handle.data().expanded();
 }
 
 Status Buffer::expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) const {
@@ -887,10 +877,10 @@ Status Buffer::expand(const TensorView& recv_x, const Handle& handle, const Tens
   if (recv_x.ndim() != 2 || !is_payload_dtype(recv_x.dtype()))
     return invalid_argument("recv_x must be a 2-D bf16 or f32 array, got {}", recv_x.describe());
   EPX_RETURN_IF_ERROR(check_matrix(recv_x, "recv_x", recv_x.dtype(), h.num_recv, m.config.hidden));
-  EPX_RETURN_IF_ERROR(check_matrix(out, "out", recv_x.dtype(), h.expanded.num_rows(), m.config.hidden));
+  EPX_RETURN_IF_ERROR(check_matrix(out, "out", recv_x.dtype(), h.expanded().num_rows(), m.config.hidden));
   const std::size_t bytes = static_cast<std::size_t>(m.config.hidden) * recv_x.element_size();
-  for (int64_t i = 0; i < h.expanded.num_rows(); ++i) {
-    const int64_t src = h.expanded.recv_row[i];
+  for (int64_t i = 0; i < h.expanded().num_rows(); ++i) {
+    const int64_t src = h.expanded().recv_row[i];
     if (src < 0)
       std::memset(out.row<std::byte>(i), 0, bytes);
     else
@@ -914,7 +904,7 @@ Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& hand
                                    dtype_name(m.config.max_combine_dtype));
       if (y_expanded.ndim() != 2 || !is_payload_dtype(y_expanded.dtype()))
         return invalid_argument("y_expanded must be a 2-D bf16 or f32 array, got {}", y_expanded.describe());
-      EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), h.expanded.num_rows(), H));
+      EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), h.expanded().num_rows(), H));
       if (weights.defined()) {
         EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_recv, K));
         if (weights.stride(0) != K) return invalid_argument("weights must be dense, got {}", weights.describe());
@@ -936,8 +926,8 @@ Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& hand
       float* p = partial + i * H;
       std::fill(p, p + H, 0.0f);
       for (int k = 0; k < K; ++k) {
-        const int64_t row = h.expanded.row_of[i * K + k];
-        if (row >= 0) accumulate_weighted_row(p, w[i * K + k], y_expanded.row<std::byte>(row), y_expanded.dtype(), H);
+        const int64_t row = h.expanded().row_of[i * K + k];
+        if (row >= 0) detail::accumulate_weighted(p, w[i * K + k], y_expanded.row<std::byte>(row), y_expanded.dtype(), H);
       }
     }
   }

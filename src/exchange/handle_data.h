@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "epx/exchange/buffer.h"
@@ -42,7 +43,18 @@ struct HandleData {
   std::vector<int32_t> recv_topk_idx;    // [num_recv, K] local ids
   std::vector<float> recv_topk_weights;  // [num_recv, K]
   std::vector<int32_t> num_recv_tokens_per_expert;  // aligned
-  ExpandedLayout expanded;
+  int num_local_experts = 0;
+  int expert_alignment = 1;
+
+  // The expanded layout, built on first use (most dispatches never need it).
+  [[nodiscard]] const ExpandedLayout& expanded() const;
+  // Forgets the expanded layout, for a handle whose storage is reused.
+  void reset_expanded() { expanded_ready_ = false; }
+
+ private:
+  mutable std::mutex expanded_mutex_;
+  mutable bool expanded_ready_ = false;
+  mutable ExpandedLayout expanded_;
 };
 
 }  // namespace epx::detail

@@ -1,0 +1,106 @@
+#include "exchange/row_kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace epx::detail {
+namespace {
+
+#define EPX_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+EPX_SIMD_CLONES void add_f32(float* acc, const float* src, int n) {
+  for (int c = 0; c < n; ++c) acc[c] += src[c];
+}
+
+EPX_SIMD_CLONES void add_bf16(float* acc, const uint16_t* src, int n) {
+  for (int c = 0; c < n; ++c) acc[c] += bf16_to_f32(src[c]);
+}
+
+// Two rows per pass: acc = (acc + a) + b, the same order as two passes.
+EPX_SIMD_CLONES void add2_f32(float* acc, const float* a, const float* b, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = (acc[c] + a[c]) + b[c];
+}
+
+EPX_SIMD_CLONES void add2_bf16(float* acc, const uint16_t* a, const uint16_t* b, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = (acc[c] + bf16_to_f32(a[c])) + bf16_to_f32(b[c]);
+}
+
+void accumulate2(float* acc, const std::byte* a, const std::byte* b, DType dtype, int n) {
+  if (dtype == DType::kBF16)
+    add2_bf16(acc, reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b), n);
+  else
+    add2_f32(acc, reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b), n);
+}
+
+EPX_SIMD_CLONES void add_weighted_f32(float* acc, float w, const float* src, int n) {
+  for (int c = 0; c < n; ++c) acc[c] += w * src[c];
+}
+
+EPX_SIMD_CLONES void add_weighted_bf16(float* acc, float w, const uint16_t* src, int n) {
+  for (int c = 0; c < n; ++c) acc[c] += w * bf16_to_f32(src[c]);
+}
+
+EPX_SIMD_CLONES void store_bf16(uint16_t* dst, const float* acc, int n) {
+  for (int c = 0; c < n; ++c) dst[c] = f32_to_bf16(acc[c]);
+}
+
+// Columns per slice: the accumulator and a partial stay in L1.
+constexpr int kSlice = 512;
+
+}  // namespace
+
+void accumulate(float* acc, const std::byte* src, DType dtype, int n) {
+  if (dtype == DType::kBF16)
+    add_bf16(acc, reinterpret_cast<const uint16_t*>(src), n);
+  else
+    add_f32(acc, reinterpret_cast<const float*>(src), n);
+}
+
+void accumulate_weighted(float* acc, float w, const std::byte* src, DType dtype, int n) {
+  if (dtype == DType::kBF16)
+    add_weighted_bf16(acc, w, reinterpret_cast<const uint16_t*>(src), n);
+  else
+    add_weighted_f32(acc, w, reinterpret_cast<const float*>(src), n);
+}
+
+void store(std::byte* dst, DType dtype, const float* acc, int n) {
+  if (dtype == DType::kBF16)
+    store_bf16(reinterpret_cast<uint16_t*>(dst), acc, n);
+  else
+    std::memcpy(dst, acc, sizeof(float) * static_cast<std::size_t>(n));
+}
+
+void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,
+             DType bias_dtype, int hidden) {
+  alignas(64) float acc[kSlice];
+  alignas(64) float partial[kSlice];
+  for (int c0 = 0; c0 < hidden; c0 += kSlice) {
+    const int n = std::min(kSlice, hidden - c0);
+    std::fill(acc, acc + n, 0.0f);
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+      const SumGroup& g = groups[i];
+      const std::size_t offset = static_cast<std::size_t>(c0) * dtype_size(g.dtype);
+      if (g.num_rows == 1) {
+        // Runs of single rows go two per pass.
+        const SumGroup* next = i + 1 < groups.size() ? &groups[i + 1] : nullptr;
+        if (next && next->num_rows == 1 && next->dtype == g.dtype) {
+          accumulate2(acc, g.rows[0] + offset, next->rows[0] + offset, g.dtype, n);
+          ++i;
+        } else {
+          accumulate(acc, g.rows[0] + offset, g.dtype, n);
+        }
+        continue;
+      }
+      std::fill(partial, partial + n, 0.0f);
+      int r = 0;
+      for (; r + 1 < g.num_rows; r += 2) accumulate2(partial, g.rows[r] + offset, g.rows[r + 1] + offset, g.dtype, n);
+      if (r < g.num_rows) accumulate(partial, g.rows[r] + offset, g.dtype, n);
+      add_f32(acc, partial, n);
+    }
+    if (bias) accumulate(acc, bias + static_cast<std::size_t>(c0) * dtype_size(bias_dtype), bias_dtype, n);
+    store(out + static_cast<std::size_t>(c0) * dtype_size(out_dtype), out_dtype, acc, n);
+  }
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,38 @@
+// Private: the fp32 row arithmetic of combine, in one place.
+//
+// Every function works on a slice of columns [0, n) and keeps a fixed order
+// of additions per element, so splitting a row into slices never changes a
+// bit. They are compiled for AVX-512, AVX2 and baseline x86-64, picked at
+// load time; none uses FMA (the project builds with -ffp-contract=off), so
+// every version gives the same bits.
+#pragma once
+
+#include <cstddef>
+#include <span>
+
+#include "epx/core/dtype.h"
+
+namespace epx::detail {
+
+// acc[c] += float(src[c]).
+void accumulate(float* acc, const std::byte* src, DType dtype, int n);
+// acc[c] += w * float(src[c]).
+void accumulate_weighted(float* acc, float w, const std::byte* src, DType dtype, int n);
+// dst[c] = acc[c], rounded to nearest even for bf16.
+void store(std::byte* dst, DType dtype, const float* acc, int n);
+
+// A group of rows summed on their own first (one node's partial sum in the
+// two-hop combine); a group of one row is that row.
+struct SumGroup {
+  const std::byte* const* rows = nullptr;
+  int num_rows = 0;
+  DType dtype = DType::kF32;
+};
+
+// out = 0 + g_0 + g_1 + ... (+ bias), each group g = 0 + r_0 + r_1 + ...,
+// all in fp32, then one rounding to out_dtype. Works in slices that stay in
+// L1, with the same order of additions per element as whole rows would.
+void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,
+             DType bias_dtype, int hidden);
+
+}  // namespace epx::detail
