@@ -352,6 +352,39 @@ TEST(ExchangeErrors, CombineWithAForeignHandleOrStaleShapes) {
 }
 
 // Configs every rank rejects at create with InvalidArgument.
+TEST(ExchangeErrors, ExpandedRowsInsideTheCombineRegion) {
+  // combine_expanded writes its partial sums into the combine region, so an
+  // expanded y stored there (e.g. in the view combine_input hands out) is refused.
+  const ExchangeSpec spec = make_spec();
+  const std::vector<RankInputs> inputs = valid_inputs(spec, 11);
+  std::vector<CallResult> calls(kRanks);
+  InprocWorld world(spec.topology);
+  const std::vector<Status> statuses = world.run([&](Transport& t) -> Status {
+    const int r = t.rank();
+    BufferConfig config = make_config();
+    config.max_recv_tokens = 4 * kRanks * kMaxTokens;  // room for the expanded rows
+    EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(t, config));
+    DispatchResult d;
+    EPX_RETURN_IF_ERROR(buffer->dispatch(inputs[r].dispatch_inputs(), &d));
+    const int64_t rows = buffer->expanded_layout(d.handle).num_rows();
+    Matrix y(DType::kF32, rows, kHidden);
+    TensorView y_view = y.view();
+    if (r == kBadRank) {
+      EPX_ASSIGN_OR_RETURN(TensorView region, buffer->combine_input(d.handle, DType::kF32));
+      y_view = TensorView::contiguous(region.data(), DType::kF32, {rows, kHidden});
+    }
+    Matrix out(DType::kF32, inputs[r].num_tokens(), kHidden);
+    const TransportCounters c0 = t.counters();
+    Stopwatch watch;
+    calls[r].status = buffer->combine_expanded(y_view, d.handle, out.view());
+    calls[r].seconds = watch.seconds();
+    calls[r].delta = counters_delta(c0, t.counters());
+    return Status::ok();
+  });
+  for (int r = 0; r < kRanks; ++r) ASSERT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+  expect_rejected_everywhere(calls, {"combine region"});
+}
+
 TEST(ExchangeErrors, CreateRejectsBadConfigs) {
   struct BadConfig {
     const char* name;
