@@ -138,6 +138,9 @@ struct Buffer::Impl {
                    const detail::HandleData& h, detail::ForwardPlan* plan, const Deadline& deadline,
                    ExchangeStats* stats);
   void finish_receive(detail::HandleData& h);
+  // A rank whose local_status is an error takes part only to tell the others.
+  Status dispatch_cached_impl(Status local_status, const TensorView& x, const Handle& handle, TensorView* recv_x,
+                              std::string_view op);
   Status check_handle(const Handle& handle, std::string_view op) const;
   Status combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h, const TensorView& out,
                       const CombineOptions& options, std::string_view op);
@@ -601,20 +604,23 @@ Status Buffer::Impl::check_handle(const Handle& handle, std::string_view op) con
 }
 
 Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  Impl& m = *impl_;
-  ScopedSpan span(m.config.tracer, m.rank, "dispatch_cached");
-  const Deadline deadline = Deadline::after(m.config.timeout);
-  Status local_status = m.check_handle(handle, "dispatch_cached");
-  if (local_status.is_ok())
-    local_status = check_matrix(x, "x", m.config.dtype, handle.num_tokens(), m.config.hidden);
-  if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("dispatch_cached needs an output");
+  return impl_->dispatch_cached_impl(Status::ok(), x, handle, recv_x, "dispatch_cached");
+}
+
+Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView& x, const Handle& handle,
+                                          TensorView* recv_x, std::string_view op) {
+  ScopedSpan span(config.tracer, rank, std::string(op));
+  const Deadline deadline = Deadline::after(config.timeout);
+  if (local_status.is_ok()) local_status = check_handle(handle, op);
+  if (local_status.is_ok()) local_status = check_matrix(x, "x", config.dtype, handle.num_tokens(), config.hidden);
+  if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("{} needs an output", op);
   std::vector<int64_t> all;
-  EPX_RETURN_IF_ERROR(m.gather_header(local_status, {}, &all, "dispatch_cached", deadline));
+  EPX_RETURN_IF_ERROR(gather_header(local_status, {}, &all, op, deadline));
   const detail::HandleData& h = handle.data();
   ExchangeStats stats;
-  EPX_RETURN_IF_ERROR(m.move_rows(x, nullptr, nullptr, h, nullptr, deadline, &stats));
-  EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
-  *recv_x = TensorView::contiguous(m.local().recv_x, m.config.dtype, {h.num_recv, m.config.hidden});
+  EPX_RETURN_IF_ERROR(move_rows(x, nullptr, nullptr, h, nullptr, deadline, &stats));
+  EPX_RETURN_IF_ERROR(transport.barrier(deadline));
+  *recv_x = TensorView::contiguous(local().recv_x, config.dtype, {h.num_recv, config.hidden});
   return Status::ok();
 }
 
@@ -940,6 +946,68 @@ Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& hand
     }
   }
   return m.combine_impl(local_status, partial_view, h, out, options, "combine_expanded");
+}
+
+Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
+                                         const TensorView& y_expanded, const TensorView& weights,
+                                         const TensorView& grad_y_expanded, const TensorView& grad_weights) {
+  Impl& m = *impl_;
+  constexpr std::string_view kOp = "combine_expanded_backward";
+  Status local_status = m.check_handle(handle, kOp);
+  const float* w = nullptr;
+  if (local_status.is_ok()) {
+    const detail::HandleData& h = handle.data();
+    const int64_t rows = h.expanded().num_rows();
+    local_status = [&]() -> Status {
+      if (y_expanded.ndim() != 2 || !is_payload_dtype(y_expanded.dtype()))
+        return invalid_argument("y_expanded must be a 2-D bf16 or f32 array, got {}", y_expanded.describe());
+      EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), rows, m.config.hidden));
+      EPX_RETURN_IF_ERROR(check_matrix(grad_y_expanded, "grad_y_expanded", DType::kF32, rows, m.config.hidden));
+      if (grad_weights.defined())
+        EPX_RETURN_IF_ERROR(check_matrix(grad_weights, "grad_weights", DType::kF32, h.num_recv, h.topk));
+      if (weights.defined()) {
+        EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_recv, h.topk));
+        if (weights.stride(0) != h.topk) return invalid_argument("weights must be dense, got {}", weights.describe());
+        w = weights.data_as<float>();
+      } else if (h.has_weights) {
+        w = h.recv_topk_weights.data();
+      } else {
+        return invalid_argument("{} needs weights: none were dispatched and none were passed", kOp);
+      }
+      return Status::ok();
+    }();
+  }
+  // grad of each partial row = grad_out of its token, brought back along the dispatch routes.
+  TensorView grad_partial;
+  EPX_RETURN_IF_ERROR(m.dispatch_cached_impl(local_status, grad_out, handle, &grad_partial, kOp));
+  const detail::HandleData& h = handle.data();
+  const ExpandedLayout& layout = h.expanded();
+  const int H = m.config.hidden, K = h.topk;
+  for (int64_t row = 0; row < layout.num_rows(); ++row)
+    if (layout.recv_row[row] < 0) std::fill_n(grad_y_expanded.row<float>(row), H, 0.0f);
+  std::vector<float> g(H);
+  for (int64_t i = 0; i < h.num_recv; ++i) {
+    const std::byte* src = grad_partial.row<std::byte>(i);
+    for (int c = 0; c < H; ++c) g[c] = load_as_f32(src, m.config.dtype, c);
+    for (int k = 0; k < K; ++k) {
+      const int64_t row = layout.row_of[i * K + k];
+      if (row < 0) {
+        if (grad_weights.defined()) grad_weights.row<float>(i)[k] = 0.0f;
+        continue;
+      }
+      // d out / d y[row] = w; d out / d w = <grad, y[row]>, summed in column order.
+      const float wk = w[i * K + k];
+      float* gy = grad_y_expanded.row<float>(row);
+      for (int c = 0; c < H; ++c) gy[c] = wk * g[c];
+      if (grad_weights.defined()) {
+        const std::byte* y = y_expanded.row<std::byte>(row);
+        float dot = 0.0f;
+        for (int c = 0; c < H; ++c) dot += g[c] * load_as_f32(y, y_expanded.dtype(), c);
+        grad_weights.row<float>(i)[k] = dot;
+      }
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace epx

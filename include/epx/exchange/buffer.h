@@ -191,6 +191,18 @@ class Buffer {
   [[nodiscard]] Status combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                         const TensorView& weights = {}, const CombineOptions& options = {});
 
+  // Backward of combine_expanded (collective): grad_out [T, H] of the payload
+  // dtype comes back along the dispatch routes (a cached dispatch), then
+  // locally grad_y_expanded[row_of(row, k)] = w[row, k] * grad_out[token of row]
+  // (f32, padding rows 0) and, when grad_weights [num_recv, K] f32 is given,
+  // grad_weights[row, k] = <grad_out[token], y_expanded[row_of(row, k)]>
+  // summed in column order (0 where the slot is not local). `weights` as in
+  // combine_expanded. Overwrites recv_x like any dispatch.
+  [[nodiscard]] Status combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
+                                                 const TensorView& y_expanded, const TensorView& weights,
+                                                 const TensorView& grad_y_expanded,
+                                                 const TensorView& grad_weights = {});
+
   // Bytes of peer-mapped memory this rank holds.
   [[nodiscard]] std::size_t region_bytes() const;
 
