@@ -97,6 +97,21 @@ TEST(Router, GroupMapNodeLimited) {
   EXPECT_EQ(out->topk_idx, (std::vector<int32_t>{1, 3}));
 }
 
+// Groups {0, 1} and {2, 3} score s(1) + s(0.5) each, an exact tie: the lower
+// group id wins, so the answer is {0, 1} where plain top-2 would give {0, 3}.
+TEST(Router, GroupTiesGoToLowerGroupId) {
+  RouterConfig config{.num_experts = 4, .topk = 2, .score_function = ScoreFunction::kSigmoid,
+                      .num_groups = 2, .topk_groups = 1};
+  std::vector<float> logits = {1.0f, 0.5f, 0.5f, 1.0f};
+  auto out = route(config, matrix(logits, 1, 4));
+  ASSERT_TRUE(out.is_ok());
+  EXPECT_EQ(out->topk_idx, (std::vector<int32_t>{0, 1}));
+  config.num_groups = 1;
+  out = route(config, matrix(logits, 1, 4));
+  ASSERT_TRUE(out.is_ok());
+  EXPECT_EQ(out->topk_idx, (std::vector<int32_t>{0, 3}));
+}
+
 TEST(Router, BiasSelectsButNeverWeighs) {
   RouterConfig config{.num_experts = 4, .topk = 1, .score_function = ScoreFunction::kSigmoid};
   std::vector<float> logits = {2.0f, 1.0f, 0.0f, 0.0f};
@@ -234,6 +249,17 @@ TEST(RouterErrors, NameTheValueAndTheLimit) {
   expect({.num_experts = 8, .topk = 2}, "logits must be [4, 8]", 4);
   expect({.num_experts = 8, .topk = 5, .num_groups = 4, .topk_groups = 2},
          "topk = 5 is larger than the 4 experts of the smallest 2 groups");
+  std::vector<float> bias(7, 0.0f);
+  auto out = route({.num_experts = 8, .topk = 2}, matrix(logits, 4, 8),
+                   TensorView::contiguous(bias.data(), DType::kF32, {7}));
+  ASSERT_FALSE(out.is_ok());
+  EXPECT_NE(out.status().message().find("expert_bias must be a host f32[8]"), std::string::npos);
+  auto fwd = route({.num_experts = 8, .topk = 2}, matrix(logits, 4, 8));
+  ASSERT_TRUE(fwd.is_ok());
+  std::vector<float> grad(4 * 3, 0.0f);
+  auto back = route_backward({.num_experts = 8, .topk = 2}, *fwd, matrix(grad, 4, 3));
+  ASSERT_FALSE(back.is_ok());
+  EXPECT_NE(back.status().message().find("grad_topk_weights must be [4, 2]"), std::string::npos);
 }
 
 }  // namespace
