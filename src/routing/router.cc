@@ -52,7 +52,9 @@ Status RouterConfig::validate() const {
 int64_t expert_capacity(const RouterConfig& config, int64_t num_tokens) {
   if (config.capacity_factor <= 0.0 || config.num_experts < 1) return 0;
   const double raw = config.capacity_factor * static_cast<double>(num_tokens) * config.topk / config.num_experts;
-  int64_t capacity = static_cast<int64_t>(std::ceil(raw));
+  // The product is rounded: 1.1 * 50 is 55.00000000000001, whose ceiling
+  // would be 56. A relative 1e-9 below an integer counts as that integer.
+  int64_t capacity = static_cast<int64_t>(std::ceil(raw - 1e-9 * std::max(1.0, raw)));
   const int64_t align = std::max(1, config.capacity_alignment);
   return (capacity + align - 1) / align * align;
 }

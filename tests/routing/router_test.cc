@@ -159,6 +159,15 @@ TEST(Router, CapacityScorePolicyAndAlignment) {
   EXPECT_EQ(out->tokens_per_expert, (std::vector<int64_t>{3, 0}));
 }
 
+TEST(Router, CapacityFormula) {
+  RouterConfig config{.num_experts = 1, .topk = 1, .capacity_factor = 1.1};
+  EXPECT_EQ(expert_capacity(config, 50), 55);  // 1.1 * 50 rounds to 55.00000000000001
+  config = {.num_experts = 8, .topk = 2, .capacity_factor = 1.25, .capacity_alignment = 4};
+  EXPECT_EQ(expert_capacity(config, 13), 8);  // ceil(1.25 * 13 * 2 / 8) = ceil(4.06) = 5 -> 8
+  config.capacity_factor = 0.0;
+  EXPECT_EQ(expert_capacity(config, 13), 0);
+}
+
 TEST(Router, ScorePolicyTiesGoToLowerToken) {
   RouterConfig config{.num_experts = 2, .topk = 1, .capacity_factor = 0.5, .drop_policy = DropPolicy::kScore};
   std::vector<float> logits = {1.0f, 0.0f, 1.0f, 0.0f, 1.0f, 0.0f, 1.0f, 0.0f};  // capacity 1
