@@ -386,6 +386,75 @@ Result<RedundantPlacement> swap_repair(const RedundantPlacement& current, const 
   return RedundantPlacement::from_slot_map(std::move(se), current.num_experts(), num_ranks, current.policy());
 }
 
+// `current` with the replica counts of `counts_from`: replicas dropped from the
+// most loaded ranks, added on the least loaded rank of the expert's node
+// (`by_node`) or anywhere that lacks it, and a slot left free given to the
+// expert there with the heaviest load per replica. Other slots keep their expert.
+Result<RedundantPlacement> recount(const RedundantPlacement& current, const RedundantPlacement& counts_from,
+                                   const std::vector<double>& load, int ranks_per_node, bool by_node) {
+  const int num_experts = current.num_experts();
+  const int spr = current.slots_per_rank();
+  std::vector<int32_t> se = current.slot_expert();
+  const auto current_counts = current.replica_counts();
+  std::vector<int> count(current_counts.begin(), current_counts.end());
+  auto rank_load = [&](int r) {
+    double sum = 0;
+    for (int j = 0; j < spr; ++j)
+      if (se[r * spr + j] >= 0) sum += load[se[r * spr + j]] / count[se[r * spr + j]];
+    return sum;
+  };
+  auto holds = [&](int r, int e) {
+    for (int j = 0; j < spr; ++j)
+      if (se[r * spr + j] == e) return true;
+    return false;
+  };
+  // Node of each expert (of its first replica; with by_node all are there).
+  std::vector<int> node(num_experts, -1);
+  for (int e = 0; e < num_experts; ++e)
+    if (current.num_replicas(e) > 0) node[e] = current.rank_of_slot(current.replicas(e).front()) / ranks_per_node;
+  // Fewer replicas: free the slot on the most loaded rank, one at a time.
+  for (int e = 0; e < num_experts; ++e) {
+    while (count[e] > std::max(1, counts_from.num_replicas(e))) {
+      int worst = -1;
+      for (int s = 0; s < static_cast<int>(se.size()); ++s)
+        if (se[s] == e && (worst < 0 || rank_load(s / spr) > rank_load(worst / spr))) worst = s;
+      se[worst] = -1;
+      --count[e];
+    }
+  }
+  // More replicas, heaviest load per replica first.
+  std::vector<int> order(num_experts);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return load[a] / count[a] > load[b] / count[b]; });
+  for (int e : order) {
+    while (count[e] < counts_from.num_replicas(e)) {
+      int best = -1;
+      for (int s = 0; s < static_cast<int>(se.size()); ++s) {
+        const int r = s / spr;
+        if (se[s] >= 0 || holds(r, e) || (by_node && r / ranks_per_node != node[e])) continue;
+        if (best < 0 || rank_load(r) < rank_load(best / spr)) best = s;
+      }
+      if (best < 0) break;
+      se[best] = e;
+      ++count[e];
+    }
+  }
+  // Slots still free.
+  for (int s = 0; s < static_cast<int>(se.size()); ++s) {
+    if (se[s] >= 0) continue;
+    const int r = s / spr;
+    int best = -1;
+    for (int e = 0; e < num_experts; ++e) {
+      if (holds(r, e) || (by_node && node[e] != r / ranks_per_node)) continue;
+      if (best < 0 || load[e] / (count[e] + 1) > load[best] / (count[best] + 1)) best = e;
+    }
+    if (best < 0) continue;
+    se[s] = best;
+    ++count[best];
+  }
+  return RedundantPlacement::from_slot_map(std::move(se), num_experts, current.num_ranks(), current.policy());
+}
+
 int count_moved(const RedundantPlacement& from, const RedundantPlacement& to) {
   int moved = 0;
   for (int s = 0; s < to.num_slots(); ++s) {
@@ -507,6 +576,12 @@ Result<RebalancePlan> rebalance(const RedundantPlacement& current, const std::ve
   EPX_ASSIGN_OR_RETURN(auto repaired, swap_repair(current, load, config.ranks_per_node,
                                                   scratch.policy() == PlacementPolicy::kHierarchical, target));
   consider(plan_of(std::move(repaired)));
+  // The same after taking the from-scratch replica counts.
+  EPX_ASSIGN_OR_RETURN(auto recounted, recount(current, scratch, load, config.ranks_per_node,
+                                               scratch.policy() == PlacementPolicy::kHierarchical));
+  EPX_ASSIGN_OR_RETURN(auto recounted_repaired, swap_repair(recounted, load, config.ranks_per_node,
+                                                            scratch.policy() == PlacementPolicy::kHierarchical, target));
+  consider(plan_of(std::move(recounted_repaired)));
   const double max_rank_load =
       target * std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(current.num_ranks());
   for (double node_cap : {kNoCap, target}) {

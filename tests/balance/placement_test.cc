@@ -78,6 +78,14 @@ TEST(PlaceExperts, RandomLoadsAndShapesAreValid) {
         ASSERT_TRUE(p.is_ok()) << p.status().to_string();
         SCOPED_TRACE("experts " + std::to_string(num_experts) + " slots " + std::to_string(shape[1]));
         expect_valid(*p, num_experts, shape[1], shape[2] * shape[3]);
+        // Rebalance it for other random loads: still valid, within the tolerance.
+        std::vector<double> next(num_experts);
+        for (auto& l : next) l = std::pow(dist(rng), 3);
+        auto plan = rebalance(*p, next, c, 10);
+        ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+        expect_valid(plan->placement, num_experts, shape[1], shape[2] * shape[3]);
+        EXPECT_LE(plan->balance, plan->scratch_balance * 1.02 * (1 + 1e-12));
+        EXPECT_EQ(plan->placement.policy(), p->policy());
       }
     }
   }
@@ -164,7 +172,8 @@ TEST_P(RebalanceSmallChange, MovesLessThanScratchWithinTolerance) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, RebalanceSmallChange,
                          ::testing::Values(std::make_tuple(8, 10, 40), std::make_tuple(0, 10, 40),
-                                           std::make_tuple(0, 20, 21), std::make_tuple(8, 30, 50)));
+                                           std::make_tuple(0, 20, 21), std::make_tuple(8, 30, 50),
+                                           std::make_tuple(0, 2, 50), std::make_tuple(8, 1, 5)));
 
 TEST(Rebalance, UnchangedLoadMovesNothing) {
   const PlacementConfig c{.num_slots = 24, .num_nodes = 2, .ranks_per_node = 2, .policy = PlacementPolicy::kGlobal};
