@@ -86,6 +86,17 @@ TEST(PlaceExperts, RandomLoadsAndShapesAreValid) {
         expect_valid(plan->placement, num_experts, shape[1], shape[2] * shape[3]);
         EXPECT_LE(plan->balance, plan->scratch_balance * 1.02 * (1 + 1e-12));
         EXPECT_EQ(plan->placement.policy(), p->policy());
+        if (p->policy() == PlacementPolicy::kHierarchical) {
+          for (const RedundantPlacement* q : {&*p, &plan->placement}) {
+            const int group_size = num_experts / groups;
+            for (int g = 0; g < groups; ++g) {
+              std::set<int> nodes;
+              for (int e = g * group_size; e < (g + 1) * group_size; ++e)
+                for (int slot : q->replicas(e)) nodes.insert(q->rank_of_slot(slot) / shape[3]);
+              EXPECT_EQ(nodes.size(), 1u) << "group " << g << " spans nodes";
+            }
+          }
+        }
       }
     }
   }

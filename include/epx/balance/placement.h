@@ -114,8 +114,12 @@ struct RebalancePlan {
 
 // A placement for the new `load` whose balance is within `tolerance` of the
 // from-scratch placement (balance <= scratch_balance * (1 + tolerance)) and
-// that moves few expert weights: replicas stay on the rank and slot that
-// already hold them unless that would push a rank over the allowed load.
+// that moves few expert weights: the candidate that moves the fewest slots
+// among the current placement, the current one repaired by slot swaps (with
+// its own or the from-scratch replica counts), greedy placements that keep
+// replicas where they are, and the from-scratch one renumbered onto the
+// current ranks (always within the tolerance). An expert that stays on a rank
+// keeps its slot; under the hierarchical policy a group stays on one node.
 // `current` must have config's slot count and rank count and load.size() experts.
 Result<RebalancePlan> rebalance(const RedundantPlacement& current, const std::vector<double>& load,
                                 const PlacementConfig& config, int64_t expert_bytes, double tolerance = 0.02);
