@@ -110,8 +110,8 @@ int run_eplb(const EplbOptions& o) {
   }
   std::string counts;
   for (int e = 0; e < num_experts; ++e)
-    if (placement->num_replicas(e) > 1) counts += fmt::format(" {}x{}", e, placement->num_replicas(e));
-  fmt::print("replicas above 1 (expert x count):{}\n", counts.empty() ? " none" : counts);
+    if (placement->num_replicas(e) > 1) counts += fmt::format(" {}:{}", e, placement->num_replicas(e));
+  fmt::print("replicas above 1 (expert:count):{}\n", counts.empty() ? " none" : counts);
   if (has_before)
     fmt::print("balance (max/mean per rank): before {:.4f} (one replica each, contiguous), after {:.4f}\n",
                before_balance, after_balance);
