@@ -46,7 +46,19 @@ struct BenchExchangeOptions {
   bool json = false;
 };
 
+struct EplbOptions {
+  std::string loads_path;
+  int num_slots = 0;
+  int num_nodes = 1;
+  int ranks_per_node = 1;
+  int num_groups = 0;
+  int64_t expert_bytes = 0;
+  std::string policy = "hierarchical";
+  bool json = false;
+};
+
 int run_demo(const DemoOptions& options);
 int run_bench_exchange(const BenchExchangeOptions& options);
+int run_eplb(const EplbOptions& options);
 
 }  // namespace epx::app

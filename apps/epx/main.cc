@@ -2,6 +2,7 @@
 //
 //   epx demo                      a small dispatch/combine, shown and checked
 //   epx bench exchange --json     dispatch/combine vs memcpy and a naive all-to-all
+//   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -92,12 +93,40 @@ int main(int argc, char** argv) {
   exchange_cmd->add_option("--trace", bench.trace_path, "Write a Chrome trace of the timed repetitions to this file");
   exchange_cmd->add_flag("--json", bench.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
 
+  // epx eplb
+  epx::app::EplbOptions eplb;
+  CLI::App* eplb_cmd = app.add_subcommand(
+      "eplb",
+      "A redundant-expert placement (EPLB-style) for measured per-expert loads: slot -> expert per rank, replica "
+      "counts, balance (max/mean per rank) before and after, bytes moved");
+  eplb_cmd->add_option("--loads", eplb.loads_path, "File of per-expert loads: one per line, or whitespace/comma separated")
+      ->required();
+  eplb_cmd->add_option("--slots", eplb.num_slots, "Physical expert slots; >= experts and a multiple of the ranks")
+      ->required()
+      ->check(CLI::Range(1, 1 << 20));
+  eplb_cmd->add_option("--nodes", eplb.num_nodes, "Nodes")->required()->check(CLI::Range(1, 4096));
+  eplb_cmd->add_option("--ranks-per-node", eplb.ranks_per_node, "Ranks per node")
+      ->required()
+      ->check(CLI::Range(1, 4096));
+  eplb_cmd->add_option("--groups", eplb.num_groups, "Expert groups (must divide the experts); 0 = none")
+      ->check(CLI::Range(0, 1 << 20))
+      ->capture_default_str();
+  eplb_cmd->add_option("--expert-bytes", eplb.expert_bytes, "Bytes of one expert's weights, for the moved bytes")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
+  eplb_cmd->add_option("--policy", eplb.policy,
+                       "hierarchical (groups packed onto nodes; needs --groups a multiple of --nodes, else global) "
+                       "or global")
+      ->check(CLI::IsMember({"hierarchical", "global"}))
+      ->capture_default_str();
+  eplb_cmd->add_flag("--json", eplb.json, "Print one JSON object instead of the text report");
+
   // A word where a command belongs that is not one: say so plainly.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.empty() || arg[0] == '-') continue;
-    if (arg != "demo" && arg != "bench") {
-      fmt::print(stderr, "epx: '{}' is not a command; the commands are demo and bench (see epx --help)\n", arg);
+    if (arg != "demo" && arg != "bench" && arg != "eplb") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are demo, bench and eplb (see epx --help)\n", arg);
       return kExitUsage;
     }
     break;
@@ -117,6 +146,7 @@ int main(int argc, char** argv) {
 
   if (*demo_cmd) return epx::app::run_demo(demo);
   if (*exchange_cmd) return epx::app::run_bench_exchange(bench);
+  if (*eplb_cmd) return epx::app::run_eplb(eplb);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
 }
