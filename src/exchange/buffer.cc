@@ -57,6 +57,48 @@ struct RemoteTarget {
   int64_t num_rows = 0;
 };
 
+// The sends of one operation. An operation that leaves early on an error
+// aborts the world, so peers fail at once instead of at their deadlines, and
+// waits for every send, so no peer copies from memory this rank reuses.
+class SendGroup {
+ public:
+  SendGroup(Transport& transport, const Deadline& deadline, std::string_view op)
+      : transport_(transport), deadline_(deadline), op_(op) {}
+  ~SendGroup() {
+    if (finished_) return;
+    transport_.abort(aborted("rank {} left {} on an error", transport_.rank(), op_));
+    for (Request& r : requests_) r.wait(deadline_).ignore();
+  }
+  SendGroup(const SendGroup&) = delete;
+  SendGroup& operator=(const SendGroup&) = delete;
+
+  Status post(int peer, int tag, std::span<const std::byte> data) {
+    EPX_ASSIGN_OR_RETURN(Request request, transport_.send_async(peer, tag, data));
+    requests_.push_back(std::move(request));
+    return Status::ok();
+  }
+  // Waits for every send; after an error the destructor still cleans up.
+  Status finish() {
+    for (Request& r : requests_) EPX_RETURN_IF_ERROR(r.wait(deadline_));
+    finished_ = true;
+    return Status::ok();
+  }
+
+ private:
+  Transport& transport_;
+  Deadline deadline_;
+  std::string_view op_;
+  std::vector<Request> requests_;
+  bool finished_ = false;
+};
+
+// A message of the wrong size means the ranks disagree about the routes: a bug
+// or a mismatched handle that slipped through; never corrupt memory over it.
+Status expect_size(std::size_t got, std::size_t expected, int peer, std::string_view what) {
+  if (got == expected) return Status::ok();
+  return internal_error("{} from rank {} was {} bytes, expected {}", what, peer, got, expected);
+}
+
 }  // namespace
 
 int Handle::num_tokens() const { return data_ ? data_->num_tokens : 0; }
@@ -72,6 +114,7 @@ struct Buffer::Impl {
   ExpertPlacement placement;
   Topology topology;
   uint64_t id = 0;
+  int64_t dispatch_seq = 0;  // dispatches so far; collective, so equal on every rank
   bool hierarchical = false;
   int rank = 0;
   int num_ranks = 0;
@@ -142,6 +185,10 @@ struct Buffer::Impl {
   Status dispatch_cached_impl(Status local_status, const TensorView& x, const Handle& handle, TensorView* recv_x,
                               std::string_view op);
   Status check_handle(const Handle& handle, std::string_view op) const;
+  // After a header whose word `index` (counting the validity flag) is the
+  // handle's dispatch number: InvalidArgument on every rank if they differ.
+  Status check_same_dispatch(const std::vector<int64_t>& all, std::size_t stride, std::size_t index,
+                             std::string_view op) const;
   Status combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h, const TensorView& out,
                       const CombineOptions& options, std::string_view op);
   Status validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
@@ -182,6 +229,12 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
     if (config.expert_alignment < 1)
       return invalid_argument("expert_alignment = {} must be at least 1", config.expert_alignment);
     if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
+    const int64_t max_recv = config.max_recv_tokens > 0
+                                 ? config.max_recv_tokens
+                                 : static_cast<int64_t>(num_ranks) * config.max_tokens_per_rank;
+    if (max_recv > INT32_MAX)
+      return invalid_argument("max_recv_tokens = {} is above the limit {} (rows are indexed with int32)", max_recv,
+                              INT32_MAX);
     if (config.placement) {
       if (config.placement->num_ranks() != num_ranks)
         return invalid_argument("the placement is for {} ranks but the transport has {}", config.placement->num_ranks(),
@@ -189,14 +242,43 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
       if (config.placement->num_experts() != config.num_experts)
         return invalid_argument("the placement places {} experts but num_experts = {}",
                                 config.placement->num_experts(), config.num_experts);
+    } else {
+      EPX_ASSIGN_OR_RETURN(ExpertPlacement p, ExpertPlacement::contiguous(config.num_experts, num_ranks));
+      config.placement = std::move(p);
     }
     return Status::ok();
   };
-  EPX_RETURN_IF_ERROR(check());
-  if (!config.placement) {
-    EPX_ASSIGN_OR_RETURN(ExpertPlacement p, ExpertPlacement::contiguous(config.num_experts, num_ranks));
-    config.placement = std::move(p);
+  const Status local_status = check();
+  const Deadline deadline = Deadline::after(config.timeout.count() > 0 ? config.timeout : Milliseconds(30000));
+
+  // Every rank must describe the same exchange: the first word says whether
+  // this rank's config passed its own checks, then the fields that must agree.
+  std::vector<int64_t> mine(10, 0);
+  if (local_status.is_ok()) {
+    uint64_t placement_hash = 1469598103934665603ull;  // FNV-1a over the expert -> rank map
+    for (int32_t r : config.placement->expert_rank()) placement_hash = (placement_hash ^ static_cast<uint32_t>(r)) * 1099511628211ull;
+    const int64_t max_recv = config.max_recv_tokens > 0 ? config.max_recv_tokens
+                                                        : static_cast<int64_t>(num_ranks) * config.max_tokens_per_rank;
+    const bool hierarchical = topo.num_nodes() > 1 && config.algorithm != DispatchAlgorithm::kFlat;
+    mine = {0, config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
+            config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
+            static_cast<int64_t>(placement_hash >> 1)};
+  } else {
+    mine[0] = 1;
   }
+  std::vector<int64_t> all(mine.size() * num_ranks);
+  EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(mine), std::span<int64_t>(all), deadline));
+  EPX_RETURN_IF_ERROR(local_status);
+  for (int r = 0; r < num_ranks; ++r)
+    if (all[r * mine.size()] != 0) return aborted("rank {} rejected its BufferConfig, so no Buffer was made", r);
+  static constexpr const char* kNames[] = {"", "num_experts", "hidden", "dtype", "max_topk", "max_recv_tokens",
+                                           "expert_alignment", "max_combine_dtype", "algorithm", "placement (hash)"};
+  for (int r = 0; r < num_ranks; ++r)
+    for (std::size_t i = 1; i < mine.size(); ++i)
+      if (all[r * mine.size() + i] != all[i])
+        return invalid_argument("BufferConfig differs between ranks: {} is {} on rank 0 but {} on rank {}", kNames[i],
+                                all[i], all[r * mine.size() + i], r);
+
   ExpertPlacement placement = *config.placement;
   auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement));
   Impl& m = *impl;
@@ -212,21 +294,6 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
                                             : static_cast<int64_t>(num_ranks) * m.config.max_tokens_per_rank;
   m.row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.dtype);
   m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
-
-  const Deadline deadline = Deadline::after(m.config.timeout);
-  // Every rank must describe the same exchange.
-  std::vector<int64_t> mine = {m.config.num_experts, m.config.hidden, static_cast<int64_t>(m.config.dtype),
-                               m.config.max_topk, m.max_recv, m.config.expert_alignment,
-                               static_cast<int64_t>(m.config.max_combine_dtype), m.hierarchical ? 1 : 0};
-  std::vector<int64_t> all(mine.size() * num_ranks);
-  EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(mine), std::span<int64_t>(all), deadline));
-  static constexpr const char* kNames[] = {"num_experts", "hidden", "dtype", "max_topk", "max_recv_tokens",
-                                           "expert_alignment", "max_combine_dtype", "algorithm"};
-  for (int r = 0; r < num_ranks; ++r)
-    for (std::size_t i = 0; i < mine.size(); ++i)
-      if (all[r * mine.size() + i] != all[i])
-        return invalid_argument("BufferConfig differs between ranks: {} is {} on rank 0 but {} on rank {}", kNames[i],
-                                all[i], all[r * mine.size() + i], r);
 
   const std::size_t bytes =
       Region::carve(nullptr, m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes, nullptr);
@@ -256,15 +323,17 @@ Status Buffer::Impl::validate_dispatch(const DispatchInputs& in, const DispatchL
   EPX_RETURN_IF_ERROR(check_matrix(in.x, "x", config.dtype, num_tokens, config.hidden));
   if (in.topk_weights.defined())
     EPX_RETURN_IF_ERROR(check_matrix(in.topk_weights, "topk_weights", DType::kF32, num_tokens, topk));
-  if (given) {
-    if (given->num_tokens != num_tokens || given->num_ranks != num_ranks ||
-        static_cast<int>(given->num_tokens_per_expert.size()) != config.num_experts)
-      return invalid_argument("the layout passed to dispatch is for {} tokens, {} ranks, {} experts; expected {}, {}, {}",
-                              given->num_tokens, given->num_ranks, given->num_tokens_per_expert.size(), num_tokens,
-                              num_ranks, config.num_experts);
-    return validate_topk_idx(in.topk_idx, config.num_experts);
-  }
-  return compute_layout(in.topk_idx, placement, topology, &layout_scratch);
+  EPX_RETURN_IF_ERROR(compute_layout(in.topk_idx, placement, topology, &layout_scratch));
+  // A layout from the caller must be this topk_idx's: the offsets every rank
+  // computes come from it, so a stale one would misplace rows.
+  if (given && (given->num_tokens != layout_scratch.num_tokens || given->num_ranks != layout_scratch.num_ranks ||
+                given->num_tokens_per_rank != layout_scratch.num_tokens_per_rank ||
+                given->num_tokens_per_node != layout_scratch.num_tokens_per_node ||
+                given->num_tokens_per_expert != layout_scratch.num_tokens_per_expert ||
+                given->is_token_in_rank != layout_scratch.is_token_in_rank))
+    return invalid_argument("the layout passed to dispatch is not the layout of its topk_idx; pass get_layout(topk_idx) "
+                            "or no layout");
+  return Status::ok();
 }
 
 Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const DispatchLayout* given) {
@@ -275,7 +344,7 @@ Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const Dis
   const int R = m.num_ranks, N = m.num_nodes, E = m.config.num_experts;
 
   Status local_status = out ? m.validate_dispatch(in, given) : invalid_argument("dispatch needs an output");
-  const DispatchLayout* layout = given ? given : &m.layout_scratch;
+  const DispatchLayout* layout = &m.layout_scratch;  // equal to `given`, when given
   const bool has_weights = in.topk_weights.defined();
   std::vector<int64_t> words(3 + R + N + E, 0);
   if (local_status.is_ok()) {
@@ -314,6 +383,7 @@ Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const Dis
   if (!m.last_handle || m.last_handle.use_count() > 1) m.last_handle = std::make_shared<detail::HandleData>();
   std::shared_ptr<detail::HandleData> h = m.last_handle;
   h->buffer_id = m.id;
+  h->dispatch_seq = ++m.dispatch_seq;
   h->rank = m.rank;
   h->num_tokens = layout->num_tokens;
   h->topk = topk;
@@ -435,20 +505,16 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       }
     }
   }
-  std::vector<Request> requests;
+  SendGroup sends(transport, deadline, "dispatch");
   for (std::size_t ti = 0; ti < targets.size(); ++ti) {
     const RemoteTarget& tg = targets[ti];
     EPX_CHECK_EQ(fill[ti], tg.num_rows);
     if (tg.num_rows == 0) continue;
     const std::size_t n = static_cast<std::size_t>(tg.num_rows);
-    EPX_ASSIGN_OR_RETURN(Request rp, transport.send_async(tg.peer, kTagPayload,
-                                                          {send_payload.data() + tg.first_row * row_bytes, n * row_bytes}));
-    requests.push_back(std::move(rp));
+    EPX_RETURN_IF_ERROR(sends.post(tg.peer, kTagPayload, {send_payload.data() + tg.first_row * row_bytes, n * row_bytes}));
     stats->inter_node_payload_bytes += static_cast<int64_t>(n * row_bytes);
     if (with_meta) {
-      EPX_ASSIGN_OR_RETURN(Request rm, transport.send_async(tg.peer, kTagMeta,
-                                                            {send_meta.data() + tg.first_row * meta_bytes, n * meta_bytes}));
-      requests.push_back(std::move(rm));
+      EPX_RETURN_IF_ERROR(sends.post(tg.peer, kTagMeta, {send_meta.data() + tg.first_row * meta_bytes, n * meta_bytes}));
       stats->inter_node_meta_bytes += static_cast<int64_t>(n * meta_bytes);
     }
     if (!hierarchical) stats->rows_sent += tg.num_rows;
@@ -464,11 +530,11 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       const int64_t base = block_base(h, R, s, rank);
       EPX_ASSIGN_OR_RETURN(std::size_t got, transport.recv(s, kTagPayload,
                                                             {local().recv_x + base * row_bytes, n * row_bytes}, deadline));
-      EPX_CHECK_EQ(got, n * row_bytes);
+      EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a dispatch payload"));
       if (!with_meta) continue;
       recv_meta.reserve(n * meta_bytes);
       EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
-      EPX_CHECK_EQ(got, n * meta_bytes);
+      EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "dispatch metadata"));
       for (int64_t j = 0; j < n; ++j) {
         const auto* meta = reinterpret_cast<const int32_t*>(recv_meta.data() + j * meta_bytes);
         write_meta(rank, base + j, K, meta[0], meta + 1,
@@ -492,11 +558,11 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       recv_payload.reserve(n * row_bytes);
       EPX_ASSIGN_OR_RETURN(std::size_t got,
                            transport.recv(s, kTagPayload, {recv_payload.data(), n * row_bytes}, deadline));
-      EPX_CHECK_EQ(got, n * row_bytes);
+      EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a forwarded dispatch payload"));
       if (plan) {
         recv_meta.reserve(n * meta_bytes);
         EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
-        EPX_CHECK_EQ(got, n * meta_bytes);
+        EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "forwarded dispatch metadata"));
         // Decide each row's destinations: ascending local rank, rows in source order.
         for (int l = 0; l < ranks_per_node; ++l) {
           const int d = topology.rank_of(node, l);
@@ -546,8 +612,7 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       for (int d = 0; d < R; ++d)
         if (!topology.same_node(d, rank) && h.send_row[static_cast<std::size_t>(t) * R + d] >= 0) ++stats->rows_sent;
   }
-  for (Request& r : requests) EPX_RETURN_IF_ERROR(r.wait(deadline));
-  return Status::ok();
+  return sends.finish();
 }
 
 // Copies the receive metadata out of the region into the handle.
@@ -603,6 +668,16 @@ Status Buffer::Impl::check_handle(const Handle& handle, std::string_view op) con
   return Status::ok();
 }
 
+Status Buffer::Impl::check_same_dispatch(const std::vector<int64_t>& all, std::size_t stride, std::size_t index,
+                                         std::string_view op) const {
+  for (int r = 1; r < num_ranks; ++r)
+    if (all[r * stride + index] != all[index])
+      return invalid_argument(
+          "{} got handles of different dispatches: rank 0 passes dispatch #{} of this Buffer and rank {} passes #{}",
+          op, all[index], r, all[r * stride + index]);
+  return Status::ok();
+}
+
 Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   return impl_->dispatch_cached_impl(Status::ok(), x, handle, recv_x, "dispatch_cached");
 }
@@ -615,7 +690,9 @@ Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView&
   if (local_status.is_ok()) local_status = check_matrix(x, "x", config.dtype, handle.num_tokens(), config.hidden);
   if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("{} needs an output", op);
   std::vector<int64_t> all;
-  EPX_RETURN_IF_ERROR(gather_header(local_status, {}, &all, op, deadline));
+  EPX_RETURN_IF_ERROR(
+      gather_header(local_status, {local_status.is_ok() ? handle.data().dispatch_seq : 0}, &all, op, deadline));
+  EPX_RETURN_IF_ERROR(check_same_dispatch(all, 2, 1, op));
   const detail::HandleData& h = handle.data();
   ExchangeStats stats;
   EPX_RETURN_IF_ERROR(move_rows(x, nullptr, nullptr, h, nullptr, deadline, &stats));
@@ -688,15 +765,17 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
         std::memcpy(mine.combine_slots + i * K, options.grad_recv_topk_weights.row<float>(i), sizeof(float) * K);
   }
   std::vector<int64_t> all;
-  EPX_RETURN_IF_ERROR(gather_header(local_status, {static_cast<int64_t>(ydtype), slots ? 1 : 0}, &all, op, deadline));
+  EPX_RETURN_IF_ERROR(gather_header(local_status, {static_cast<int64_t>(ydtype), slots ? 1 : 0, h.dispatch_seq}, &all,
+                                    op, deadline));
+  EPX_RETURN_IF_ERROR(check_same_dispatch(all, 4, 3, op));
   for (int r = 0; r < R; ++r)
-    if (all[r * 3 + 1] != static_cast<int64_t>(ydtype) || all[r * 3 + 2] != (slots ? 1 : 0))
+    if (all[r * 4 + 1] != static_cast<int64_t>(ydtype) || all[r * 4 + 2] != (slots ? 1 : 0))
       return invalid_argument("{} inputs differ between ranks: rank {} has y {}{} and rank {} has y {}{}", op, rank,
                               dtype_name(ydtype), slots ? " with weight gradients" : "", r,
-                              dtype_name(static_cast<DType>(all[r * 3 + 1])), all[r * 3 + 2] ? " with weight gradients" : "");
+                              dtype_name(static_cast<DType>(all[r * 4 + 1])), all[r * 4 + 2] ? " with weight gradients" : "");
 
   const std::size_t prow = hierarchical ? static_cast<std::size_t>(H) * sizeof(float) : yrow;  // row on the wire
-  std::vector<Request> requests;
+  SendGroup sends(transport, deadline, op);
   // Remote sources: what they receive from this rank, by source rank (flat) or node (two-hop).
   std::vector<int64_t> stage_first(hierarchical ? num_nodes : R, -1);
   int64_t stage_rows = 0;
@@ -706,13 +785,10 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
       const int64_t n = h.counts[static_cast<std::size_t>(s) * R + rank];
       if (n == 0) continue;
       const int64_t base = block_base(h, R, s, rank);
-      EPX_ASSIGN_OR_RETURN(Request req, transport.send_async(s, kTagCombine, {mine.combine + base * yrow, n * yrow}));
-      requests.push_back(std::move(req));
-      if (slots) {
-        EPX_ASSIGN_OR_RETURN(Request rs, transport.send_async(s, kTagCombineSlots,
-                                                              std::as_bytes(std::span(mine.combine_slots + base * K, n * K))));
-        requests.push_back(std::move(rs));
-      }
+      EPX_RETURN_IF_ERROR(sends.post(s, kTagCombine, {mine.combine + base * yrow, n * yrow}));
+      if (slots)
+        EPX_RETURN_IF_ERROR(
+            sends.post(s, kTagCombineSlots, std::as_bytes(std::span(mine.combine_slots + base * K, n * K))));
     }
     for (int d = 0; d < R; ++d) {
       if (topology.same_node(d, rank) || h.counts[static_cast<std::size_t>(rank) * R + d] == 0) continue;
@@ -758,13 +834,8 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
                       : regions[topology.rank_of(node, l)].combine_slots[fwd_row[j * ranks_per_node + l] * K + k];
           }
       }
-      EPX_ASSIGN_OR_RETURN(Request req, transport.send_async(s, kTagCombine, std::as_bytes(std::span(part, rows * H))));
-      requests.push_back(std::move(req));
-      if (slots) {
-        EPX_ASSIGN_OR_RETURN(Request rs, transport.send_async(s, kTagCombineSlots,
-                                                              std::as_bytes(std::span(part_slots, rows * K))));
-        requests.push_back(std::move(rs));
-      }
+      EPX_RETURN_IF_ERROR(sends.post(s, kTagCombine, std::as_bytes(std::span(part, rows * H))));
+      if (slots) EPX_RETURN_IF_ERROR(sends.post(s, kTagCombineSlots, std::as_bytes(std::span(part_slots, rows * K))));
     }
     for (int n = 0; n < num_nodes; ++n) {
       const int64_t rows = h.node_counts[static_cast<std::size_t>(rank) * num_nodes + n];
@@ -783,12 +854,12 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
                                       : h.counts[static_cast<std::size_t>(rank) * R + i];
     EPX_ASSIGN_OR_RETURN(std::size_t got, transport.recv(peer, kTagCombine,
                                                           {recv_payload.data() + stage_first[i] * prow, rows * prow}, deadline));
-    EPX_CHECK_EQ(got, rows * prow);
+    EPX_RETURN_IF_ERROR(expect_size(got, rows * prow, peer, "combine rows"));
     if (slots) {
       EPX_ASSIGN_OR_RETURN(got, transport.recv(peer, kTagCombineSlots,
                                                {recv_meta.data() + stage_first[i] * K * sizeof(float), rows * K * sizeof(float)},
                                                deadline));
-      EPX_CHECK_EQ(got, rows * K * sizeof(float));
+      EPX_RETURN_IF_ERROR(expect_size(got, rows * K * sizeof(float), peer, "combine weight gradients"));
     }
   }
 
@@ -853,7 +924,7 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
       }
     }
   }
-  for (Request& r : requests) EPX_RETURN_IF_ERROR(r.wait(deadline));
+  EPX_RETURN_IF_ERROR(sends.finish());
   // No rank may overwrite its combine region while a peer still reads it.
   return transport.barrier(deadline);
 }
@@ -995,16 +1066,17 @@ Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handl
         if (grad_weights.defined()) grad_weights.row<float>(i)[k] = 0.0f;
         continue;
       }
-      // d out / d y[row] = w; d out / d w = <grad, y[row]>, summed in column order.
-      const float wk = w[i * K + k];
-      float* gy = grad_y_expanded.row<float>(row);
-      for (int c = 0; c < H; ++c) gy[c] = wk * g[c];
+      // d out / d w = <grad, y[row]>, summed in column order; d out / d y[row] = w.
+      // The dot product comes first, so grad_y_expanded may reuse y's memory.
       if (grad_weights.defined()) {
         const std::byte* y = y_expanded.row<std::byte>(row);
         float dot = 0.0f;
         for (int c = 0; c < H; ++c) dot += g[c] * load_as_f32(y, y_expanded.dtype(), c);
         grad_weights.row<float>(i)[k] = dot;
       }
+      const float wk = w[i * K + k];
+      float* gy = grad_y_expanded.row<float>(row);
+      for (int c = 0; c < H; ++c) gy[c] = wk * g[c];
     }
   }
   return Status::ok();

@@ -20,6 +20,9 @@ struct ForwardPlan {
 
 struct HandleData {
   uint64_t buffer_id = 0;
+  // Which dispatch of its Buffer made it: the same number on every rank, so
+  // ranks passing handles of different dispatches are caught.
+  int64_t dispatch_seq = 0;
   int rank = 0;
   int num_tokens = 0;
   int topk = 0;

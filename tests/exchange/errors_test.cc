@@ -385,6 +385,94 @@ TEST(ExchangeErrors, ExpandedRowsInsideTheCombineRegion) {
   expect_rejected_everywhere(calls, {"combine region"});
 }
 
+TEST(ExchangeErrors, BadConfigOnOneRankOrDifferentPlacements) {
+  // One rank's config fails its own checks: it says why, the others are told
+  // at once (Aborted) instead of waiting for it until the timeout.
+  const Topology topology = make_topology();
+  {
+    std::vector<Status> created(kRanks);
+    std::vector<double> seconds(kRanks);
+    InprocWorld world(topology);
+    world.run([&](Transport& t) -> Status {
+      BufferConfig config = make_config();
+      if (t.rank() == kBadRank) config.hidden = 0;
+      Stopwatch watch;
+      created[t.rank()] = Buffer::create(t, config).status();
+      seconds[t.rank()] = watch.seconds();
+      return Status::ok();
+    });
+    for (int r = 0; r < kRanks; ++r) {
+      SCOPED_TRACE(fmt::format("rank {}", r));
+      EXPECT_EQ(created[r].code(), r == kBadRank ? StatusCode::kInvalidArgument : StatusCode::kAborted)
+          << created[r].to_string();
+      EXPECT_LT(seconds[r], kNoHangSeconds);
+    }
+    EXPECT_NE(created[kBadRank].message().find("hidden = 0"), std::string::npos) << created[kBadRank].message();
+  }
+  // Placements that differ between ranks (a stale map after a rebalance) are refused everywhere.
+  {
+    std::vector<Status> created(kRanks);
+    InprocWorld world(topology);
+    world.run([&](Transport& t) -> Status {
+      BufferConfig config = make_config();
+      std::vector<int32_t> map(kExperts);
+      for (int e = 0; e < kExperts; ++e) map[e] = e % kRanks;
+      if (t.rank() == kBadRank) std::swap(map[0], map[1]);
+      config.placement = *ExpertPlacement::from_map(map, kRanks);
+      created[t.rank()] = Buffer::create(t, config).status();
+      return Status::ok();
+    });
+    for (int r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(created[r].code(), StatusCode::kInvalidArgument) << "rank " << r << ": " << created[r].to_string();
+      EXPECT_NE(created[r].message().find("placement"), std::string::npos) << created[r].message();
+    }
+  }
+}
+
+TEST(ExchangeErrors, HandlesOfDifferentDispatchesOrAStaleLayout) {
+  const ExchangeSpec spec = make_spec();
+  const std::vector<RankInputs> inputs = valid_inputs(spec, 13);
+  std::vector<Status> combined(kRanks), cached(kRanks), stale_layout(kRanks), after(kRanks);
+  InprocWorld world(spec.topology);
+  const std::vector<Status> statuses = world.run([&](Transport& t) -> Status {
+    const int r = t.rank();
+    EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(t, make_config()));
+    DispatchResult first, second;
+    EPX_RETURN_IF_ERROR(buffer->dispatch(inputs[r].dispatch_inputs(), &first));
+    const Handle old_handle = first.handle;
+    EPX_RETURN_IF_ERROR(buffer->dispatch(inputs[r].dispatch_inputs(), &second));
+    // The bad rank passes the older handle; the shapes may even agree.
+    const Handle& mine = r == kBadRank ? old_handle : second.handle;
+    Matrix y = expert_output(Matrix::copy_of(second.recv_x), r, DType::kF32);
+    Matrix out(DType::kF32, inputs[r].num_tokens(), kHidden);
+    combined[r] = buffer->combine(y.view(), mine, out.view());
+    TensorView recv;
+    cached[r] = buffer->dispatch_cached(inputs[r].dispatch_inputs().x, mine, &recv);
+    // A layout of other routing passed with this topk_idx.
+    EPX_ASSIGN_OR_RETURN(DispatchLayout layout, buffer->get_layout(inputs[r].dispatch_inputs().topk_idx));
+    if (r == kBadRank && !layout.num_tokens_per_rank.empty()) {
+      layout.num_tokens_per_rank[0] += 1;
+    }
+    DispatchResult third;
+    stale_layout[r] = buffer->dispatch(inputs[r].dispatch_inputs(), &third, &layout);
+    // Nothing was half-done: the Buffer still works with a fresh dispatch.
+    after[r] = buffer->dispatch(inputs[r].dispatch_inputs(), &third);
+    if (after[r].is_ok()) after[r] = buffer->combine(Matrix::copy_of(third.recv_x).view(), third.handle, out.view());
+    return Status::ok();
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE(fmt::format("rank {}", r));
+    ASSERT_TRUE(statuses[r].is_ok()) << statuses[r].to_string();
+    EXPECT_EQ(combined[r].code(), StatusCode::kInvalidArgument) << combined[r].to_string();
+    EXPECT_NE(combined[r].message().find("different dispatches"), std::string::npos) << combined[r].message();
+    EXPECT_EQ(cached[r].code(), StatusCode::kInvalidArgument) << cached[r].to_string();
+    EXPECT_EQ(stale_layout[r].code(), r == kBadRank ? StatusCode::kInvalidArgument : StatusCode::kAborted)
+        << stale_layout[r].to_string();
+    EXPECT_TRUE(after[r].is_ok()) << after[r].to_string();
+  }
+  EXPECT_NE(stale_layout[kBadRank].message().find("not the layout of its topk_idx"), std::string::npos);
+}
+
 TEST(ExchangeErrors, CreateRejectsBadConfigs) {
   struct BadConfig {
     const char* name;
