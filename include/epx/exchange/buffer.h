@@ -19,10 +19,18 @@
 //  - backward: the gradient of dispatch is a combine, the gradient of
 //    combine a cached dispatch.
 //
-// All ranks call each operation in the same order. Inputs are checked on
-// the calling rank before anything is sent; a rank that rejects its input
-// makes the others return Aborted; a peer that never arrives makes the
-// others return DeadlineExceeded after `timeout`.
+// All ranks call each operation in the same order, each rank from one thread
+// (the Buffers of one transport share its message tags: never drive two of
+// them at once). Inputs are checked on the calling rank before anything is
+// sent; a rank that rejects its input makes the others return Aborted; a peer
+// that never arrives makes the others return DeadlineExceeded after
+// `timeout`. Ranks that pass handles of different dispatches all get
+// InvalidArgument.
+//
+// Lifetimes: recv_x (and the views dispatch_cached, combine_backward and
+// combine_expanded_backward return) live in the rank's receive region and are
+// overwritten by the next dispatch-like call of any kind; the combine_input
+// view is overwritten by the next combine-like call. Copy what must survive.
 //
 //   epx::BufferConfig config{.num_experts = 256, .hidden = 7168, .dtype = epx::DType::kBF16,
 //                            .max_tokens_per_rank = 4096};
@@ -63,6 +71,7 @@ struct BufferConfig {
   int64_t max_recv_tokens = 0;         // rows one rank can receive; 0: num_ranks * max_tokens_per_rank
   int expert_alignment = 1;            // per-expert counts and expanded segments round up to this
   DType max_combine_dtype = DType::kF32;  // widest combine input; kBF16 halves the combine region
+                                          // (combine_expanded needs kF32)
   std::optional<ExpertPlacement> placement;  // default: contiguous blocks of E / R
   DispatchAlgorithm algorithm = DispatchAlgorithm::kAuto;
   Milliseconds timeout{30000};         // for each whole operation
@@ -157,7 +166,8 @@ class Buffer {
   // Validates and computes the layout of topk_idx (no communication).
   [[nodiscard]] Result<DispatchLayout> get_layout(const TensorView& topk_idx) const;
 
-  // Dispatch (collective). `layout`, when given, must be get_layout(topk_idx).
+  // Dispatch (collective). `layout`, when given, must be get_layout(topk_idx)
+  // (checked: InvalidArgument otherwise). On an error `*out` is unspecified.
   [[nodiscard]] Status dispatch(const DispatchInputs& inputs, DispatchResult* out,
                                 const DispatchLayout* layout = nullptr);
   // Re-sends new rows along the routes of `handle` (same tokens, same routing):
@@ -176,10 +186,12 @@ class Buffer {
   // options the gradient of the top-k weights.
   [[nodiscard]] Status dispatch_backward(const TensorView& grad_recv_x, const Handle& handle,
                                          const TensorView& grad_x, const CombineOptions& options = {});
-  // Backward of combine: grad_y = the cached dispatch of grad_out; a view like recv_x.
+  // Backward of combine: grad_y = the cached dispatch of grad_out (payload
+  // dtype); a view of the receive region, so it replaces the forward recv_x.
   [[nodiscard]] Status combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y);
 
-  // The expanded layout of `handle` (computed at dispatch).
+  // The expanded layout of `handle`, built on first use and kept in the
+  // handle: valid as long as the handle is. The handle must be valid.
   [[nodiscard]] const ExpandedLayout& expanded_layout(const Handle& handle) const;
   // Copies received rows into the expanded layout: out [layout.num_rows(), H]
   // of recv_x's dtype, padding rows zero. Local; no communication.
