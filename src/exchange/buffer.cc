@@ -182,8 +182,9 @@ struct Buffer::Impl {
                    ExchangeStats* stats);
   void finish_receive(detail::HandleData& h);
   // A rank whose local_status is an error takes part only to tell the others.
+  // x_name names the caller's argument in error messages.
   Status dispatch_cached_impl(Status local_status, const TensorView& x, const Handle& handle, TensorView* recv_x,
-                              std::string_view op);
+                              std::string_view op, std::string_view x_name);
   Status check_handle(const Handle& handle, std::string_view op) const;
   // After a header whose word `index` (counting the validity flag) is the
   // handle's dispatch number: InvalidArgument on every rank if they differ.
@@ -191,8 +192,10 @@ struct Buffer::Impl {
                              std::string_view op) const;
   Status combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h, const TensorView& out,
                       const CombineOptions& options, std::string_view op);
+  // y_name and out_name name the caller's arguments in error messages.
   Status validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
-                          const CombineOptions& options) const;
+                          const CombineOptions& options, std::string_view y_name = "y",
+                          std::string_view out_name = "out") const;
 };
 
 Buffer::Buffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -679,15 +682,15 @@ Status Buffer::Impl::check_same_dispatch(const std::vector<int64_t>& all, std::s
 }
 
 Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  return impl_->dispatch_cached_impl(Status::ok(), x, handle, recv_x, "dispatch_cached");
+  return impl_->dispatch_cached_impl(Status::ok(), x, handle, recv_x, "dispatch_cached", "x");
 }
 
 Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView& x, const Handle& handle,
-                                          TensorView* recv_x, std::string_view op) {
+                                          TensorView* recv_x, std::string_view op, std::string_view x_name) {
   ScopedSpan span(config.tracer, rank, std::string(op));
   const Deadline deadline = Deadline::after(config.timeout);
   if (local_status.is_ok()) local_status = check_handle(handle, op);
-  if (local_status.is_ok()) local_status = check_matrix(x, "x", config.dtype, handle.num_tokens(), config.hidden);
+  if (local_status.is_ok()) local_status = check_matrix(x, x_name, config.dtype, handle.num_tokens(), config.hidden);
   if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("{} needs an output", op);
   std::vector<int64_t> all;
   EPX_RETURN_IF_ERROR(
@@ -711,16 +714,17 @@ Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
 }
 
 Status Buffer::Impl::validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
-                                      const CombineOptions& options) const {
+                                      const CombineOptions& options, std::string_view y_name,
+                                      std::string_view out_name) const {
   if (y.ndim() != 2 || !is_payload_dtype(y.dtype()))
-    return invalid_argument("y must be a 2-D bf16 or f32 array, got {}", y.describe());
+    return invalid_argument("{} must be a 2-D bf16 or f32 array, got {}", y_name, y.describe());
   if (dtype_size(y.dtype()) > dtype_size(config.max_combine_dtype))
-    return invalid_argument("y is {} but max_combine_dtype = {}; raise BufferConfig::max_combine_dtype",
+    return invalid_argument("{} is {} but max_combine_dtype = {}; raise BufferConfig::max_combine_dtype", y_name,
                             dtype_name(y.dtype()), dtype_name(config.max_combine_dtype));
-  EPX_RETURN_IF_ERROR(check_matrix(y, "y", y.dtype(), h.num_recv, config.hidden));
+  EPX_RETURN_IF_ERROR(check_matrix(y, y_name, y.dtype(), h.num_recv, config.hidden));
   if (out.ndim() != 2 || !is_payload_dtype(out.dtype()))
-    return invalid_argument("out must be a 2-D bf16 or f32 array, got {}", out.describe());
-  EPX_RETURN_IF_ERROR(check_matrix(out, "out", out.dtype(), h.num_tokens, config.hidden));
+    return invalid_argument("{} must be a 2-D bf16 or f32 array, got {}", out_name, out.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(out, out_name, out.dtype(), h.num_tokens, config.hidden));
   if (options.bias.defined()) {
     if (options.bias.dtype() != DType::kF32 && options.bias.dtype() != out.dtype())
       return invalid_argument("bias must be f32 or the output's dtype {}, got {}", dtype_name(out.dtype()),
@@ -932,14 +936,15 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
 Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
                                  const CombineOptions& options) {
   Status local_status = impl_->check_handle(handle, "dispatch_backward");
-  if (local_status.is_ok()) local_status = impl_->validate_combine(grad_recv_x, handle.data(), grad_x, options);
+  if (local_status.is_ok())
+    local_status = impl_->validate_combine(grad_recv_x, handle.data(), grad_x, options, "grad_recv_x", "grad_x");
   static const detail::HandleData kEmpty;
   return impl_->combine_impl(local_status, grad_recv_x, handle.valid() ? handle.data() : kEmpty, grad_x, options,
                              "dispatch_backward");
 }
 
 Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
-  return dispatch_cached(grad_out, handle, grad_y);
+  return impl_->dispatch_cached_impl(Status::ok(), grad_out, handle, grad_y, "combine_backward", "grad_out");
 }
 
 const ExpandedLayout& Buffer::expanded_layout(const Handle& handle) const {
@@ -1050,7 +1055,7 @@ Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handl
   }
   // grad of each partial row = grad_out of its token, brought back along the dispatch routes.
   TensorView grad_partial;
-  EPX_RETURN_IF_ERROR(m.dispatch_cached_impl(local_status, grad_out, handle, &grad_partial, kOp));
+  EPX_RETURN_IF_ERROR(m.dispatch_cached_impl(local_status, grad_out, handle, &grad_partial, kOp, "grad_out"));
   const detail::HandleData& h = handle.data();
   const ExpandedLayout& layout = h.expanded();
   const int H = m.config.hidden, K = h.topk;
