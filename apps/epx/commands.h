@@ -46,6 +46,22 @@ struct BenchExchangeOptions {
   bool json = false;
 };
 
+struct BenchRoutingOptions {
+  int tokens = 4096;
+  int num_experts = 256;
+  int topk = 8;
+  int groups = 8;
+  int topk_groups = 4;
+  int hidden = 7168;
+  int reps = 7;
+  int peak_n = 2048;
+  int nodes = 8;
+  int ranks_per_node = 8;
+  int slots = 320;
+  uint64_t seed = 1;
+  bool json = false;
+};
+
 struct EplbOptions {
   std::string loads_path;
   int num_slots = 0;
@@ -59,6 +75,7 @@ struct EplbOptions {
 
 int run_demo(const DemoOptions& options);
 int run_bench_exchange(const BenchExchangeOptions& options);
+int run_bench_routing(const BenchRoutingOptions& options);
 int run_eplb(const EplbOptions& options);
 
 }  // namespace epx::app

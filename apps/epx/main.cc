@@ -2,6 +2,7 @@
 //
 //   epx demo                      a small dispatch/combine, shown and checked
 //   epx bench exchange --json     dispatch/combine vs memcpy and a naive all-to-all
+//   epx bench routing --json      router and placement cost next to the score GEMM
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
 #include <string>
 
@@ -93,6 +94,43 @@ int main(int argc, char** argv) {
   exchange_cmd->add_option("--trace", bench.trace_path, "Write a Chrome trace of the timed repetitions to this file");
   exchange_cmd->add_flag("--json", bench.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
 
+  // epx bench routing
+  epx::app::BenchRoutingOptions routing;
+  CLI::App* routing_cmd = bench_cmd->add_subcommand(
+      "routing",
+      "The router (sigmoid + bias + group-limited top-k, and softmax top-k; single-threaded) against the fp32 score "
+      "GEMM that feeds it (OpenBLAS) and the machine's measured sgemm peak, plus expert placement and rebalance; "
+      "medians of interleaved repetitions");
+  routing_cmd->add_option("--tokens", routing.tokens, "Tokens")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  routing_cmd->add_option("--experts", routing.num_experts, "Experts")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  routing_cmd->add_option("--topk", routing.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  routing_cmd->add_option("--groups", routing.groups, "Expert groups (router and placement); must divide --experts")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  routing_cmd->add_option("--topk-groups", routing.topk_groups, "Groups a token may use (sigmoid router)")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  routing_cmd->add_option("--hidden", routing.hidden, "Hidden size (the GEMM's inner dimension)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  routing_cmd->add_option("--reps", routing.reps, "Timed repetitions of each method")
+      ->check(CLI::Range(1, 10000))
+      ->capture_default_str();
+  routing_cmd->add_option("--peak-n", routing.peak_n, "Size of the square sgemm that measures the fp32 peak; 0 = skip")
+      ->check(CLI::Range(0, 16384))
+      ->capture_default_str();
+  routing_cmd->add_option("--nodes", routing.nodes, "Placement: nodes")->check(CLI::Range(1, 4096))->capture_default_str();
+  routing_cmd->add_option("--ranks-per-node", routing.ranks_per_node, "Placement: ranks per node")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  routing_cmd->add_option("--slots", routing.slots, "Placement: physical slots; >= experts and a multiple of the ranks")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  routing_cmd->add_option("--seed", routing.seed, "Input seed")->capture_default_str();
+  routing_cmd->add_flag("--json", routing.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
+
   // epx eplb
   epx::app::EplbOptions eplb;
   CLI::App* eplb_cmd = app.add_subcommand(
@@ -146,6 +184,7 @@ int main(int argc, char** argv) {
 
   if (*demo_cmd) return epx::app::run_demo(demo);
   if (*exchange_cmd) return epx::app::run_bench_exchange(bench);
+  if (*routing_cmd) return epx::app::run_bench_routing(routing);
   if (*eplb_cmd) return epx::app::run_eplb(eplb);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;

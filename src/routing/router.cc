@@ -61,11 +61,23 @@ int64_t expert_capacity(const RouterConfig& config, int64_t num_tokens) {
 
 namespace {
 
-// Best `k` of `candidates` by score; ties to the lower id. Writes ids in order.
-void top_k_of(const float* score, std::vector<int32_t>& candidates, int k, int32_t* out) {
+// Best `k` of candidates[0, n) by score, ties to the lower id, written best
+// first (k <= n). An insertion into a sorted list of k: no allocation, and
+// for small k far cheaper than sorting all n.
+void top_k_of(const float* score, const int32_t* candidates, int n, int k, int32_t* out) {
   auto better = [score](int32_t a, int32_t b) { return score[a] > score[b] || (score[a] == score[b] && a < b); };
-  std::partial_sort(candidates.begin(), candidates.begin() + k, candidates.end(), better);
-  std::copy(candidates.begin(), candidates.begin() + k, out);
+  int count = 0;
+  for (int i = 0; i < n; ++i) {
+    const int32_t c = candidates[i];
+    if (count == k) {
+      if (!better(c, out[k - 1])) continue;
+      --count;
+    }
+    int j = count;
+    for (; j > 0 && better(c, out[j - 1]); --j) out[j] = out[j - 1];
+    out[j] = c;
+    ++count;
+  }
 }
 
 // Drops over-capacity (token, slot) pairs from out in place.
@@ -121,7 +133,11 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
   std::vector<float> select(E);
   std::vector<float> group_score(config.num_groups);
   std::vector<int32_t> candidates;
-  std::vector<int32_t> ids;
+  std::vector<int32_t> group_ids(config.num_groups);
+  std::iota(group_ids.begin(), group_ids.end(), 0);
+  std::vector<int32_t> all_experts(E);
+  std::iota(all_experts.begin(), all_experts.end(), 0);
+  std::vector<int32_t> best(E);
   std::vector<int32_t> best_groups(config.topk_groups);
   for (int64_t t = 0; t < T; ++t) {
     const float* row = logits.row<const float>(t);
@@ -129,27 +145,23 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
     const float* base = config.softmax_after_topk ? row : prob;
     for (int e = 0; e < E; ++e) select[e] = base[e] + (bias ? bias[e] : 0.0f);
 
-    candidates.clear();
+    int32_t* sel = out.selected_idx.data() + t * K;
     if (config.num_groups > 1) {
       for (int g = 0; g < config.num_groups; ++g) {
-        ids = groups[g];
-        const int n = std::min<int>(per_group, static_cast<int>(ids.size()));
-        std::vector<int32_t> best(n);
-        top_k_of(select.data(), ids, n, best.data());
+        const int size = static_cast<int>(groups[g].size());
+        const int n = std::min(per_group, size);
+        top_k_of(select.data(), groups[g].data(), size, n, best.data());
         float sum = 0.0f;
-        for (int32_t e : best) sum += select[e];
+        for (int j = 0; j < n; ++j) sum += select[best[j]];
         group_score[g] = sum;
       }
-      ids.resize(config.num_groups);
-      std::iota(ids.begin(), ids.end(), 0);
-      top_k_of(group_score.data(), ids, config.topk_groups, best_groups.data());
+      top_k_of(group_score.data(), group_ids.data(), config.num_groups, config.topk_groups, best_groups.data());
+      candidates.clear();
       for (int32_t g : best_groups) candidates.insert(candidates.end(), groups[g].begin(), groups[g].end());
+      top_k_of(select.data(), candidates.data(), static_cast<int>(candidates.size()), K, sel);
     } else {
-      candidates.resize(E);
-      std::iota(candidates.begin(), candidates.end(), 0);
+      top_k_of(select.data(), all_experts.data(), E, K, sel);
     }
-    int32_t* sel = out.selected_idx.data() + t * K;
-    top_k_of(select.data(), candidates, K, sel);
 
     float* p = out.selected_probs.data() + t * K;
     if (config.softmax_after_topk) {
