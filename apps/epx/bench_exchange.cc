@@ -240,13 +240,7 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
   }
 
   if (o.json) {
-    nlohmann::json j;
-    j["machine"] = {{"cpu_model", machine.cpu_model},
-                    {"cores", machine.cores},
-                    {"memory_bytes", machine.memory_bytes},
-                    {"kernel", machine.kernel}};
-    j["date"] = date;
-    j["epx_version"] = EPX_VERSION;
+    nlohmann::json j = record_head(machine, date);
     j["config"] = {{"ranks", o.num_ranks},      {"tokens", o.tokens}, {"node_shapes", o.node_shapes},
                    {"hidden", o.hidden},        {"experts", o.num_experts}, {"topk", o.topk},
                    {"dtype", o.dtype},          {"reps", o.reps},     {"warmup", o.warmup},

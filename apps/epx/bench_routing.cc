@@ -97,13 +97,7 @@ int run_bench_routing(const BenchRoutingOptions& o) {
 
   if (o.json) {
     const auto& c = r->config;
-    nlohmann::json j;
-    j["machine"] = {{"cpu_model", machine.cpu_model},
-                    {"cores", machine.cores},
-                    {"memory_bytes", machine.memory_bytes},
-                    {"kernel", machine.kernel}};
-    j["date"] = date;
-    j["epx_version"] = EPX_VERSION;
+    nlohmann::json j = record_head(machine, date);
     j["config"] = {{"tokens", c.num_tokens},       {"experts", c.num_experts},
                    {"topk", c.topk},               {"groups", c.num_groups},
                    {"topk_groups", c.topk_groups}, {"hidden", c.hidden},

@@ -49,4 +49,15 @@ std::string utc_now() {
   return text;
 }
 
+nlohmann::json record_head(const MachineInfo& machine, const std::string& date) {
+  nlohmann::json j;
+  j["machine"] = {{"cpu_model", machine.cpu_model},
+                  {"cores", machine.cores},
+                  {"memory_bytes", machine.memory_bytes},
+                  {"kernel", machine.kernel}};
+  j["date"] = date;
+  j["epx_version"] = EPX_VERSION;
+  return j;
+}
+
 }  // namespace epx::app

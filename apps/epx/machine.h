@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 namespace epx::app {
 
 struct MachineInfo {
@@ -17,5 +19,8 @@ struct MachineInfo {
 [[nodiscard]] MachineInfo machine_info();
 // Now, as ISO 8601 UTC: "2025-01-31T12:00:00Z".
 [[nodiscard]] std::string utc_now();
+
+// The head every benchmark's JSON record starts with: machine, date, version.
+[[nodiscard]] nlohmann::json record_head(const MachineInfo& machine, const std::string& date);
 
 }  // namespace epx::app

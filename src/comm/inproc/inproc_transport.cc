@@ -370,19 +370,25 @@ Status InprocTransport::barrier(const Deadline& deadline) {
   return rendezvous(mine, deadline, &slot, &seq);
 }
 
-Status InprocTransport::all_gather_bytes(std::span<const std::byte> in, std::span<std::byte> out,
-                                         const Deadline& deadline) {
+// Counts and contributes `in` to a byte collective (all-gather, all-to-all).
+Status InprocTransport::stage_bytes(CollectiveOp op, std::span<const std::byte> in, std::size_t out_bytes,
+                                    const Deadline& deadline, const CollectiveSlot** slot) {
   detail::RankState& me = state_->ranks[rank_];
   me.collective_calls.fetch_add(1, std::memory_order_relaxed);
   me.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
-  const CollectiveSlot* slot = nullptr;
   uint64_t seq = 0;
   Contribution mine;
-  mine.op = CollectiveOp::kAllGather;
+  mine.op = op;
   mine.stage = in;
   mine.in_bytes = in.size();
-  mine.out_bytes = out.size();
-  EPX_RETURN_IF_ERROR(rendezvous(mine, deadline, &slot, &seq));
+  mine.out_bytes = out_bytes;
+  return rendezvous(mine, deadline, slot, &seq);
+}
+
+Status InprocTransport::all_gather_bytes(std::span<const std::byte> in, std::span<std::byte> out,
+                                         const Deadline& deadline) {
+  const CollectiveSlot* slot = nullptr;
+  EPX_RETURN_IF_ERROR(stage_bytes(CollectiveOp::kAllGather, in, out.size(), deadline, &slot));
   if (in.empty()) return Status::ok();
   for (int r = 0; r < num_ranks(); ++r)
     std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), slot->entries[r].staged.data(), in.size());
@@ -391,17 +397,8 @@ Status InprocTransport::all_gather_bytes(std::span<const std::byte> in, std::spa
 
 Status InprocTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<std::byte> out,
                                          const Deadline& deadline) {
-  detail::RankState& me = state_->ranks[rank_];
-  me.collective_calls.fetch_add(1, std::memory_order_relaxed);
-  me.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
   const CollectiveSlot* slot = nullptr;
-  uint64_t seq = 0;
-  Contribution mine;
-  mine.op = CollectiveOp::kAllToAll;
-  mine.stage = in;
-  mine.in_bytes = in.size();
-  mine.out_bytes = out.size();
-  EPX_RETURN_IF_ERROR(rendezvous(mine, deadline, &slot, &seq));
+  EPX_RETURN_IF_ERROR(stage_bytes(CollectiveOp::kAllToAll, in, out.size(), deadline, &slot));
   const std::size_t block = in.size() / static_cast<std::size_t>(num_ranks());
   if (block == 0) return Status::ok();
   for (int src = 0; src < num_ranks(); ++src) {

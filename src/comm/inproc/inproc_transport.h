@@ -176,6 +176,9 @@ class InprocTransport final : public Transport {
   // on op and sizes (InvalidArgument on every rank otherwise).
   Status rendezvous(const Contribution& mine, const Deadline& deadline, const detail::CollectiveSlot** slot,
                     uint64_t* seq);
+  // Counts `in` and publishes it for a byte collective (all-gather, all-to-all).
+  Status stage_bytes(detail::CollectiveOp op, std::span<const std::byte> in, std::size_t out_bytes,
+                     const Deadline& deadline, const detail::CollectiveSlot** slot);
 
   std::shared_ptr<detail::InprocState> state_;
   int rank_;
