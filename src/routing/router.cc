@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <thread>
 
 #include "routing/scores.h"
 
@@ -130,60 +131,72 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
 
   const std::vector<std::vector<int32_t>> groups = detail::group_members(config);
   const int per_group = std::max(1, K / config.topk_groups);
-  std::vector<float> select(E);
-  std::vector<float> group_score(config.num_groups);
-  std::vector<int32_t> candidates;
   std::vector<int32_t> group_ids(config.num_groups);
   std::iota(group_ids.begin(), group_ids.end(), 0);
   std::vector<int32_t> all_experts(E);
   std::iota(all_experts.begin(), all_experts.end(), 0);
-  std::vector<int32_t> best(E);
-  std::vector<int32_t> best_groups(config.topk_groups);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* row = logits.row<const float>(t);
-    const float* prob = out.scores.data() + t * E;
-    const float* base = config.softmax_after_topk ? row : prob;
-    for (int e = 0; e < E; ++e) select[e] = base[e] + (bias ? bias[e] : 0.0f);
+  // Tokens are independent: each range writes only its own rows, so how the
+  // tokens are split over threads never changes a bit.
+  auto route_tokens = [&](int64_t t_begin, int64_t t_end) {
+    std::vector<float> select(E);
+    std::vector<float> group_score(config.num_groups);
+    std::vector<int32_t> candidates;
+    std::vector<int32_t> best(E);
+    std::vector<int32_t> best_groups(config.topk_groups);
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const float* row = logits.row<const float>(t);
+      const float* prob = out.scores.data() + t * E;
+      const float* base = config.softmax_after_topk ? row : prob;
+      for (int e = 0; e < E; ++e) select[e] = base[e] + (bias ? bias[e] : 0.0f);
 
-    int32_t* sel = out.selected_idx.data() + t * K;
-    if (config.num_groups > 1) {
-      for (int g = 0; g < config.num_groups; ++g) {
-        const int size = static_cast<int>(groups[g].size());
-        const int n = std::min(per_group, size);
-        top_k_of(select.data(), groups[g].data(), size, n, best.data());
-        float sum = 0.0f;
-        for (int j = 0; j < n; ++j) sum += select[best[j]];
-        group_score[g] = sum;
+      int32_t* sel = out.selected_idx.data() + t * K;
+      if (config.num_groups > 1) {
+        for (int g = 0; g < config.num_groups; ++g) {
+          const int size = static_cast<int>(groups[g].size());
+          const int n = std::min(per_group, size);
+          top_k_of(select.data(), groups[g].data(), size, n, best.data());
+          float sum = 0.0f;
+          for (int j = 0; j < n; ++j) sum += select[best[j]];
+          group_score[g] = sum;
+        }
+        top_k_of(group_score.data(), group_ids.data(), config.num_groups, config.topk_groups, best_groups.data());
+        candidates.clear();
+        for (int32_t g : best_groups) candidates.insert(candidates.end(), groups[g].begin(), groups[g].end());
+        top_k_of(select.data(), candidates.data(), static_cast<int>(candidates.size()), K, sel);
+      } else {
+        top_k_of(select.data(), all_experts.data(), E, K, sel);
       }
-      top_k_of(group_score.data(), group_ids.data(), config.num_groups, config.topk_groups, best_groups.data());
-      candidates.clear();
-      for (int32_t g : best_groups) candidates.insert(candidates.end(), groups[g].begin(), groups[g].end());
-      top_k_of(select.data(), candidates.data(), static_cast<int>(candidates.size()), K, sel);
-    } else {
-      top_k_of(select.data(), all_experts.data(), E, K, sel);
-    }
 
-    float* p = out.selected_probs.data() + t * K;
-    if (config.softmax_after_topk) {
-      float max_logit = row[sel[0]];
-      for (int j = 1; j < K; ++j) max_logit = std::max(max_logit, row[sel[j]]);
-      float sum = 0.0f;
-      for (int j = 0; j < K; ++j) sum += (p[j] = std::exp(row[sel[j]] - max_logit));
-      for (int j = 0; j < K; ++j) p[j] /= sum;
-    } else {
-      for (int j = 0; j < K; ++j) p[j] = prob[sel[j]];
+      float* p = out.selected_probs.data() + t * K;
+      if (config.softmax_after_topk) {
+        float max_logit = row[sel[0]];
+        for (int j = 1; j < K; ++j) max_logit = std::max(max_logit, row[sel[j]]);
+        float sum = 0.0f;
+        for (int j = 0; j < K; ++j) sum += (p[j] = std::exp(row[sel[j]] - max_logit));
+        for (int j = 0; j < K; ++j) p[j] /= sum;
+      } else {
+        for (int j = 0; j < K; ++j) p[j] = prob[sel[j]];
+      }
+      float denom = 1.0f;
+      if (config.normalize_weights) {
+        denom = 0.0f;
+        for (int j = 0; j < K; ++j) denom += p[j];
+      }
+      for (int j = 0; j < K; ++j) {
+        out.topk_idx[t * K + j] = sel[j];
+        out.topk_weights[t * K + j] = config.scaling_factor * (p[j] / denom);
+      }
     }
-    float denom = 1.0f;
-    if (config.normalize_weights) {
-      denom = 0.0f;
-      for (int j = 0; j < K; ++j) denom += p[j];
-    }
-    for (int j = 0; j < K; ++j) {
-      out.topk_idx[t * K + j] = sel[j];
-      out.topk_weights[t * K + j] = config.scaling_factor * (p[j] / denom);
-    }
-  }
-
+  };
+  // Large batches use the machine's cores (at most 8 threads); small ones stay on the caller's.
+  constexpr int64_t kMinWorkPerThread = 1 << 17;  // (token, expert) pairs
+  const int64_t max_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
+  const int64_t num_threads = std::clamp<int64_t>(T * E / kMinWorkPerThread, 1, max_threads);
+  std::vector<std::thread> workers;
+  for (int64_t i = 1; i < num_threads; ++i)
+    workers.emplace_back(route_tokens, T * i / num_threads, T * (i + 1) / num_threads);
+  route_tokens(0, T / num_threads);
+  for (std::thread& w : workers) w.join();
   out.capacity = expert_capacity(config, T);
   if (out.capacity > 0) apply_capacity(config, out);
   out.tokens_per_expert.assign(E, 0);

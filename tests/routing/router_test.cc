@@ -273,3 +273,36 @@ TEST(RouterErrors, NameTheValueAndTheLimit) {
 
 }  // namespace
 }  // namespace epx
+
+namespace epx {
+namespace {
+
+// A batch large enough to be split over threads routes every token exactly as
+// routing that token alone does.
+TEST(Router, ThreadSplitDoesNotChangeABit) {
+  const int T = 2048, E = 256;
+  std::vector<float> logits(T * E);
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  for (float& v : logits) v = u(rng);
+  RouterConfig c;
+  c.num_experts = E;
+  c.topk = 8;
+  c.score_function = ScoreFunction::kSigmoid;
+  c.num_groups = 8;
+  c.topk_groups = 4;
+  c.normalize_weights = true;
+  Result<RouterOutput> all = route(c, TensorView::contiguous(logits.data(), DType::kF32, {T, E}));
+  ASSERT_TRUE(all.is_ok()) << all.status().to_string();
+  for (int t = 0; t < T; t += 97) {
+    Result<RouterOutput> one = route(c, TensorView::contiguous(logits.data() + t * E, DType::kF32, {1, E}));
+    ASSERT_TRUE(one.is_ok());
+    for (int k = 0; k < 8; ++k) {
+      EXPECT_EQ(one->topk_idx[k], all->topk_idx[t * 8 + k]) << "token " << t;
+      EXPECT_EQ(one->topk_weights[k], all->topk_weights[t * 8 + k]) << "token " << t;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epx

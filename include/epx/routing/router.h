@@ -3,7 +3,9 @@
 // `route` turns router logits [num_tokens, num_experts] (f32, fp32 maths)
 // into the experts each token goes to and the weights its outputs are combined
 // with; `route_backward` takes the gradient of those weights back to the
-// logits. Both are deterministic and single-threaded.
+// logits. Both are deterministic: `route` splits large batches (2^17 or more
+// (token, expert) pairs per thread, at most 8 threads) over the machine's
+// cores, and no bit depends on the split.
 //
 // Promises:
 // - top-k picks the highest selection scores; ties go to the lower expert id,
