@@ -99,6 +99,13 @@ Status expect_size(std::size_t got, std::size_t expected, int peer, std::string_
   return internal_error("{} from rank {} was {} bytes, expected {}", what, peer, got, expected);
 }
 
+// The handle's data, or an empty stand-in for a rank whose handle was
+// rejected but which still takes part in the collective to tell the others.
+const detail::HandleData& handle_data_or_empty(const Handle& handle) {
+  static const detail::HandleData kEmpty;
+  return handle.valid() ? handle.data() : kEmpty;
+}
+
 }  // namespace
 
 int Handle::num_tokens() const { return data_ ? data_->num_tokens : 0; }
@@ -192,6 +199,15 @@ struct Buffer::Impl {
                              std::string_view op) const;
   Status combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h, const TensorView& out,
                       const CombineOptions& options, std::string_view op);
+  // Checks the handle and the arguments (named y_name, out_name in messages), then combine_impl.
+  Status combine_checked(const TensorView& y, const Handle& handle, const TensorView& out,
+                         const CombineOptions& options, std::string_view op, std::string_view y_name,
+                         std::string_view out_name) {
+    Status local_status = check_handle(handle, op);
+    if (local_status.is_ok())
+      local_status = validate_combine(y, handle.data(), out, options, y_name, out_name);
+    return combine_impl(local_status, y, handle_data_or_empty(handle), out, options, op);
+  }
   // y_name and out_name name the caller's arguments in error messages.
   Status validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
                           const CombineOptions& options, std::string_view y_name = "y",
@@ -743,10 +759,7 @@ Status Buffer::Impl::validate_combine(const TensorView& y, const detail::HandleD
 
 Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
                        const CombineOptions& options) {
-  Status local_status = impl_->check_handle(handle, "combine");
-  if (local_status.is_ok()) local_status = impl_->validate_combine(y, handle.data(), out, options);
-  static const detail::HandleData kEmpty;
-  return impl_->combine_impl(local_status, y, handle.valid() ? handle.data() : kEmpty, out, options, "combine");
+  return impl_->combine_checked(y, handle, out, options, "combine", "y", "out");
 }
 
 Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h,
@@ -935,12 +948,7 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
 
 Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
                                  const CombineOptions& options) {
-  Status local_status = impl_->check_handle(handle, "dispatch_backward");
-  if (local_status.is_ok())
-    local_status = impl_->validate_combine(grad_recv_x, handle.data(), grad_x, options, "grad_recv_x", "grad_x");
-  static const detail::HandleData kEmpty;
-  return impl_->combine_impl(local_status, grad_recv_x, handle.valid() ? handle.data() : kEmpty, grad_x, options,
-                             "dispatch_backward");
+  return impl_->combine_checked(grad_recv_x, handle, grad_x, options, "dispatch_backward", "grad_recv_x", "grad_x");
 }
 
 Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
@@ -975,8 +983,7 @@ Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& hand
                                 const TensorView& weights, const CombineOptions& options) {
   Impl& m = *impl_;
   Status local_status = m.check_handle(handle, "combine_expanded");
-  static const detail::HandleData kEmpty;
-  const detail::HandleData& h = handle.valid() ? handle.data() : kEmpty;
+  const detail::HandleData& h = handle_data_or_empty(handle);
   const int H = m.config.hidden, K = h.topk;
   const float* w = nullptr;
   if (local_status.is_ok()) {
