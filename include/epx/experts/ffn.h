@@ -1,0 +1,81 @@
+// Expert FFN: SwiGLU experts run as a grouped GEMM over expert-sorted rows.
+//
+// The rows come in the expanded layout that dispatch delivers
+// (Buffer::expand / ExpandedLayout): rows [offsets[e], offsets[e+1]) belong
+// to local expert e. For each expert
+//
+//   h1 = x W1[e], h3 = x W3[e]           W1, W3: [H, F]
+//   a  = silu(h1) * h3                   silu(z) = z / (1 + exp(-z))
+//   y  = a W2[e]                         W2: [F, H]
+//
+// Storage is f32 or bf16 (weights and x of the same dtype); accumulation is
+// fp32 and y is f32. Experts with no rows cost nothing; zero (padding) rows
+// give zero output. Backward gives grad_x and adds the weight gradients into
+// f32 accumulators.
+//
+//   epx::ExpertFfnConfig config{.num_experts = 8, .hidden = 512, .ffn_hidden = 1024};
+//   epx::ExpertFfnCache cache;
+//   EPX_RETURN_IF_ERROR(epx::expert_ffn_forward(config, weights, x, offsets, y, &cache));
+//   ...
+//   EPX_RETURN_IF_ERROR(epx::expert_ffn_backward(config, weights, x, offsets, cache, grad_y,
+//                                                grad_x, grads));
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "epx/core/buffer.h"
+#include "epx/core/status.h"
+#include "epx/core/tensor.h"
+
+namespace epx {
+
+struct ExpertFfnConfig {
+  int num_experts = 0;  // local experts
+  int hidden = 0;       // H
+  int ffn_hidden = 0;   // F
+  DType dtype = DType::kF32;  // storage of x and the weights: kF32 or kBF16
+  // Threads the grouped GEMM may use; 0 = one per core. Inside an in-process
+  // world each rank is already a thread: pass 1 there.
+  int num_threads = 0;
+
+  [[nodiscard]] Status validate() const;
+};
+
+// The weights of the local experts, contiguous per expert, of config.dtype.
+struct ExpertWeights {
+  TensorView w1;  // [E * H, F]: expert e is rows [e * H, (e + 1) * H)
+  TensorView w3;  // [E * H, F]
+  TensorView w2;  // [E * F, H]
+};
+
+// f32 gradient accumulators of the same shapes; backward adds into them.
+struct ExpertGrads {
+  TensorView w1;
+  TensorView w3;
+  TensorView w2;
+};
+
+// What forward keeps for backward (h1 and h3, f32, [rows, F] each). Reused
+// across calls; owned by the caller.
+struct ExpertFfnCache {
+  std::vector<float> h1;
+  std::vector<float> h3;
+  int64_t rows = 0;
+};
+
+// x: [rows, H] of config.dtype; offsets: [E + 1], non-decreasing, offsets[0]
+// = 0, offsets[E] = rows; y: [rows, H] f32. cache may be null (inference).
+[[nodiscard]] Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& weights,
+                                        const TensorView& x, std::span<const int64_t> offsets,
+                                        const TensorView& y, ExpertFfnCache* cache);
+
+// grad_y: [rows, H] f32; grad_x: [rows, H] f32 (overwritten); grads: added to.
+// cache: the one forward filled for the same x and offsets.
+[[nodiscard]] Status expert_ffn_backward(const ExpertFfnConfig& config, const ExpertWeights& weights,
+                                         const TensorView& x, std::span<const int64_t> offsets,
+                                         const ExpertFfnCache& cache, const TensorView& grad_y,
+                                         const TensorView& grad_x, const ExpertGrads& grads);
+
+}  // namespace epx
