@@ -15,6 +15,7 @@ std::string_view status_code_name(StatusCode code) {
     case StatusCode::kAborted: return "Aborted";
     case StatusCode::kUnimplemented: return "Unimplemented";
     case StatusCode::kInternal: return "Internal";
+    case StatusCode::kNotFound: return "NotFound";
   }
   return "Unknown";
 }

@@ -32,6 +32,7 @@ enum class StatusCode : int {
   kAborted,             // a peer failed, so this collective cannot complete
   kUnimplemented,       // the part exists in the API but is not built yet
   kInternal,            // an external library failed
+  kNotFound,            // a named file or object does not exist
 };
 
 std::string_view status_code_name(StatusCode code);
@@ -88,6 +89,10 @@ Status aborted(fmt::format_string<Args...> format, Args&&... args) {
 template <typename... Args>
 Status unimplemented(fmt::format_string<Args...> format, Args&&... args) {
   return make_status(StatusCode::kUnimplemented, format, std::forward<Args>(args)...);
+}
+template <typename... Args>
+Status not_found(fmt::format_string<Args...> format, Args&&... args) {
+  return make_status(StatusCode::kNotFound, format, std::forward<Args>(args)...);
 }
 template <typename... Args>
 Status internal_error(fmt::format_string<Args...> format, Args&&... args) {
