@@ -14,8 +14,10 @@
 // always draw). Anywhere else (a log file, a pipe) plain lines are printed,
 // never '\r', about every 10% of `total` and at the last step:
 //   train: 500/1000 (50%) loss 0.123
-// `finish` ends the bar: it draws the final state and a newline on a terminal;
-// in plain style it prints a last line unless that line was just printed.
+// `finish` ends the bar: on a terminal it draws the final state with the
+// elapsed time in place of the ETA ("in 0:24") and a newline; in plain style
+// it prints a last line unless that line was just printed. A terminal bar
+// destroyed unfinished ends its line, so later output starts on a fresh one.
 // `total <= 0` means the total is unknown: no percentage, bar or ETA, and the
 // plain style prints only at finish. `ProgressStyle` forces either style.
 // Rate and ETA are averages since construction.

@@ -88,7 +88,7 @@ class SyntheticTask {
   [[nodiscard]] const float* centre(int cluster) const;
 
  private:
-  SyntheticTask(const SyntheticTaskConfig& config);
+  explicit SyntheticTask(const SyntheticTaskConfig& config);
 
   SyntheticTaskConfig config_;
   ZipfDistribution zipf_;
