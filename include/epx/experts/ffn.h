@@ -31,6 +31,16 @@
 
 namespace epx {
 
+// How the threads of one call share the work. kSplitGemms runs the experts
+// one after another, each GEMM on all threads; kSplitExperts gives whole
+// experts to threads (largest first), each GEMM on one thread: better when
+// every expert has few rows. kAuto picks kSplitExperts when there are at
+// least as many non-empty experts as threads and none has more than
+// kSplitExpertsMaxRows rows. The results do not depend on the choice beyond
+// the GEMM library's own summation order.
+enum class ExpertFfnSchedule : uint8_t { kAuto, kSplitGemms, kSplitExperts };
+inline constexpr int64_t kSplitExpertsMaxRows = 128;
+
 struct ExpertFfnConfig {
   int num_experts = 0;  // local experts
   int hidden = 0;       // H
@@ -39,6 +49,7 @@ struct ExpertFfnConfig {
   // Threads the grouped GEMM may use; 0 = one per core. Inside an in-process
   // world each rank is already a thread: pass 1 there.
   int num_threads = 0;
+  ExpertFfnSchedule schedule = ExpertFfnSchedule::kAuto;  // ignored when num_threads = 1
 
   [[nodiscard]] Status validate() const;
 };
