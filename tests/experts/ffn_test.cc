@@ -340,6 +340,24 @@ TEST(ExpertFfn, ConcurrentCallsWithOneThreadEach) {
   }
 }
 
+// The same inputs and thread count give the same bits, run after run.
+TEST(ExpertFfn, SameBitsEveryRun) {
+  for (auto schedule : {ExpertFfnSchedule::kSplitGemms, ExpertFfnSchedule::kSplitExperts}) {
+    Problem p = make_problem(DType::kBF16, 96, 160, {40, 7, 0, 90}, 40);
+    p.config.num_threads = 2;
+    p.config.schedule = schedule;
+    const auto grad_y = random_f32(p.rows() * 96, 41);
+    const Outputs first = run_both(p, grad_y);
+    for (int rep = 0; rep < 3; ++rep) {
+      const Outputs again = run_both(p, grad_y);
+      EXPECT_EQ(again.y, first.y);
+      EXPECT_EQ(again.grad_x, first.grad_x);
+      EXPECT_EQ(again.grad_w1, first.grad_w1);
+      EXPECT_EQ(again.grad_w2, first.grad_w2);
+    }
+  }
+}
+
 void expect_invalid(const Status& s, const std::string& text) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find(text), std::string::npos) << "message: " << s.message() << "\nwanted: " << text;

@@ -11,7 +11,17 @@
 // Storage is f32 or bf16 (weights and x of the same dtype); accumulation is
 // fp32 and y is f32. Experts with no rows cost nothing; zero (padding) rows
 // give zero output. Backward gives grad_x and adds the weight gradients into
-// f32 accumulators.
+// f32 accumulators. With bf16 every GEMM takes bf16 operands: a (forward),
+// and grad_y, a, grad_h1, grad_h3 (backward) are rounded to bf16 (nearest
+// even) on their way in, as bf16 training does; the products still sum in
+// fp32. The GEMMs are oneDNN's matmul (docs/design.md, "Experts").
+//
+// Errors: InvalidArgument naming the value and its limit (shapes, dtypes,
+// offsets, a cache from another x), checked before anything is written;
+// Internal if oneDNN fails. Calls from several threads at once are safe;
+// a rank running as a thread passes num_threads = 1 and the call then runs
+// on the calling thread only. The same inputs and thread count give the
+// same bits on every run.
 //
 //   epx::ExpertFfnConfig config{.num_experts = 8, .hidden = 512, .ffn_hidden = 1024};
 //   epx::ExpertFfnCache cache;
