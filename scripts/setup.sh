@@ -11,7 +11,7 @@ packages=(
   build-essential cmake g++ make pkg-config
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libtomlplusplus-dev
-  libopenblas-dev
+  libopenblas-dev libdnnl-dev
 )
 
 if [[ "${EPX_SKIP_SETUP:-0}" == 1 ]]; then

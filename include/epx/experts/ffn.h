@@ -11,7 +11,17 @@
 // Storage is f32 or bf16 (weights and x of the same dtype); accumulation is
 // fp32 and y is f32. Experts with no rows cost nothing; zero (padding) rows
 // give zero output. Backward gives grad_x and adds the weight gradients into
-// f32 accumulators.
+// f32 accumulators. With bf16 every GEMM takes bf16 operands: a (forward),
+// and grad_y, a, grad_h1, grad_h3 (backward) are rounded to bf16 (nearest
+// even) on their way in, as bf16 training does; the products still sum in
+// fp32. The GEMMs are oneDNN's matmul (docs/design.md, "Experts").
+//
+// Errors: InvalidArgument naming the value and its limit (shapes, dtypes,
+// offsets, a cache from another x), checked before anything is written;
+// Internal if oneDNN fails. Calls from several threads at once are safe;
+// a rank running as a thread passes num_threads = 1 and the call then runs
+// on the calling thread only. The same inputs and thread count give the
+// same bits on every run.
 //
 //   epx::ExpertFfnConfig config{.num_experts = 8, .hidden = 512, .ffn_hidden = 1024};
 //   epx::ExpertFfnCache cache;
@@ -31,6 +41,16 @@
 
 namespace epx {
 
+// How the threads of one call share the work. kSplitGemms runs the experts
+// one after another, each GEMM on all threads; kSplitExperts gives whole
+// experts to threads (largest first), each GEMM on one thread: better when
+// every expert has few rows. kAuto picks kSplitExperts when there are at
+// least as many non-empty experts as threads and none has more than
+// kSplitExpertsMaxRows rows. The results do not depend on the choice beyond
+// the GEMM library's own summation order.
+enum class ExpertFfnSchedule : uint8_t { kAuto, kSplitGemms, kSplitExperts };
+inline constexpr int64_t kSplitExpertsMaxRows = 128;
+
 struct ExpertFfnConfig {
   int num_experts = 0;  // local experts
   int hidden = 0;       // H
@@ -39,6 +59,7 @@ struct ExpertFfnConfig {
   // Threads the grouped GEMM may use; 0 = one per core. Inside an in-process
   // world each rank is already a thread: pass 1 there.
   int num_threads = 0;
+  ExpertFfnSchedule schedule = ExpertFfnSchedule::kAuto;  // ignored when num_threads = 1
 
   [[nodiscard]] Status validate() const;
 };

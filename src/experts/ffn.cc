@@ -1,0 +1,237 @@
+#include "epx/experts/ffn.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "experts/gemm.h"
+#include "experts/swiglu.h"
+
+namespace epx {
+namespace {
+
+using detail::gemm;
+using detail::GemmArgs;
+
+// The checked inputs of one call, with the sizes and strides the experts use.
+struct Problem {
+  const ExpertFfnConfig* config = nullptr;
+  const ExpertWeights* weights = nullptr;
+  std::span<const int64_t> offsets;
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  int64_t ffn = 0;
+  std::size_t elem = 4;  // bytes per x / weight element
+};
+
+int64_t ld(const TensorView& view) { return view.size(0) > 1 ? view.stride(0) : view.size(1); }
+
+const std::byte* expert_rows(const TensorView& w, int64_t first_row) {
+  return w.row<const std::byte>(first_row);
+}
+
+Status check_common(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
+                    std::span<const int64_t> offsets, Problem* problem) {
+  EPX_RETURN_IF_ERROR(config.validate());
+  const int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w1, "weights.w1", config.dtype, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w3, "weights.w3", config.dtype, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w2, "weights.w2", config.dtype, E * F, H));
+  if (x.ndim() != 2)
+    return invalid_argument("x must be 2-D [rows, hidden = {}], got {}", H, x.defined() ? x.describe() : "an undefined view");
+  const int64_t rows = x.size(0);
+  EPX_RETURN_IF_ERROR(check_matrix(x, "x", config.dtype, rows, H));
+  if (static_cast<int64_t>(offsets.size()) != E + 1)
+    return invalid_argument("offsets has {} entries; it must have num_experts + 1 = {}", offsets.size(), E + 1);
+  if (offsets[0] != 0) return invalid_argument("offsets[0] = {} must be 0", offsets[0]);
+  for (int64_t e = 0; e < E; ++e)
+    if (offsets[e + 1] < offsets[e])
+      return invalid_argument("offsets[{}] = {} is below offsets[{}] = {}; offsets must be non-decreasing", e + 1,
+                              offsets[e + 1], e, offsets[e]);
+  if (offsets[E] != rows)
+    return invalid_argument("offsets[{}] = {} must equal the rows of x, {}", E, offsets[E], rows);
+  *problem = Problem{&config, &weights, offsets, rows, H, F, dtype_size(config.dtype)};
+  return Status::ok();
+}
+
+// Experts with rows, largest first (ties: lower id), and the threads each GEMM gets.
+struct Plan {
+  std::vector<int> experts;
+  int threads = 1;       // threads of the call
+  bool split_experts = false;
+};
+
+Plan make_plan(const Problem& p) {
+  Plan plan;
+  const int E = p.config->num_experts;
+  for (int e = 0; e < E; ++e)
+    if (p.offsets[e + 1] > p.offsets[e]) plan.experts.push_back(e);
+  auto count = [&](int e) { return p.offsets[e + 1] - p.offsets[e]; };
+  std::stable_sort(plan.experts.begin(), plan.experts.end(), [&](int a, int b) { return count(a) > count(b); });
+  plan.threads = p.config->num_threads == 0 ? detail::available_cores() : p.config->num_threads;
+  if (plan.threads <= 1 || plan.experts.size() < 2) return plan;
+  switch (p.config->schedule) {
+    case ExpertFfnSchedule::kSplitGemms: break;
+    case ExpertFfnSchedule::kSplitExperts: plan.split_experts = true; break;
+    case ExpertFfnSchedule::kAuto:
+      plan.split_experts = static_cast<int>(plan.experts.size()) >= plan.threads &&
+                           count(plan.experts.front()) <= kSplitExpertsMaxRows;
+      break;
+  }
+  return plan;
+}
+
+// Runs body(expert, gemm_threads, workspace) for every planned expert: one
+// after another on all threads, or spread over the threads, one each.
+template <typename Body>
+Status run_plan(const Plan& plan, Body&& body) {
+  if (!plan.split_experts) {
+    AlignedBuffer workspace;
+    for (int e : plan.experts) EPX_RETURN_IF_ERROR(body(e, plan.threads, workspace));
+    return Status::ok();
+  }
+  std::vector<Status> status(plan.experts.size());
+  const int n = static_cast<int>(plan.experts.size());
+  detail::ScopedOmpThreads outer(plan.threads);
+#pragma omp parallel num_threads(plan.threads)
+  {
+    AlignedBuffer workspace;
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < n; ++i) status[i] = body(plan.experts[i], 1, workspace);
+  }
+  for (Status& s : status) EPX_RETURN_IF_ERROR(std::move(s));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status ExpertFfnConfig::validate() const {
+  if (num_experts <= 0) return invalid_argument("num_experts = {} must be positive", num_experts);
+  if (hidden <= 0) return invalid_argument("hidden = {} must be positive", hidden);
+  if (ffn_hidden <= 0) return invalid_argument("ffn_hidden = {} must be positive", ffn_hidden);
+  if (dtype != DType::kF32 && dtype != DType::kBF16)
+    return invalid_argument("dtype = {} is not supported by the experts; use f32 or bf16", dtype_name(dtype));
+  if (num_threads < 0) return invalid_argument("num_threads = {} must be >= 0 (0 = one per core)", num_threads);
+  return Status::ok();
+}
+
+Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
+                          std::span<const int64_t> offsets, const TensorView& y, ExpertFfnCache* cache) {
+  Problem p;
+  EPX_RETURN_IF_ERROR(check_common(config, weights, x, offsets, &p));
+  EPX_RETURN_IF_ERROR(check_matrix(y, "y", DType::kF32, p.rows, p.hidden));
+  const int64_t H = p.hidden, F = p.ffn;
+  if (cache != nullptr) {
+    cache->h1.resize(static_cast<std::size_t>(p.rows * F));
+    cache->h3.resize(static_cast<std::size_t>(p.rows * F));
+    cache->rows = p.rows;
+  }
+  const Plan plan = make_plan(p);
+  return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
+    const int64_t first = offsets[e], m = offsets[e + 1] - first;
+    float* h1 = nullptr;
+    float* h3 = nullptr;
+    void* a = nullptr;
+    auto carve = [&](Carver& c) {
+      if (cache == nullptr) {
+        h1 = c.take<float>(m * F);
+        h3 = c.take<float>(m * F);
+      }
+      a = c.take<std::byte>(m * F * p.elem);
+    };
+    Carver sizer(nullptr);
+    carve(sizer);
+    workspace.reserve(sizer.bytes());
+    Carver carver(workspace.data());
+    carve(carver);
+    if (cache != nullptr) {
+      h1 = cache->h1.data() + first * F;
+      h3 = cache->h3.data() + first * F;
+    }
+    GemmArgs up{.dtype = config.dtype, .m = m, .n = F, .k = H, .a = x.row(first), .lda = ld(x)};
+    up.b = expert_rows(weights.w1, e * H), up.ldb = ld(weights.w1), up.c = h1, up.ldc = F;
+    EPX_RETURN_IF_ERROR(gemm(up, threads));
+    up.b = expert_rows(weights.w3, e * H), up.ldb = ld(weights.w3), up.c = h3;
+    EPX_RETURN_IF_ERROR(gemm(up, threads));
+    detail::swiglu_forward(h1, h3, m * F, config.dtype, a);
+    GemmArgs down{.dtype = config.dtype, .m = m, .n = H, .k = F, .a = a, .lda = F,
+                  .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = y.row<float>(first), .ldc = ld(y)};
+    return gemm(down, threads);
+  });
+}
+
+Status expert_ffn_backward(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
+                           std::span<const int64_t> offsets, const ExpertFfnCache& cache, const TensorView& grad_y,
+                           const TensorView& grad_x, const ExpertGrads& grads) {
+  Problem p;
+  EPX_RETURN_IF_ERROR(check_common(config, weights, x, offsets, &p));
+  const int64_t E = config.num_experts, H = p.hidden, F = p.ffn;
+  EPX_RETURN_IF_ERROR(check_matrix(grad_y, "grad_y", DType::kF32, p.rows, H));
+  EPX_RETURN_IF_ERROR(check_matrix(grad_x, "grad_x", DType::kF32, p.rows, H));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w1, "grads.w1", DType::kF32, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w3, "grads.w3", DType::kF32, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w2, "grads.w2", DType::kF32, E * F, H));
+  const auto cached = static_cast<std::size_t>(p.rows * F);
+  if (cache.rows != p.rows || cache.h1.size() != cached || cache.h3.size() != cached)
+    return invalid_argument(
+        "cache holds {} rows (h1 {} and h3 {} values) but x has {} rows ({} values each): pass the cache that "
+        "expert_ffn_forward filled for this x",
+        cache.rows, cache.h1.size(), cache.h3.size(), p.rows, cached);
+  const bool bf16 = config.dtype == DType::kBF16;
+  const Plan plan = make_plan(p);
+  return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
+    const int64_t first = offsets[e], m = offsets[e + 1] - first;
+    float* grad_a = nullptr;
+    void* a = nullptr;
+    void* grad_h1 = nullptr;
+    void* grad_h3 = nullptr;
+    void* gy = nullptr;  // grad_y rounded to bf16 (bf16 only)
+    auto carve = [&](Carver& c) {
+      grad_a = c.take<float>(m * F);
+      a = c.take<std::byte>(m * F * p.elem);
+      grad_h1 = c.take<std::byte>(m * F * p.elem);
+      grad_h3 = c.take<std::byte>(m * F * p.elem);
+      if (bf16) gy = c.take<uint16_t>(m * H);
+    };
+    Carver sizer(nullptr);
+    carve(sizer);
+    workspace.reserve(sizer.bytes());
+    Carver carver(workspace.data());
+    carve(carver);
+    int64_t ldgy = ld(grad_y);
+    if (bf16) {
+      for (int64_t r = 0; r < m; ++r)
+        detail::to_bf16(grad_y.row<const float>(first + r), H, static_cast<uint16_t*>(gy) + r * H);
+      ldgy = H;
+    } else {
+      gy = grad_y.row(first);
+    }
+    // grad_a = grad_y W2^T
+    GemmArgs g{.dtype = config.dtype, .trans_b = true, .m = m, .n = F, .k = H, .a = gy, .lda = ldgy,
+               .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = grad_a, .ldc = F};
+    EPX_RETURN_IF_ERROR(gemm(g, threads));
+    detail::swiglu_backward(cache.h1.data() + first * F, cache.h3.data() + first * F, grad_a, m * F, config.dtype, a,
+                            grad_h1, grad_h3);
+    // grad_W2 += a^T grad_y
+    GemmArgs w{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = F, .n = H, .k = m, .a = a, .lda = F,
+               .b = gy, .ldb = ldgy, .c = grads.w2.row<float>(e * F), .ldc = ld(grads.w2)};
+    EPX_RETURN_IF_ERROR(gemm(w, threads));
+    // grad_W1 += x^T grad_h1, grad_W3 += x^T grad_h3
+    w = GemmArgs{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = H, .n = F, .k = m,
+                 .a = x.row(first), .lda = ld(x), .b = grad_h1, .ldb = F, .c = grads.w1.row<float>(e * H),
+                 .ldc = ld(grads.w1)};
+    EPX_RETURN_IF_ERROR(gemm(w, threads));
+    w.b = grad_h3, w.c = grads.w3.row<float>(e * H), w.ldc = ld(grads.w3);
+    EPX_RETURN_IF_ERROR(gemm(w, threads));
+    // grad_x = grad_h1 W1^T + grad_h3 W3^T
+    GemmArgs d{.dtype = config.dtype, .trans_b = true, .m = m, .n = H, .k = F, .a = grad_h1, .lda = F,
+               .b = expert_rows(weights.w1, e * H), .ldb = ld(weights.w1), .c = grad_x.row<float>(first),
+               .ldc = ld(grad_x)};
+    EPX_RETURN_IF_ERROR(gemm(d, threads));
+    d.accumulate = true, d.a = grad_h3, d.b = expert_rows(weights.w3, e * H), d.ldb = ld(weights.w3);
+    return gemm(d, threads);
+  });
+}
+
+}  // namespace epx

@@ -1,0 +1,107 @@
+#include "experts/gemm.h"
+
+#include <omp.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+namespace epx::detail {
+namespace {
+
+using dnnl::memory;
+constexpr memory::dim kRt = DNNL_RUNTIME_DIM_VAL;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+memory::data_type to_dnnl(DType dtype) {
+  return dtype == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
+}
+
+// [rows, cols] with runtime sizes; `transposed` = stored column-major.
+memory::desc runtime_desc(memory::data_type type, bool transposed) {
+  return memory::desc({kRt, kRt}, type, transposed ? memory::dims{1, kRt} : memory::dims{kRt, 1});
+}
+memory::desc actual_desc(memory::data_type type, int64_t rows, int64_t cols, int64_t ld, bool transposed) {
+  return memory::desc({rows, cols}, type, transposed ? memory::dims{1, ld} : memory::dims{ld, 1});
+}
+
+struct Primitive {
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul matmul;
+  std::size_t scratchpad_bytes = 0;
+};
+
+using Key = std::tuple<DType, bool, bool, bool, int>;
+
+// Primitives are built once per key (a few hundred microseconds each) and
+// then shared: oneDNN primitives may execute concurrently, and each call
+// brings its own scratchpad.
+Result<std::shared_ptr<const Primitive>> primitive_for(const GemmArgs& args, int num_threads) {
+  static std::mutex mutex;
+  static std::map<Key, std::shared_ptr<const Primitive>> cache;
+  const Key key{args.dtype, args.trans_a, args.trans_b, args.accumulate, num_threads};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  const auto type = to_dnnl(args.dtype);
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (args.accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  dnnl::matmul::desc desc(runtime_desc(type, args.trans_a), runtime_desc(type, args.trans_b),
+                          runtime_desc(memory::data_type::f32, false));
+  auto primitive = std::make_shared<Primitive>();
+  primitive->pd = dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
+  primitive->matmul = dnnl::matmul(primitive->pd);
+  primitive->scratchpad_bytes = primitive->pd.scratchpad_desc().get_size();
+  cache.emplace(key, primitive);
+  return std::shared_ptr<const Primitive>(primitive);
+}
+
+}  // namespace
+
+Status gemm(const GemmArgs& args, int num_threads) {
+  if (args.m == 0 || args.n == 0) return Status::ok();
+  try {
+    ScopedOmpThreads threads(num_threads);
+    EPX_ASSIGN_OR_RETURN(auto primitive, primitive_for(args, num_threads));
+    const auto type = to_dnnl(args.dtype);
+    auto& engine = cpu_engine();
+    memory a(actual_desc(type, args.m, args.k, args.lda, args.trans_a), engine, const_cast<void*>(args.a));
+    memory b(actual_desc(type, args.k, args.n, args.ldb, args.trans_b), engine, const_cast<void*>(args.b));
+    memory c(actual_desc(memory::data_type::f32, args.m, args.n, args.ldc, false), engine, args.c);
+    auto scratch = std::make_unique_for_overwrite<std::byte[]>(primitive->scratchpad_bytes);
+    memory scratchpad(primitive->pd.scratchpad_desc(), engine, scratch.get());
+    dnnl::stream stream(engine);
+    primitive->matmul.execute(stream, {{DNNL_ARG_SRC, a},
+                                       {DNNL_ARG_WEIGHTS, b},
+                                       {DNNL_ARG_DST, c},
+                                       {DNNL_ARG_SCRATCHPAD, scratchpad}});
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return internal_error("oneDNN matmul [{}, {}] x [{}, {}] ({}{}{}) failed: {} (status {})", args.m, args.k, args.k,
+                          args.n, dtype_name(args.dtype), args.trans_a ? ", A transposed" : "",
+                          args.trans_b ? ", B transposed" : "", e.what(), static_cast<int>(e.status));
+  }
+  return Status::ok();
+}
+
+ScopedOmpThreads::ScopedOmpThreads(int num_threads) : saved_(omp_get_max_threads()) {
+  if (num_threads != saved_) omp_set_num_threads(num_threads);
+}
+ScopedOmpThreads::~ScopedOmpThreads() {
+  if (omp_get_max_threads() != saved_) omp_set_num_threads(saved_);
+}
+
+int available_cores() { return omp_get_num_procs(); }
+
+}  // namespace epx::detail

@@ -1,0 +1,50 @@
+// The GEMM behind the experts: oneDNN's matmul with every size and leading
+// dimension given at run time, so one primitive per (dtype, transposes,
+// accumulate, threads) serves every expert and every token count.
+#pragma once
+
+#include <cstdint>
+
+#include "epx/core/dtype.h"
+#include "epx/core/status.h"
+
+namespace epx::detail {
+
+// Row-major operands. A is [m, k] (or, with trans_a, stored as [k, m]); B is
+// [k, n] (or stored as [n, k]); both of `dtype` (f32 or bf16). C is f32 [m, n]:
+// C = A B, or C += A B with `accumulate`. Products are accumulated in fp32.
+struct GemmArgs {
+  DType dtype = DType::kF32;
+  bool trans_a = false;
+  bool trans_b = false;
+  bool accumulate = false;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  float* c = nullptr;
+  int64_t ldc = 0;
+};
+
+// Runs on `num_threads` threads (1: the calling thread only). Safe to call
+// from several threads at once. Fails with Internal if oneDNN does.
+[[nodiscard]] Status gemm(const GemmArgs& args, int num_threads);
+
+// Sets the calling thread's OpenMP thread count (what oneDNN uses) for a
+// scope and restores it after.
+class ScopedOmpThreads {
+ public:
+  explicit ScopedOmpThreads(int num_threads);
+  ~ScopedOmpThreads();
+  ScopedOmpThreads(const ScopedOmpThreads&) = delete;
+  ScopedOmpThreads& operator=(const ScopedOmpThreads&) = delete;
+
+ private:
+  int saved_;
+};
+
+// The number of cores the process may run on (omp_get_num_procs).
+[[nodiscard]] int available_cores();
+
+}  // namespace epx::detail
