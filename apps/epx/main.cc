@@ -4,6 +4,7 @@
 //   epx bench exchange --json     dispatch/combine vs memcpy and a naive all-to-all
 //   epx bench routing --json      router and placement cost next to the score GEMM
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
+//   epx train [--config F.toml]   train an MoE model on in-process ranks, with load balancing
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -12,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include "commands.h"
+#include "train.h"
 
 int main(int argc, char** argv) {
   using epx::app::kExitUsage;
@@ -159,14 +161,21 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   eplb_cmd->add_flag("--json", eplb.json, "Print one JSON object instead of the text report");
 
+  // epx train
+  epx::app::TrainOptions train;
+  CLI::App* train_cmd = epx::app::add_train_command(app, train);
+
   // A word where a command belongs that is not one: say so plainly.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.empty() || arg[0] == '-') continue;
-    if (arg != "demo" && arg != "bench" && arg != "eplb") {
-      fmt::print(stderr, "epx: '{}' is not a command; the commands are demo, bench and eplb (see epx --help)\n", arg);
+    if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, demo, bench and eplb (see epx --help)\n",
+                 arg);
       return kExitUsage;
     }
+    // The config file is read before the flags, which override it.
+    if (arg == "train" && epx::app::preload_train_config(argc, argv, train) != 0) return kExitUsage;
     break;
   }
 
@@ -186,6 +195,11 @@ int main(int argc, char** argv) {
   if (*exchange_cmd) return epx::app::run_bench_exchange(bench);
   if (*routing_cmd) return epx::app::run_bench_routing(routing);
   if (*eplb_cmd) return epx::app::run_eplb(eplb);
+  if (*train_cmd) {
+    train.compare_given = train_cmd->get_option("--compare-balancing")->count() > 0;
+    train.quiet = quiet;
+    return epx::app::run_train(train);
+  }
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
 }

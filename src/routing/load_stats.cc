@@ -42,21 +42,52 @@ Result<LoadStats> compute_load_stats(const TensorView& topk_idx, std::span<const
       }
     }
   }
-  double total = 0.0;
-  for (int64_t n : s.tokens_per_expert) total += static_cast<double>(n);
-  s.mean_load = total / static_cast<double>(E);
-  s.max_load = static_cast<double>(*std::max_element(s.tokens_per_expert.begin(), s.tokens_per_expert.end()));
-  if (s.mean_load > 0) {
-    s.max_vio = s.max_load / s.mean_load - 1.0;
-    double var = 0.0;
-    for (int64_t n : s.tokens_per_expert) var += (n - s.mean_load) * (n - s.mean_load);
-    s.cv = std::sqrt(var / static_cast<double>(E)) / s.mean_load;
-    const auto worst = std::max_element(s.work_per_rank.begin(), s.work_per_rank.end());
-    s.worst_rank = static_cast<int>(worst - s.work_per_rank.begin());
-    s.worst_rank_share = static_cast<double>(*worst) / total;
-    s.idle_fraction = 1.0 - (total / num_ranks) / static_cast<double>(*worst);
-  }
+  s.summarize();
   return s;
+}
+
+void LoadStats::summarize() {
+  const auto E = static_cast<double>(tokens_per_expert.size());
+  max_load = mean_load = max_vio = cv = worst_rank_share = idle_fraction = 0.0;
+  worst_rank = 0;
+  if (tokens_per_expert.empty()) return;
+  double total = 0.0;
+  for (int64_t n : tokens_per_expert) total += static_cast<double>(n);
+  mean_load = total / E;
+  max_load = static_cast<double>(*std::max_element(tokens_per_expert.begin(), tokens_per_expert.end()));
+  if (mean_load <= 0 || work_per_rank.empty()) return;
+  max_vio = max_load / mean_load - 1.0;
+  double var = 0.0;
+  for (int64_t n : tokens_per_expert) var += (n - mean_load) * (n - mean_load);
+  cv = std::sqrt(var / E) / mean_load;
+  const auto worst = std::max_element(work_per_rank.begin(), work_per_rank.end());
+  worst_rank = static_cast<int>(worst - work_per_rank.begin());
+  worst_rank_share = static_cast<double>(*worst) / total;
+  idle_fraction = 1.0 - (total / static_cast<double>(work_per_rank.size())) / static_cast<double>(*worst);
+}
+
+Status sum_load_stats_over_ranks(Transport& transport, LoadStats* stats, const Deadline& deadline) {
+  const std::size_t E = stats->tokens_per_expert.size();
+  const std::size_t R = stats->tokens_per_rank.size();
+  if (stats->work_per_rank.size() != R)
+    return invalid_argument("work_per_rank has {} entries, tokens_per_rank {}", stats->work_per_rank.size(), R);
+  // One all-reduce: [tokens_per_expert | tokens_per_rank | work_per_rank | num_dropped].
+  std::vector<int64_t> packed;
+  packed.reserve(E + 2 * R + 1);
+  packed.insert(packed.end(), stats->tokens_per_expert.begin(), stats->tokens_per_expert.end());
+  packed.insert(packed.end(), stats->tokens_per_rank.begin(), stats->tokens_per_rank.end());
+  packed.insert(packed.end(), stats->work_per_rank.begin(), stats->work_per_rank.end());
+  packed.push_back(stats->num_dropped);
+  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<int64_t>(packed), ReduceOp::kSum, deadline));
+  auto it = packed.begin();
+  std::copy(it, it + static_cast<std::ptrdiff_t>(E), stats->tokens_per_expert.begin());
+  it += static_cast<std::ptrdiff_t>(E);
+  std::copy(it, it + static_cast<std::ptrdiff_t>(R), stats->tokens_per_rank.begin());
+  it += static_cast<std::ptrdiff_t>(R);
+  std::copy(it, it + static_cast<std::ptrdiff_t>(R), stats->work_per_rank.begin());
+  stats->num_dropped = packed.back();
+  stats->summarize();
+  return Status::ok();
 }
 
 std::string LoadStats::to_json() const {

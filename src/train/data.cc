@@ -18,24 +18,6 @@ constexpr uint64_t kStreamWeight = 3;
 constexpr uint64_t kStreamBias = 4;
 constexpr uint64_t kStreamPosition = 0;  // text: where window i starts
 
-constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;  // SplitMix64's increment
-
-// SplitMix64's finalizer (Stafford's mix 13): a bijection with full avalanche.
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// (seed, stream) picks a SplitMix64 sequence; index is the step along it. The
-// extra mix decorrelates sequences whose start points happen to be close.
-uint64_t counter_hash(uint64_t seed, uint64_t stream, uint64_t index) {
-  const uint64_t start = mix64(mix64(seed + kGamma) ^ (stream * 0xD1B54A32D192ED03ull + kGamma));
-  return mix64(mix64(start + (index + 1) * kGamma));
-}
-
-double to_unit(uint64_t bits) { return static_cast<double>(bits >> 11) * 0x1.0p-53; }
-
 constexpr int kMaxDim = 8192;
 constexpr int kMaxClusters = 65536;
 constexpr int64_t kMaxMapElements = int64_t{1} << 24;
@@ -76,19 +58,6 @@ int ZipfDistribution::sample(double u) const {
 
 double ZipfDistribution::probability(int i) const {
   return i >= 0 && i < n() ? probability_[static_cast<std::size_t>(i)] : 0.0;
-}
-
-// ---- counter-based generator -------------------------------------------------
-
-double uniform01(uint64_t seed, uint64_t stream, uint64_t index) {
-  return to_unit(counter_hash(seed, stream, index));
-}
-
-double standard_normal(uint64_t seed, uint64_t stream, uint64_t index) {
-  const uint64_t h = counter_hash(seed, stream, index);
-  const double u1 = 1.0 - to_unit(h);              // (0, 1]: log is finite
-  const double u2 = to_unit(mix64(h ^ kGamma));      // a second, independent 53 bits
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
 // ---- SyntheticTask -----------------------------------------------------------

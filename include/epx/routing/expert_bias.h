@@ -40,6 +40,8 @@ class ExpertBias {
   void set_rate(float rate) { rate_ = rate; }
   [[nodiscard]] int num_experts() const { return static_cast<int>(bias_.size()); }
   [[nodiscard]] const std::vector<float>& values() const { return bias_; }
+  // Restores saved values (a checkpoint); the size must match.
+  void set_values(std::span<const float> values) { bias_.assign(values.begin(), values.end()); }
   // A host f32 [num_experts] view for route(); valid while this object lives.
   [[nodiscard]] TensorView view() const;
 

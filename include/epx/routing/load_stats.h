@@ -4,8 +4,8 @@
 // map, `compute_load_stats` counts tokens per expert, tokens per rank (a
 // token that sends several slots to one rank counts once there) and the
 // summary numbers below. `LoadTracker` keeps exponential moving averages of
-// them across steps. Deterministic; no collectives (sum the per-expert load
-// over ranks first when you want the global picture).
+// them across steps. Deterministic; compute_load_stats has no collectives
+// (sum_load_stats_over_ranks gives the global picture).
 //
 //   EPX_ASSIGN_OR_RETURN(epx::LoadStats stats, epx::compute_load_stats(topk_idx, expert_rank));
 //   tracker.add(stats);
@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/comm/transport.h"
 #include "epx/core/status.h"
 #include "epx/core/tensor.h"
 
@@ -35,6 +36,8 @@ struct LoadStats {
   double worst_rank_share = 0.0;           // its work / total work
   double idle_fraction = 0.0;              // 1 - mean work / max work over ranks
 
+  // Recomputes the summary numbers (max_load .. idle_fraction) from the counts.
+  void summarize();
   // One JSON object on one line.
   [[nodiscard]] std::string to_json() const;
 };
@@ -43,6 +46,11 @@ struct LoadStats {
 // max + 1. InvalidArgument on an index outside [-1, num_experts) or a
 // negative rank.
 Result<LoadStats> compute_load_stats(const TensorView& topk_idx, std::span<const int32_t> expert_rank);
+
+// Sums the counts of every rank's stats (same expert and rank counts on
+// all ranks) and recomputes the summary: the global picture of one step
+// (collective).
+[[nodiscard]] Status sum_load_stats_over_ranks(Transport& transport, LoadStats* stats, const Deadline& deadline);
 
 // Exponential moving averages: ema = decay * ema + (1 - decay) * value; the
 // first step sets them.

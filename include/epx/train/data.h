@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/core/random.h"  // uniform01, standard_normal
 #include "epx/core/status.h"
 
 namespace epx {
@@ -41,12 +42,6 @@ class ZipfDistribution {
   std::vector<double> probability_;
   std::vector<double> cdf_;  // cdf_[i] = P(<= i); cdf_[n - 1] = 1 exactly
 };
-
-// A counter-based generator: a value from (seed, stream, index) with no state.
-// Different streams are independent sequences; `uniform01` is in [0, 1) with
-// 53 random bits, `standard_normal` is N(0, 1) (Box-Muller on two hashes).
-[[nodiscard]] double uniform01(uint64_t seed, uint64_t stream, uint64_t index);
-[[nodiscard]] double standard_normal(uint64_t seed, uint64_t stream, uint64_t index);
 
 struct SyntheticTaskConfig {
   int input_dim = 32;      // [1, 8192]

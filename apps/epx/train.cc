@@ -1,0 +1,391 @@
+// `epx train`: the MoE model on in-process ranks, with load balancing.
+#include "train.h"
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <map>
+#include <type_traits>
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include "commands.h"
+#include "epx/core/clock.h"
+#include "epx/observe/chrome_trace.h"
+#include "epx/observe/metrics.h"
+#include "epx/observe/progress.h"
+#include "epx/observe/table.h"
+#include "epx/train/trainer.h"
+
+namespace epx::app {
+namespace {
+
+// One settable key of the config file: "section.key" -> a field.
+using Setter = std::function<Status(const toml::node&, const std::string& key)>;
+
+template <typename T>
+Setter bind(T& field) {
+  return [&field](const toml::node& node, const std::string& key) -> Status {
+    if constexpr (std::is_same_v<T, bool>) {
+      if (auto v = node.value_exact<bool>()) {
+        field = *v;
+        return Status::ok();
+      }
+      return invalid_argument("{} must be true or false", key);
+    } else if constexpr (std::is_integral_v<T>) {
+      auto v = node.value_exact<int64_t>();
+      if (!v) return invalid_argument("{} must be an integer", key);
+      if (*v < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
+          static_cast<uint64_t>(*v) > static_cast<uint64_t>(std::numeric_limits<T>::max()) || (*v < 0 && std::is_unsigned_v<T>))
+        return invalid_argument("{} = {} is outside [{}, {}]", key, *v, std::numeric_limits<T>::min(),
+                                std::numeric_limits<T>::max());
+      field = static_cast<T>(*v);
+      return Status::ok();
+    } else if constexpr (std::is_floating_point_v<T>) {
+      auto v = node.value<double>();  // integers are accepted
+      if (!v || !node.is_number()) return invalid_argument("{} must be a number", key);
+      field = *v;
+      return Status::ok();
+    } else {
+      auto v = node.value_exact<std::string>();
+      if (!v) return invalid_argument("{} must be a string", key);
+      field = *v;
+      return Status::ok();
+    }
+  };
+}
+
+std::map<std::string, Setter> config_keys(TrainOptions& o) {
+  return {
+      {"run.ranks", bind(o.num_ranks)},
+      {"run.nodes", bind(o.num_nodes)},
+      {"run.steps", bind(o.steps)},
+      {"run.batch_tokens", bind(o.batch_tokens)},
+      {"run.seed", bind(o.seed)},
+      {"data.source", bind(o.data)},
+      {"data.input_dim", bind(o.input_dim)},
+      {"data.output_dim", bind(o.output_dim)},
+      {"data.clusters", bind(o.clusters)},
+      {"data.zipf", bind(o.zipf)},
+      {"data.cluster_spread", bind(o.cluster_spread)},
+      {"data.window", bind(o.window)},
+      {"model.layers", bind(o.layers)},
+      {"model.hidden", bind(o.hidden)},
+      {"model.ffn_hidden", bind(o.ffn_hidden)},
+      {"model.experts", bind(o.experts)},
+      {"model.topk", bind(o.topk)},
+      {"model.shared_experts", bind(o.shared_experts)},
+      {"model.dtype", bind(o.dtype)},
+      {"model.score", bind(o.score)},
+      {"model.normalize", bind(o.normalize)},
+      {"model.groups", bind(o.groups)},
+      {"model.topk_groups", bind(o.topk_groups)},
+      {"balance.strategy", bind(o.balance)},
+      {"balance.aux_coeff", bind(o.aux_coeff)},
+      {"balance.z_coeff", bind(o.z_coeff)},
+      {"balance.bias_rate", bind(o.bias_rate)},
+      {"balance.capacity_factor", bind(o.capacity_factor)},
+      {"optim.lr", bind(o.lr)},
+      {"optim.warmup", bind(o.warmup)},
+      {"optim.min_lr_ratio", bind(o.min_lr_ratio)},
+      {"optim.weight_decay", bind(o.weight_decay)},
+      {"optim.clip", bind(o.clip)},
+      {"output.metrics", bind(o.metrics_path)},
+      {"output.trace", bind(o.trace_path)},
+      {"output.trace_steps", bind(o.trace_steps)},
+      {"output.save", bind(o.save_dir)},
+      {"output.save_every", bind(o.save_every)},
+  };
+}
+
+Status load_config_file(const std::string& path, TrainOptions& options) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    if (std::strstr(e.what(), "File could not be opened") != nullptr)
+      return not_found("--config {}: the file cannot be opened", path);
+    return invalid_argument("{}:{}:{}: {}", path, e.source().begin.line, e.source().begin.column, e.description());
+  }
+  auto keys = config_keys(options);
+  for (auto&& [section, node] : table) {
+    const auto* inner = node.as_table();
+    if (!inner)
+      return invalid_argument("{}: '{}' is not a section; keys live in [run], [data], [model], [balance], [optim], [output]",
+                              path, std::string(section.str()));
+    for (auto&& [key, value] : *inner) {
+      const std::string name = fmt::format("{}.{}", section.str(), key.str());
+      auto it = keys.find(name);
+      if (it == keys.end()) return invalid_argument("{}: unknown key '{}' (see configs/train-tiny.toml)", path, name);
+      Status s = it->second(value, name);
+      if (!s.is_ok()) return invalid_argument("{}: {}", path, s.message());
+    }
+  }
+  return Status::ok();
+}
+
+Result<TrainConfig> make_config(const TrainOptions& o) {
+  TrainConfig c;
+  c.num_ranks = o.num_ranks;
+  c.num_nodes = o.num_nodes;
+  c.steps = o.steps;
+  c.batch_tokens = o.batch_tokens;
+  ModelConfig& m = c.model;
+  if (o.data == "synthetic") {
+    m.task = TaskKind::kRegression;
+  } else if (o.data.rfind("text:", 0) == 0 && o.data.size() > 5) {
+    m.task = TaskKind::kNextByte;
+    c.text = {.path = o.data.substr(5), .window = o.window, .seed = o.seed};
+  } else {
+    return invalid_argument("--data '{}' is neither 'synthetic' nor 'text:FILE'", o.data);
+  }
+  m.input_dim = o.input_dim;
+  m.output_dim = o.output_dim;
+  m.window = o.window;
+  m.num_layers = o.layers;
+  c.synthetic = {.input_dim = o.input_dim, .output_dim = o.output_dim, .num_clusters = o.clusters, .zipf_s = o.zipf,
+                 .cluster_spread = o.cluster_spread, .seed = o.seed};
+  MoELayerConfig& l = m.layer;
+  l.hidden = o.hidden;
+  l.ffn_hidden = o.ffn_hidden;
+  l.num_shared_experts = o.shared_experts;
+  l.seed = o.seed;
+  l.z_loss_coeff = o.z_coeff;
+  if (o.dtype == "f32") {
+    l.dtype = DType::kF32;
+  } else if (o.dtype == "bf16") {
+    l.dtype = DType::kBF16;
+  } else {
+    return invalid_argument("dtype '{}' is not f32 or bf16", o.dtype);
+  }
+  l.router.num_experts = o.experts;
+  l.router.topk = o.topk;
+  if (o.score == "softmax") {
+    l.router.score_function = ScoreFunction::kSoftmax;
+  } else if (o.score == "sigmoid") {
+    l.router.score_function = ScoreFunction::kSigmoid;
+  } else {
+    return invalid_argument("score '{}' is not softmax or sigmoid", o.score);
+  }
+  l.router.normalize_weights = o.normalize;
+  l.router.num_groups = o.groups;
+  l.router.topk_groups = o.topk_groups;
+  BalancingConfig defaults;
+  if (!(o.aux_coeff > 0) || !std::isfinite(o.aux_coeff))
+    return invalid_argument("aux_coeff = {} must be finite and above 0", o.aux_coeff);
+  if (!(o.capacity_factor > 0) || !std::isfinite(o.capacity_factor))
+    return invalid_argument("capacity_factor = {} must be finite and above 0", o.capacity_factor);
+  if (!(o.bias_rate >= 0) || !std::isfinite(o.bias_rate))
+    return invalid_argument("bias_rate = {} must be finite and >= 0", o.bias_rate);
+  defaults.aux_loss_coeff = o.aux_coeff;
+  defaults.capacity_factor = o.capacity_factor;
+  defaults.bias_rate = static_cast<float>(o.bias_rate);
+  EPX_ASSIGN_OR_RETURN(c.balancing, parse_balancing(o.balance, defaults));
+  c.schedule = {.peak = o.lr, .warmup_steps = o.warmup, .total_steps = o.steps, .min_ratio = o.min_lr_ratio};
+  c.adamw.weight_decay = o.weight_decay;
+  c.clip_norm = o.clip;
+  c.save_dir = o.save_dir;
+  c.save_every = o.save_every;
+  c.resume_dir = o.resume_dir;
+  if (o.trace_steps < 0) return invalid_argument("trace_steps = {} is below 0", o.trace_steps);
+  EPX_RETURN_IF_ERROR(c.validate());
+  if (m.task == TaskKind::kNextByte) EPX_RETURN_IF_ERROR(TextTask::create(c.text).status());
+  return c;
+}
+
+std::string fixed(double v, int digits) { return fmt::format("{:.{}f}", v, digits); }
+
+std::vector<std::vector<std::string>> summary_rows(const TrainSummary& s) {
+  return {
+      {"first loss", fmt::format("{:.5g}", s.first_loss)},
+      {"final loss (last 10 steps)", fmt::format("{:.5g}", s.final_loss)},
+      {"tokens/s", fmt::format("{:.0f}", s.tokens_per_second)},
+      {"MaxVio (last step, mean over layers)", fixed(s.max_vio, 3)},
+      {"MaxVio (last 10 steps)", fixed(s.mean_max_vio, 3)},
+      {"dropped (token, expert) pairs", fmt::format("{}", s.dropped)},
+      {"worst-rank idle fraction", fixed(s.idle_fraction, 3)},
+      {"communication share of time", fixed(s.communication_share, 3)},
+  };
+}
+
+int fail_usage(const Status& s) {
+  fmt::print(stderr, "epx train: {}\n", s.message());
+  return kExitUsage;
+}
+
+int compare_balancing(const TrainOptions& o, const TrainConfig& base) {
+  std::vector<std::string> names;
+  std::string list = o.compare.empty() ? "none,aux,bias,capacity,bias+capacity" : o.compare;
+  for (std::size_t start = 0; start <= list.size();) {
+    const std::size_t end = std::min(list.find(',', start), list.size());
+    if (end > start) names.push_back(list.substr(start, end - start));
+    start = end + 1;
+  }
+  std::vector<BalancingConfig> strategies;
+  for (const std::string& name : names) {
+    auto b = parse_balancing(name, base.balancing.aux_loss_coeff > 0 || base.balancing.capacity_factor > 0
+                                       ? base.balancing
+                                       : BalancingConfig{.aux_loss_coeff = o.aux_coeff,
+                                                         .bias_rate = static_cast<float>(o.bias_rate),
+                                                         .capacity_factor = o.capacity_factor});
+    if (!b.is_ok()) return fail_usage(b.status());
+    strategies.push_back(*b);
+  }
+  std::vector<std::vector<std::string>> rows;
+  for (const BalancingConfig& b : strategies) {
+    TrainConfig c = base;
+    c.balancing = b;
+    c.save_dir.clear();
+    c.save_every = 0;
+    ProgressBar progress(c.steps, fmt::format("train [{}]", b.name()));
+    auto summary = train(c, [&](const StepReport& r) {
+      if (!o.quiet) progress.update(r.step + 1, fmt::format("loss {:.4g}", r.main_loss));
+    });
+    if (!o.quiet) progress.finish();
+    if (!summary.is_ok()) {
+      fmt::print(stderr, "epx train: {} failed: {}\n", b.name(), summary.status().message());
+      return kExitFailed;
+    }
+    rows.push_back({b.name(), fmt::format("{:.5g}", summary->final_loss), fixed(summary->mean_max_vio, 3),
+                    fmt::format("{}", summary->dropped), fixed(summary->idle_fraction, 3),
+                    fmt::format("{:.0f}", summary->tokens_per_second)});
+  }
+  fmt::print("Balancing strategies, same data, model and seed ({} steps, {} ranks, {} experts, top-{}):\n", base.steps,
+             base.num_ranks, base.model.layer.router.num_experts, base.model.layer.router.topk);
+  fmt::print("{}", format_table({"balancing", "final loss", "MaxVio", "dropped", "idle fraction", "tokens/s"}, rows));
+  return kExitOk;
+}
+
+}  // namespace
+
+CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
+  CLI::App* cmd = app.add_subcommand(
+      "train",
+      "Train a small MoE model on in-process ranks (experts spread over them) and report loss, load balance and "
+      "where the time went. Settings: defaults < --config FILE.toml < flags");
+  cmd->add_option("--config", o.config_path, "A TOML file of settings (see configs/train-*.toml); flags override it");
+  cmd->add_option("--ranks", o.num_ranks, "Ranks (threads)")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd->add_option("--nodes", o.num_nodes, "Emulated nodes; must divide --ranks")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd->add_option("--steps", o.steps, "Optimizer steps")->check(CLI::Range(int64_t{0}, int64_t{1} << 40))->capture_default_str();
+  cmd->add_option("--batch-tokens", o.batch_tokens, "Tokens per step over all ranks")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the data and the initialisation")->capture_default_str();
+  cmd->add_option("--data", o.data,
+                  "synthetic (clustered inputs, Zipf-skewed cluster sizes, one random function per cluster) or "
+                  "text:FILE (byte-level next-byte prediction)")
+      ->capture_default_str();
+  cmd->add_option("--clusters", o.clusters, "Synthetic: clusters")->capture_default_str();
+  cmd->add_option("--zipf", o.zipf, "Synthetic: Zipf exponent of the cluster sizes")->capture_default_str();
+  cmd->add_option("--window", o.window, "Text: bytes of context per token")->capture_default_str();
+  cmd->add_option("--layers", o.layers, "MoE layers")->capture_default_str();
+  cmd->add_option("--hidden", o.hidden, "Hidden size")->capture_default_str();
+  cmd->add_option("--ffn-hidden", o.ffn_hidden, "Width of each expert")->capture_default_str();
+  cmd->add_option("--experts", o.experts, "Routed experts per layer (a multiple of --ranks)")->capture_default_str();
+  cmd->add_option("--topk", o.topk, "Experts per token")->capture_default_str();
+  cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (every token, every rank)")->capture_default_str();
+  cmd->add_option("--dtype", o.dtype, "Dispatch payload and expert GEMMs: f32 or bf16")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--score", o.score, "Gate: softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}))->capture_default_str();
+  cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")->capture_default_str();
+  cmd->add_option("--topk-groups", o.topk_groups, "Groups a token may use")->capture_default_str();
+  cmd->add_option("--balance", o.balance,
+                  "Load balancing: none, aux, aux-global, bias (aux-loss-free, DeepSeek-V3), capacity (drop by "
+                  "position), capacity-score (drop the lowest scores), or several joined by '+'")
+      ->capture_default_str();
+  cmd->add_option("--aux-coeff", o.aux_coeff, "Weight of the auxiliary load-balancing loss")->capture_default_str();
+  cmd->add_option("--z-coeff", o.z_coeff, "Weight of the router z-loss (0 = off)")->capture_default_str();
+  cmd->add_option("--bias-rate", o.bias_rate, "Step of the expert-bias update")->capture_default_str();
+  cmd->add_option("--capacity-factor", o.capacity_factor, "Capacity factor of the capacity strategies")->capture_default_str();
+  cmd->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
+  cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->capture_default_str();
+  cmd->add_option("--clip", o.clip, "Gradient-norm clip (0 = off)")->capture_default_str();
+  cmd->add_option("--metrics", o.metrics_path, "Write one JSON line per step to this file ('-' = stdout)");
+  cmd->add_option("--trace", o.trace_path, "Write Chrome trace events of a few steps to this file (Perfetto)");
+  cmd->add_option("--trace-steps", o.trace_steps, "Steps traced (from step 1)")->capture_default_str();
+  cmd->add_option("--save", o.save_dir, "Write a checkpoint to this folder at the end");
+  cmd->add_option("--save-every", o.save_every, "Also checkpoint every N steps (0 = only at the end)")->capture_default_str();
+  cmd->add_option("--resume", o.resume_dir, "Continue from this checkpoint (same ranks and model)");
+  cmd->add_option("--compare-balancing", o.compare,
+                  "Run the same training once per strategy (comma-separated; empty = none,aux,bias,capacity,"
+                  "bias+capacity) and print a table side by side")
+      ->expected(0, 1);
+  return cmd;
+}
+
+int preload_train_config(int argc, char** argv, TrainOptions& options) {
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], path;
+    if (arg == "--config" && i + 1 < argc) path = argv[i + 1];
+    if (arg.rfind("--config=", 0) == 0) path = arg.substr(9);
+    if (path.empty()) continue;
+    Status s = load_config_file(path, options);
+    if (!s.is_ok()) return fail_usage(s);
+  }
+  return kExitOk;
+}
+
+int run_train(const TrainOptions& o) {
+  auto config = make_config(o);
+  if (!config.is_ok()) return fail_usage(config.status());
+  if (o.compare_given) return compare_balancing(o, *config);
+
+  // Everything is checked; only now are files opened.
+  std::optional<MetricsWriter> metrics;
+  if (!o.metrics_path.empty()) {
+    auto opened = MetricsWriter::open(o.metrics_path, /*append=*/!o.resume_dir.empty());
+    if (!opened.is_ok()) return fail_usage(opened.status());
+    metrics.emplace(std::move(opened).value());
+  }
+  Tracer tracer;
+  if (!o.trace_path.empty()) {
+    config->tracer = &tracer;
+    config->trace_steps = o.trace_steps;
+  }
+  const ModelConfig& m = config->model;
+  if (!o.quiet)
+    fmt::print(stderr,
+               "epx train: {} ranks ({} nodes), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
+               "{} tokens/step, balancing {}, data {}\n",
+               config->num_ranks, config->num_nodes, m.num_layers, m.layer.router.num_experts, m.layer.router.topk,
+               m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype), config->batch_tokens,
+               config->balancing.name(), o.data);
+  ProgressBar progress(config->steps, "train");
+  Status write_error = Status::ok();
+  Stopwatch wall;
+  auto summary = train(*config, [&](const StepReport& r) {
+    if (metrics && write_error.is_ok()) write_error = metrics->write(r.to_json());
+    double vio = 0;
+    for (const LoadStats& s : r.layers) vio += s.max_vio;
+    vio /= static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
+    if (!o.quiet) progress.update(r.step + 1, fmt::format("loss {:.4g} MaxVio {:.2f}", r.main_loss, vio));
+  });
+  if (!o.quiet) progress.finish();
+  if (!summary.is_ok()) {
+    fmt::print(stderr, "epx train: {}\n", summary.status().to_string());
+    return kExitFailed;
+  }
+  if (!write_error.is_ok()) {
+    fmt::print(stderr, "epx train: writing metrics: {}\n", write_error.message());
+    return kExitFailed;
+  }
+  if (!o.trace_path.empty()) {
+    Status s = write_chrome_trace(tracer.spans(), o.trace_path);
+    if (!s.is_ok()) {
+      fmt::print(stderr, "epx train: {}\n", s.message());
+      return kExitFailed;
+    }
+  }
+  auto rows = summary_rows(*summary);
+  rows.push_back({"wall time (s)", fixed(wall.seconds(), 2)});
+  fmt::print("{}", format_table({"summary", "value"}, rows));
+  if (!o.metrics_path.empty() && o.metrics_path != "-") fmt::print("metrics: {}\n", o.metrics_path);
+  if (!o.trace_path.empty()) fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", o.trace_path);
+  if (!o.save_dir.empty()) fmt::print("checkpoint: {}\n", o.save_dir);
+  return kExitOk;
+}
+
+}  // namespace epx::app

@@ -1,0 +1,73 @@
+// `epx train`: options, the TOML config file and the run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+namespace epx::app {
+
+// Every setting of `epx train`, flat. Precedence: defaults < --config file <
+// command-line flags.
+struct TrainOptions {
+  std::string config_path;
+  // [run]
+  int num_ranks = 4;
+  int num_nodes = 1;
+  int64_t steps = 300;
+  int64_t batch_tokens = 512;
+  uint64_t seed = 1;
+  // [data]
+  std::string data = "synthetic";  // or text:FILE
+  int input_dim = 32;
+  int output_dim = 16;
+  int clusters = 16;
+  double zipf = 1.2;
+  double cluster_spread = 0.3;
+  int window = 16;
+  // [model]
+  int layers = 2;
+  int hidden = 64;
+  int ffn_hidden = 128;
+  int experts = 16;
+  int topk = 2;
+  int shared_experts = 0;
+  std::string dtype = "f32";
+  std::string score = "softmax";
+  bool normalize = true;
+  int groups = 1;
+  int topk_groups = 1;
+  // [balance]
+  std::string balance = "bias";
+  double aux_coeff = 1e-2;
+  double z_coeff = 0.0;
+  double bias_rate = 3e-3;
+  double capacity_factor = 1.25;
+  // [optim]
+  double lr = 3e-3;
+  int64_t warmup = 20;
+  double min_lr_ratio = 0.1;
+  double weight_decay = 0.01;
+  double clip = 1.0;
+  // [output]
+  std::string metrics_path;
+  std::string trace_path;
+  int64_t trace_steps = 3;
+  std::string save_dir;
+  int64_t save_every = 0;
+  std::string resume_dir;
+  std::string compare;  // --compare-balancing LIST
+  bool compare_given = false;
+  bool quiet = false;
+};
+
+// Adds the `train` subcommand bound to `options`.
+CLI::App* add_train_command(CLI::App& app, TrainOptions& options);
+// Reads --config FILE from argv (before CLI parsing, so that flags override
+// it) into options. Returns 0, or kExitUsage after printing the error.
+int preload_train_config(int argc, char** argv, TrainOptions& options);
+int run_train(const TrainOptions& options);
+
+}  // namespace epx::app

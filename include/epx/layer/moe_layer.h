@@ -1,0 +1,127 @@
+// MoELayer: one Mixture-of-Experts block with forward and backward.
+//
+//   out = x + combine(experts(dispatch(RMSNorm(x), route(RMSNorm(x) Wr))))
+//           + shared_experts(RMSNorm(x))
+//
+// Every rank of the transport holds one MoELayer per model layer and calls
+// forward and backward with its own tokens (the counts may differ, and may be
+// 0). The router, the norm and the shared experts are dense parameters
+// (replicated; sum their gradients over ranks before an optimizer step); the
+// routed experts are the rank's local experts of the Buffer's placement, and
+// their gradients already hold every rank's tokens. Forward and backward are
+// collectives (dispatch, combine and, with balancing statistics, a small
+// all-reduce): every rank calls them in the same order.
+//
+// Maths in fp32; the dispatch payload and the expert GEMMs use config.dtype
+// (f32 or bf16 storage with fp32 accumulation). Deterministic: the same
+// inputs on the same topology give the same bits on every run.
+//
+// Initialisation is a pure function of (seed, layer_index, global expert
+// id), so one rank holding every expert starts from the same weights as R
+// ranks holding a share each.
+//
+//   epx::MoELayerConfig config{.hidden = 64, .ffn_hidden = 128, .router = {.num_experts = 8, .topk = 2}};
+//   EPX_ASSIGN_OR_RETURN(auto layer, epx::MoELayer::create(config, transport, *buffer, /*layer_index=*/0));
+//   EPX_RETURN_IF_ERROR(layer->forward(x, out));
+//   EPX_RETURN_IF_ERROR(layer->backward(grad_out, grad_x));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "epx/comm/transport.h"
+#include "epx/core/status.h"
+#include "epx/core/tensor.h"
+#include "epx/core/trace.h"
+#include "epx/exchange/buffer.h"
+#include "epx/layer/parameter.h"
+#include "epx/routing/expert_bias.h"
+#include "epx/routing/load_stats.h"
+#include "epx/routing/router.h"
+
+namespace epx {
+
+enum class AuxLossKind : uint8_t {
+  kMicroBatch,   // each rank's tokens (Switch/GShard); the model's loss averages it over ranks
+  kGlobalBatch,  // f and P over every rank's tokens (one all-reduce)
+};
+
+struct MoELayerConfig {
+  int hidden = 0;
+  int ffn_hidden = 0;  // width of each routed expert
+  // num_experts, topk, gates, groups, capacity: see router.h.
+  RouterConfig router;
+  // Shared experts, replicated on every rank: one SwiGLU FFN of width
+  // num_shared_experts * ffn_hidden applied to every token.
+  int num_shared_experts = 0;
+  DType dtype = DType::kF32;  // dispatch payload and expert GEMMs: kF32 or kBF16
+  double aux_loss_coeff = 0.0;
+  AuxLossKind aux_loss = AuxLossKind::kMicroBatch;
+  double z_loss_coeff = 0.0;
+  bool expert_bias = false;  // aux-loss-free balancing (update_bias after each step)
+  float bias_rate = ExpertBias::kDefaultRate;
+  float norm_eps = 1e-6f;
+  uint64_t seed = 1;
+  float init_std = 0.0f;  // 0: 1/sqrt(fan_in) for every weight
+
+  [[nodiscard]] Status validate() const;
+};
+
+// Wall time of the last forward + backward on this rank, in seconds.
+struct LayerTimes {
+  double router = 0;    // norm, router GEMM, routing, aux losses (and their backward)
+  double dispatch = 0;  // dispatch + expand (forward), their backward
+  double experts = 0;   // routed and shared experts
+  double combine = 0;   // combine (forward), its backward
+  double stats = 0;     // the load-statistics all-reduce
+  LayerTimes& operator+=(const LayerTimes& other);
+};
+
+class MoELayer {
+ public:
+  // `buffer` must be built on `transport` with hidden == config.hidden, dtype
+  // == config.dtype, max_combine_dtype kF32 and num_experts == the router's;
+  // it may be shared by several layers (they use it one after another).
+  static Result<std::unique_ptr<MoELayer>> create(const MoELayerConfig& config, Transport& transport,
+                                                  Buffer& buffer, int layer_index);
+  ~MoELayer();
+  MoELayer(const MoELayer&) = delete;
+  MoELayer& operator=(const MoELayer&) = delete;
+
+  [[nodiscard]] const MoELayerConfig& config() const;
+  [[nodiscard]] int num_local_experts() const;
+
+  // x, out: f32 [T, hidden] (T <= the Buffer's max_tokens_per_rank). Keeps
+  // what backward needs until the next forward.
+  [[nodiscard]] Status forward(const TensorView& x, const TensorView& out);
+  // grad_out, grad_x: f32 [T, hidden] of the last forward. Adds into every
+  // parameter's grad (zero them between steps).
+  [[nodiscard]] Status backward(const TensorView& grad_out, const TensorView& grad_x);
+
+  // This rank's share of the weighted auxiliary and z losses of the last
+  // forward (summed over ranks they give the layer's auxiliary loss).
+  [[nodiscard]] double aux_loss() const;
+  // Load statistics of the last forward over every rank's tokens (the same on
+  // every rank); tokens_per_expert are the global kept (token, slot) pairs.
+  [[nodiscard]] const LoadStats& load_stats() const;
+  [[nodiscard]] const LayerTimes& times() const;
+  // Records spans "router", "dispatch", "experts", "combine" (forward) and
+  // "*_backward" per rank while set; null turns it off.
+  void set_tracer(Tracer* tracer);
+
+  // Aux-loss-free balancing: moves the expert bias by the last forward's
+  // global load (a no-op without config.expert_bias or when frozen).
+  [[nodiscard]] Status update_bias();
+  [[nodiscard]] ExpertBias& bias();
+
+  // Dense: norm, router, shared experts; expert: w1, w3, w2 of the local experts.
+  [[nodiscard]] std::vector<Parameter*> parameters();
+
+ private:
+  struct Impl;
+  explicit MoELayer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epx

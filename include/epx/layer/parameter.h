@@ -1,0 +1,46 @@
+// Parameter: one named trainable tensor with its gradient.
+//
+// Dense parameters (norms, routers, shared experts, projections) are
+// replicated on every rank and their gradients are summed over ranks before
+// the optimizer step (data parallel). Expert parameters live only on the rank
+// that holds the expert; their gradients already contain every rank's tokens.
+//
+//   for (epx::Parameter* p : layer->parameters())
+//     if (p->kind == epx::ParamKind::kDense) all_reduce(p->grad);
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "epx/core/tensor.h"
+
+namespace epx {
+
+enum class ParamKind : uint8_t { kDense, kExpert };
+
+struct Parameter {
+  std::string name;  // unique within a model, e.g. "layer1.router"
+  ParamKind kind = ParamKind::kDense;
+  int64_t rows = 0;  // every parameter is a [rows, cols] f32 matrix
+  int64_t cols = 0;
+  std::vector<float> value;
+  std::vector<float> grad;
+
+  Parameter() = default;
+  Parameter(std::string name_in, ParamKind kind_in, int64_t rows_in, int64_t cols_in)
+      : name(std::move(name_in)), kind(kind_in), rows(rows_in), cols(cols_in),
+        value(static_cast<std::size_t>(rows_in * cols_in), 0.0f),
+        grad(static_cast<std::size_t>(rows_in * cols_in), 0.0f) {}
+
+  [[nodiscard]] int64_t numel() const { return rows * cols; }
+  [[nodiscard]] TensorView view() const {
+    return TensorView::contiguous(value.data(), DType::kF32, {rows, cols});
+  }
+  [[nodiscard]] TensorView grad_view() const {
+    return TensorView::contiguous(grad.data(), DType::kF32, {rows, cols});
+  }
+  void zero_grad() { std::fill(grad.begin(), grad.end(), 0.0f); }
+};
+
+}  // namespace epx

@@ -1,0 +1,86 @@
+// MoEModel: an input projection, a stack of MoE layers and an output head,
+// trained data-parallel over ranks with expert parallelism inside each layer.
+//
+//   input -> W_in -> [MoELayer] x num_layers -> RMSNorm -> W_out -> loss
+//
+// Two tasks: regression (dense inputs, mean squared error) and next-byte
+// prediction (a window of bytes, one embedding row per (position, byte),
+// softmax cross-entropy over 256 classes). Each rank passes its share of
+// the global batch; the loss is the mean over the global batch, so the sum
+// over ranks of forward_backward's return value is the batch loss and the
+// dense gradients summed over ranks are its gradient.
+//
+//   EPX_ASSIGN_OR_RETURN(auto model, epx::MoEModel::create(config, transport));
+//   EPX_ASSIGN_OR_RETURN(double loss, model->forward_backward(batch, global_tokens));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "epx/comm/transport.h"
+#include "epx/exchange/buffer.h"
+#include "epx/layer/moe_layer.h"
+
+namespace epx {
+
+enum class TaskKind : uint8_t { kRegression, kNextByte };
+
+struct ModelConfig {
+  TaskKind task = TaskKind::kRegression;
+  int input_dim = 32;    // regression: features per token
+  int output_dim = 16;   // regression: targets per token (next-byte: 256)
+  int window = 16;       // next-byte: context bytes per token
+  int num_layers = 2;
+  int max_tokens_per_rank = 0;  // the largest local batch
+  MoELayerConfig layer;  // every layer's shape (seed and index differ per layer)
+  std::optional<ExpertPlacement> placement;  // default: contiguous
+  Milliseconds timeout{60000};
+
+  [[nodiscard]] int num_inputs() const { return task == TaskKind::kRegression ? input_dim : window * 256; }
+  [[nodiscard]] int num_outputs() const { return task == TaskKind::kRegression ? output_dim : 256; }
+  [[nodiscard]] Status validate() const;
+};
+
+// One rank's share of a batch. Regression: x [T, input_dim], target
+// [T, output_dim]; next-byte: context [T, window], label [T].
+struct Batch {
+  int64_t num_tokens = 0;
+  std::vector<float> x, target;
+  std::vector<uint8_t> context;
+  std::vector<int32_t> label;
+};
+
+// Per-step times of one rank, in seconds.
+struct StepTimes {
+  LayerTimes layers;  // summed over layers
+  double dense = 0;   // input projection, head, loss
+  double total = 0;   // forward_backward as a whole
+};
+
+class MoEModel {
+ public:
+  static Result<std::unique_ptr<MoEModel>> create(const ModelConfig& config, Transport& transport);
+  ~MoEModel();
+
+  [[nodiscard]] const ModelConfig& config() const;
+  // Zeroes the gradients, runs forward and backward and returns this rank's
+  // share of the loss (main loss over global_tokens plus its share of the
+  // auxiliary losses). Collective.
+  [[nodiscard]] Result<double> forward_backward(const Batch& batch, int64_t global_tokens);
+  // Forward only: this rank's share of the main loss (no auxiliary terms).
+  [[nodiscard]] Result<double> evaluate(const Batch& batch, int64_t global_tokens);
+
+  [[nodiscard]] std::vector<Parameter*> parameters();
+  [[nodiscard]] std::vector<MoELayer*> layers();
+  [[nodiscard]] const StepTimes& times() const;
+  [[nodiscard]] Buffer& buffer();
+
+ private:
+  struct Impl;
+  explicit MoEModel(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epx

@@ -1,0 +1,436 @@
+#include "epx/layer/moe_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "epx/core/clock.h"
+#include "epx/core/random.h"
+#include "epx/experts/ffn.h"
+#include "epx/routing/aux_loss.h"
+#include "layer/dense.h"
+
+namespace epx {
+namespace {
+
+// Streams of the counter-based initialisation, per layer.
+enum InitStream : uint64_t { kRouterStream = 1, kSharedStream = 2, kExpertStream = 3 };
+
+uint64_t stream_id(int layer_index, uint64_t kind, uint64_t sub) {
+  return (static_cast<uint64_t>(layer_index) << 40) ^ (kind << 32) ^ sub;
+}
+
+void init_normal(std::span<float> out, uint64_t seed, uint64_t stream, float std) {
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(standard_normal(seed, stream, i)) * std;
+}
+
+// Keeps a bf16 (or f32) copy of f32 master weights for the expert GEMMs.
+struct StorageCopy {
+  std::vector<std::byte> bytes;
+  TensorView refresh(const Parameter& p, DType dtype) {
+    bytes.resize(static_cast<std::size_t>(p.numel()) * dtype_size(dtype));
+    detail::convert_from_f32(p.value.data(), p.numel(), dtype, bytes.data());
+    return TensorView::contiguous(bytes.data(), dtype, {p.rows, p.cols});
+  }
+};
+
+template <typename T>
+T* ensure(std::vector<T>& v, int64_t count) {
+  v.resize(static_cast<std::size_t>(std::max<int64_t>(count, 1)));
+  return v.data();
+}
+
+}  // namespace
+
+LayerTimes& LayerTimes::operator+=(const LayerTimes& o) {
+  router += o.router;
+  dispatch += o.dispatch;
+  experts += o.experts;
+  combine += o.combine;
+  stats += o.stats;
+  return *this;
+}
+
+Status MoELayerConfig::validate() const {
+  if (hidden <= 0) return invalid_argument("hidden = {} must be at least 1", hidden);
+  if (ffn_hidden <= 0) return invalid_argument("ffn_hidden = {} must be at least 1", ffn_hidden);
+  if (num_shared_experts < 0) return invalid_argument("num_shared_experts = {} is below 0", num_shared_experts);
+  if (dtype != DType::kF32 && dtype != DType::kBF16)
+    return invalid_argument("dtype {} is not supported by the layer; use f32 or bf16", dtype_name(dtype));
+  if (!(aux_loss_coeff >= 0) || !std::isfinite(aux_loss_coeff))
+    return invalid_argument("aux_loss_coeff = {} must be finite and >= 0", aux_loss_coeff);
+  if (!(z_loss_coeff >= 0) || !std::isfinite(z_loss_coeff))
+    return invalid_argument("z_loss_coeff = {} must be finite and >= 0", z_loss_coeff);
+  if (!(bias_rate >= 0) || !std::isfinite(bias_rate))
+    return invalid_argument("bias_rate = {} must be finite and >= 0", bias_rate);
+  if (!(norm_eps > 0)) return invalid_argument("norm_eps = {} must be above 0", norm_eps);
+  if (!(init_std >= 0) || !std::isfinite(init_std)) return invalid_argument("init_std = {} must be >= 0", init_std);
+  return router.validate();
+}
+
+struct MoELayer::Impl {
+  MoELayerConfig config;
+  Transport& transport;
+  Buffer& buffer;
+  int layer_index = 0;
+  int num_local = 0;
+
+  Parameter norm, router;
+  Parameter shared_w1, shared_w3, shared_w2;
+  Parameter w1, w3, w2;
+  StorageCopy w1_copy, w3_copy, w2_copy, shared_w1_copy, shared_w3_copy, shared_w2_copy;
+  ExpertWeights weights, shared_weights;
+  ExpertBias bias;
+
+  // What forward keeps for backward.
+  int64_t num_tokens = 0;
+  std::vector<float> x, n, rstd, logits, aux_grad_logits;
+  std::vector<std::byte> n_payload;  // n in config.dtype (the dispatch payload)
+  RouterOutput routed;
+  Handle handle;
+  std::vector<int64_t> offsets;
+  std::vector<std::byte> x_expanded;
+  std::vector<float> y_expanded, moe_out, shared_out;
+  ExpertFfnCache cache, shared_cache;
+  double aux_loss = 0.0;
+  LoadStats stats;
+  LayerTimes times;
+  Tracer* tracer = nullptr;
+
+  // Times one phase into `slot` and, with a tracer, records it as a span.
+  class Phase {
+   public:
+    Phase(Impl& impl, double& slot, const char* name)
+        : slot_(slot), span_(impl.tracer, impl.transport.rank(), name) {}
+    ~Phase() { slot_ += watch_.seconds(); }
+    Phase(const Phase&) = delete;
+    Phase& operator=(const Phase&) = delete;
+
+   private:
+    double& slot_;
+    Stopwatch watch_;
+    ScopedSpan span_;
+  };
+
+  Impl(const MoELayerConfig& c, Transport& t, Buffer& b, int index)
+      : config(c), transport(t), buffer(b), layer_index(index), bias(c.router.num_experts, c.bias_rate) {}
+
+  [[nodiscard]] int hidden() const { return config.hidden; }
+  [[nodiscard]] int shared_width() const { return config.num_shared_experts * config.ffn_hidden; }
+  [[nodiscard]] Deadline deadline() const { return Deadline::after(buffer.config().timeout); }
+
+  ExpertFfnConfig expert_config() const {
+    return {.num_experts = num_local, .hidden = config.hidden, .ffn_hidden = config.ffn_hidden,
+            .dtype = config.dtype, .num_threads = 1};
+  }
+  ExpertFfnConfig shared_config() const {
+    return {.num_experts = 1, .hidden = config.hidden, .ffn_hidden = shared_width(), .dtype = config.dtype,
+            .num_threads = 1};
+  }
+  TensorView payload_view(const std::vector<std::byte>& bytes, int64_t rows) const {
+    return TensorView::contiguous(bytes.data(), config.dtype, {rows, config.hidden});
+  }
+
+  void init_parameters() {
+    const int H = config.hidden, F = config.ffn_hidden, E = config.router.num_experts;
+    const std::string prefix = "layer" + std::to_string(layer_index) + ".";
+    auto std_for = [&](int fan_in) {
+      return config.init_std > 0 ? config.init_std : static_cast<float>(1.0 / std::sqrt(fan_in));
+    };
+    norm = Parameter(prefix + "norm", ParamKind::kDense, 1, H);
+    std::fill(norm.value.begin(), norm.value.end(), 1.0f);
+    router = Parameter(prefix + "router", ParamKind::kDense, H, E);
+    init_normal(router.value, config.seed, stream_id(layer_index, kRouterStream, 0), std_for(H));
+    if (config.num_shared_experts > 0) {
+      const int S = shared_width();
+      shared_w1 = Parameter(prefix + "shared.w1", ParamKind::kDense, H, S);
+      shared_w3 = Parameter(prefix + "shared.w3", ParamKind::kDense, H, S);
+      shared_w2 = Parameter(prefix + "shared.w2", ParamKind::kDense, S, H);
+      init_normal(shared_w1.value, config.seed, stream_id(layer_index, kSharedStream, 1), std_for(H));
+      init_normal(shared_w3.value, config.seed, stream_id(layer_index, kSharedStream, 3), std_for(H));
+      init_normal(shared_w2.value, config.seed, stream_id(layer_index, kSharedStream, 2), std_for(S));
+    }
+    w1 = Parameter(prefix + "experts.w1", ParamKind::kExpert, int64_t{num_local} * H, F);
+    w3 = Parameter(prefix + "experts.w3", ParamKind::kExpert, int64_t{num_local} * H, F);
+    w2 = Parameter(prefix + "experts.w2", ParamKind::kExpert, int64_t{num_local} * F, H);
+    // Each global expert draws from its own streams, wherever it lives.
+    const int rank = transport.rank();
+    for (int l = 0; l < num_local; ++l) {
+      const auto g = static_cast<uint64_t>(buffer.placement().global_id(rank, l));
+      const auto hf = static_cast<std::size_t>(H) * F;
+      init_normal(std::span(w1.value).subspan(l * hf, hf), config.seed, stream_id(layer_index, kExpertStream, 4 * g + 1),
+                  std_for(H));
+      init_normal(std::span(w3.value).subspan(l * hf, hf), config.seed, stream_id(layer_index, kExpertStream, 4 * g + 3),
+                  std_for(H));
+      init_normal(std::span(w2.value).subspan(l * hf, hf), config.seed, stream_id(layer_index, kExpertStream, 4 * g + 2),
+                  std_for(F));
+    }
+  }
+
+  void refresh_weights() {
+    if (num_local > 0)
+      weights = {w1_copy.refresh(w1, config.dtype), w3_copy.refresh(w3, config.dtype), w2_copy.refresh(w2, config.dtype)};
+    if (config.num_shared_experts > 0)
+      shared_weights = {shared_w1_copy.refresh(shared_w1, config.dtype), shared_w3_copy.refresh(shared_w3, config.dtype),
+                        shared_w2_copy.refresh(shared_w2, config.dtype)};
+  }
+
+  Status forward(const TensorView& x_in, const TensorView& out) {
+    const int H = hidden(), E = config.router.num_experts, K = config.router.topk;
+    if (x_in.ndim() != 2)
+      return invalid_argument("x must be [tokens, {}] f32, got {}", H, x_in.defined() ? x_in.describe() : "undefined");
+    const int64_t T = x_in.size(0);
+    EPX_RETURN_IF_ERROR(check_matrix(x_in, "x", DType::kF32, T, H));
+    EPX_RETURN_IF_ERROR(check_matrix(out, "out", DType::kF32, T, H));
+    times = {};
+    num_tokens = 0;
+    handle = {};
+
+    std::optional<Phase> phase;
+    phase.emplace(*this, times.router, "router");
+    float* xs = ensure(x, T * H);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(xs + t * H, x_in.row<const float>(t), sizeof(float) * H);
+    detail::rms_norm_forward(xs, norm.value.data(), config.norm_eps, T, H, ensure(n, T * H), ensure(rstd, T));
+    EPX_RETURN_IF_ERROR(detail::dense_gemm(false, false, T, E, H, n.data(), router.value.data(), false, ensure(logits, T * E)));
+    const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {T, E});
+    EPX_ASSIGN_OR_RETURN(routed, route(config.router, logits_view, config.expert_bias ? bias.view() : TensorView{}));
+    EPX_RETURN_IF_ERROR(auxiliary_losses(logits_view, T));
+    phase.reset();
+
+    // Dispatch the normed tokens, then lay them out per local expert.
+    phase.emplace(*this, times.dispatch, "dispatch");
+    n_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
+    detail::convert_from_f32(n.data(), T * H, config.dtype, n_payload.data());
+    DispatchResult recv;
+    EPX_RETURN_IF_ERROR(buffer.dispatch(
+        {.x = payload_view(n_payload, T),
+         .topk_idx = TensorView::contiguous(routed.topk_idx.data(), DType::kI32, {T, K}),
+         .topk_weights = TensorView::contiguous(routed.topk_weights.data(), DType::kF32, {T, K})},
+        &recv));
+    handle = recv.handle;
+    const ExpandedLayout& expanded = buffer.expanded_layout(handle);
+    offsets = expanded.expert_offsets;
+    const int64_t rows = expanded.num_rows();
+    x_expanded.resize(static_cast<std::size_t>(std::max<int64_t>(rows, 1) * H) * dtype_size(config.dtype));
+    EPX_RETURN_IF_ERROR(buffer.expand(recv.recv_x, handle, payload_view(x_expanded, rows)));
+    phase.reset();
+
+    phase.emplace(*this, times.experts, "experts");
+    refresh_weights();
+    float* y = ensure(y_expanded, rows * H);
+    if (num_local > 0)
+      EPX_RETURN_IF_ERROR(expert_ffn_forward(expert_config(), weights, payload_view(x_expanded, rows), offsets,
+                                             TensorView::contiguous(y, DType::kF32, {rows, H}), &cache));
+    if (config.num_shared_experts > 0) {
+      const int64_t shared_offsets[2] = {0, T};
+      EPX_RETURN_IF_ERROR(expert_ffn_forward(shared_config(), shared_weights, payload_view(n_payload, T),
+                                             shared_offsets,
+                                             TensorView::contiguous(ensure(shared_out, T * H), DType::kF32, {T, H}),
+                                             &shared_cache));
+    }
+    phase.reset();
+
+    phase.emplace(*this, times.combine, "combine");
+    float* combined = ensure(moe_out, T * H);
+    EPX_RETURN_IF_ERROR(buffer.combine_expanded(TensorView::contiguous(y, DType::kF32, {rows, H}), handle,
+                                                TensorView::contiguous(combined, DType::kF32, {T, H})));
+    phase.reset();
+
+    for (int64_t t = 0; t < T; ++t) {
+      float* o = out.row<float>(t);
+      const float* xt = xs + t * H;
+      const float* m = combined + t * H;
+      if (config.num_shared_experts > 0) {
+        const float* s = shared_out.data() + t * H;
+        for (int h = 0; h < H; ++h) o[h] = xt[h] + m[h] + s[h];
+      } else {
+        for (int h = 0; h < H; ++h) o[h] = xt[h] + m[h];
+      }
+    }
+    num_tokens = T;
+
+    phase.emplace(*this, times.stats, "stats");
+    EPX_ASSIGN_OR_RETURN(stats, compute_load_stats(TensorView::contiguous(routed.topk_idx.data(), DType::kI32, {T, K}),
+                                                   buffer.placement().expert_rank()));
+    EPX_RETURN_IF_ERROR(sum_load_stats_over_ranks(transport, &stats, deadline()));
+    phase.reset();
+    return Status::ok();
+  }
+
+  // Weighted aux and z losses; keeps their gradient w.r.t. the logits.
+  Status auxiliary_losses(const TensorView& logits_view, int64_t T) {
+    const int E = config.router.num_experts, K = config.router.topk;
+    aux_loss = 0.0;
+    aux_grad_logits.assign(static_cast<std::size_t>(T * E), 0.0f);
+    const double R = transport.num_ranks();
+    auto add = [&](const LossAndGrad& term, double loss_scale, double grad_scale) {
+      aux_loss += term.loss * loss_scale;
+      for (std::size_t i = 0; i < term.grad_logits.size(); ++i)
+        aux_grad_logits[i] += static_cast<float>(term.grad_logits[i] * grad_scale);
+    };
+    const TensorView idx = TensorView::contiguous(routed.topk_idx.data(), DType::kI32, {T, K});
+    if (config.aux_loss_coeff > 0) {
+      const double c = config.aux_loss_coeff;
+      if (config.aux_loss == AuxLossKind::kGlobalBatch) {
+        EPX_ASSIGN_OR_RETURN(LossAndGrad term, global_load_balancing_loss(config.router.score_function, logits_view,
+                                                                          idx, transport, deadline()));
+        add(term, c / R, c);  // one loss for all ranks; each holds the gradient of its own logits
+      } else if (T > 0) {
+        EPX_ASSIGN_OR_RETURN(LossAndGrad term, load_balancing_loss(config.router.score_function, logits_view, idx));
+        add(term, c / R, c / R);  // the mean over ranks of the per-rank losses
+      }
+    }
+    if (config.z_loss_coeff > 0 && T > 0) {
+      EPX_ASSIGN_OR_RETURN(LossAndGrad term, router_z_loss(logits_view));
+      add(term, config.z_loss_coeff / R, config.z_loss_coeff / R);
+    }
+    return Status::ok();
+  }
+
+  Status backward(const TensorView& grad_out, const TensorView& grad_x) {
+    if (!handle.valid()) return failed_precondition("MoELayer::backward needs a successful forward first");
+    const int H = hidden(), E = config.router.num_experts, K = config.router.topk;
+    const int64_t T = num_tokens;
+    EPX_RETURN_IF_ERROR(check_matrix(grad_out, "grad_out", DType::kF32, T, H));
+    EPX_RETURN_IF_ERROR(check_matrix(grad_x, "grad_x", DType::kF32, T, H));
+    const ExpandedLayout& expanded = buffer.expanded_layout(handle);
+    const int64_t rows = expanded.num_rows();
+    const int64_t num_recv = handle.num_recv_tokens();
+
+    std::vector<float> go(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H));
+    for (int64_t t = 0; t < T; ++t) std::memcpy(go.data() + t * H, grad_out.row<const float>(t), sizeof(float) * H);
+    std::vector<float> grad_n(go.size(), 0.0f);
+
+    std::optional<Phase> phase;
+    phase.emplace(*this, times.experts, "experts_backward");
+    if (config.num_shared_experts > 0) {
+      const int64_t shared_offsets[2] = {0, T};
+      std::vector<float> grad_n_shared(go.size());
+      EPX_RETURN_IF_ERROR(expert_ffn_backward(
+          shared_config(), shared_weights, payload_view(n_payload, T), shared_offsets, shared_cache,
+          TensorView::contiguous(go.data(), DType::kF32, {T, H}),
+          TensorView::contiguous(grad_n_shared.data(), DType::kF32, {T, H}),
+          {shared_w1.grad_view(), shared_w3.grad_view(), shared_w2.grad_view()}));
+      for (std::size_t i = 0; i < grad_n.size(); ++i) grad_n[i] += grad_n_shared[i];
+    }
+    phase.reset();
+
+    // Combine backward: grad_out travels to the experts' ranks.
+    phase.emplace(*this, times.combine, "combine_backward");
+    std::vector<std::byte> go_payload(go.size() * dtype_size(config.dtype));
+    detail::convert_from_f32(go.data(), T * H, config.dtype, go_payload.data());
+    std::vector<float> grad_y(static_cast<std::size_t>(std::max<int64_t>(rows, 1) * H));
+    std::vector<float> grad_recv_weights(static_cast<std::size_t>(std::max<int64_t>(num_recv, 1) * K));
+    EPX_RETURN_IF_ERROR(buffer.combine_expanded_backward(
+        payload_view(go_payload, T), handle, TensorView::contiguous(y_expanded.data(), DType::kF32, {rows, H}), {},
+        TensorView::contiguous(grad_y.data(), DType::kF32, {rows, H}),
+        TensorView::contiguous(grad_recv_weights.data(), DType::kF32, {num_recv, K})));
+    phase.reset();
+
+    phase.emplace(*this, times.experts, "experts_backward");
+    std::vector<float> grad_x_expanded(grad_y.size());
+    if (num_local > 0)
+      EPX_RETURN_IF_ERROR(expert_ffn_backward(expert_config(), weights, payload_view(x_expanded, rows), offsets, cache,
+                                              TensorView::contiguous(grad_y.data(), DType::kF32, {rows, H}),
+                                              TensorView::contiguous(grad_x_expanded.data(), DType::kF32, {rows, H}),
+                                              {w1.grad_view(), w3.grad_view(), w2.grad_view()}));
+    phase.reset();
+
+    // Dispatch backward: fold the expanded rows back onto the received rows
+    // (slot order), then combine them home with the weights' gradient.
+    phase.emplace(*this, times.dispatch, "dispatch_backward");
+    std::vector<float> grad_recv_x(static_cast<std::size_t>(std::max<int64_t>(num_recv, 1) * H), 0.0f);
+    for (int64_t r = 0; r < num_recv; ++r) {
+      float* dst = grad_recv_x.data() + r * H;
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = expanded.row_of[static_cast<std::size_t>(r * K + k)];
+        if (e < 0) continue;
+        const float* src = grad_x_expanded.data() + e * H;
+        for (int h = 0; h < H; ++h) dst[h] += src[h];
+      }
+    }
+    std::vector<float> grad_n_moe(go.size());
+    std::vector<float> grad_weights(static_cast<std::size_t>(std::max<int64_t>(T, 1) * K));
+    EPX_RETURN_IF_ERROR(buffer.dispatch_backward(
+        TensorView::contiguous(grad_recv_x.data(), DType::kF32, {num_recv, H}), handle,
+        TensorView::contiguous(grad_n_moe.data(), DType::kF32, {T, H}),
+        {.bias = {},
+         .grad_recv_topk_weights = TensorView::contiguous(grad_recv_weights.data(), DType::kF32, {num_recv, K}),
+         .grad_topk_weights = TensorView::contiguous(grad_weights.data(), DType::kF32, {T, K})}));
+    for (std::size_t i = 0; i < grad_n.size(); ++i) grad_n[i] += grad_n_moe[i];
+    phase.reset();
+
+    phase.emplace(*this, times.router, "router_backward");
+    EPX_ASSIGN_OR_RETURN(std::vector<float> grad_logits,
+                         route_backward(config.router, routed,
+                                        TensorView::contiguous(grad_weights.data(), DType::kF32, {T, K})));
+    for (std::size_t i = 0; i < grad_logits.size(); ++i) grad_logits[i] += aux_grad_logits[i];
+    if (T > 0) {
+      EPX_RETURN_IF_ERROR(detail::dense_gemm(true, false, H, E, T, n.data(), grad_logits.data(), true, router.grad.data()));
+      EPX_RETURN_IF_ERROR(detail::dense_gemm(false, true, T, H, E, grad_logits.data(), router.value.data(), true, grad_n.data()));
+    }
+    // grad_x = grad_out (the residual) + the norm's backward of grad_n.
+    std::vector<float> grad_in(go.begin(), go.begin() + T * H);
+    detail::rms_norm_backward(x.data(), norm.value.data(), rstd.data(), grad_n.data(), T, H, grad_in.data(),
+                              norm.grad.data());
+    for (int64_t t = 0; t < T; ++t) std::memcpy(grad_x.row<float>(t), grad_in.data() + t * H, sizeof(float) * H);
+    phase.reset();
+    return Status::ok();
+  }
+};
+
+Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config, Transport& transport, Buffer& buffer,
+                                                   int layer_index) {
+  EPX_RETURN_IF_ERROR(config.validate());
+  const BufferConfig& bc = buffer.config();
+  if (bc.hidden != config.hidden)
+    return invalid_argument("the Buffer's hidden = {} differs from the layer's hidden = {}", bc.hidden, config.hidden);
+  if (bc.dtype != config.dtype)
+    return invalid_argument("the Buffer's dtype {} differs from the layer's dtype {}", dtype_name(bc.dtype),
+                            dtype_name(config.dtype));
+  if (bc.num_experts != config.router.num_experts)
+    return invalid_argument("the Buffer has {} experts, the router {}", bc.num_experts, config.router.num_experts);
+  if (bc.max_topk < config.router.topk)
+    return invalid_argument("the Buffer's max_topk = {} is below the router's topk = {}", bc.max_topk,
+                            config.router.topk);
+  if (bc.max_combine_dtype != DType::kF32)
+    return invalid_argument("the Buffer's max_combine_dtype must be f32 (the weighted combine sums f32 rows)");
+  if (layer_index < 0) return invalid_argument("layer_index = {} is below 0", layer_index);
+  auto impl = std::make_unique<Impl>(config, transport, buffer, layer_index);
+  impl->num_local = buffer.num_local_experts();
+  impl->init_parameters();
+  if (impl->num_local > 0) EPX_RETURN_IF_ERROR(impl->expert_config().validate());
+  if (config.num_shared_experts > 0) EPX_RETURN_IF_ERROR(impl->shared_config().validate());
+  return std::unique_ptr<MoELayer>(new MoELayer(std::move(impl)));
+}
+
+MoELayer::MoELayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MoELayer::~MoELayer() = default;
+
+const MoELayerConfig& MoELayer::config() const { return impl_->config; }
+int MoELayer::num_local_experts() const { return impl_->num_local; }
+Status MoELayer::forward(const TensorView& x, const TensorView& out) { return impl_->forward(x, out); }
+Status MoELayer::backward(const TensorView& grad_out, const TensorView& grad_x) {
+  return impl_->backward(grad_out, grad_x);
+}
+double MoELayer::aux_loss() const { return impl_->aux_loss; }
+const LoadStats& MoELayer::load_stats() const { return impl_->stats; }
+const LayerTimes& MoELayer::times() const { return impl_->times; }
+ExpertBias& MoELayer::bias() { return impl_->bias; }
+void MoELayer::set_tracer(Tracer* tracer) { impl_->tracer = tracer; }
+
+Status MoELayer::update_bias() {
+  if (!impl_->config.expert_bias) return Status::ok();
+  return impl_->bias.update(impl_->stats.tokens_per_expert);
+}
+
+std::vector<Parameter*> MoELayer::parameters() {
+  Impl& m = *impl_;
+  std::vector<Parameter*> out = {&m.norm, &m.router};
+  if (m.config.num_shared_experts > 0) out.insert(out.end(), {&m.shared_w1, &m.shared_w3, &m.shared_w2});
+  out.insert(out.end(), {&m.w1, &m.w3, &m.w2});
+  return out;
+}
+
+}  // namespace epx

@@ -1,0 +1,257 @@
+#include "epx/train/model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "epx/core/clock.h"
+#include "epx/core/random.h"
+#include "layer/dense.h"
+
+namespace epx {
+namespace {
+
+// Init streams of the model's own parameters (the layers use theirs).
+constexpr uint64_t kEmbedStream = 0xE0000001ULL;
+constexpr uint64_t kHeadStream = 0xE0000002ULL;
+
+void init_normal(std::vector<float>& out, uint64_t seed, uint64_t stream, float std) {
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(standard_normal(seed, stream, i)) * std;
+}
+
+TensorView matrix(const std::vector<float>& v, int64_t rows, int64_t cols) {
+  return TensorView::contiguous(v.data(), DType::kF32, {rows, cols});
+}
+
+}  // namespace
+
+Status ModelConfig::validate() const {
+  if (num_layers < 1) return invalid_argument("num_layers = {} must be at least 1", num_layers);
+  if (max_tokens_per_rank < 1) return invalid_argument("max_tokens_per_rank = {} must be at least 1", max_tokens_per_rank);
+  if (task == TaskKind::kRegression) {
+    if (input_dim < 1) return invalid_argument("input_dim = {} must be at least 1", input_dim);
+    if (output_dim < 1) return invalid_argument("output_dim = {} must be at least 1", output_dim);
+  } else if (window < 1) {
+    return invalid_argument("window = {} must be at least 1", window);
+  }
+  return layer.validate();
+}
+
+struct MoEModel::Impl {
+  ModelConfig config;
+  Transport& transport;
+  std::unique_ptr<Buffer> buffer;
+  std::vector<std::unique_ptr<MoELayer>> layers;
+  Parameter embed, final_norm, head;
+  StepTimes times;
+  // Activations of the last forward: hidden[l] is the input of layer l.
+  std::vector<std::vector<float>> hidden;
+  std::vector<float> normed, rstd, outputs;
+
+  Impl(const ModelConfig& c, Transport& t) : config(c), transport(t) {}
+
+  [[nodiscard]] int H() const { return config.layer.hidden; }
+
+  Status check_batch(const Batch& b) const {
+    const int64_t T = b.num_tokens;
+    if (T < 0 || T > config.max_tokens_per_rank)
+      return invalid_argument("the batch has {} tokens; this rank takes [0, {}]", T, config.max_tokens_per_rank);
+    if (config.task == TaskKind::kRegression) {
+      if (b.x.size() != static_cast<std::size_t>(T * config.input_dim) ||
+          b.target.size() != static_cast<std::size_t>(T * config.output_dim))
+        return invalid_argument("regression batch of {} tokens needs x of {} and target of {} values, got {} and {}", T,
+                                T * config.input_dim, T * config.output_dim, b.x.size(), b.target.size());
+    } else {
+      if (b.context.size() != static_cast<std::size_t>(T * config.window) || b.label.size() != static_cast<std::size_t>(T))
+        return invalid_argument("next-byte batch of {} tokens needs {} context bytes and {} labels, got {} and {}", T,
+                                T * config.window, T, b.context.size(), b.label.size());
+      for (int64_t t = 0; t < T; ++t)
+        if (b.label[t] < 0 || b.label[t] > 255) return invalid_argument("label[{}] = {} is outside [0, 256)", t, b.label[t]);
+    }
+    return Status::ok();
+  }
+
+  // Forward through the head; outputs = logits or predictions [T, outputs].
+  Status forward(const Batch& b) {
+    const int64_t T = b.num_tokens;
+    const int h = H();
+    Stopwatch watch;
+    hidden.resize(config.num_layers + 1);
+    for (auto& v : hidden) v.assign(static_cast<std::size_t>(std::max<int64_t>(T, 1) * h), 0.0f);
+    if (config.task == TaskKind::kRegression) {
+      EPX_RETURN_IF_ERROR(detail::dense_gemm(false, false, T, h, config.input_dim, b.x.data(), embed.value.data(), false, hidden[0].data()));
+    } else {
+      for (int64_t t = 0; t < T; ++t) {
+        float* dst = hidden[0].data() + t * h;
+        for (int w = 0; w < config.window; ++w) {
+          const float* row = embed.value.data() + (static_cast<int64_t>(w) * 256 + b.context[t * config.window + w]) * h;
+          for (int i = 0; i < h; ++i) dst[i] += row[i];
+        }
+      }
+    }
+    times.dense += watch.seconds();
+    for (int l = 0; l < config.num_layers; ++l) {
+      EPX_RETURN_IF_ERROR(layers[l]->forward(matrix(hidden[l], T, h), matrix(hidden[l + 1], T, h)));
+      times.layers += layers[l]->times();
+    }
+    watch.reset();
+    const int D = config.num_outputs();
+    normed.assign(hidden.back().size(), 0.0f);
+    rstd.assign(static_cast<std::size_t>(std::max<int64_t>(T, 1)), 0.0f);
+    detail::rms_norm_forward(hidden.back().data(), final_norm.value.data(), config.layer.norm_eps, T, h, normed.data(),
+                             rstd.data());
+    outputs.assign(static_cast<std::size_t>(std::max<int64_t>(T, 1) * D), 0.0f);
+    EPX_RETURN_IF_ERROR(detail::dense_gemm(false, false, T, D, h, normed.data(), head.value.data(), false, outputs.data()));
+    times.dense += watch.seconds();
+    return Status::ok();
+  }
+
+  // Main loss over global_tokens; fills grad (same shape as outputs) when given.
+  double loss(const Batch& b, int64_t global_tokens, std::vector<float>* grad) const {
+    const int64_t T = b.num_tokens;
+    const int D = config.num_outputs();
+    const double scale = 1.0 / static_cast<double>(std::max<int64_t>(global_tokens, 1));
+    double total = 0.0;
+    if (grad) grad->assign(outputs.size(), 0.0f);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* o = outputs.data() + t * D;
+      if (config.task == TaskKind::kRegression) {
+        const float* y = b.target.data() + t * D;
+        for (int d = 0; d < D; ++d) {
+          const double diff = static_cast<double>(o[d]) - y[d];
+          total += diff * diff / D;
+          if (grad) (*grad)[t * D + d] = static_cast<float>(2.0 * diff / D * scale);
+        }
+      } else {
+        double max = o[0];
+        for (int d = 1; d < D; ++d) max = std::max(max, static_cast<double>(o[d]));
+        double sum = 0.0;
+        for (int d = 0; d < D; ++d) sum += std::exp(o[d] - max);
+        const double lse = max + std::log(sum);
+        total += lse - o[b.label[t]];
+        if (grad) {
+          for (int d = 0; d < D; ++d) (*grad)[t * D + d] = static_cast<float>(std::exp(o[d] - lse) * scale);
+          (*grad)[t * D + b.label[t]] -= static_cast<float>(scale);
+        }
+      }
+    }
+    return total * scale;
+  }
+
+  Status backward(const Batch& b, const std::vector<float>& grad_outputs) {
+    const int64_t T = b.num_tokens;
+    const int h = H(), D = config.num_outputs();
+    Stopwatch watch;
+    std::vector<float> grad_normed(normed.size(), 0.0f);
+    if (T > 0) {
+      EPX_RETURN_IF_ERROR(detail::dense_gemm(true, false, h, D, T, normed.data(), grad_outputs.data(), true, head.grad.data()));
+      EPX_RETURN_IF_ERROR(detail::dense_gemm(false, true, T, h, D, grad_outputs.data(), head.value.data(), false, grad_normed.data()));
+    }
+    std::vector<float> grad(normed.size(), 0.0f), grad_in(normed.size());
+    detail::rms_norm_backward(hidden.back().data(), final_norm.value.data(), rstd.data(), grad_normed.data(), T, h,
+                              grad.data(), final_norm.grad.data());
+    times.dense += watch.seconds();
+    for (int l = config.num_layers - 1; l >= 0; --l) {
+      // Each layer's forward times were added already; add only its backward share.
+      const LayerTimes before = layers[l]->times();
+      EPX_RETURN_IF_ERROR(layers[l]->backward(matrix(grad, T, h), matrix(grad_in, T, h)));
+      LayerTimes delta = layers[l]->times();
+      delta.router -= before.router;
+      delta.dispatch -= before.dispatch;
+      delta.experts -= before.experts;
+      delta.combine -= before.combine;
+      delta.stats -= before.stats;
+      times.layers += delta;
+      grad.swap(grad_in);
+    }
+    watch.reset();
+    if (config.task == TaskKind::kRegression) {
+      if (T > 0)
+        EPX_RETURN_IF_ERROR(detail::dense_gemm(true, false, config.input_dim, h, T, b.x.data(), grad.data(), true, embed.grad.data()));
+    } else {
+      for (int64_t t = 0; t < T; ++t) {
+        const float* g = grad.data() + t * h;
+        for (int w = 0; w < config.window; ++w) {
+          float* row = embed.grad.data() + (static_cast<int64_t>(w) * 256 + b.context[t * config.window + w]) * h;
+          for (int i = 0; i < h; ++i) row[i] += g[i];
+        }
+      }
+    }
+    times.dense += watch.seconds();
+    return Status::ok();
+  }
+};
+
+Result<std::unique_ptr<MoEModel>> MoEModel::create(const ModelConfig& config, Transport& transport) {
+  EPX_RETURN_IF_ERROR(config.validate());
+  auto impl = std::make_unique<Impl>(config, transport);
+  const MoELayerConfig& lc = config.layer;
+  EPX_ASSIGN_OR_RETURN(impl->buffer, Buffer::create(transport, {.num_experts = lc.router.num_experts,
+                                                                .hidden = lc.hidden,
+                                                                .dtype = lc.dtype,
+                                                                .max_topk = lc.router.topk,
+                                                                .max_tokens_per_rank = config.max_tokens_per_rank,
+                                                                .placement = config.placement,
+                                                                .timeout = config.timeout}));
+  for (int l = 0; l < config.num_layers; ++l) {
+    EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, transport, *impl->buffer, l));
+    impl->layers.push_back(std::move(layer));
+  }
+  const int h = lc.hidden, D = config.num_outputs();
+  impl->embed = Parameter("embed", ParamKind::kDense, config.num_inputs(), h);
+  const double embed_fan_in = config.task == TaskKind::kRegression ? config.input_dim : config.window;
+  init_normal(impl->embed.value, lc.seed, kEmbedStream, static_cast<float>(1.0 / std::sqrt(embed_fan_in)));
+  impl->final_norm = Parameter("final_norm", ParamKind::kDense, 1, h);
+  std::fill(impl->final_norm.value.begin(), impl->final_norm.value.end(), 1.0f);
+  impl->head = Parameter("head", ParamKind::kDense, h, D);
+  init_normal(impl->head.value, lc.seed, kHeadStream, static_cast<float>(1.0 / std::sqrt(h)));
+  return std::unique_ptr<MoEModel>(new MoEModel(std::move(impl)));
+}
+
+MoEModel::MoEModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+MoEModel::~MoEModel() = default;
+
+const ModelConfig& MoEModel::config() const { return impl_->config; }
+const StepTimes& MoEModel::times() const { return impl_->times; }
+Buffer& MoEModel::buffer() { return *impl_->buffer; }
+
+Result<double> MoEModel::forward_backward(const Batch& batch, int64_t global_tokens) {
+  Impl& m = *impl_;
+  EPX_RETURN_IF_ERROR(m.check_batch(batch));
+  Stopwatch total;
+  m.times = {};
+  for (Parameter* p : parameters()) p->zero_grad();
+  EPX_RETURN_IF_ERROR(m.forward(batch));
+  std::vector<float> grad;
+  double loss = m.loss(batch, global_tokens, &grad);
+  for (auto& layer : m.layers) loss += layer->aux_loss();
+  EPX_RETURN_IF_ERROR(m.backward(batch, grad));
+  m.times.total = total.seconds();
+  return loss;
+}
+
+Result<double> MoEModel::evaluate(const Batch& batch, int64_t global_tokens) {
+  Impl& m = *impl_;
+  EPX_RETURN_IF_ERROR(m.check_batch(batch));
+  m.times = {};
+  EPX_RETURN_IF_ERROR(m.forward(batch));
+  return m.loss(batch, global_tokens, nullptr);
+}
+
+std::vector<Parameter*> MoEModel::parameters() {
+  Impl& m = *impl_;
+  std::vector<Parameter*> out = {&m.embed};
+  for (auto& layer : m.layers) {
+    auto p = layer->parameters();
+    out.insert(out.end(), p.begin(), p.end());
+  }
+  out.insert(out.end(), {&m.final_norm, &m.head});
+  return out;
+}
+
+std::vector<MoELayer*> MoEModel::layers() {
+  std::vector<MoELayer*> out;
+  for (auto& layer : impl_->layers) out.push_back(layer.get());
+  return out;
+}
+
+}  // namespace epx

@@ -1,0 +1,358 @@
+#include "epx/train/trainer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <optional>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "epx/comm/inproc.h"
+#include "epx/core/clock.h"
+#include "train/checkpoint.h"
+
+namespace epx {
+namespace {
+
+// The contiguous share [first, first + count) of `total` tokens for `rank`.
+std::pair<int64_t, int64_t> share(int64_t total, int num_ranks, int rank) {
+  const int64_t base = total / num_ranks, extra = total % num_ranks;
+  const int64_t first = rank * base + std::min<int64_t>(rank, extra);
+  return {first, base + (rank < extra ? 1 : 0)};
+}
+
+std::string fingerprint(const ModelConfig& m) {
+  const MoELayerConfig& l = m.layer;
+  return fmt::format("task={} in={} out={} layers={} hidden={} ffn={} experts={} topk={} shared={} dtype={}",
+                     m.task == TaskKind::kRegression ? "regression" : "next-byte", m.num_inputs(), m.num_outputs(),
+                     m.num_layers, l.hidden, l.ffn_hidden, l.router.num_experts, l.router.topk, l.num_shared_experts,
+                     dtype_name(l.dtype));
+}
+
+// Everything one rank needs to make its batches.
+class DataSource {
+ public:
+  static Result<DataSource> create(const TrainConfig& config) {
+    DataSource d;
+    d.task_ = config.model.task;
+    if (d.task_ == TaskKind::kRegression) {
+      EPX_ASSIGN_OR_RETURN(SyntheticTask task, SyntheticTask::create(config.synthetic));
+      d.synthetic_.emplace(std::move(task));
+    } else {
+      EPX_ASSIGN_OR_RETURN(TextTask task, TextTask::create(config.text));
+      d.text_.emplace(std::move(task));
+    }
+    return d;
+  }
+  void fill(int64_t first, int64_t count, const ModelConfig& m, Batch* b) const {
+    b->num_tokens = count;
+    if (task_ == TaskKind::kRegression) {
+      b->x.resize(static_cast<std::size_t>(count * m.input_dim));
+      b->target.resize(static_cast<std::size_t>(count * m.output_dim));
+      synthetic_->fill(first, count, b->x.data(), b->target.data(), nullptr);
+    } else {
+      b->context.resize(static_cast<std::size_t>(count * m.window));
+      b->label.resize(static_cast<std::size_t>(count));
+      text_->fill(first, count, b->context.data(), b->label.data());
+    }
+  }
+
+ private:
+  TaskKind task_ = TaskKind::kRegression;
+  std::optional<SyntheticTask> synthetic_;
+  std::optional<TextTask> text_;
+};
+
+constexpr int kTimeFields = 8;
+
+}  // namespace
+
+std::string BalancingConfig::name() const {
+  std::vector<std::string> parts;
+  if (aux_loss_coeff > 0) parts.emplace_back(aux_loss == AuxLossKind::kGlobalBatch ? "aux-global" : "aux");
+  if (expert_bias) parts.emplace_back("bias");
+  if (capacity_factor > 0) parts.emplace_back(drop_policy == DropPolicy::kScore ? "capacity-score" : "capacity");
+  return parts.empty() ? "none" : fmt::format("{}", fmt::join(parts, "+"));
+}
+
+Result<BalancingConfig> parse_balancing(std::string_view text, const BalancingConfig& defaults) {
+  BalancingConfig out = defaults;
+  out.aux_loss_coeff = 0;
+  out.expert_bias = false;
+  out.capacity_factor = 0;
+  const double aux = defaults.aux_loss_coeff > 0 ? defaults.aux_loss_coeff : 1e-2;
+  const double cf = defaults.capacity_factor > 0 ? defaults.capacity_factor : 1.25;
+  std::size_t start = 0;
+  bool none = false;
+  while (start <= text.size()) {
+    const std::size_t end = std::min(text.find('+', start), text.size());
+    const std::string_view part = text.substr(start, end - start);
+    if (part == "none") {
+      none = true;
+    } else if (part == "aux" || part == "aux-global") {
+      out.aux_loss_coeff = aux;
+      out.aux_loss = part == "aux" ? AuxLossKind::kMicroBatch : AuxLossKind::kGlobalBatch;
+    } else if (part == "bias") {
+      out.expert_bias = true;
+    } else if (part == "capacity" || part == "capacity-score") {
+      out.capacity_factor = cf;
+      out.drop_policy = part == "capacity" ? DropPolicy::kPosition : DropPolicy::kScore;
+    } else if (part == "eplb") {
+      return unimplemented(
+          "balancing 'eplb' (re-placing experts with redundant replicas during training) is not built yet; "
+          "`epx eplb` computes placements from loads");
+    } else {
+      return invalid_argument(
+          "unknown balancing '{}' in '{}'; use none, aux, aux-global, bias, capacity, capacity-score, joined by '+'",
+          part, text);
+    }
+    start = end + 1;
+  }
+  if (none && out.name() != "none") return invalid_argument("balancing '{}' combines 'none' with a strategy", text);
+  return out;
+}
+
+Result<ModelConfig> TrainConfig::resolved_model() const {
+  ModelConfig m = model;
+  if (num_ranks < 1) return invalid_argument("ranks = {} must be at least 1", num_ranks);
+  if (batch_tokens < 1) return invalid_argument("batch_tokens = {} must be at least 1", batch_tokens);
+  m.max_tokens_per_rank = static_cast<int>((batch_tokens + num_ranks - 1) / num_ranks);
+  m.layer.aux_loss_coeff = balancing.aux_loss_coeff;
+  m.layer.aux_loss = balancing.aux_loss;
+  m.layer.expert_bias = balancing.expert_bias;
+  m.layer.bias_rate = balancing.bias_rate;
+  m.layer.router.capacity_factor = balancing.capacity_factor;
+  m.layer.router.drop_policy = balancing.drop_policy;
+  if (m.task == TaskKind::kNextByte) m.window = text.window;
+  if (m.task == TaskKind::kRegression) {
+    if (synthetic.input_dim != m.input_dim || synthetic.output_dim != m.output_dim)
+      return invalid_argument("the data has {} inputs and {} outputs, the model {} and {}", synthetic.input_dim,
+                              synthetic.output_dim, m.input_dim, m.output_dim);
+  }
+  EPX_RETURN_IF_ERROR(m.validate());
+  return m;
+}
+
+Status TrainConfig::validate() const {
+  if (steps < 0) return invalid_argument("steps = {} is below 0", steps);
+  if (num_nodes < 1 || num_ranks % num_nodes != 0)
+    return invalid_argument("nodes = {} must divide ranks = {}", num_nodes, num_ranks);
+  if (!(clip_norm >= 0) || !std::isfinite(clip_norm)) return invalid_argument("clip_norm = {} must be >= 0", clip_norm);
+  if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
+  if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
+  EPX_RETURN_IF_ERROR(schedule.validate());
+  EPX_RETURN_IF_ERROR(adamw.validate());
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, resolved_model());
+  if (m.layer.router.num_experts % num_ranks != 0)
+    return invalid_argument("experts = {} must be a multiple of ranks = {} (contiguous placement)",
+                            m.layer.router.num_experts, num_ranks);
+  if (model.task == TaskKind::kRegression) return synthetic.validate();
+  return Status::ok();
+}
+
+std::string StepReport::to_json() const {
+  std::string layers_json;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    const LoadStats& s = layers[l];
+    layers_json += fmt::format("{}{{\"layer\":{},\"max_vio\":{:.6g},\"cv\":{:.6g},\"dropped\":{},\"worst_rank\":{},"
+                               "\"worst_rank_share\":{:.6g},\"idle_fraction\":{:.6g},\"tokens_per_expert\":[{}],"
+                               "\"tokens_per_rank\":[{}]}}",
+                               l ? "," : "", l, s.max_vio, s.cv, s.num_dropped, s.worst_rank, s.worst_rank_share,
+                               s.idle_fraction, fmt::join(s.tokens_per_expert, ","), fmt::join(s.tokens_per_rank, ","));
+  }
+  std::string ranks_json;
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const RankTimes& t = ranks[r];
+    ranks_json += fmt::format("{}{{\"rank\":{},\"router\":{:.6g},\"dispatch\":{:.6g},\"experts\":{:.6g},\"combine\":{:.6g},"
+                              "\"dense\":{:.6g},\"wait\":{:.6g},\"sync\":{:.6g},\"total\":{:.6g}}}",
+                              r ? "," : "", r, t.router, t.dispatch, t.experts, t.combine, t.dense, t.wait, t.sync,
+                              t.total);
+  }
+  return fmt::format("{{\"step\":{},\"loss\":{:.8g},\"main_loss\":{:.8g},\"lr\":{:.6g},\"grad_norm\":{:.6g},"
+                     "\"seconds\":{:.6g},\"tokens_per_s\":{:.6g},\"layers\":[{}],\"ranks\":[{}]}}",
+                     step, loss, main_loss, learning_rate, grad_norm, seconds, tokens_per_second, layers_json,
+                     ranks_json);
+}
+
+Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
+  EPX_RETURN_IF_ERROR(config.validate());
+  EPX_ASSIGN_OR_RETURN(ModelConfig model_config, config.resolved_model());
+  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
+  // Open the data once here, so that a bad file fails before any rank starts.
+  EPX_RETURN_IF_ERROR(DataSource::create(config).status());
+
+  TrainSummary summary;
+  std::mutex mu;
+  std::vector<StepReport> recent;  // the last 10 reports (rank 0)
+  double run_seconds = 0, comm_seconds = 0, total_seconds = 0;
+  int64_t timed_tokens = 0;
+
+  auto rank_main = [&](Transport& transport) -> Status {
+    const int rank = transport.rank(), R = transport.num_ranks();
+    EPX_ASSIGN_OR_RETURN(DataSource data, DataSource::create(config));
+    EPX_ASSIGN_OR_RETURN(auto model, MoEModel::create(model_config, transport));
+    std::vector<Parameter*> params = model->parameters();
+    std::vector<MoELayer*> layers = model->layers();
+    std::vector<Parameter*> dense;
+    std::size_t dense_size = 0;
+    for (Parameter* p : params)
+      if (p->kind == ParamKind::kDense) {
+        dense.push_back(p);
+        dense_size += p->grad.size();
+      }
+    AdamW adam(config.adamw);
+    detail::CheckpointMeta meta{.step = 0, .num_ranks = R, .num_nodes = config.num_nodes,
+                                .fingerprint = fingerprint(model_config)};
+    if (!config.resume_dir.empty())
+      EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &meta, rank, params, adam, layers));
+    const int64_t first_step = meta.step;
+    auto deadline = [&] { return Deadline::after(model_config.timeout); };
+
+    Batch batch;
+    std::vector<float> packed(std::max<std::size_t>(dense_size, 1));
+    for (int64_t step = first_step; step < config.steps; ++step) {
+      const bool tracing = config.tracer && step >= config.trace_first && step < config.trace_first + config.trace_steps;
+      for (MoELayer* layer : layers) layer->set_tracer(tracing ? config.tracer : nullptr);
+      Tracer* tracer = tracing ? config.tracer : nullptr;
+      Stopwatch step_watch;
+      const auto [first, count] = share(config.batch_tokens, R, rank);
+      data.fill(step * config.batch_tokens + first, count, model_config, &batch);
+
+      double loss = 0;
+      {
+        ScopedSpan span(tracer, rank, "forward_backward");
+        EPX_ASSIGN_OR_RETURN(loss, model->forward_backward(batch, config.batch_tokens));
+      }
+      Stopwatch wait_watch;
+      {
+        ScopedSpan span(tracer, rank, "wait");
+        EPX_RETURN_IF_ERROR(transport.barrier(deadline()));
+      }
+      const double wait = wait_watch.seconds();
+
+      Stopwatch sync_watch;
+      double grad_norm = 0;
+      {
+        ScopedSpan span(tracer, rank, "sync");
+        std::size_t at = 0;
+        for (Parameter* p : dense) {
+          std::copy(p->grad.begin(), p->grad.end(), packed.begin() + static_cast<std::ptrdiff_t>(at));
+          at += p->grad.size();
+        }
+        EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(packed.data(), dense_size), ReduceOp::kSum, deadline()));
+        at = 0;
+        for (Parameter* p : dense) {
+          std::copy(packed.begin() + static_cast<std::ptrdiff_t>(at),
+                    packed.begin() + static_cast<std::ptrdiff_t>(at + p->grad.size()), p->grad.begin());
+          at += p->grad.size();
+        }
+        EPX_ASSIGN_OR_RETURN(grad_norm, clip_grad_norm(params, config.clip_norm, transport, deadline()));
+      }
+      const double lr = learning_rate(config.schedule, step);
+      {
+        ScopedSpan span(tracer, rank, "optimizer");
+        adam.step(params, lr);
+        for (MoELayer* layer : layers) EPX_RETURN_IF_ERROR(layer->update_bias());
+      }
+      const double sync = sync_watch.seconds();
+
+      // Report: losses summed over ranks, every rank's times.
+      double aux = 0;
+      for (MoELayer* layer : layers) aux += layer->aux_loss();
+      double losses[2] = {loss, loss - aux};
+      EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, deadline()));
+      const StepTimes& st = model->times();
+      const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
+                                        st.dense, wait, sync + st.layers.stats, step_watch.seconds()};
+      std::vector<double> all(static_cast<std::size_t>(kTimeFields) * R);
+      EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const double>(mine, kTimeFields), std::span<double>(all), deadline()));
+      if (rank == 0) {
+        StepReport report;
+        report.step = step;
+        report.steps = config.steps;
+        report.loss = losses[0];
+        report.main_loss = losses[1];
+        report.learning_rate = lr;
+        report.grad_norm = grad_norm;
+        report.seconds = step_watch.seconds();
+        report.tokens_per_second = static_cast<double>(config.batch_tokens) / std::max(report.seconds, 1e-9);
+        for (MoELayer* layer : layers) report.layers.push_back(layer->load_stats());
+        for (int r = 0; r < R; ++r) {
+          const double* f = all.data() + static_cast<std::ptrdiff_t>(r) * kTimeFields;
+          report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
+        }
+        std::lock_guard lock(mu);
+        if (step == first_step) summary.first_loss = report.main_loss;
+        for (const LoadStats& s : report.layers) summary.dropped += s.num_dropped;
+        if (step > first_step || config.steps - first_step == 1) {
+          run_seconds += report.seconds;
+          timed_tokens += config.batch_tokens;
+        }
+        for (const RankTimes& t : report.ranks) {
+          comm_seconds += t.communication();
+          total_seconds += t.total;
+        }
+        recent.push_back(report);
+        if (recent.size() > 10) recent.erase(recent.begin());
+        if (on_step) on_step(report);
+      }
+      if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps) {
+        meta.step = step + 1;
+        EPX_RETURN_IF_ERROR(detail::save_checkpoint(config.save_dir, meta, transport, params, adam, layers, deadline()));
+      }
+    }
+    for (MoELayer* layer : layers) layer->set_tracer(nullptr);
+    if (!config.save_dir.empty()) {
+      meta.step = config.steps;
+      EPX_RETURN_IF_ERROR(detail::save_checkpoint(config.save_dir, meta, transport, params, adam, layers, deadline()));
+    }
+    if (keep_parameters) {
+      std::lock_guard lock(mu);
+      for (Parameter* p : params) {
+        if (p->kind == ParamKind::kDense) {
+          if (rank == 0) summary.parameters[p->name] = p->value;
+          continue;
+        }
+        const int local = model->buffer().num_local_experts();
+        const int64_t per_expert = p->numel() / std::max(local, 1);
+        for (int l = 0; l < local; ++l) {
+          const int g = model->buffer().placement().global_id(rank, l);
+          summary.parameters[fmt::format("{}#{}", p->name, g)].assign(
+              p->value.begin() + l * per_expert, p->value.begin() + (l + 1) * per_expert);
+        }
+      }
+    }
+    return Status::ok();
+  };
+
+  InprocWorld world(topology);
+  EPX_RETURN_IF_ERROR(first_error(world.run(rank_main)));
+
+  summary.steps = config.steps;
+  if (!recent.empty()) {
+    double loss = 0, vio = 0, idle = 0;
+    for (const StepReport& r : recent) {
+      loss += r.main_loss;
+      double worst_idle = 0, layer_vio = 0;
+      for (const LoadStats& s : r.layers) {
+        worst_idle = std::max(worst_idle, s.idle_fraction);
+        layer_vio += s.max_vio;
+      }
+      vio += layer_vio / static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
+      idle += worst_idle;
+    }
+    const auto n = static_cast<double>(recent.size());
+    summary.final_loss = loss / n;
+    summary.mean_max_vio = vio / n;
+    summary.idle_fraction = idle / n;
+    double last_vio = 0;
+    for (const LoadStats& s : recent.back().layers) last_vio += s.max_vio;
+    summary.max_vio = last_vio / static_cast<double>(std::max<std::size_t>(recent.back().layers.size(), 1));
+  }
+  summary.tokens_per_second = run_seconds > 0 ? static_cast<double>(timed_tokens) / run_seconds : 0.0;
+  summary.communication_share = total_seconds > 0 ? comm_seconds / total_seconds : 0.0;
+  return summary;
+}
+
+}  // namespace epx

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# epx train's command line: bad settings fail with exit code 2, a message
+# naming the key or value, and no file written; a small run and a resume work.
+# Usage: train_cli_test.sh EPX_BINARY DATA_DIR
+set -uo pipefail
+epx=$1
+data=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+
+# expect_usage_error DESCRIPTION EXPECTED_TEXT ARGS...
+expect_usage_error() {
+  local what=$1 expected=$2
+  shift 2
+  local out code
+  out=$("$epx" train --metrics "$work/metrics.jsonl" --save "$work/ckpt" "$@" 2>&1)
+  code=$?
+  if [[ $code -ne 2 ]]; then
+    echo "FAIL $what: exit code $code, want 2; output: $out"; failures=$((failures + 1)); return
+  fi
+  if [[ "$out" != *"$expected"* ]]; then
+    echo "FAIL $what: output lacks '$expected': $out"; failures=$((failures + 1)); return
+  fi
+  if [[ -e "$work/metrics.jsonl" || -e "$work/ckpt" ]]; then
+    echo "FAIL $what: a file was written"; failures=$((failures + 1)); rm -rf "$work/metrics.jsonl" "$work/ckpt"; return
+  fi
+  echo "ok   $what: $out"
+}
+
+expect_usage_error "unknown key" "unknown key 'model.expertz'" --config "$data/bad_key.toml"
+expect_usage_error "topk above experts" "topk = 8" --config "$data/bad_topk.toml"
+expect_usage_error "toml syntax" "bad_syntax.toml:2" --config "$data/bad_syntax.toml"
+expect_usage_error "missing config file" "$work/none.toml" --config "$work/none.toml"
+expect_usage_error "negative learning rate" "learning rate -0.1" --lr -0.1
+expect_usage_error "missing text file" "$work/none.txt" --data "text:$work/none.txt"
+expect_usage_error "unknown balancing" "unknown balancing 'magic'" --balance magic
+expect_usage_error "experts not a multiple of ranks" "experts = 16 must be a multiple of ranks = 3" --ranks 3
+
+# A small run with metrics, a trace and a checkpoint, then a resume.
+small=(--batch-tokens 64 --hidden 32 --ffn-hidden 32 --experts 8 -q)
+if ! "$epx" train "${small[@]}" --steps 6 --metrics "$work/m.jsonl" --trace "$work/t.json" --trace-steps 2 --save "$work/ck" \
+     > "$work/out.txt" 2>&1; then
+  echo "FAIL small run:"; cat "$work/out.txt"; failures=$((failures + 1))
+else
+  lines=$(wc -l < "$work/m.jsonl")
+  [[ $lines -eq 6 ]] || { echo "FAIL metrics has $lines lines, want 6"; failures=$((failures + 1)); }
+  grep -q '"max_vio"' "$work/m.jsonl" || { echo "FAIL metrics lack max_vio"; failures=$((failures + 1)); }
+  grep -q '"traceEvents"' "$work/t.json" || { echo "FAIL trace has no traceEvents"; failures=$((failures + 1)); }
+  grep -q '"dispatch"' "$work/t.json" || { echo "FAIL trace has no dispatch span"; failures=$((failures + 1)); }
+  [[ -f "$work/ck/meta.json" && -f "$work/ck/rank-3.bin" ]] || { echo "FAIL checkpoint incomplete"; failures=$((failures + 1)); }
+  grep -q "final loss" "$work/out.txt" || { echo "FAIL no summary table"; failures=$((failures + 1)); }
+  echo "ok   small run: 6 metrics lines, trace, checkpoint, summary"
+  if ! "$epx" train "${small[@]}" --steps 8 --resume "$work/ck" --metrics "$work/m.jsonl" > "$work/out2.txt" 2>&1; then
+    echo "FAIL resume:"; cat "$work/out2.txt"; failures=$((failures + 1))
+  else
+    lines=$(wc -l < "$work/m.jsonl")
+    [[ $lines -eq 8 ]] || { echo "FAIL resumed metrics has $lines lines, want 8 (6 + 2 appended)"; failures=$((failures + 1)); }
+    echo "ok   resume: 2 more steps appended"
+  fi
+fi
+
+if (( failures > 0 )); then
+  echo "$failures check(s) failed"
+  exit 1
+fi
+echo "all epx train command-line checks passed"

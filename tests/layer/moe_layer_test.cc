@@ -1,0 +1,301 @@
+// MoELayer: gradients by finite differences (router, norm, shared and routed
+// experts, aux and z losses included), EP over R ranks equals one rank
+// holding every expert, and configuration errors.
+#include "epx/layer/moe_layer.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "epx/comm/inproc.h"
+#include "epx/core/random.h"
+
+namespace epx {
+namespace {
+
+struct Scenario {
+  int num_ranks = 2;
+  int num_nodes = 1;
+  std::vector<int> tokens;  // per rank
+  MoELayerConfig layer;
+  // Central-difference step. Routing is piecewise smooth: a step that moves
+  // a token across a top-k or capacity boundary measures the jump, not the
+  // slope, so scenarios with close boundaries use a smaller step.
+  double eps = 1e-3;
+};
+
+MoELayerConfig small_layer() {
+  MoELayerConfig c;
+  c.hidden = 8;
+  c.ffn_hidden = 6;
+  c.router = {.num_experts = 4, .topk = 2, .normalize_weights = true};
+  c.num_shared_experts = 1;
+  c.aux_loss_coeff = 0.05;
+  c.z_loss_coeff = 0.01;
+  c.seed = 7;
+  c.init_std = 0.5f;  // large enough that the experts matter in the loss
+  return c;
+}
+
+Result<std::unique_ptr<Buffer>> make_buffer(Transport& t, const MoELayerConfig& c, int max_tokens) {
+  return Buffer::create(t, {.num_experts = c.router.num_experts, .hidden = c.hidden, .dtype = c.dtype,
+                            .max_topk = c.router.topk, .max_tokens_per_rank = max_tokens, .placement = {}});
+}
+
+// Token t of the global batch (rank-independent values).
+std::vector<float> global_inputs(int total_tokens, int hidden, uint64_t stream) {
+  std::vector<float> x(static_cast<std::size_t>(total_tokens) * hidden);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(standard_normal(99, stream, i));
+  return x;
+}
+
+int first_token(const std::vector<int>& tokens, int rank) {
+  int s = 0;
+  for (int r = 0; r < rank; ++r) s += tokens[r];
+  return s;
+}
+
+// L = sum over ranks of <c, out> + aux losses.
+Result<double> global_loss(MoELayer& layer, Transport& t, std::vector<float>& x, const std::vector<float>& c, int T,
+                           int H) {
+  std::vector<float> out(static_cast<std::size_t>(std::max(T, 1)) * H);
+  EPX_RETURN_IF_ERROR(layer.forward(TensorView::contiguous(x.data(), DType::kF32, {T, H}),
+                                    TensorView::contiguous(out.data(), DType::kF32, {T, H})));
+  double local = layer.aux_loss();
+  for (int i = 0; i < T * H; ++i) local += static_cast<double>(c[i]) * out[i];
+  EPX_RETURN_IF_ERROR(t.all_reduce(std::span<double>(&local, 1), ReduceOp::kSum, Deadline::after(Milliseconds(20000))));
+  return local;
+}
+
+void check_gradients(const Scenario& s) {
+  const int H = s.layer.hidden;
+  int total = 0;
+  for (int n : s.tokens) total += n;
+  const std::vector<float> all_x = global_inputs(total, H, 1);
+  const std::vector<float> all_c = global_inputs(total, H, 2);
+  std::mutex mu;
+  int checked = 0;
+  std::vector<std::string> failures;
+  auto topo = Topology::create(s.num_ranks, s.num_nodes);
+  ASSERT_TRUE(topo.is_ok()) << topo.status().to_string();
+  auto statuses = run_ranks(topo.value(), [&](Transport& t) -> Status {
+    const int rank = t.rank(), T = s.tokens[rank];
+    const auto first = static_cast<std::ptrdiff_t>(first_token(s.tokens, rank)) * H;
+    std::vector<float> x(all_x.begin() + first, all_x.begin() + first + T * H);
+    std::vector<float> c(all_c.begin() + first, all_c.begin() + first + T * H);
+    EPX_ASSIGN_OR_RETURN(auto buffer, make_buffer(t, s.layer, 16));
+    EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(s.layer, t, *buffer, 0));
+    // Analytic gradients.
+    std::vector<float> out(static_cast<std::size_t>(std::max(T, 1)) * H), grad_x(out.size());
+    EPX_RETURN_IF_ERROR(layer->forward(TensorView::contiguous(x.data(), DType::kF32, {T, H}),
+                                       TensorView::contiguous(out.data(), DType::kF32, {T, H})));
+    EPX_RETURN_IF_ERROR(layer->backward(TensorView::contiguous(c.data(), DType::kF32, {T, H}),
+                                        TensorView::contiguous(grad_x.data(), DType::kF32, {T, H})));
+    const auto deadline = Deadline::after(Milliseconds(20000));
+    for (Parameter* p : layer->parameters())
+      if (p->kind == ParamKind::kDense) EPX_RETURN_IF_ERROR(t.all_reduce(std::span<float>(p->grad), ReduceOp::kSum, deadline));
+
+    const double eps = s.eps;
+    auto compare = [&](const std::string& what, double analytic, float* value, bool perturb_here) -> Status {
+      const float saved = perturb_here ? *value : 0.0f;
+      if (perturb_here) *value = saved + static_cast<float>(eps);
+      EPX_ASSIGN_OR_RETURN(double plus, global_loss(*layer, t, x, c, T, H));
+      if (perturb_here) *value = saved - static_cast<float>(eps);
+      EPX_ASSIGN_OR_RETURN(double minus, global_loss(*layer, t, x, c, T, H));
+      if (perturb_here) *value = saved;
+      const double numeric = (plus - minus) / (2 * eps);
+      if (rank == 0) {
+        std::lock_guard lock(mu);
+        ++checked;
+        if (std::abs(numeric - analytic) > 3e-3 + 2e-2 * std::abs(analytic))
+          failures.push_back(fmt::format("{}: analytic {} numeric {}", what, analytic, numeric));
+      }
+      return Status::ok();
+    };
+    // Every rank walks the same list of (parameter, index) so the collectives line up.
+    for (Parameter* p : layer->parameters()) {
+      for (int j = 0; j < 5; ++j) {
+        const auto i = static_cast<std::size_t>(random_bits(3, j, p->numel()) % static_cast<uint64_t>(p->numel()));
+        if (p->kind == ParamKind::kDense) {
+          EPX_RETURN_IF_ERROR(compare(fmt::format("{}[{}]", p->name, i), p->grad[i], &p->value[i], true));
+        } else {
+          // Expert parameters: rank o perturbs its own; the others join the collectives.
+          for (int o = 0; o < t.num_ranks(); ++o) {
+            double analytic = o == rank ? p->grad[i] : 0.0;
+            EPX_RETURN_IF_ERROR(t.all_reduce(std::span<double>(&analytic, 1), ReduceOp::kSum, deadline));
+            EPX_RETURN_IF_ERROR(compare(fmt::format("{}[{}]@rank{}", p->name, i, o), analytic, &p->value[i], o == rank));
+          }
+        }
+      }
+    }
+    for (int o = 0; o < t.num_ranks(); ++o) {
+      for (int j = 0; j < 3; ++j) {
+        const int n = s.tokens[o] * H;
+        if (n == 0) continue;
+        const auto i = static_cast<std::size_t>(random_bits(4, j, o) % static_cast<uint64_t>(n));
+        double analytic = o == rank ? grad_x[i] : 0.0;
+        EPX_RETURN_IF_ERROR(t.all_reduce(std::span<double>(&analytic, 1), ReduceOp::kSum, deadline));
+        EPX_RETURN_IF_ERROR(compare(fmt::format("x[{}]@rank{}", i, o), analytic, o == rank ? &x[i] : nullptr, o == rank));
+      }
+    }
+    return Status::ok();
+  });
+  ASSERT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
+  EXPECT_GT(checked, 20);
+  for (const auto& f : failures) ADD_FAILURE() << f;
+}
+
+TEST(MoELayerGradients, OneRankSoftmaxSharedAuxZ) {
+  Scenario s{.num_ranks = 1, .tokens = {7}, .layer = small_layer()};
+  check_gradients(s);
+}
+
+TEST(MoELayerGradients, TwoRanksUnevenTokens) {
+  Scenario s{.num_ranks = 2, .tokens = {5, 3}, .layer = small_layer()};
+  check_gradients(s);
+}
+
+TEST(MoELayerGradients, FourRanksTwoNodesSigmoidGroupedOneRankEmpty) {
+  Scenario s{.num_ranks = 4, .num_nodes = 2, .tokens = {4, 0, 3, 5}, .layer = small_layer()};
+  s.layer.router = {.num_experts = 8, .topk = 2, .score_function = ScoreFunction::kSigmoid,
+                    .normalize_weights = true, .scaling_factor = 2.0f, .num_groups = 4, .topk_groups = 2};
+  s.layer.num_shared_experts = 0;
+  s.layer.aux_loss = AuxLossKind::kGlobalBatch;
+  check_gradients(s);
+}
+
+TEST(MoELayerGradients, CapacityDropsKeepGradientsExact) {
+  Scenario s{.num_ranks = 2, .tokens = {8, 6}, .layer = small_layer()};
+  s.layer.router.capacity_factor = 0.5;  // drops about half of the (token, slot) pairs
+  // Position drops: the kept set changes only where the top-k does (the score
+  // policy's kept set also flips when two close weights swap under eps).
+  s.layer.router.drop_policy = DropPolicy::kPosition;
+  s.eps = 2e-4;  // with 1e-3, perturbing norm[1] moves one token across the capacity boundary
+  check_gradients(s);
+}
+
+// One forward + backward of the global batch split over `num_ranks`; returns
+// out, grad_x (global token order) and every parameter's gradient keyed by
+// name and global expert (dense gradients summed over ranks).
+struct RunResult {
+  std::vector<float> out, grad_x;
+  std::map<std::string, std::vector<float>> grads;
+  std::vector<int64_t> tokens_per_expert;
+};
+
+RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config) {
+  const int H = config.hidden, E = config.router.num_experts;
+  const std::vector<float> all_x = global_inputs(total, H, 5), all_c = global_inputs(total, H, 6);
+  RunResult result;
+  result.out.resize(all_x.size());
+  result.grad_x.resize(all_x.size());
+  std::mutex mu;
+  auto statuses = run_ranks(Topology::create(num_ranks, 1).value(), [&](Transport& t) -> Status {
+    const int rank = t.rank(), T = total / num_ranks;
+    const auto first = static_cast<std::ptrdiff_t>(rank) * T * H;
+    std::vector<float> x(all_x.begin() + first, all_x.begin() + first + T * H);
+    std::vector<float> c(all_c.begin() + first, all_c.begin() + first + T * H);
+    EPX_ASSIGN_OR_RETURN(auto buffer, make_buffer(t, config, total));
+    EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(config, t, *buffer, 3));
+    EPX_RETURN_IF_ERROR(layer->forward(TensorView::contiguous(x.data(), DType::kF32, {T, H}),
+                                       TensorView::contiguous(result.out.data() + first, DType::kF32, {T, H})));
+    EPX_RETURN_IF_ERROR(layer->backward(TensorView::contiguous(c.data(), DType::kF32, {T, H}),
+                                        TensorView::contiguous(result.grad_x.data() + first, DType::kF32, {T, H})));
+    for (Parameter* p : layer->parameters()) {
+      if (p->kind == ParamKind::kDense)
+        EPX_RETURN_IF_ERROR(t.all_reduce(std::span<float>(p->grad), ReduceOp::kSum, Deadline::after(Milliseconds(20000))));
+    }
+    std::lock_guard lock(mu);
+    if (rank == 0) result.tokens_per_expert = layer->load_stats().tokens_per_expert;
+    for (Parameter* p : layer->parameters()) {
+      if (p->kind == ParamKind::kDense) {
+        if (rank == 0) result.grads[p->name] = p->grad;
+        continue;
+      }
+      const int64_t per_expert = p->numel() / layer->num_local_experts();
+      for (int l = 0; l < layer->num_local_experts(); ++l) {
+        const int g = buffer->placement().global_id(rank, l);
+        result.grads[fmt::format("{}#{}", p->name, g)].assign(p->grad.begin() + l * per_expert,
+                                                               p->grad.begin() + (l + 1) * per_expert);
+      }
+    }
+    (void)E;
+    return Status::ok();
+  });
+  EXPECT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
+  return result;
+}
+
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  double max_abs = 0, max_diff = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    max_abs = std::max(max_abs, static_cast<double>(std::abs(a[i])));
+    max_diff = std::max(max_diff, static_cast<double>(std::abs(a[i] - b[i])));
+  }
+  EXPECT_GT(max_abs, 0.0) << what << " is all zero";
+  EXPECT_LE(max_diff, 1e-5 * std::max(1.0, max_abs)) << what;
+}
+
+TEST(MoELayerExpertParallel, FourRanksEqualOneRankHoldingEveryExpert) {
+  MoELayerConfig config = small_layer();
+  config.router = {.num_experts = 8, .topk = 2, .normalize_weights = true};
+  config.aux_loss = AuxLossKind::kGlobalBatch;  // the micro-batch loss depends on the split
+  config.z_loss_coeff = 0.0;
+  const RunResult one = run_layer(1, 48, config);
+  const RunResult four = run_layer(4, 48, config);
+  // Every expert gets tokens, so every compared gradient is non-zero.
+  for (int64_t n : one.tokens_per_expert) ASSERT_GT(n, 0);
+  expect_close(one.out, four.out, "out");
+  expect_close(one.grad_x, four.grad_x, "grad_x");
+  EXPECT_EQ(one.tokens_per_expert, four.tokens_per_expert);
+  ASSERT_EQ(one.grads.size(), four.grads.size());
+  for (const auto& [name, grad] : one.grads) {
+    ASSERT_TRUE(four.grads.contains(name)) << name;
+    expect_close(grad, four.grads.at(name), name);
+  }
+}
+
+TEST(MoELayerConfigErrors, BufferMismatchNamesBothValues) {
+  auto statuses = run_ranks(Topology::create(1, 1).value(), [&](Transport& t) -> Status {
+    MoELayerConfig config = small_layer();
+    EPX_ASSIGN_OR_RETURN(auto buffer, make_buffer(t, config, 4));
+    config.hidden = 16;
+    auto layer = MoELayer::create(config, t, *buffer, 0);
+    EXPECT_FALSE(layer.is_ok());
+    EXPECT_NE(layer.status().message().find("hidden = 8 differs from the layer's hidden = 16"), std::string::npos)
+        << layer.status().to_string();
+    config = small_layer();
+    config.router.topk = 5;
+    layer = MoELayer::create(config, t, *buffer, 0);
+    EXPECT_FALSE(layer.is_ok());
+    EXPECT_NE(layer.status().message().find("topk"), std::string::npos) << layer.status().to_string();
+    config = small_layer();
+    config.aux_loss_coeff = -1;
+    layer = MoELayer::create(config, t, *buffer, 0);
+    EXPECT_NE(layer.status().message().find("aux_loss_coeff = -1"), std::string::npos) << layer.status().to_string();
+    return Status::ok();
+  });
+  EXPECT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
+}
+
+TEST(MoELayerConfigErrors, BackwardBeforeForwardIsAPreconditionError) {
+  auto statuses = run_ranks(Topology::create(1, 1).value(), [&](Transport& t) -> Status {
+    MoELayerConfig config = small_layer();
+    EPX_ASSIGN_OR_RETURN(auto buffer, make_buffer(t, config, 4));
+    EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(config, t, *buffer, 0));
+    std::vector<float> g(8);
+    Status s = layer->backward(TensorView::contiguous(g.data(), DType::kF32, {1, 8}),
+                               TensorView::contiguous(g.data(), DType::kF32, {1, 8}));
+    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.to_string();
+    return Status::ok();
+  });
+  EXPECT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
+}
+
+}  // namespace
+}  // namespace epx
