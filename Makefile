@@ -1,6 +1,7 @@
 # epx: the everyday commands.
 #
-#   make run     set up, build (Release, build/) and run `epx demo`
+#   make run     set up, build (Release, build/) and train the tiny MoE model (`epx train`)
+#   make demo    build, then `epx demo` (one dispatch + combine, shown and checked)
 #   make test    set up, then: Release build + ctest; ASan/UBSan build + ctest;
 #                install into a scratch prefix and build examples/consumer against it
 #   make build   set up and build (Release, build/)
@@ -32,7 +33,7 @@ CONSUMER_BUILD := $(INSTALL_CHECK_DIR)/consumer
 
 section = @printf '\n==== %s ====\n' $(1)
 
-.PHONY: run test build bench clean setup configure test-readme test-release test-asan test-install
+.PHONY: run demo test build bench clean setup configure test-readme test-release test-asan test-install
 
 setup:
 	@bash scripts/setup.sh
@@ -46,6 +47,10 @@ build: configure
 	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)
 
 run: build
+	$(call section,"epx train --config configs/train-tiny.toml")
+	$(call epx,train --config configs/train-tiny.toml --metrics $(BUILD_DIR)/train-metrics.jsonl)
+
+demo: build
 	$(call section,"epx demo")
 	$(call epx,demo)
 
