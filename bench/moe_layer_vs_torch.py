@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """epx's MoELayer against a plain PyTorch eager MoE layer of the same shape.
 
 The PyTorch layer is what common model code does: RMSNorm, a linear router,
@@ -8,7 +8,7 @@ number of threads (epx: --ranks in-process ranks of one thread each; PyTorch:
 torch.set_num_threads), interleaved shape by shape and repetition by
 repetition; each figure is the median of --rounds runs of a median of --reps.
 
-  python3 bench/moe_layer_vs_torch.py --bench build/bench/moe_layer_bench
+  /usr/bin/python3 bench/moe_layer_vs_torch.py --bench build/bench/moe_layer_bench
 
 Needs Debian's python3-torch (for /usr/bin/python3). Prints one JSON object per
 shape and a table.
@@ -33,9 +33,12 @@ def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
     std = hidden ** -0.5
     norm_w = torch.ones(hidden, requires_grad=True)
     router = (torch.randn(hidden, experts) * std).requires_grad_()
-    w1 = (torch.randn(experts, hidden, ffn) * std).requires_grad_()
-    w3 = (torch.randn(experts, hidden, ffn) * std).requires_grad_()
-    w2 = (torch.randn(experts, ffn, hidden) * ffn ** -0.5).requires_grad_()
+    # One tensor per expert, as an nn.ModuleList of experts holds them (slicing
+    # one stacked tensor would make every expert's backward write a full-size
+    # gradient).
+    w1 = [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)]
+    w3 = [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)]
+    w2 = [(torch.randn(ffn, hidden) * ffn ** -0.5).requires_grad_() for _ in range(experts)]
     x = torch.randn(tokens, hidden)
     grad = torch.randn(tokens, hidden)
 
@@ -61,7 +64,7 @@ def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
             forward()
         f = time.perf_counter() - start
         start = time.perf_counter()
-        for p in (norm_w, router, w1, w3, w2):
+        for p in [norm_w, router] + w1 + w3 + w2:
             p.grad = None
         forward().backward(grad)
         b = time.perf_counter() - start

@@ -25,10 +25,12 @@ void init_normal(std::span<float> out, uint64_t seed, uint64_t stream, float std
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(standard_normal(seed, stream, i)) * std;
 }
 
-// Keeps a bf16 (or f32) copy of f32 master weights for the expert GEMMs.
+// The f32 master weights as the expert GEMMs read them: the masters
+// themselves for f32, a rounded copy (refreshed every forward) for bf16.
 struct StorageCopy {
   std::vector<std::byte> bytes;
   TensorView refresh(const Parameter& p, DType dtype) {
+    if (dtype == DType::kF32) return p.view();
     bytes.resize(static_cast<std::size_t>(p.numel()) * dtype_size(dtype));
     detail::convert_from_f32(p.value.data(), p.numel(), dtype, bytes.data());
     return TensorView::contiguous(bytes.data(), dtype, {p.rows, p.cols});

@@ -260,6 +260,30 @@ TEST(MoELayerExpertParallel, FourRanksEqualOneRankHoldingEveryExpert) {
   }
 }
 
+// bf16 payload and expert GEMMs (fp32 accumulation) against the f32 layer:
+// the residual and the router are f32 either way, so the outputs differ by
+// bf16 rounding of the expert path only.
+TEST(MoELayerPrecision, Bf16FollowsF32WithinBf16Rounding) {
+  MoELayerConfig config = small_layer();
+  config.router = {.num_experts = 8, .topk = 2, .normalize_weights = true};
+  const RunResult f32 = run_layer(2, 32, config);
+  config.dtype = DType::kBF16;
+  const RunResult bf16 = run_layer(2, 32, config);
+  EXPECT_EQ(f32.tokens_per_expert, bf16.tokens_per_expert);  // routing is fp32 in both
+  auto max_rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double diff = 0, scale = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
+      scale = std::max(scale, static_cast<double>(std::abs(a[i])));
+    }
+    return diff / scale;
+  };
+  const double out_err = max_rel(f32.out, bf16.out), grad_err = max_rel(f32.grad_x, bf16.grad_x);
+  EXPECT_GT(out_err, 0.0) << "bf16 should round somewhere";
+  EXPECT_LT(out_err, 2e-2);
+  EXPECT_LT(grad_err, 3e-2);
+}
+
 TEST(MoELayerConfigErrors, BufferMismatchNamesBothValues) {
   auto statuses = run_ranks(Topology::create(1, 1).value(), [&](Transport& t) -> Status {
     MoELayerConfig config = small_layer();
