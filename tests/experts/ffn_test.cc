@@ -223,7 +223,7 @@ TEST(ExpertFfn, OneByOneByHand) {
 
 TEST(ExpertFfn, F32MatchesReferenceWithUnevenAndEmptyExperts) {
   for (int threads : {1, 2}) {
-    for (auto schedule : {ExpertFfnSchedule::kSplitGemms, ExpertFfnSchedule::kSplitExperts}) {
+    for (auto schedule : {ExpertFfnSchedule::kAuto, ExpertFfnSchedule::kSplitGemms, ExpertFfnSchedule::kSplitExperts}) {
       SCOPED_TRACE(testing::Message() << "threads " << threads << " schedule " << int(schedule));
       Problem p = make_problem(DType::kF32, 48, 80, {7, 0, 33, 1, 0, 12}, 1);
       p.config.num_threads = threads;
