@@ -15,8 +15,9 @@ namespace {
 // storage is compared with a reference on the same bf16-rounded x and weights,
 // and differs by the bf16 rounding of the GEMM operands epx rounds (a; in
 // backward also grad_y, grad_h1, grad_h3): 2^-9 relative each, mostly
-// cancelling over the sums.
-constexpr double kTolF32 = 2e-5;
+// cancelling over the sums. Observed worst on these cases: 3.1e-7 (f32) and
+// 3.6e-3 (bf16).
+constexpr double kTolF32 = 2e-6;
 constexpr double kTolBF16 = 1e-2;
 
 // Values stored as f32 or bf16, with the float each element stands for.
