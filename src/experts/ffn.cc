@@ -76,7 +76,7 @@ Plan make_plan(const Problem& p) {
     case ExpertFfnSchedule::kSplitExperts: plan.split_experts = true; break;
     case ExpertFfnSchedule::kAuto:
       plan.split_experts = static_cast<int>(plan.experts.size()) >= plan.threads &&
-                           count(plan.experts.front()) <= kSplitExpertsMaxRows;
+                           count(plan.experts.front()) * plan.threads <= p.rows;
       break;
   }
   return plan;

@@ -15,8 +15,9 @@ namespace {
 // storage is compared with a reference on the same bf16-rounded x and weights,
 // and differs by the bf16 rounding of the GEMM operands epx rounds (a; in
 // backward also grad_y, grad_h1, grad_h3): 2^-9 relative each, mostly
-// cancelling over the sums.
-constexpr double kTolF32 = 2e-5;
+// cancelling over the sums. Observed worst on these cases: 3.1e-7 (f32) and
+// 3.6e-3 (bf16).
+constexpr double kTolF32 = 2e-6;
 constexpr double kTolBF16 = 1e-2;
 
 // Values stored as f32 or bf16, with the float each element stands for.
@@ -223,7 +224,7 @@ TEST(ExpertFfn, OneByOneByHand) {
 
 TEST(ExpertFfn, F32MatchesReferenceWithUnevenAndEmptyExperts) {
   for (int threads : {1, 2}) {
-    for (auto schedule : {ExpertFfnSchedule::kSplitGemms, ExpertFfnSchedule::kSplitExperts}) {
+    for (auto schedule : {ExpertFfnSchedule::kAuto, ExpertFfnSchedule::kSplitGemms, ExpertFfnSchedule::kSplitExperts}) {
       SCOPED_TRACE(testing::Message() << "threads " << threads << " schedule " << int(schedule));
       Problem p = make_problem(DType::kF32, 48, 80, {7, 0, 33, 1, 0, 12}, 1);
       p.config.num_threads = threads;

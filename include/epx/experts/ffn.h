@@ -43,13 +43,14 @@ namespace epx {
 
 // How the threads of one call share the work. kSplitGemms runs the experts
 // one after another, each GEMM on all threads; kSplitExperts gives whole
-// experts to threads (largest first), each GEMM on one thread: better when
-// every expert has few rows. kAuto picks kSplitExperts when there are at
-// least as many non-empty experts as threads and none has more than
-// kSplitExpertsMaxRows rows. The results do not depend on the choice beyond
-// the GEMM library's own summation order.
+// experts to threads (largest first), each GEMM on one thread. kAuto picks
+// kSplitExperts when there are at least as many non-empty experts as threads
+// and no expert has more than its fair share (rows / threads) of the rows,
+// so the threads can be kept evenly busy: it needs no synchronization inside
+// a GEMM and holds up far better when other processes take cores
+// (docs/benchmarks.md, "Expert FFN"). Results may differ between the two
+// in the last bits (a GEMM's summation order depends on its thread count).
 enum class ExpertFfnSchedule : uint8_t { kAuto, kSplitGemms, kSplitExperts };
-inline constexpr int64_t kSplitExpertsMaxRows = 128;
 
 struct ExpertFfnConfig {
   int num_experts = 0;  // local experts
