@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include <cblas.h>
 #include <fmt/format.h>
@@ -71,6 +72,11 @@ Result<RoutingBenchResult> run_routing_bench(const RoutingBenchConfig& c, const 
   r.blas_threads = openblas_get_num_threads();
   r.blas_config = openblas_get_config();
   r.blas_core = openblas_get_corename();
+  {
+    const int64_t pairs = static_cast<int64_t>(c.num_tokens) * c.num_experts;
+    const int64_t cores = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
+    r.routing_threads = static_cast<int>(std::clamp<int64_t>(pairs >> 17, 1, cores));
+  }
 
   const int64_t T = c.num_tokens, H = c.hidden, E = c.num_experts;
   std::mt19937_64 rng(c.seed);

@@ -8,7 +8,8 @@
 //   cblas_sgemm with its default threads;
 // - the physical limit of that GEMM on this machine: a square n x n x n
 //   sgemm's rate, the practical fp32 peak, measured in the same rounds;
-// - epx::route on those logits, single-threaded: sigmoid scores + expert bias
+// - epx::route on those logits, on the threads route itself starts
+//   (RoutingBenchResult::routing_threads): sigmoid scores + expert bias
 //   + group-limited top-k (DeepSeek-V3) and plain softmax top-k;
 // - place_experts (hierarchical and global) and rebalance after a small load
 //   change, for a skewed synthetic load.
@@ -86,6 +87,10 @@ struct RoutingBenchResult {
   double rebalance_scratch_balance = 0;
   int rebalance_moved_slots = 0;
   int64_t rebalance_moved_bytes = 0;
+
+  // Threads epx::route splits these logits over (router.h: one per 2^17
+  // (token, expert) pairs, at most min(cores, 8)).
+  int routing_threads = 1;
 
   double other_cpu_share = 0;  // other processes' share of all cores during the run
 };

@@ -51,11 +51,12 @@ void print_table(std::FILE* f, const bench::RoutingBenchResult& r) {
              "\nscore gemm: {:.0f}% of the measured sgemm peak; routing / gemm time: sigmoid {:.1f}%, softmax {:.1f}%\n"
              "balance (max/mean per rank): contiguous {:.3f}, hierarchical {:.3f}, global {:.3f}; rebalance {:.3f} "
              "(from scratch {:.3f}), {:.1f} MB moved\n"
-             "medians of {} interleaved reps; routing and placement single-threaded; {} (core {}); other "
+             "medians of {} interleaved reps; routing on {} threads (route's own split), placement single-threaded; {} "
+             "(core {}); other "
              "processes took {:.0f}% of the CPU\n",
              100 * r.gemm_vs_peak, 100 * r.sigmoid_vs_gemm, 100 * r.softmax_vs_gemm, r.balance_before,
              r.balance_hierarchical, r.balance_global, r.rebalance_balance, r.rebalance_scratch_balance,
-             static_cast<double>(r.rebalance_moved_bytes) / 1e6, c.reps, r.blas_config, r.blas_core,
+             static_cast<double>(r.rebalance_moved_bytes) / 1e6, c.reps, r.routing_threads, r.blas_config, r.blas_core,
              100 * r.other_cpu_share);
 }
 
@@ -103,7 +104,7 @@ int run_bench_routing(const BenchRoutingOptions& o) {
                    {"topk_groups", c.topk_groups}, {"hidden", c.hidden},
                    {"reps", c.reps},               {"seed", c.seed},
                    {"peak_n", c.peak_n},           {"schedule", "interleaved"},
-                   {"routing_threads", 1}};
+                   {"routing_threads", r->routing_threads}};
     j["blas"] = {{"library", "OpenBLAS"},
                  {"threads", r->blas_threads},
                  {"config", r->blas_config},

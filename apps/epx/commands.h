@@ -70,6 +70,11 @@ struct EplbOptions {
   int num_groups = 0;
   int64_t expert_bytes = 0;
   std::string policy = "hierarchical";
+  // Rebalance mode: the current slot -> expert map (the format --save writes).
+  std::string current_path;
+  double tolerance = 0.02;  // rebalance: balance within (1 + tolerance) x from scratch
+  // Where to write the printed placement (empty = nowhere).
+  std::string save_path;
   bool json = false;
 };
 

@@ -1,6 +1,8 @@
-// `epx eplb`: a redundant-expert placement for measured per-expert loads.
+// `epx eplb`: a redundant-expert placement for measured per-expert loads, or
+// (--current) a rebalance of the placement in use.
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -45,6 +47,78 @@ Result<std::vector<double>> read_loads(const std::string& path) {
   return loads;
 }
 
+// The slot -> expert map of a placement file: ids in slot order, separated by
+// whitespace or commas, -1 for an empty slot, '#' to the end of a line a
+// comment. Each id is checked against the experts, and against the ids
+// already on its rank, where it stands (file and line).
+Result<RedundantPlacement> read_placement(const std::string& path, int num_experts, int num_slots, int num_ranks,
+                                          PlacementPolicy policy) {
+  std::ifstream in(path);
+  if (!in) return invalid_argument("cannot open --current file '{}'", path);
+  const int slots_per_rank = num_slots % num_ranks == 0 ? num_slots / num_ranks : 0;
+  std::vector<int32_t> slot_expert;
+  std::string line;
+  for (int line_no = 1; std::getline(in, line); ++line_no) {
+    line = line.substr(0, line.find('#'));
+    for (char& ch : line)
+      if (ch == ',') ch = ' ';
+    std::istringstream words(line);
+    std::string word;
+    while (words >> word) {
+      const int slot = static_cast<int>(slot_expert.size());
+      size_t used = 0;
+      long long value = 0;
+      bool parsed = true;
+      try {
+        value = std::stoll(word, &used);
+      } catch (const std::exception&) {
+        parsed = false;
+      }
+      if (!parsed || used != word.size())
+        return invalid_argument("{}:{}: '{}' (slot {}) is not an integer expert id", path, line_no, word, slot);
+      if (slot >= num_slots)
+        return invalid_argument("{}:{}: '{}' would be slot {}, but --slots is {} (slots 0..{})", path, line_no, word,
+                                slot, num_slots, num_slots - 1);
+      if (value < -1 || value >= num_experts)
+        return invalid_argument("{}:{}: slot {} holds expert {}, outside [-1, {}) (the --loads file has {} experts)",
+                                path, line_no, slot, value, num_experts, num_experts);
+      if (value >= 0 && slots_per_rank > 0) {
+        const int rank = slot / slots_per_rank;
+        for (int other = rank * slots_per_rank; other < slot; ++other)
+          if (slot_expert[other] == value)
+            return invalid_argument("{}:{}: slot {} holds expert {}, which rank {} already holds in slot {} (at most one "
+                                    "replica per rank)",
+                                    path, line_no, slot, value, rank, other);
+      }
+      slot_expert.push_back(static_cast<int32_t>(value));
+    }
+  }
+  if (static_cast<int>(slot_expert.size()) != num_slots)
+    return invalid_argument("--current file '{}' holds {} slots; --slots is {}", path, slot_expert.size(), num_slots);
+  auto placement = RedundantPlacement::from_slot_map(std::move(slot_expert), num_experts, num_ranks, policy);
+  if (!placement.is_ok())
+    return invalid_argument("--current file '{}': {}", path, placement.status().message());
+  return placement;
+}
+
+// The format read_placement reads: a comment head, then one line per rank.
+Status write_placement(const std::string& path, const RedundantPlacement& p, int num_nodes, int ranks_per_node) {
+  std::ofstream out(path);
+  if (!out) return invalid_argument("cannot write --save file '{}'", path);
+  out << fmt::format("# epx eplb placement: {} experts, {} slots, {} ranks ({} nodes x {}), {} slots per rank\n",
+                     p.num_experts(), p.num_slots(), p.num_ranks(), num_nodes, ranks_per_node, p.slots_per_rank());
+  out << "# one line per rank: the logical expert of each of its slots, in slot order (-1 = empty)\n";
+  const int spr = p.slots_per_rank();
+  for (int r = 0; r < p.num_ranks(); ++r) {
+    std::string row;
+    for (int j = 0; j < spr; ++j) row += fmt::format("{}{}", j ? " " : "", p.slot_expert()[r * spr + j]);
+    out << row << "  # rank " << r << "\n";
+  }
+  out.close();
+  if (!out) return invalid_argument("writing --save file '{}' failed", path);
+  return Status::ok();
+}
+
 std::string policy_name(PlacementPolicy p) { return p == PlacementPolicy::kHierarchical ? "hierarchical" : "global"; }
 
 }  // namespace
@@ -61,48 +135,86 @@ int run_eplb(const EplbOptions& o) {
   const PlacementConfig config{.num_slots = o.num_slots, .num_nodes = o.num_nodes, .ranks_per_node = o.ranks_per_node,
                                .num_groups = o.num_groups,
                                .policy = o.policy == "global" ? PlacementPolicy::kGlobal : PlacementPolicy::kHierarchical};
-  auto placement = place_experts(*loads, config);
-  if (!placement.is_ok()) return fail(placement.status());
+  auto scratch = place_experts(*loads, config);
+  if (!scratch.is_ok()) return fail(scratch.status());
+  const bool rebalancing = !o.current_path.empty();
 
-  // Before: one replica per expert in contiguous blocks, when the ranks divide the experts.
-  auto before = contiguous_placement(num_experts, num_ranks);
-  const bool has_before = before.is_ok();
-  const double before_balance = has_before ? balance(rank_loads(*before, *loads)) : 0.0;
-  const auto after_loads = rank_loads(*placement, *loads);
+  // Rebalance mode: the current placement, and the plan that moves few weights.
+  std::optional<RedundantPlacement> current;
+  std::optional<RebalancePlan> plan;
+  if (rebalancing) {
+    auto read = read_placement(o.current_path, num_experts, o.num_slots, num_ranks, config.policy);
+    if (!read.is_ok()) return fail(read.status());
+    current = std::move(*read);
+    auto planned = rebalance(*current, *loads, config, o.expert_bytes, o.tolerance);
+    if (!planned.is_ok()) return fail(planned.status());
+    plan = std::move(*planned);
+  }
+  const RedundantPlacement& placement = rebalancing ? plan->placement : *scratch;
+  const auto after_loads = rank_loads(placement, *loads);
   const double after_balance = balance(after_loads);
-  // Moved bytes: each replica on a rank that does not hold its expert under
-  // the contiguous layout (all of them when there is no contiguous layout).
-  int64_t moved = 0;
-  for (int s = 0; s < placement->num_slots(); ++s) {
-    const int e = placement->slot_expert()[s];
-    if (e < 0) continue;
-    if (!has_before || e / (num_experts / num_ranks) != placement->rank_of_slot(s)) moved += o.expert_bytes;
+  if (!o.save_path.empty()) {
+    if (Status s = write_placement(o.save_path, placement, o.num_nodes, o.ranks_per_node); !s.is_ok()) return fail(s);
   }
 
-  const int spr = placement->slots_per_rank();
+  // Before: the current placement, else one replica per expert in contiguous
+  // blocks when the ranks divide the experts.
+  auto contiguous = contiguous_placement(num_experts, num_ranks);
+  const RedundantPlacement* before = rebalancing ? &*current : contiguous.is_ok() ? &*contiguous : nullptr;
+  const double before_balance = before ? balance(rank_loads(*before, *loads)) : 0.0;
+  // Moved slots: replicas on a rank that does not hold their expert before (all
+  // of them when there is no before). Rebalance mode: slots whose expert changes.
+  int moved = 0;
+  int scratch_moved = 0;
+  if (rebalancing) {
+    moved = plan->num_moved_slots;
+    scratch_moved = static_cast<int>(moved_bytes(*current, *scratch, 1));
+  } else {
+    for (int s = 0; s < placement.num_slots(); ++s) {
+      const int e = placement.slot_expert()[s];
+      if (e < 0) continue;
+      if (!before || e / (num_experts / num_ranks) != placement.rank_of_slot(s)) ++moved;
+    }
+  }
+  const int64_t moved_bytes_total = static_cast<int64_t>(moved) * o.expert_bytes;
+  const int64_t scratch_bytes = static_cast<int64_t>(scratch_moved) * o.expert_bytes;
+  const double scratch_balance = balance(rank_loads(*scratch, *loads));
+
+  const int spr = placement.slots_per_rank();
   if (o.json) {
     nlohmann::json j;
+    j["mode"] = rebalancing ? "rebalance" : "place";
     j["num_experts"] = num_experts;
-    j["num_slots"] = placement->num_slots();
+    j["num_slots"] = placement.num_slots();
     j["num_ranks"] = num_ranks;
-    j["policy"] = policy_name(placement->policy());
-    j["slot_expert"] = placement->slot_expert();
-    j["slot_rank"] = placement->slot_rank();
-    j["replica_counts"] = placement->replica_counts();
+    j["policy"] = policy_name(placement.policy());
+    j["slot_expert"] = placement.slot_expert();
+    j["slot_rank"] = placement.slot_rank();
+    j["replica_counts"] = placement.replica_counts();
     j["rank_loads"] = after_loads;
-    j["balance_before"] = has_before ? nlohmann::json(before_balance) : nlohmann::json(nullptr);
+    j["balance_before"] = before ? nlohmann::json(before_balance) : nlohmann::json(nullptr);
     j["balance_after"] = after_balance;
     j["expert_bytes"] = o.expert_bytes;
-    j["moved_bytes"] = moved;
+    j["moved_slots"] = moved;
+    j["moved_bytes"] = moved_bytes_total;
+    if (rebalancing) {
+      j["current"] = o.current_path;
+      j["tolerance"] = o.tolerance;
+      j["balance_scratch"] = scratch_balance;
+      j["scratch_moved_slots"] = scratch_moved;
+      j["scratch_moved_bytes"] = scratch_bytes;
+    }
+    if (!o.save_path.empty()) j["saved"] = o.save_path;
     fmt::print("{}\n", j.dump());
     return kExitOk;
   }
-  fmt::print("{} experts, {} slots over {} ranks ({} nodes x {}), policy {}\n", num_experts, placement->num_slots(),
-             num_ranks, o.num_nodes, o.ranks_per_node, policy_name(placement->policy()));
+  fmt::print("{} experts, {} slots over {} ranks ({} nodes x {}), policy {}{}\n", num_experts, placement.num_slots(),
+             num_ranks, o.num_nodes, o.ranks_per_node, policy_name(placement.policy()),
+             rebalancing ? fmt::format("; rebalanced from {}", o.current_path) : "");
   for (int r = 0; r < num_ranks; ++r) {
     std::string row;
     for (int j = 0; j < spr; ++j) {
-      const int e = placement->slot_expert()[r * spr + j];
+      const int e = placement.slot_expert()[r * spr + j];
       row += e < 0 ? " -" : fmt::format(" {}", e);
     }
     fmt::print("rank {:>3} (slots {:>4}..{:<4}) load {:>12.4g}  experts:{}\n", r, r * spr, (r + 1) * spr - 1,
@@ -110,15 +222,24 @@ int run_eplb(const EplbOptions& o) {
   }
   std::string counts;
   for (int e = 0; e < num_experts; ++e)
-    if (placement->num_replicas(e) > 1) counts += fmt::format(" {}:{}", e, placement->num_replicas(e));
+    if (placement.num_replicas(e) > 1) counts += fmt::format(" {}:{}", e, placement.num_replicas(e));
   fmt::print("replicas above 1 (expert:count):{}\n", counts.empty() ? " none" : counts);
-  if (has_before)
-    fmt::print("balance (max/mean per rank): before {:.4f} (one replica each, contiguous), after {:.4f}\n",
-               before_balance, after_balance);
-  else
-    fmt::print("balance (max/mean per rank): after {:.4f} (no contiguous before: {} ranks do not divide {} experts)\n",
-               after_balance, num_ranks, num_experts);
-  fmt::print("moved bytes from the contiguous layout: {} ({} per expert)\n", moved, o.expert_bytes);
+  if (rebalancing) {
+    fmt::print("balance (max/mean per rank): current {:.4f}, rebalanced {:.4f}, from scratch {:.4f} (tolerance {:g}%)\n",
+               before_balance, after_balance, scratch_balance, 100 * o.tolerance);
+    fmt::print("moved: rebalance {} of {} slots, {} bytes; from scratch {} slots, {} bytes ({} per expert)\n", moved,
+               placement.num_slots(), moved_bytes_total, scratch_moved, scratch_bytes, o.expert_bytes);
+  } else {
+    if (before)
+      fmt::print("balance (max/mean per rank): before {:.4f} (one replica each, contiguous), after {:.4f}\n",
+                 before_balance, after_balance);
+    else
+      fmt::print(
+          "balance (max/mean per rank): after {:.4f} (no contiguous before: {} ranks do not divide {} experts)\n",
+          after_balance, num_ranks, num_experts);
+    fmt::print("moved bytes from the contiguous layout: {} ({} per expert)\n", moved_bytes_total, o.expert_bytes);
+  }
+  if (!o.save_path.empty()) fmt::print("saved {} slots to {}\n", placement.num_slots(), o.save_path);
   return kExitOk;
 }
 

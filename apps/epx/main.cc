@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
   CLI::App* eplb_cmd = app.add_subcommand(
       "eplb",
       "A redundant-expert placement (EPLB-style) for measured per-expert loads: slot -> expert per rank, replica "
-      "counts, balance (max/mean per rank) before and after, bytes moved");
+      "counts, balance (max/mean per rank) before and after, bytes moved. With --current FILE: rebalance that "
+      "placement for the loads, moving as few expert weights as the balance allows");
   eplb_cmd->add_option("--loads", eplb.loads_path, "File of per-expert loads: one per line, or whitespace/comma separated")
       ->required();
   eplb_cmd->add_option("--slots", eplb.num_slots, "Physical expert slots; >= experts and a multiple of the ranks")
@@ -159,6 +160,19 @@ int main(int argc, char** argv) {
                        "or global")
       ->check(CLI::IsMember({"hierarchical", "global"}))
       ->capture_default_str();
+  eplb_cmd->add_option("--current", eplb.current_path,
+                       "Rebalance mode: a file holding the current placement, the logical expert of every physical "
+                       "slot in slot order (-1 = empty; whitespace, commas or newlines between ids; '#' starts a "
+                       "comment), as --save writes it. Prints a new placement of near-equal balance that moves few "
+                       "expert weights, the balance now / rebalanced / from scratch, and the bytes the rebalance "
+                       "moves against placing from scratch");
+  eplb_cmd->add_option("--tolerance", eplb.tolerance,
+                       "Rebalance mode: accept a balance up to (1 + this) x the from-scratch placement's")
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str();
+  eplb_cmd->add_option("--save", eplb.save_path,
+                       "Write the printed placement (from scratch, or rebalanced with --current) to this file, one "
+                       "line per rank; --current reads it back");
   eplb_cmd->add_flag("--json", eplb.json, "Print one JSON object instead of the text report");
 
   // epx train

@@ -1,9 +1,16 @@
 #include "epx/routing/router.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <thread>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "routing/scores.h"
 
@@ -81,6 +88,210 @@ void top_k_of(const float* score, const int32_t* candidates, int n, int k, int32
   }
 }
 
+// Bits i of the result: v[i] > threshold, for i in [0, 8). NaN compares false.
+inline unsigned greater_mask8(const float* v, float threshold) {
+#if defined(__SSE2__)
+  const __m128 t = _mm_set1_ps(threshold);
+  const int lo = _mm_movemask_ps(_mm_cmpgt_ps(_mm_loadu_ps(v), t));
+  const int hi = _mm_movemask_ps(_mm_cmpgt_ps(_mm_loadu_ps(v + 4), t));
+  return static_cast<unsigned>(lo | (hi << 4));
+#else
+  unsigned mask = 0;
+  for (int i = 0; i < 8; ++i) mask |= static_cast<unsigned>(v[i] > threshold) << i;
+  return mask;
+#endif
+}
+
+// The best k values seen so far, best first, for candidates pushed in
+// ascending id order. A later candidate never wins a tie, so "better" is a
+// plain `>`: exactly top_k_of's order when top_k_of gets its candidates in
+// ascending id order. Once k are held, blocks of 8 are compared with the k-th
+// best at once and only the (few) greater ones are inserted.
+class TopList {
+ public:
+  TopList(int k, float* value, int32_t* id) : k_(k), value_(value), id_(id) {}
+
+  void push(float v, int32_t id) {
+    if (count_ == k_) {
+      if (!(v > value_[k_ - 1])) return;
+      --count_;
+    }
+    int j = count_;
+    for (; j > 0 && v > value_[j - 1]; --j) {
+      value_[j] = value_[j - 1];
+      id_[j] = id_[j - 1];
+    }
+    value_[j] = v;
+    id_[j] = id;
+    ++count_;
+  }
+
+  // Candidates v[0, n) with ids ids[i] (or first_id + i when ids is null),
+  // ascending and above every id pushed before.
+  void scan(const float* v, int n, const int32_t* ids, int32_t first_id) {
+    auto id_of = [&](int i) { return ids ? ids[i] : first_id + i; };
+    int i = 0;
+    for (; i < n && count_ < k_; ++i) push(v[i], id_of(i));
+    for (; i + 8 <= n; i += 8) {
+      for (unsigned m = greater_mask8(v + i, value_[k_ - 1]); m != 0; m &= m - 1) {
+        const int l = std::countr_zero(m);
+        push(v[i + l], id_of(i + l));
+      }
+    }
+    for (; i < n; ++i) push(v[i], id_of(i));
+  }
+
+  [[nodiscard]] int count() const { return count_; }
+
+ private:
+  int k_;
+  int count_ = 0;
+  float* value_;
+  int32_t* id_;
+};
+
+// Four floats in one vector (GCC/Clang vector extension: SSE or NEON, the
+// baseline of x86-64 and AArch64).
+using Float4 = float __attribute__((vector_size(16)));
+
+inline Float4 load4(const float* p) {
+  Float4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline Float4 max4(Float4 a, Float4 b) { return a > b ? a : b; }
+inline Float4 min4(Float4 a, Float4 b) { return a < b ? a : b; }
+
+// The best two values of v[0, n) (n >= 1), best first; -inf for a missing
+// second. Per lane (8 lanes) first, then over the lanes: no data-dependent
+// branch. Only the values are defined (not which of two equal elements).
+void top2_values(const float* v, int n, float* first, float* second) {
+  constexpr float kLow = -std::numeric_limits<float>::infinity();
+  const Float4 low = {kLow, kLow, kLow, kLow};
+  Float4 m1[2] = {low, low};
+  Float4 m2[2] = {low, low};
+  auto add = [&](const float* x8) {
+    for (int h = 0; h < 2; ++h) {
+      const Float4 x = load4(x8 + 4 * h);
+      m2[h] = max4(m2[h], min4(m1[h], x));
+      m1[h] = max4(m1[h], x);
+    }
+  };
+  int i = 0;
+  for (; i + 8 <= n; i += 8) add(v + i);
+  if (i < n) {
+    float tail[8];
+    std::fill(tail, tail + 8, kLow);
+    std::copy(v + i, v + n, tail);
+    add(tail);
+  }
+  float a[8], b[8];
+  std::memcpy(a, m1, sizeof(a));
+  std::memcpy(b, m2, sizeof(b));
+  int lane = 0;
+  for (int l = 1; l < 8; ++l) lane = a[l] > a[lane] ? l : lane;
+  float s = b[lane];
+  for (int l = 0; l < 8; ++l) s = l != lane && a[l] > s ? a[l] : s;
+  *first = a[lane];
+  *second = s;
+}
+
+// The k-th largest of v[0, m) (1 <= k <= m, no NaN), by counting ranks: a
+// few hundred compares without a data-dependent branch.
+float kth_largest(const float* v, int m, int k) {
+  float kth = v[0];
+  for (int i = 0; i < m; ++i) {
+    int rank = 0;
+    for (int j = 0; j < m; ++j) rank += (v[j] > v[i]) | ((v[j] == v[i]) & (j < i));
+    kth = rank == k - 1 ? v[i] : kth;
+  }
+  return kth;
+}
+
+// A lower bound of the k-th best of v[0, n) (1 <= k <= 16 <= n): the k-th
+// best of 16 per-lane maxima, which are 16 distinct elements.
+float kth_best_bound(const float* v, int n, int k) {
+  Float4 m[4];
+  for (int h = 0; h < 4; ++h) m[h] = load4(v + 4 * h);
+  for (int i = 16; i + 16 <= n; i += 16)
+    for (int h = 0; h < 4; ++h) m[h] = max4(m[h], load4(v + i + 4 * h));
+  float lanes[16];
+  std::memcpy(lanes, m, sizeof(lanes));
+  return kth_largest(lanes, 16, k);
+}
+
+// A key whose integer order is the selection order: higher score first, then
+// lower id; -0 and +0 are the same score. Not for NaN.
+inline int64_t order_key(float v, int32_t id) {
+  v += 0.0f;  // -0 -> +0
+  int32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if (bits < 0) bits ^= 0x7fffffff;  // negative floats count down
+  return static_cast<int64_t>(static_cast<uint64_t>(static_cast<int64_t>(bits)) << 32) |
+         static_cast<int64_t>(~static_cast<uint32_t>(id));
+}
+
+// Bit i of the result: v[i] >= threshold, for i in [0, 8).
+inline unsigned at_least_mask8(const float* v, float threshold) {
+#if defined(__SSE2__)
+  const __m128 t = _mm_set1_ps(threshold);
+  const int lo = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(v), t));
+  const int hi = _mm_movemask_ps(_mm_cmpge_ps(_mm_loadu_ps(v + 4), t));
+  return static_cast<unsigned>(lo | (hi << 4));
+#else
+  unsigned mask = 0;
+  for (int i = 0; i < 8; ++i) mask |= static_cast<unsigned>(v[i] >= threshold) << i;
+  return mask;
+#endif
+}
+
+// The candidates at or above a threshold (blocks of 8 with none are skipped,
+// the rest collected without branches), then ranked against each other: the
+// best k of them in selection order. Not for NaN scores.
+class ThresholdSelect {
+ public:
+  static constexpr int kMaxCandidates = 32;  // beyond this, rank by a scan
+
+  // value and id must have room for every candidate offered plus 8.
+  ThresholdSelect(float threshold, float* value, int32_t* id) : threshold_(threshold), value_(value), id_(id) {}
+
+  void offer(float v, int32_t id) {
+    value_[count_] = v;
+    id_[count_] = id;
+    count_ += v >= threshold_ ? 1 : 0;
+  }
+  // Candidates score[first_id, first_id + n), ids first_id + i.
+  void offer_range(const float* score, int32_t first_id, int n) {
+    const float* v = score + first_id;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      if (at_least_mask8(v + i, threshold_) == 0) continue;
+      for (int l = 0; l < 8; ++l) offer(v[i + l], first_id + i + l);
+    }
+    for (; i < n; ++i) offer(v[i], first_id + i);
+  }
+  [[nodiscard]] bool small() const { return count_ <= kMaxCandidates; }
+
+  // The ids of the best k (k <= count), best first. Needs small().
+  void best(int k, int32_t* out) const {
+    int64_t key[kMaxCandidates];
+    for (int i = 0; i < count_; ++i) key[i] = order_key(value_[i], id_[i]);
+    int32_t slot[kMaxCandidates + 1];
+    for (int i = 0; i < count_; ++i) {
+      int rank = 0;
+      for (int j = 0; j < count_; ++j) rank += key[j] > key[i] ? 1 : 0;
+      slot[std::min(rank, k)] = id_[i];
+    }
+    std::copy(slot, slot + k, out);
+  }
+
+ private:
+  float threshold_;
+  float* value_;
+  int32_t* id_;
+  int count_ = 0;
+};
+
 // Drops over-capacity (token, slot) pairs from out in place.
 void apply_capacity(const RouterConfig& config, RouterOutput& out) {
   const int64_t T = out.num_tokens;
@@ -106,16 +317,21 @@ void apply_capacity(const RouterConfig& config, RouterOutput& out) {
 
 Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
   EPX_RETURN_IF_ERROR(config.validate());
-  EPX_RETURN_IF_ERROR(detail::check_logits(logits, config.num_experts));
+  // The logits' values are checked row by row while routing (below); a bad
+  // shape is reported here, and a bad value before a bad bias, as always.
+  EPX_RETURN_IF_ERROR(detail::check_logits_shape(logits, config.num_experts));
   const int E = config.num_experts;
   const int K = config.topk;
+  const int G = config.num_groups;
   const int64_t T = logits.size(0);
   const float* bias = nullptr;
   if (expert_bias.defined()) {
     if (expert_bias.ndim() != 1 || expert_bias.dtype() != DType::kF32 || expert_bias.size(0) != E ||
-        expert_bias.stride(0) != 1 || expert_bias.device().kind != DeviceKind::kHost)
+        expert_bias.stride(0) != 1 || expert_bias.device().kind != DeviceKind::kHost) {
+      EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
       return invalid_argument("expert_bias must be a host f32[{}] with unit stride, got {}", E,
                               expert_bias.describe());
+    }
     bias = expert_bias.data_as<const float>();
   }
 
@@ -127,44 +343,155 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
   out.topk_weights.assign(T * K, 0.0f);
   out.selected_idx.assign(T * K, -1);
   out.selected_probs.assign(T * K, 0.0f);
-  out.scores = detail::probabilities(config.score_function, logits, E);
+  out.scores.resize(T * E);
 
   const std::vector<std::vector<int32_t>> groups = detail::group_members(config);
   const int per_group = std::max(1, K / config.topk_groups);
-  std::vector<int32_t> group_ids(config.num_groups);
-  std::iota(group_ids.begin(), group_ids.end(), 0);
-  std::vector<int32_t> all_experts(E);
-  std::iota(all_experts.begin(), all_experts.end(), 0);
+  // Groups that are each one range of ids (contiguous groups always are) are
+  // scanned in place; other maps gather a token's candidates first.
+  bool ranges = true;
+  int largest_group = 0;
+  std::vector<int32_t> group_of(E, 0);
+  for (int g = 0; g < G; ++g) {
+    const std::vector<int32_t>& m = groups[g];
+    ranges = ranges && m.back() - m.front() + 1 == static_cast<int32_t>(m.size());
+    largest_group = std::max(largest_group, static_cast<int>(m.size()));
+    for (int32_t e : m) group_of[e] = g;
+  }
+  // A NaN bias makes selection scores incomparable, and then the order in
+  // which candidates are visited shows: keep the original order for them.
+  const bool bias_has_nan = bias && std::any_of(bias, bias + E, [](float b) { return std::isnan(b); });
+
   // Tokens are independent: each range writes only its own rows, so how the
-  // tokens are split over threads never changes a bit.
-  auto route_tokens = [&](int64_t t_begin, int64_t t_end) {
-    std::vector<float> select(E);
-    std::vector<float> group_score(config.num_groups);
-    std::vector<int32_t> candidates;
-    std::vector<int32_t> best(E);
+  // tokens are split over threads never changes a bit. A range stops at a
+  // non-finite logit and says so; route then reports the first one.
+  auto route_tokens = [&](int64_t t_begin, int64_t t_end, uint8_t* bad_logits) {
+    std::vector<float> select(bias ? E : 0);
+    std::vector<float> group_score(G);
+    std::vector<float> member_score(ranges ? 0 : largest_group);
+    std::vector<float> best_value(std::max(K, per_group));
+    std::vector<int32_t> best_id(std::max(K, per_group));
+    std::vector<float> group_value(config.topk_groups);
     std::vector<int32_t> best_groups(config.topk_groups);
+    std::vector<float> candidate_score(ranges ? 0 : E);
+    std::vector<int32_t> candidates(E);
+    std::vector<uint8_t> group_kept(G);
+    std::vector<float> group_top(2 * G);
+    std::vector<float> witness(2 * G);
+    std::vector<float> pick_value(E + 8);
+    std::vector<int32_t> pick_id(E + 8);
     for (int64_t t = t_begin; t < t_end; ++t) {
       const float* row = logits.row<const float>(t);
-      const float* prob = out.scores.data() + t * E;
+      if (!detail::all_finite(row, E)) {
+        *bad_logits = 1;
+        return;
+      }
+      float* prob = out.scores.data() + t * E;
+      detail::probabilities_row(config.score_function, row, prob, E);
       const float* base = config.softmax_after_topk ? row : prob;
-      for (int e = 0; e < E; ++e) select[e] = base[e] + (bias ? bias[e] : 0.0f);
+      const float* score = base;  // selection scores
+      if (bias) {
+        for (int e = 0; e < E; ++e) select[e] = base[e] + bias[e];
+        score = select.data();
+      }
 
       int32_t* sel = out.selected_idx.data() + t * K;
-      if (config.num_groups > 1) {
-        for (int g = 0; g < config.num_groups; ++g) {
-          const int size = static_cast<int>(groups[g].size());
+      bool selected = false;
+      if (G > 1) {
+        // Group scores: the sum of each group's best `n` values, best first.
+        for (int g = 0; g < G; ++g) {
+          const std::vector<int32_t>& m = groups[g];
+          const int size = static_cast<int>(m.size());
           const int n = std::min(per_group, size);
-          top_k_of(select.data(), groups[g].data(), size, n, best.data());
-          float sum = 0.0f;
-          for (int j = 0; j < n; ++j) sum += select[best[j]];
-          group_score[g] = sum;
+          const float* member = score + m.front();
+          if (!ranges) {
+            for (int i = 0; i < size; ++i) member_score[i] = score[m[i]];
+            member = member_score.data();
+          }
+          if (n <= 2 && !bias_has_nan) {
+            float* top = group_top.data() + 2 * g;
+            top2_values(member, size, &top[0], &top[1]);
+            group_score[g] = n == 1 ? 0.0f + top[0] : (0.0f + top[0]) + top[1];
+          } else {
+            TopList best(n, best_value.data(), best_id.data());
+            best.scan(member, size, nullptr, 0);
+            float sum = 0.0f;
+            for (int j = 0; j < n; ++j) sum += best_value[j];
+            group_score[g] = sum;
+          }
         }
-        top_k_of(group_score.data(), group_ids.data(), config.num_groups, config.topk_groups, best_groups.data());
-        candidates.clear();
-        for (int32_t g : best_groups) candidates.insert(candidates.end(), groups[g].begin(), groups[g].end());
-        top_k_of(select.data(), candidates.data(), static_cast<int>(candidates.size()), K, sel);
+        // The best topk_groups groups, ties to the lower group id.
+        if (std::none_of(group_score.begin(), group_score.end(), [](float x) { return std::isnan(x); })) {
+          for (int g = 0; g < G; ++g) {
+            int rank = 0;
+            for (int h = 0; h < G; ++h)
+              rank += group_score[h] > group_score[g] || (group_score[h] == group_score[g] && h < g) ? 1 : 0;
+            if (rank < config.topk_groups) best_groups[rank] = g;
+          }
+        } else {
+          TopList kept(config.topk_groups, group_value.data(), best_groups.data());
+          kept.scan(group_score.data(), G, nullptr, 0);
+        }
+        std::fill(group_kept.begin(), group_kept.end(), uint8_t{0});
+        for (int32_t g : best_groups) group_kept[g] = 1;
+        // The kept groups' best values are distinct candidates: when there
+        // are K of them, the K-th best of them bounds the K-th best expert.
+        if (!bias_has_nan && per_group <= 2 && config.topk_groups * per_group >= K) {
+          int num_witnesses = 0;
+          for (int32_t g : best_groups)
+            for (int j = 0; j < std::min(per_group, static_cast<int>(groups[g].size())); ++j)
+              witness[num_witnesses++] = group_top[2 * g + j];
+          if (num_witnesses >= K) {
+            ThresholdSelect pick(kth_largest(witness.data(), num_witnesses, K), pick_value.data(),
+                                 pick_id.data());
+            if (ranges) {
+              for (int32_t g : best_groups)
+                pick.offer_range(score, groups[g].front(), static_cast<int>(groups[g].size()));
+            } else {
+              for (int e = 0; e < E; ++e)
+                if (group_kept[group_of[e]]) pick.offer(score[e], e);
+            }
+            if (pick.small()) {
+              pick.best(K, sel);
+              selected = true;
+            }
+          }
+        }
+        if (!selected && bias_has_nan) {
+          int n = 0;
+          for (int32_t g : best_groups)
+            for (int32_t e : groups[g]) candidates[n++] = e;
+          top_k_of(score, candidates.data(), n, K, sel);
+        } else if (!selected && ranges) {
+          // Ascending ids across the kept groups: scan them by first id.
+          std::sort(best_groups.begin(), best_groups.end(),
+                    [&](int32_t x, int32_t y) { return groups[x].front() < groups[y].front(); });
+          TopList top(K, best_value.data(), sel);
+          for (int32_t g : best_groups)
+            top.scan(score + groups[g].front(), static_cast<int>(groups[g].size()), nullptr, groups[g].front());
+        } else if (!selected) {
+          int n = 0;
+          for (int e = 0; e < E; ++e) {  // branch-free compaction, ids ascending
+            candidate_score[n] = score[e];
+            candidates[n] = e;
+            n += group_kept[group_of[e]];
+          }
+          TopList top(K, best_value.data(), sel);
+          top.scan(candidate_score.data(), n, candidates.data(), 0);
+        }
       } else {
-        top_k_of(select.data(), all_experts.data(), E, K, sel);
+        if (!bias_has_nan && K <= 16 && E >= 16) {
+          ThresholdSelect pick(kth_best_bound(score, E, K), pick_value.data(), pick_id.data());
+          pick.offer_range(score, 0, E);
+          if (pick.small()) {
+            pick.best(K, sel);
+            selected = true;
+          }
+        }
+        if (!selected) {
+          TopList top(K, best_value.data(), sel);
+          top.scan(score, E, nullptr, 0);
+        }
       }
 
       float* p = out.selected_probs.data() + t * K;
@@ -193,10 +520,15 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
   const int64_t max_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
   const int64_t num_threads = std::clamp<int64_t>(T * E / kMinWorkPerThread, 1, max_threads);
   std::vector<std::thread> workers;
+  std::vector<uint8_t> bad_logits(num_threads, 0);  // one flag per range
   for (int64_t i = 1; i < num_threads; ++i)
-    workers.emplace_back(route_tokens, T * i / num_threads, T * (i + 1) / num_threads);
-  route_tokens(0, T / num_threads);
+    workers.emplace_back(route_tokens, T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
+  route_tokens(0, T / num_threads, &bad_logits[0]);
   for (std::thread& w : workers) w.join();
+  if (std::find(bad_logits.begin(), bad_logits.end(), 1) != bad_logits.end()) {
+    EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
+    return internal_error("a logits row was not finite, yet check_logits found no bad value");
+  }
   out.capacity = expert_capacity(config, T);
   if (out.capacity > 0) apply_capacity(config, out);
   out.tokens_per_expert.assign(E, 0);
