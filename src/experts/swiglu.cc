@@ -1,5 +1,7 @@
 #include "experts/swiglu.h"
 
+#include "core/fast_exp.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -8,27 +10,10 @@ namespace {
 
 #define EPX_EXPERTS_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
-// sigmoid(z) = 1 / (1 + exp(-z)), vectorizable: exp(v) = 2^k exp(r) with
-// v = k ln2 + r, |r| <= ln2 / 2 (Cody-Waite), exp(r) by its Taylor series to
-// r^7 / 7! (a few ulp). v is clamped to [-87, 88]: for z above 87 the
-// result is 1 - 2^-126 rounded, i.e. 1; for z below -88 it is below 1e-38.
-inline float sigmoid(float z) {
-  const float v = std::min(std::max(-z, -87.0f), 88.0f);
-  const float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (v - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return 1.0f / (1.0f + p * scale);
-}
+// sigmoid(z) = 1 / (1 + exp(-z)), vectorizable (exp_in_range). -z is
+// clamped to [-87, 88]: for z above 87 the result is 1 - 2^-126 rounded,
+// i.e. 1; for z below -88 it is below 1e-38.
+inline float sigmoid(float z) { return 1.0f / (1.0f + exp_in_range(std::min(std::max(-z, -87.0f), 88.0f))); }
 
 EPX_EXPERTS_SIMD_CLONES void forward_f32(const float* h1, const float* h3, int64_t n, float* a) {
   for (int64_t i = 0; i < n; ++i) a[i] = h1[i] * sigmoid(h1[i]) * h3[i];

@@ -1,5 +1,7 @@
 #include "routing/scores.h"
 
+#include "core/fast_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -28,31 +30,13 @@ namespace {
 
 #define EPX_ROUTING_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
-// exp(x) for a whole row, written so the compiler vectorizes it: x = n ln2 + r
-// with |r| <= ln2 / 2 (Cody-Waite split of ln2), exp(r) by its Taylor series
-// to r^7 / 7! (truncation below 6e-9 relative, so within about 2 ulp of the
-// correctly rounded value), times 2^n built from the exponent bits. Below
-// -87.3 the result is 0 and above 88.7 it is infinity, as exp's own
-// underflow and overflow give (no subnormal outputs). Every clone computes
-// the same bits: no FMA, no reassociation.
+// exp(x) for a whole row (exp_in_range, vectorized). Below -87.3 the result
+// is 0 and above 88.7 it is infinity, as exp's own underflow and overflow
+// give (no subnormal outputs).
 EPX_ROUTING_SIMD_CLONES void exp_row(const float* x, float* out, int n, float shift, float sign) {
   for (int i = 0; i < n; ++i) {
     const float v = sign * (x[i] - shift);
-    const float c = std::min(std::max(v, -87.3f), 88.7f);
-    const float k = (c * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-    const float r = (c - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    const float e = p * scale;
+    const float e = exp_in_range(std::min(std::max(v, -87.3f), 88.7f));
     out[i] = v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : e);
   }
 }
