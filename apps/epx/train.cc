@@ -192,6 +192,7 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   if (o.trace_steps < 0) return invalid_argument("trace_steps = {} is below 0", o.trace_steps);
   EPX_RETURN_IF_ERROR(c.validate());
   if (m.task == TaskKind::kNextByte) EPX_RETURN_IF_ERROR(TextTask::create(c.text).status());
+  EPX_RETURN_IF_ERROR(check_resume(c));
   return c;
 }
 

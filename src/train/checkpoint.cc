@@ -136,8 +136,7 @@ Status save_checkpoint(const std::string& dir, const CheckpointMeta& meta, Trans
   return agree(local);
 }
 
-Status load_checkpoint(const std::string& dir, CheckpointMeta* expected, int rank, std::span<Parameter* const> params,
-                       AdamW& adam, std::span<MoELayer* const> layers) {
+Status check_checkpoint_meta(const std::string& dir, CheckpointMeta* expected) {
   const std::string meta_path = dir + "/meta.json";
   std::ifstream meta_in(meta_path);
   if (!meta_in) return not_found("no checkpoint at {}: cannot open {}", dir, meta_path);
@@ -151,7 +150,15 @@ Status load_checkpoint(const std::string& dir, CheckpointMeta* expected, int ran
   const std::string model = j.value("model", "");
   if (model != expected->fingerprint)
     return invalid_argument("checkpoint {} holds model '{}'; this run builds '{}'", dir, model, expected->fingerprint);
+  for (int r = 0; r < num_ranks; ++r)
+    if (!fs::exists(rank_file(dir, r))) return not_found("checkpoint {} has no file for rank {}", dir, r);
+  expected->step = j.value("step", int64_t{0});
+  return Status::ok();
+}
 
+Status load_checkpoint(const std::string& dir, CheckpointMeta* expected, int rank, std::span<Parameter* const> params,
+                       AdamW& adam, std::span<MoELayer* const> layers) {
+  EPX_RETURN_IF_ERROR(check_checkpoint_meta(dir, expected));
   Reader r(rank_file(dir, rank));
   if (!r.opened()) return not_found("checkpoint {} has no file for rank {}", dir, rank);
   char magic[8];

@@ -24,6 +24,9 @@ struct CheckpointMeta {
 [[nodiscard]] Status save_checkpoint(const std::string& dir, const CheckpointMeta& meta, Transport& transport,
                                      std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);
+// Checks dir/meta.json against `expected` (ranks, nodes, model) and that
+// every rank's file is there; sets expected->step. No rank file is read.
+[[nodiscard]] Status check_checkpoint_meta(const std::string& dir, CheckpointMeta* expected);
 // Reads this rank's part; checks the meta against `expected` (step is read).
 [[nodiscard]] Status load_checkpoint(const std::string& dir, CheckpointMeta* expected, int rank,
                                      std::span<Parameter* const> params, AdamW& adam,

@@ -134,6 +134,18 @@ Result<ModelConfig> TrainConfig::resolved_model() const {
   return m;
 }
 
+Status check_resume(const TrainConfig& config) {
+  if (config.resume_dir.empty()) return Status::ok();
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
+  detail::CheckpointMeta meta{.step = 0, .num_ranks = config.num_ranks, .num_nodes = config.num_nodes,
+                              .fingerprint = fingerprint(m)};
+  EPX_RETURN_IF_ERROR(detail::check_checkpoint_meta(config.resume_dir, &meta));
+  if (meta.step > config.steps)
+    return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
+                            meta.step, config.steps);
+  return Status::ok();
+}
+
 Status TrainConfig::validate() const {
   if (steps < 0) return invalid_argument("steps = {} is below 0", steps);
   if (num_nodes < 1 || num_ranks % num_nodes != 0)
@@ -179,8 +191,10 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
   EPX_RETURN_IF_ERROR(config.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig model_config, config.resolved_model());
   EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
-  // Open the data once here, so that a bad file fails before any rank starts.
+  // Open the data and the checkpoint's meta once here, so that a bad file
+  // fails before any rank starts.
   EPX_RETURN_IF_ERROR(DataSource::create(config).status());
+  EPX_RETURN_IF_ERROR(check_resume(config));
 
   TrainSummary summary;
   std::mutex mu;

@@ -57,6 +57,16 @@ else
     lines=$(wc -l < "$work/m.jsonl")
     [[ $lines -eq 8 ]] || { echo "FAIL resumed metrics has $lines lines, want 8 (6 + 2 appended)"; failures=$((failures + 1)); }
     echo "ok   resume: 2 more steps appended"
+    cp "$work/m.jsonl" "$work/m.before"
+    out=$("$epx" train "${small[@]}" --ranks 2 --steps 8 --resume "$work/ck" --metrics "$work/m.jsonl" 2>&1)
+    code=$?
+    if [[ $code -ne 2 || "$out" != *"written by 4 ranks on 1 nodes; this run has 2 ranks"* ]]; then
+      echo "FAIL resume with other ranks: exit $code: $out"; failures=$((failures + 1))
+    elif ! cmp -s "$work/m.jsonl" "$work/m.before"; then
+      echo "FAIL resume with other ranks touched the metrics file"; failures=$((failures + 1))
+    else
+      echo "ok   resume with other ranks: $out"
+    fi
   fi
 fi
 

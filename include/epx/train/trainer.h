@@ -112,6 +112,11 @@ struct TrainSummary {
   std::map<std::string, std::vector<float>> parameters;
 };
 
+// With a resume folder: its meta file matches this configuration (ranks,
+// nodes, model shape), every rank's file is there and its step is at most
+// config.steps. NotFound / InvalidArgument naming the folder otherwise.
+[[nodiscard]] Status check_resume(const TrainConfig& config);
+
 using StepCallback = std::function<void(const StepReport&)>;
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step = {}, bool keep_parameters = false);
