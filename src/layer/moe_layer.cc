@@ -373,7 +373,8 @@ struct MoELayer::Impl {
       if (e < 0 || replicated_pos[e] < 0) continue;
       const float* src = packed.data() + static_cast<std::size_t>(replicated_pos[e]) * 3 * hf;
       for (Parameter* p : params) {
-        std::copy(src, src + hf, block(p->grad, l, hf).begin());
+        const std::span<float> g = block(p->grad, l, hf);
+        for (std::size_t i = 0; i < hf; ++i) g[i] = src[i];
         src += hf;
       }
     }
