@@ -487,19 +487,19 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
     if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save(config.steps));
     if (keep_parameters) {
       std::lock_guard lock(mu);
-      for (Parameter* p : params) {
-        if (p->kind == ParamKind::kDense) {
-          if (rank == 0) summary.parameters[p->name] = p->value;
-          continue;
-        }
-        const int layer = std::stoi(p->name.substr(5));  // "layer<N>.experts.*"
-        const Buffer& buffer = model->buffer(layer);
+      for (Parameter* p : params)
+        if (p->kind == ParamKind::kDense && rank == 0) summary.parameters[p->name] = p->value;
+      for (MoELayer* layer : layers) {
+        const Buffer& buffer = layer->buffer();
         const int local = buffer.num_local_experts();
-        const int64_t per_expert = p->numel() / std::max(local, 1);
-        for (int l = 0; l < local; ++l) {
-          const int g = buffer.placement().global_id(rank, l);
-          summary.parameters[fmt::format("{}#{}", p->name, g)].assign(
-              p->value.begin() + l * per_expert, p->value.begin() + (l + 1) * per_expert);
+        for (Parameter* p : layer->parameters()) {
+          if (p->kind != ParamKind::kExpert) continue;
+          const int64_t per_expert = p->numel() / std::max(local, 1);
+          for (int l = 0; l < local; ++l) {
+            const int g = buffer.placement().global_id(rank, l);
+            summary.parameters[fmt::format("{}#{}", p->name, g)].assign(
+                p->value.begin() + l * per_expert, p->value.begin() + (l + 1) * per_expert);
+          }
         }
       }
     }
