@@ -519,7 +519,6 @@ int MoELayer::num_local_experts() const { return impl_->num_local; }
 Buffer& MoELayer::buffer() { return impl_->buffer; }
 const std::vector<int32_t>& MoELayer::slot_expert() const { return impl_->slot_expert; }
 int MoELayer::local_logical_expert(int local) const { return impl_->local_logical(local); }
-bool MoELayer::has_replicas() const { return impl_->num_replicated > 0; }
 Status MoELayer::sum_replica_gradients() { return impl_->sum_replica_gradients(); }
 double MoELayer::duplicate_grad_sq() const { return impl_->duplicate_grad_sq(); }
 Status MoELayer::forward(const TensorView& x, const TensorView& out) { return impl_->forward(x, out); }

@@ -107,8 +107,6 @@ class MoELayer {
   [[nodiscard]] const std::vector<int32_t>& slot_expert() const;
   // Logical expert held by local expert `local` of this rank (-1 = empty slot).
   [[nodiscard]] int local_logical_expert(int local) const;
-  // True when some logical expert has more than one replica.
-  [[nodiscard]] bool has_replicas() const;
 
   // x, out: f32 [T, hidden] (T <= the Buffer's max_tokens_per_rank). Keeps
   // what backward needs until the next forward.
