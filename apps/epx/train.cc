@@ -87,6 +87,8 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"balance.z_coeff", bind(o.z_coeff)},
       {"balance.bias_rate", bind(o.bias_rate)},
       {"balance.capacity_factor", bind(o.capacity_factor)},
+      {"balance.eplb_every", bind(o.eplb_every)},
+      {"balance.eplb_slots", bind(o.eplb_slots)},
       {"optim.lr", bind(o.lr)},
       {"optim.warmup", bind(o.warmup)},
       {"optim.min_lr_ratio", bind(o.min_lr_ratio)},
@@ -182,6 +184,10 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   defaults.aux_loss_coeff = o.aux_coeff;
   defaults.capacity_factor = o.capacity_factor;
   defaults.bias_rate = static_cast<float>(o.bias_rate);
+  if (o.eplb_every < 1) return invalid_argument("eplb_every = {} must be at least 1", o.eplb_every);
+  if (o.eplb_slots < 0) return invalid_argument("eplb_slots = {} is below 0", o.eplb_slots);
+  defaults.eplb_every = o.eplb_every;
+  defaults.eplb_slots = o.eplb_slots;
   EPX_ASSIGN_OR_RETURN(c.balancing, parse_balancing(o.balance, defaults));
   c.schedule = {.peak = o.lr, .warmup_steps = o.warmup, .total_steps = o.steps, .min_ratio = o.min_lr_ratio};
   c.adamw.weight_decay = o.weight_decay;
@@ -218,7 +224,7 @@ int fail_usage(const Status& s) {
 
 int compare_balancing(const TrainOptions& o, const TrainConfig& base) {
   std::vector<std::string> names;
-  std::string list = o.compare.empty() ? "none,aux,bias,capacity,bias+capacity" : o.compare;
+  std::string list = o.compare.empty() ? "none,aux,bias,capacity,bias+capacity,eplb,bias+eplb" : o.compare;
   for (std::size_t start = 0; start <= list.size();) {
     const std::size_t end = std::min(list.find(',', start), list.size());
     if (end > start) names.push_back(list.substr(start, end - start));
@@ -230,7 +236,9 @@ int compare_balancing(const TrainOptions& o, const TrainConfig& base) {
                                        ? base.balancing
                                        : BalancingConfig{.aux_loss_coeff = o.aux_coeff,
                                                          .bias_rate = static_cast<float>(o.bias_rate),
-                                                         .capacity_factor = o.capacity_factor});
+                                                         .capacity_factor = o.capacity_factor,
+                                                         .eplb_every = o.eplb_every,
+                                                         .eplb_slots = o.eplb_slots});
     if (!b.is_ok()) return fail_usage(b.status());
     strategies.push_back(*b);
   }
@@ -295,12 +303,20 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--topk-groups", o.topk_groups, "Groups a token may use")->capture_default_str();
   cmd->add_option("--balance", o.balance,
                   "Load balancing: none, aux, aux-global, bias (aux-loss-free, DeepSeek-V3), capacity (drop by "
-                  "position), capacity-score (drop the lowest scores), or several joined by '+'")
+                  "position), capacity-score (drop the lowest scores), eplb (re-place experts with redundant "
+                  "replicas every --eplb-every steps), or several joined by '+'")
       ->capture_default_str();
   cmd->add_option("--aux-coeff", o.aux_coeff, "Weight of the auxiliary load-balancing loss")->capture_default_str();
   cmd->add_option("--z-coeff", o.z_coeff, "Weight of the router z-loss (0 = off)")->capture_default_str();
   cmd->add_option("--bias-rate", o.bias_rate, "Step of the expert-bias update")->capture_default_str();
   cmd->add_option("--capacity-factor", o.capacity_factor, "Capacity factor of the capacity strategies")->capture_default_str();
+  cmd->add_option("--eplb-every", o.eplb_every, "eplb: steps between re-placements of the experts")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->capture_default_str();
+  cmd->add_option("--eplb-slots", o.eplb_slots,
+                  "eplb: physical expert slots per layer, >= --experts and a multiple of --ranks (0 = experts plus one "
+                  "redundant slot per rank)")
+      ->capture_default_str();
   cmd->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->capture_default_str();
   cmd->add_option("--clip", o.clip, "Gradient-norm clip (0 = off)")->capture_default_str();
@@ -312,7 +328,7 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--resume", o.resume_dir, "Continue from this checkpoint (same ranks and model)");
   cmd->add_option("--compare-balancing", o.compare,
                   "Run the same training once per strategy (comma-separated; empty = none,aux,bias,capacity,"
-                  "bias+capacity) and print a table side by side")
+                  "bias+capacity,eplb,bias+eplb) and print a table side by side")
       ->expected(0, 1);
   return cmd;
 }

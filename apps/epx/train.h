@@ -45,6 +45,8 @@ struct TrainOptions {
   double z_coeff = 0.0;
   double bias_rate = 3e-3;
   double capacity_factor = 1.25;
+  int64_t eplb_every = 50;  // eplb: steps between re-placements
+  int eplb_slots = 0;       // eplb: physical slots per layer (0 = experts + one per rank)
   // [optim]
   double lr = 3e-3;
   int64_t warmup = 20;

@@ -78,6 +78,14 @@ struct MoELayer::Impl {
   int layer_index = 0;
   int num_local = 0;
 
+  // Logical experts -> physical slots (identity without redundant experts).
+  bool identity = true;
+  std::vector<int32_t> slot_expert;               // slot -> logical expert (-1 = empty)
+  std::vector<std::vector<int32_t>> replicas;     // logical expert -> its slots, ascending
+  std::vector<int32_t> replicated_pos;            // logical expert -> row in the replica all-reduce, -1 = single
+  int num_replicated = 0;
+  std::vector<int32_t> slot_idx;                  // the last forward's topk_idx over slots
+
   Parameter norm, router;
   Parameter shared_w1, shared_w3, shared_w2;
   Parameter w1, w3, w2;
@@ -134,6 +142,44 @@ struct MoELayer::Impl {
     return TensorView::contiguous(bytes.data(), config.dtype, {rows, config.hidden});
   }
 
+  // Sets the slot map (empty: identity over the Buffer's slots) and derives
+  // the replica lists.
+  Status set_slot_map(std::vector<int32_t> map) {
+    const int E = config.router.num_experts, S = buffer.config().num_experts;
+    if (map.empty()) {
+      if (S != E) return invalid_argument("the Buffer has {} experts, the router {}", S, E);
+      map.resize(static_cast<std::size_t>(E));
+      for (int e = 0; e < E; ++e) map[e] = e;
+    }
+    if (static_cast<int>(map.size()) != S)
+      return invalid_argument("slot_expert has {} entries; the Buffer has {} slots", map.size(), S);
+    replicas.assign(static_cast<std::size_t>(E), {});
+    identity = S == E;
+    for (int s = 0; s < S; ++s) {
+      const int e = map[s];
+      if (e < -1 || e >= E) return invalid_argument("slot_expert[{}] = {} is outside [-1, {})", s, e, E);
+      if (e >= 0) replicas[e].push_back(s);
+      identity = identity && e == s;
+    }
+    replicated_pos.assign(static_cast<std::size_t>(E), -1);
+    num_replicated = 0;
+    for (int e = 0; e < E; ++e) {
+      if (replicas[e].empty()) return invalid_argument("logical expert {} has no slot in slot_expert", e);
+      if (replicas[e].size() > 1) replicated_pos[e] = num_replicated++;
+    }
+    slot_expert = std::move(map);
+    return Status::ok();
+  }
+
+  [[nodiscard]] int local_logical(int local) const {
+    return slot_expert[buffer.placement().global_id(transport.rank(), local)];
+  }
+  // The routed experts' ids as the Buffer sees them: logical ids, or slots.
+  [[nodiscard]] TensorView dispatch_idx(int64_t T) const {
+    const int32_t* idx = identity ? routed.topk_idx.data() : slot_idx.data();
+    return TensorView::contiguous(idx, DType::kI32, {T, config.router.topk});
+  }
+
   void init_parameters() {
     const int H = config.hidden, F = config.ffn_hidden, E = config.router.num_experts;
     const std::string prefix = "layer" + std::to_string(layer_index) + ".";
@@ -156,10 +202,11 @@ struct MoELayer::Impl {
     w1 = Parameter(prefix + "experts.w1", ParamKind::kExpert, int64_t{num_local} * H, F);
     w3 = Parameter(prefix + "experts.w3", ParamKind::kExpert, int64_t{num_local} * H, F);
     w2 = Parameter(prefix + "experts.w2", ParamKind::kExpert, int64_t{num_local} * F, H);
-    // Each global expert draws from its own streams, wherever it lives.
-    const int rank = transport.rank();
+    // Each logical expert draws from its own streams, wherever (and however
+    // often) it lives; an empty slot stays zero.
     for (int l = 0; l < num_local; ++l) {
-      const auto g = static_cast<uint64_t>(buffer.placement().global_id(rank, l));
+      if (local_logical(l) < 0) continue;
+      const auto g = static_cast<uint64_t>(local_logical(l));
       const auto hf = static_cast<std::size_t>(H) * F;
       init_normal(std::span(w1.value).subspan(l * hf, hf), config.seed, stream_id(layer_index, kExpertStream, 4 * g + 1),
                   std_for(H));
@@ -198,6 +245,11 @@ struct MoELayer::Impl {
     const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {T, E});
     EPX_ASSIGN_OR_RETURN(routed, route(config.router, logits_view, config.expert_bias ? bias.view() : TensorView{}));
     EPX_RETURN_IF_ERROR(auxiliary_losses(logits_view, T));
+    if (!identity) {
+      // Replica choice (token modulo): deterministic, no communication.
+      EPX_ASSIGN_OR_RETURN(slot_idx, map_to_replicas(replicas, routed.topk_idx, K, ReplicaChoice::kTokenModulo));
+      if (slot_idx.empty()) slot_idx.push_back(-1);
+    }
     phase.reset();
 
     // Dispatch the normed tokens, then lay them out per local expert.
@@ -207,7 +259,7 @@ struct MoELayer::Impl {
     DispatchResult recv;
     EPX_RETURN_IF_ERROR(buffer.dispatch(
         {.x = payload_view(n_payload, T),
-         .topk_idx = TensorView::contiguous(routed.topk_idx.data(), DType::kI32, {T, K}),
+         .topk_idx = dispatch_idx(T),
          .topk_weights = TensorView::contiguous(routed.topk_weights.data(), DType::kF32, {T, K})},
         &recv));
     handle = recv.handle;
@@ -253,8 +305,15 @@ struct MoELayer::Impl {
     num_tokens = T;
 
     phase.emplace(*this, times.stats, "stats");
-    EPX_ASSIGN_OR_RETURN(stats, compute_load_stats(TensorView::contiguous(routed.topk_idx.data(), DType::kI32, {T, K}),
-                                                   buffer.placement().expert_rank()));
+    // Work per rank follows the slots; tokens_per_expert is per logical expert.
+    EPX_ASSIGN_OR_RETURN(stats, compute_load_stats(dispatch_idx(T), buffer.placement().expert_rank()));
+    if (!identity) {
+      std::vector<int64_t> logical(static_cast<std::size_t>(E), 0);
+      for (std::size_t s = 0; s < slot_expert.size(); ++s)
+        if (slot_expert[s] >= 0) logical[slot_expert[s]] += stats.tokens_per_expert[s];
+      stats.tokens_per_expert = std::move(logical);
+      stats.summarize();
+    }
     EPX_RETURN_IF_ERROR(sum_load_stats_over_ranks(transport, &stats, deadline()));
     phase.reset();
     return Status::ok();
@@ -288,6 +347,54 @@ struct MoELayer::Impl {
       add(term, config.z_loss_coeff / R, config.z_loss_coeff / R);
     }
     return Status::ok();
+  }
+
+  // Each expert parameter holds num_local blocks of `per_expert` values.
+  static std::span<float> block(std::vector<float>& v, int local, std::size_t per_expert) {
+    return std::span(v).subspan(static_cast<std::size_t>(local) * per_expert, per_expert);
+  }
+
+  Status sum_replica_gradients() {
+    if (num_replicated == 0) return Status::ok();
+    const std::size_t hf = static_cast<std::size_t>(config.hidden) * config.ffn_hidden;
+    Parameter* params[3] = {&w1, &w3, &w2};
+    std::vector<float> packed(static_cast<std::size_t>(num_replicated) * 3 * hf, 0.0f);
+    for (int l = 0; l < num_local; ++l) {
+      const int e = local_logical(l);
+      if (e < 0 || replicated_pos[e] < 0) continue;
+      float* dst = packed.data() + static_cast<std::size_t>(replicated_pos[e]) * 3 * hf;
+      for (Parameter* p : params) {
+        const std::span<float> g = block(p->grad, l, hf);
+        for (std::size_t i = 0; i < hf; ++i) dst[i] += g[i];
+        dst += hf;
+      }
+    }
+    EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(packed), ReduceOp::kSum, deadline()));
+    for (int l = 0; l < num_local; ++l) {
+      const int e = local_logical(l);
+      if (e < 0 || replicated_pos[e] < 0) continue;
+      const float* src = packed.data() + static_cast<std::size_t>(replicated_pos[e]) * 3 * hf;
+      for (Parameter* p : params) {
+        const std::span<float> g = block(p->grad, l, hf);
+        for (std::size_t i = 0; i < hf; ++i) g[i] = src[i];
+        src += hf;
+      }
+    }
+    return Status::ok();
+  }
+
+  double duplicate_grad_sq() {
+    if (num_replicated == 0) return 0.0;
+    const std::size_t hf = static_cast<std::size_t>(config.hidden) * config.ffn_hidden;
+    double sum = 0.0;
+    for (int l = 0; l < num_local; ++l) {
+      const int e = local_logical(l);
+      if (e < 0 || replicated_pos[e] < 0 || buffer.placement().global_id(transport.rank(), l) == replicas[e][0])
+        continue;
+      for (Parameter* p : {&w1, &w3, &w2})
+        for (float g : block(p->grad, l, hf)) sum += static_cast<double>(g) * g;
+    }
+    return sum;
   }
 
   Status backward(const TensorView& grad_out, const TensorView& grad_x) {
@@ -383,7 +490,7 @@ struct MoELayer::Impl {
 };
 
 Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config, Transport& transport, Buffer& buffer,
-                                                   int layer_index) {
+                                                   int layer_index, std::vector<int32_t> slot_expert) {
   EPX_RETURN_IF_ERROR(config.validate());
   const BufferConfig& bc = buffer.config();
   if (bc.hidden != config.hidden)
@@ -391,8 +498,6 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config,
   if (bc.dtype != config.dtype)
     return invalid_argument("the Buffer's dtype {} differs from the layer's dtype {}", dtype_name(bc.dtype),
                             dtype_name(config.dtype));
-  if (bc.num_experts != config.router.num_experts)
-    return invalid_argument("the Buffer has {} experts, the router {}", bc.num_experts, config.router.num_experts);
   if (bc.max_topk < config.router.topk)
     return invalid_argument("the Buffer's max_topk = {} is below the router's topk = {}", bc.max_topk,
                             config.router.topk);
@@ -400,6 +505,7 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config,
     return invalid_argument("the Buffer's max_combine_dtype must be f32 (the weighted combine sums f32 rows)");
   if (layer_index < 0) return invalid_argument("layer_index = {} is below 0", layer_index);
   auto impl = std::make_unique<Impl>(config, transport, buffer, layer_index);
+  EPX_RETURN_IF_ERROR(impl->set_slot_map(std::move(slot_expert)));
   impl->num_local = buffer.num_local_experts();
   impl->init_parameters();
   if (impl->num_local > 0) EPX_RETURN_IF_ERROR(impl->expert_config().validate());
@@ -412,6 +518,11 @@ MoELayer::~MoELayer() = default;
 
 const MoELayerConfig& MoELayer::config() const { return impl_->config; }
 int MoELayer::num_local_experts() const { return impl_->num_local; }
+Buffer& MoELayer::buffer() { return impl_->buffer; }
+const std::vector<int32_t>& MoELayer::slot_expert() const { return impl_->slot_expert; }
+int MoELayer::local_logical_expert(int local) const { return impl_->local_logical(local); }
+Status MoELayer::sum_replica_gradients() { return impl_->sum_replica_gradients(); }
+double MoELayer::duplicate_grad_sq() const { return impl_->duplicate_grad_sq(); }
 Status MoELayer::forward(const TensorView& x, const TensorView& out) { return impl_->forward(x, out); }
 Status MoELayer::backward(const TensorView& grad_out, const TensorView& grad_x) {
   return impl_->backward(grad_out, grad_x);

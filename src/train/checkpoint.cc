@@ -121,6 +121,10 @@ Status save_checkpoint(const std::string& dir, const CheckpointMeta& meta, Trans
   if (rank == 0) {
     nlohmann::json j = {{"format", "epx-checkpoint-1"}, {"step", meta.step}, {"num_ranks", meta.num_ranks},
                         {"num_nodes", meta.num_nodes}, {"model", meta.fingerprint}};
+    if (!meta.layer_slots.empty()) {
+      j["layer_slots"] = meta.layer_slots;
+      j["eplb_window"] = meta.eplb_window;
+    }
     std::ofstream out(tmp + "/meta.json", std::ios::trunc);
     out << j.dump(2) << "\n";
     out.close();
@@ -136,7 +140,7 @@ Status save_checkpoint(const std::string& dir, const CheckpointMeta& meta, Trans
   return agree(local);
 }
 
-Status check_checkpoint_meta(const std::string& dir, CheckpointMeta* expected) {
+Status read_checkpoint_meta(const std::string& dir, CheckpointMeta* expected) {
   const std::string meta_path = dir + "/meta.json";
   std::ifstream meta_in(meta_path);
   if (!meta_in) return not_found("no checkpoint at {}: cannot open {}", dir, meta_path);
@@ -153,12 +157,29 @@ Status check_checkpoint_meta(const std::string& dir, CheckpointMeta* expected) {
   for (int r = 0; r < num_ranks; ++r)
     if (!fs::exists(rank_file(dir, r))) return not_found("checkpoint {} has no file for rank {}", dir, r);
   expected->step = j.value("step", int64_t{0});
+  expected->layer_slots.clear();
+  expected->eplb_window.clear();
+  if (j.contains("layer_slots")) {
+    const auto& slots = j["layer_slots"];
+    const auto& window = j.value("eplb_window", nlohmann::json::array());
+    bool ok = slots.is_array() && window.is_array() && slots.size() == window.size();
+    for (std::size_t l = 0; ok && l < slots.size(); ++l) {
+      ok = slots[l].is_array() && window[l].is_array();
+      for (std::size_t i = 0; ok && i < slots[l].size(); ++i) ok = slots[l][i].is_number_integer();
+      for (std::size_t i = 0; ok && i < window[l].size(); ++i) ok = window[l][i].is_number_integer();
+      if (ok) {
+        expected->layer_slots.push_back(slots[l].get<std::vector<int32_t>>());
+        expected->eplb_window.push_back(window[l].get<std::vector<int64_t>>());
+      }
+    }
+    if (!ok) return invalid_argument("{}: layer_slots and eplb_window must be lists of integer lists, one per layer", meta_path);
+  }
   return Status::ok();
 }
 
 Status load_checkpoint(const std::string& dir, CheckpointMeta* expected, int rank, std::span<Parameter* const> params,
                        AdamW& adam, std::span<MoELayer* const> layers) {
-  EPX_RETURN_IF_ERROR(check_checkpoint_meta(dir, expected));
+  EPX_RETURN_IF_ERROR(read_checkpoint_meta(dir, expected));
   Reader r(rank_file(dir, rank));
   if (!r.opened()) return not_found("checkpoint {} has no file for rank {}", dir, rank);
   char magic[8];

@@ -18,15 +18,20 @@ struct CheckpointMeta {
   int num_ranks = 0;
   int num_nodes = 0;
   std::string fingerprint;  // the model's shape; a resume must match it
+  // EPLB (meta.json, the same for every rank): each layer's slot -> logical
+  // expert map and the per-expert loads of the unfinished window. Empty without eplb.
+  std::vector<std::vector<int32_t>> layer_slots;
+  std::vector<std::vector<int64_t>> eplb_window;
 };
 
 // Collective.
 [[nodiscard]] Status save_checkpoint(const std::string& dir, const CheckpointMeta& meta, Transport& transport,
                                      std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);
-// Checks dir/meta.json against `expected` (ranks, nodes, model) and that
-// every rank's file is there; sets expected->step. No rank file is read.
-[[nodiscard]] Status check_checkpoint_meta(const std::string& dir, CheckpointMeta* expected);
+// Reads meta.json and checks it against `expected` (ranks, nodes, model) and
+// that every rank's file is there; fills step, layer_slots and eplb_window.
+// No rank file is read.
+[[nodiscard]] Status read_checkpoint_meta(const std::string& dir, CheckpointMeta* expected);
 // Reads this rank's part; checks the meta against `expected` (step is read).
 [[nodiscard]] Status load_checkpoint(const std::string& dir, CheckpointMeta* expected, int rank,
                                      std::span<Parameter* const> params, AdamW& adam,

@@ -26,6 +26,8 @@ TensorView matrix(const std::vector<float>& v, int64_t rows, int64_t cols) {
 
 Status ModelConfig::validate() const {
   if (num_layers < 1) return invalid_argument("num_layers = {} must be at least 1", num_layers);
+  if (!layer_slots.empty() && static_cast<int>(layer_slots.size()) != num_layers)
+    return invalid_argument("layer_slots has {} layers' maps; the model has {} layers", layer_slots.size(), num_layers);
   if (max_tokens_per_rank < 1) return invalid_argument("max_tokens_per_rank = {} must be at least 1", max_tokens_per_rank);
   if (task == TaskKind::kRegression) {
     if (input_dim < 1) return invalid_argument("input_dim = {} must be at least 1", input_dim);
@@ -39,7 +41,7 @@ Status ModelConfig::validate() const {
 struct MoEModel::Impl {
   ModelConfig config;
   Transport& transport;
-  std::unique_ptr<Buffer> buffer;
+  std::vector<std::unique_ptr<Buffer>> buffers;  // one shared, or one per layer (layer_slots)
   std::vector<std::unique_ptr<MoELayer>> layers;
   Parameter embed, final_norm, head;
   StepTimes times;
@@ -50,6 +52,25 @@ struct MoEModel::Impl {
   Impl(const ModelConfig& c, Transport& t) : config(c), transport(t) {}
 
   [[nodiscard]] int H() const { return config.layer.hidden; }
+
+  // A Buffer over `num_experts` experts (slots), rank-major when `rank_major`.
+  Result<std::unique_ptr<Buffer>> make_buffer(int num_experts, bool rank_major) {
+    const MoELayerConfig& lc = config.layer;
+    std::optional<ExpertPlacement> placement = config.placement;
+    if (rank_major) {
+      const int R = transport.num_ranks();
+      if (num_experts % R != 0)
+        return invalid_argument("eplb slots = {} must be a multiple of ranks = {}", num_experts, R);
+      EPX_ASSIGN_OR_RETURN(placement, ExpertPlacement::contiguous(num_experts, R));
+    }
+    return Buffer::create(transport, {.num_experts = num_experts,
+                                      .hidden = lc.hidden,
+                                      .dtype = lc.dtype,
+                                      .max_topk = lc.router.topk,
+                                      .max_tokens_per_rank = config.max_tokens_per_rank,
+                                      .placement = placement,
+                                      .timeout = config.timeout});
+  }
 
   Status check_batch(const Batch& b) const {
     const int64_t T = b.num_tokens;
@@ -185,16 +206,21 @@ Result<std::unique_ptr<MoEModel>> MoEModel::create(const ModelConfig& config, Tr
   EPX_RETURN_IF_ERROR(config.validate());
   auto impl = std::make_unique<Impl>(config, transport);
   const MoELayerConfig& lc = config.layer;
-  EPX_ASSIGN_OR_RETURN(impl->buffer, Buffer::create(transport, {.num_experts = lc.router.num_experts,
-                                                                .hidden = lc.hidden,
-                                                                .dtype = lc.dtype,
-                                                                .max_topk = lc.router.topk,
-                                                                .max_tokens_per_rank = config.max_tokens_per_rank,
-                                                                .placement = config.placement,
-                                                                .timeout = config.timeout}));
   for (int l = 0; l < config.num_layers; ++l) {
-    EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, transport, *impl->buffer, l));
-    impl->layers.push_back(std::move(layer));
+    if (config.layer_slots.empty()) {
+      if (l == 0) {
+        EPX_ASSIGN_OR_RETURN(auto buffer, impl->make_buffer(lc.router.num_experts, false));
+        impl->buffers.push_back(std::move(buffer));
+      }
+      EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, transport, *impl->buffers[0], l));
+      impl->layers.push_back(std::move(layer));
+    } else {
+      const auto& slots = config.layer_slots[l];
+      EPX_ASSIGN_OR_RETURN(auto buffer, impl->make_buffer(static_cast<int>(slots.size()), true));
+      EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, transport, *buffer, l, slots));
+      impl->buffers.push_back(std::move(buffer));
+      impl->layers.push_back(std::move(layer));
+    }
   }
   const int h = lc.hidden, D = config.num_outputs();
   impl->embed = Parameter("embed", ParamKind::kDense, config.num_inputs(), h);
@@ -212,7 +238,31 @@ MoEModel::~MoEModel() = default;
 
 const ModelConfig& MoEModel::config() const { return impl_->config; }
 const StepTimes& MoEModel::times() const { return impl_->times; }
-Buffer& MoEModel::buffer() { return *impl_->buffer; }
+Buffer& MoEModel::buffer(int layer) { return impl_->layers[layer]->buffer(); }
+
+Status MoEModel::replace_layer(int layer, std::vector<int32_t> slot_expert) {
+  Impl& m = *impl_;
+  if (m.config.layer_slots.empty())
+    return failed_precondition("replace_layer needs a model built with layer_slots (redundant experts)");
+  if (layer < 0 || layer >= m.config.num_layers)
+    return invalid_argument("layer = {} is outside [0, {})", layer, m.config.num_layers);
+  if (slot_expert.size() != m.config.layer_slots[layer].size())
+    return invalid_argument("the new map has {} slots; layer {} has {}", slot_expert.size(), layer,
+                            m.config.layer_slots[layer].size());
+  EPX_ASSIGN_OR_RETURN(auto buffer, m.make_buffer(static_cast<int>(slot_expert.size()), true));
+  EPX_ASSIGN_OR_RETURN(auto fresh, MoELayer::create(m.config.layer, m.transport, *buffer, layer, slot_expert));
+  MoELayer& old = *m.layers[layer];
+  const std::vector<Parameter*> from = old.parameters(), to = fresh->parameters();
+  for (std::size_t i = 0; i < from.size(); ++i)
+    if (from[i]->kind == ParamKind::kDense) to[i]->value = from[i]->value;
+  fresh->bias().set_values(old.bias().values());
+  fresh->bias().set_frozen(old.bias().frozen());
+  fresh->bias().set_rate(old.bias().rate());
+  m.layers[layer] = std::move(fresh);
+  m.buffers[layer] = std::move(buffer);
+  m.config.layer_slots[layer] = std::move(slot_expert);
+  return Status::ok();
+}
 
 Result<double> MoEModel::forward_backward(const Batch& batch, int64_t global_tokens) {
   Impl& m = *impl_;

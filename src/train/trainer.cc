@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "epx/balance/placement.h"
 #include "epx/comm/inproc.h"
 #include "epx/core/clock.h"
 #include "train/checkpoint.h"
@@ -27,7 +28,8 @@ std::string fingerprint(const ModelConfig& m) {
   return fmt::format("task={} in={} out={} layers={} hidden={} ffn={} experts={} topk={} shared={} dtype={}",
                      m.task == TaskKind::kRegression ? "regression" : "next-byte", m.num_inputs(), m.num_outputs(),
                      m.num_layers, l.hidden, l.ffn_hidden, l.router.num_experts, l.router.topk, l.num_shared_experts,
-                     dtype_name(l.dtype));
+                     dtype_name(l.dtype)) +
+         (m.layer_slots.empty() ? "" : fmt::format(" slots={}", m.layer_slots[0].size()));
 }
 
 // Everything one rank needs to make its batches.
@@ -66,6 +68,105 @@ class DataSource {
 
 constexpr int kTimeFields = 8;
 
+// EPLB: what re-placing the experts needs, the same on every rank.
+struct Eplb {
+  PlacementConfig placement;
+  int64_t expert_bytes = 0;                // w1, w3, w2 with their two AdamW moments, f32
+  std::vector<std::vector<int64_t>> window;  // per layer, per logical expert: load since the last re-placement
+};
+
+PlacementConfig placement_config(const TrainConfig& config, const ModelConfig& m) {
+  const int E = m.layer.router.num_experts, R = config.num_ranks, N = config.num_nodes;
+  const int G = m.layer.router.num_groups > 1 ? m.layer.router.num_groups : 0;
+  return {.num_slots = config.balancing.slots(E, R), .num_nodes = N, .ranks_per_node = R / N, .num_groups = G,
+          .policy = G > 0 && G % N == 0 ? PlacementPolicy::kHierarchical : PlacementPolicy::kGlobal};
+}
+
+// The first placement: the identity when slots == experts, else the balanced
+// one for equal loads (extra replicas to the lowest ids).
+Result<std::vector<int32_t>> initial_slots(const PlacementConfig& pc, int num_experts) {
+  const int R = pc.num_nodes * pc.ranks_per_node;
+  if (pc.num_slots == num_experts) {
+    EPX_ASSIGN_OR_RETURN(RedundantPlacement p, contiguous_placement(num_experts, R));
+    return p.slot_expert();
+  }
+  EPX_ASSIGN_OR_RETURN(RedundantPlacement p, place_experts(std::vector<double>(num_experts, 1.0), pc));
+  return p.slot_expert();
+}
+
+// Re-places every layer's experts from the window's loads. Weights and AdamW
+// moments travel as one all-reduce of a [E, 3 x 3 x H x F] logical table per
+// moved layer, to which only each expert's first replica contributes (a real
+// system would send only the moved slots: EplbReport::moved_bytes). Collective.
+Status replace_experts(MoEModel& model, AdamW& adam, Transport& transport, Eplb& eplb, EplbReport* report,
+                       const Deadline& deadline) {
+  const int rank = transport.rank(), R = transport.num_ranks();
+  const MoELayerConfig& lc = model.config().layer;
+  const int E = lc.router.num_experts;
+  const std::size_t hf = static_cast<std::size_t>(lc.hidden) * lc.ffn_hidden, row = 9 * hf;
+  for (int l = 0; l < model.config().num_layers; ++l) {
+    MoELayer* layer = model.layers()[l];
+    std::vector<double> load(eplb.window[l].begin(), eplb.window[l].end());
+    EPX_ASSIGN_OR_RETURN(RedundantPlacement current,
+                         RedundantPlacement::from_slot_map(layer->slot_expert(), E, R, eplb.placement.policy));
+    EPX_ASSIGN_OR_RETURN(RebalancePlan plan, rebalance(current, load, eplb.placement, eplb.expert_bytes));
+    report->balance_before.push_back(balance(rank_loads(current, load)));
+    report->balance_after.push_back(plan.balance);
+    report->num_moved_slots += plan.num_moved_slots;
+    report->moved_bytes += plan.moved_bytes;
+    std::fill(eplb.window[l].begin(), eplb.window[l].end(), 0);
+    if (plan.num_moved_slots == 0) continue;
+
+    auto experts_of = [](MoELayer* m) {
+      std::vector<Parameter*> out;
+      for (Parameter* p : m->parameters())
+        if (p->kind == ParamKind::kExpert) out.push_back(p);
+      return out;
+    };
+    auto moments_of = [&](Parameter* p) -> AdamW::Moments& {
+      AdamW::Moments& m = adam.moments()[p->name];
+      m.m.resize(p->value.size(), 0.0f);
+      m.v.resize(p->value.size(), 0.0f);
+      return m;
+    };
+    std::vector<float> table(static_cast<std::size_t>(E) * row, 0.0f);
+    for (int local = 0; local < layer->num_local_experts(); ++local) {
+      const int e = layer->local_logical_expert(local);
+      if (e < 0 || layer->buffer().placement().global_id(rank, local) != current.replicas(e).front()) continue;
+      float* dst = table.data() + static_cast<std::size_t>(e) * row;
+      for (Parameter* p : experts_of(layer)) {
+        const AdamW::Moments& m = moments_of(p);
+        const std::vector<float>* parts[3] = {&p->value, &m.m, &m.v};
+        for (const std::vector<float>* v : parts) {
+          std::copy_n(v->begin() + static_cast<std::ptrdiff_t>(local * hf), hf, dst);
+          dst += hf;
+        }
+      }
+    }
+    EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(table), ReduceOp::kSum, deadline));
+    EPX_RETURN_IF_ERROR(model.replace_layer(l, plan.placement.slot_expert()));
+    layer = model.layers()[l];
+    for (int local = 0; local < layer->num_local_experts(); ++local) {
+      const int e = layer->local_logical_expert(local);
+      const float* src = e < 0 ? nullptr : table.data() + static_cast<std::size_t>(e) * row;
+      for (Parameter* p : experts_of(layer)) {
+        AdamW::Moments& m = moments_of(p);
+        std::vector<float>* parts[3] = {&p->value, &m.m, &m.v};
+        for (std::vector<float>* v : parts) {
+          const auto at = v->begin() + static_cast<std::ptrdiff_t>(local * hf);
+          if (src) {
+            std::copy_n(src, hf, at);
+            src += hf;
+          } else {
+            std::fill_n(at, hf, 0.0f);
+          }
+        }
+      }
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 std::string BalancingConfig::name() const {
@@ -73,6 +174,7 @@ std::string BalancingConfig::name() const {
   if (aux_loss_coeff > 0) parts.emplace_back(aux_loss == AuxLossKind::kGlobalBatch ? "aux-global" : "aux");
   if (expert_bias) parts.emplace_back("bias");
   if (capacity_factor > 0) parts.emplace_back(drop_policy == DropPolicy::kScore ? "capacity-score" : "capacity");
+  if (eplb) parts.emplace_back("eplb");
   return parts.empty() ? "none" : fmt::format("{}", fmt::join(parts, "+"));
 }
 
@@ -81,6 +183,7 @@ Result<BalancingConfig> parse_balancing(std::string_view text, const BalancingCo
   out.aux_loss_coeff = 0;
   out.expert_bias = false;
   out.capacity_factor = 0;
+  out.eplb = false;
   const double aux = defaults.aux_loss_coeff > 0 ? defaults.aux_loss_coeff : 1e-2;
   const double cf = defaults.capacity_factor > 0 ? defaults.capacity_factor : 1.25;
   std::size_t start = 0;
@@ -99,12 +202,11 @@ Result<BalancingConfig> parse_balancing(std::string_view text, const BalancingCo
       out.capacity_factor = cf;
       out.drop_policy = part == "capacity" ? DropPolicy::kPosition : DropPolicy::kScore;
     } else if (part == "eplb") {
-      return unimplemented(
-          "balancing 'eplb' (re-placing experts with redundant replicas during training) is not built yet; "
-          "`epx eplb` computes placements from loads");
+      out.eplb = true;
     } else {
       return invalid_argument(
-          "unknown balancing '{}' in '{}'; use none, aux, aux-global, bias, capacity, capacity-score, joined by '+'",
+          "unknown balancing '{}' in '{}'; use none, aux, aux-global, bias, capacity, capacity-score, eplb, joined by "
+          "'+'",
           part, text);
     }
     start = end + 1;
@@ -137,9 +239,15 @@ Result<ModelConfig> TrainConfig::resolved_model() const {
 Status check_resume(const TrainConfig& config) {
   if (config.resume_dir.empty()) return Status::ok();
   EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  detail::CheckpointMeta meta{.step = 0, .num_ranks = config.num_ranks, .num_nodes = config.num_nodes,
-                              .fingerprint = fingerprint(m)};
-  EPX_RETURN_IF_ERROR(detail::check_checkpoint_meta(config.resume_dir, &meta));
+  if (config.balancing.eplb)  // the fingerprint counts the slots; their map comes from the checkpoint
+    m.layer_slots.assign(static_cast<std::size_t>(m.num_layers),
+                         std::vector<int32_t>(static_cast<std::size_t>(
+                             config.balancing.slots(m.layer.router.num_experts, config.num_ranks))));
+  detail::CheckpointMeta meta;
+  meta.num_ranks = config.num_ranks;
+  meta.num_nodes = config.num_nodes;
+  meta.fingerprint = fingerprint(m);
+  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &meta));
   if (meta.step > config.steps)
     return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
                             meta.step, config.steps);
@@ -156,9 +264,16 @@ Status TrainConfig::validate() const {
   EPX_RETURN_IF_ERROR(schedule.validate());
   EPX_RETURN_IF_ERROR(adamw.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig m, resolved_model());
-  if (m.layer.router.num_experts % num_ranks != 0)
-    return invalid_argument("experts = {} must be a multiple of ranks = {} (contiguous placement)",
-                            m.layer.router.num_experts, num_ranks);
+  const int E = m.layer.router.num_experts;
+  if (balancing.eplb) {
+    if (balancing.eplb_every < 1) return invalid_argument("eplb_every = {} must be at least 1", balancing.eplb_every);
+    if (balancing.eplb_slots < 0) return invalid_argument("eplb_slots = {} is below 0", balancing.eplb_slots);
+    const int S = balancing.slots(E, num_ranks);
+    if (S < E) return invalid_argument("eplb_slots = {} is below experts = {}", S, E);
+    if (S % num_ranks != 0) return invalid_argument("eplb_slots = {} must be a multiple of ranks = {}", S, num_ranks);
+  } else if (E % num_ranks != 0) {
+    return invalid_argument("experts = {} must be a multiple of ranks = {} (contiguous placement)", E, num_ranks);
+  }
   if (model.task == TaskKind::kRegression) return synthetic.validate();
   return Status::ok();
 }
@@ -181,16 +296,49 @@ std::string StepReport::to_json() const {
                               r ? "," : "", r, t.router, t.dispatch, t.experts, t.combine, t.dense, t.wait, t.sync,
                               t.total);
   }
+  std::string eplb_json;
+  if (eplb)
+    eplb_json = fmt::format(",\"eplb\":{{\"balance_before\":[{:.6g}],\"balance_after\":[{:.6g}],\"moved_slots\":{},"
+                            "\"moved_bytes\":{}}}",
+                            fmt::join(eplb->balance_before, ","), fmt::join(eplb->balance_after, ","),
+                            eplb->num_moved_slots, eplb->moved_bytes);
   return fmt::format("{{\"step\":{},\"loss\":{:.8g},\"main_loss\":{:.8g},\"lr\":{:.6g},\"grad_norm\":{:.6g},"
-                     "\"seconds\":{:.6g},\"tokens_per_s\":{:.6g},\"layers\":[{}],\"ranks\":[{}]}}",
+                     "\"seconds\":{:.6g},\"tokens_per_s\":{:.6g},\"layers\":[{}],\"ranks\":[{}]{}}}",
                      step, loss, main_loss, learning_rate, grad_norm, seconds, tokens_per_second, layers_json,
-                     ranks_json);
+                     ranks_json, eplb_json);
 }
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
   EPX_RETURN_IF_ERROR(config.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig model_config, config.resolved_model());
   EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
+  Eplb eplb_init;
+  if (config.balancing.eplb) {
+    const int E = model_config.layer.router.num_experts;
+    eplb_init.placement = placement_config(config, model_config);
+    eplb_init.expert_bytes = int64_t{9} * model_config.layer.hidden * model_config.layer.ffn_hidden * 4;
+    EPX_ASSIGN_OR_RETURN(std::vector<int32_t> slots, initial_slots(eplb_init.placement, E));
+    model_config.layer_slots.assign(static_cast<std::size_t>(model_config.num_layers), slots);
+    eplb_init.window.assign(static_cast<std::size_t>(model_config.num_layers), std::vector<int64_t>(E, 0));
+    if (!config.resume_dir.empty()) {
+      // The checkpoint's placement decides the Buffers, so it is read first.
+      detail::CheckpointMeta saved;
+      saved.num_ranks = config.num_ranks;
+      saved.num_nodes = config.num_nodes;
+      saved.fingerprint = fingerprint(model_config);
+      EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &saved));
+      if (saved.layer_slots.size() != model_config.layer_slots.size() ||
+          saved.eplb_window.size() != eplb_init.window.size())
+        return invalid_argument("checkpoint {} holds {} layers' placements; this eplb run has {} layers",
+                                config.resume_dir, saved.layer_slots.size(), model_config.num_layers);
+      for (std::size_t l = 0; l < saved.eplb_window.size(); ++l)
+        if (saved.eplb_window[l].size() != static_cast<std::size_t>(E))
+          return invalid_argument("checkpoint {}: layer {}'s eplb window has {} loads; the model has {} experts",
+                                  config.resume_dir, l, saved.eplb_window[l].size(), E);
+      model_config.layer_slots = std::move(saved.layer_slots);
+      eplb_init.window = std::move(saved.eplb_window);
+    }
+  }
   // Open the data and the checkpoint's meta once here, so that a bad file
   // fails before any rank starts.
   EPX_RETURN_IF_ERROR(DataSource::create(config).status());
@@ -204,24 +352,43 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
 
   auto rank_main = [&](Transport& transport) -> Status {
     const int rank = transport.rank(), R = transport.num_ranks();
+    auto deadline = [&] { return Deadline::after(model_config.timeout); };
     EPX_ASSIGN_OR_RETURN(DataSource data, DataSource::create(config));
     EPX_ASSIGN_OR_RETURN(auto model, MoEModel::create(model_config, transport));
-    std::vector<Parameter*> params = model->parameters();
-    std::vector<MoELayer*> layers = model->layers();
-    std::vector<Parameter*> dense;
+    std::vector<Parameter*> params, dense;
+    std::vector<MoELayer*> layers;
     std::size_t dense_size = 0;
-    for (Parameter* p : params)
-      if (p->kind == ParamKind::kDense) {
-        dense.push_back(p);
-        dense_size += p->grad.size();
-      }
+    // Re-placement rebuilds layers, so the lists are refreshed after one.
+    auto collect = [&] {
+      params = model->parameters();
+      layers = model->layers();
+      dense.clear();
+      dense_size = 0;
+      for (Parameter* p : params)
+        if (p->kind == ParamKind::kDense) {
+          dense.push_back(p);
+          dense_size += p->grad.size();
+        }
+    };
+    collect();
+    Eplb eplb = eplb_init;
     AdamW adam(config.adamw);
-    detail::CheckpointMeta meta{.step = 0, .num_ranks = R, .num_nodes = config.num_nodes,
-                                .fingerprint = fingerprint(model_config)};
+    detail::CheckpointMeta meta;
+    meta.num_ranks = R;
+    meta.num_nodes = config.num_nodes;
+    meta.fingerprint = fingerprint(model_config);
+    auto save = [&](int64_t step) -> Status {
+      meta.step = step;
+      if (config.balancing.eplb) {
+        meta.layer_slots.clear();
+        for (MoELayer* layer : layers) meta.layer_slots.push_back(layer->slot_expert());
+        meta.eplb_window = eplb.window;
+      }
+      return detail::save_checkpoint(config.save_dir, meta, transport, params, adam, layers, deadline());
+    };
     if (!config.resume_dir.empty())
       EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &meta, rank, params, adam, layers));
     const int64_t first_step = meta.step;
-    auto deadline = [&] { return Deadline::after(model_config.timeout); };
 
     Batch batch;
     std::vector<float> packed(std::max<std::size_t>(dense_size, 1));
@@ -261,13 +428,33 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
                     packed.begin() + static_cast<std::ptrdiff_t>(at + p->grad.size()), p->grad.begin());
           at += p->grad.size();
         }
-        EPX_ASSIGN_OR_RETURN(grad_norm, clip_grad_norm(params, config.clip_norm, transport, deadline()));
+        double duplicate_sq = 0;
+        for (MoELayer* layer : layers) {
+          EPX_RETURN_IF_ERROR(layer->sum_replica_gradients());
+          duplicate_sq += layer->duplicate_grad_sq();
+        }
+        EPX_ASSIGN_OR_RETURN(grad_norm, clip_grad_norm(params, config.clip_norm, transport, deadline(), duplicate_sq));
       }
       const double lr = learning_rate(config.schedule, step);
       {
         ScopedSpan span(tracer, rank, "optimizer");
         adam.step(params, lr);
         for (MoELayer* layer : layers) EPX_RETURN_IF_ERROR(layer->update_bias());
+      }
+      std::vector<LoadStats> step_stats;
+      for (MoELayer* layer : layers) step_stats.push_back(layer->load_stats());
+      std::optional<EplbReport> eplb_report;
+      if (config.balancing.eplb) {
+        for (std::size_t l = 0; l < layers.size(); ++l)
+          for (std::size_t e = 0; e < eplb.window[l].size(); ++e)
+            eplb.window[l][e] += step_stats[l].tokens_per_expert[e];
+        if ((step + 1) % config.balancing.eplb_every == 0 && step + 1 < config.steps) {
+          ScopedSpan span(tracer, rank, "eplb");
+          eplb_report.emplace();
+          EPX_RETURN_IF_ERROR(replace_experts(*model, adam, transport, eplb, &*eplb_report, deadline()));
+          collect();
+          for (MoELayer* layer : layers) layer->set_tracer(tracer);
+        }
       }
       const double sync = sync_watch.seconds();
 
@@ -291,13 +478,15 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
         report.grad_norm = grad_norm;
         report.seconds = step_watch.seconds();
         report.tokens_per_second = static_cast<double>(config.batch_tokens) / std::max(report.seconds, 1e-9);
-        for (MoELayer* layer : layers) report.layers.push_back(layer->load_stats());
+        report.layers = std::move(step_stats);
+        report.eplb = eplb_report;
         for (int r = 0; r < R; ++r) {
           const double* f = all.data() + static_cast<std::ptrdiff_t>(r) * kTimeFields;
           report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
         }
         std::lock_guard lock(mu);
         if (step == first_step) summary.first_loss = report.main_loss;
+        if (report.eplb) summary.eplb_moved_bytes += report.eplb->moved_bytes;
         for (const LoadStats& s : report.layers) summary.dropped += s.num_dropped;
         if (step > first_step || config.steps - first_step == 1) {
           run_seconds += report.seconds;
@@ -311,31 +500,32 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
         if (recent.size() > 10) recent.erase(recent.begin());
         if (on_step) on_step(report);
       }
-      if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps) {
-        meta.step = step + 1;
-        EPX_RETURN_IF_ERROR(detail::save_checkpoint(config.save_dir, meta, transport, params, adam, layers, deadline()));
-      }
+      if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
+        EPX_RETURN_IF_ERROR(save(step + 1));
     }
     for (MoELayer* layer : layers) layer->set_tracer(nullptr);
-    if (!config.save_dir.empty()) {
-      meta.step = config.steps;
-      EPX_RETURN_IF_ERROR(detail::save_checkpoint(config.save_dir, meta, transport, params, adam, layers, deadline()));
-    }
+    if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save(config.steps));
     if (keep_parameters) {
       std::lock_guard lock(mu);
-      for (Parameter* p : params) {
-        if (p->kind == ParamKind::kDense) {
-          if (rank == 0) summary.parameters[p->name] = p->value;
-          continue;
-        }
-        const int local = model->buffer().num_local_experts();
-        const int64_t per_expert = p->numel() / std::max(local, 1);
-        for (int l = 0; l < local; ++l) {
-          const int g = model->buffer().placement().global_id(rank, l);
-          summary.parameters[fmt::format("{}#{}", p->name, g)].assign(
-              p->value.begin() + l * per_expert, p->value.begin() + (l + 1) * per_expert);
+      for (Parameter* p : params)
+        if (p->kind == ParamKind::kDense && rank == 0) summary.parameters[p->name] = p->value;
+      for (MoELayer* layer : layers) {
+        const Buffer& buffer = layer->buffer();
+        const int local = buffer.num_local_experts();
+        for (Parameter* p : layer->parameters()) {
+          if (p->kind != ParamKind::kExpert) continue;
+          const int64_t per_expert = p->numel() / std::max(local, 1);
+          for (int l = 0; l < local; ++l) {
+            const int g = buffer.placement().global_id(rank, l);
+            summary.parameters[fmt::format("{}#{}", p->name, g)].assign(
+                p->value.begin() + l * per_expert, p->value.begin() + (l + 1) * per_expert);
+          }
         }
       }
+    }
+    if (rank == 0 && config.balancing.eplb) {
+      std::lock_guard lock(mu);
+      for (MoELayer* layer : layers) summary.layer_slots.push_back(layer->slot_expert());
     }
     return Status::ok();
   };

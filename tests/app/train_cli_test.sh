@@ -36,6 +36,9 @@ expect_usage_error "negative learning rate" "learning rate -0.1" --lr -0.1
 expect_usage_error "missing text file" "$work/none.txt" --data "text:$work/none.txt"
 expect_usage_error "unknown balancing" "unknown balancing 'magic'" --balance magic
 expect_usage_error "experts not a multiple of ranks" "experts = 16 must be a multiple of ranks = 3" --ranks 3
+expect_usage_error "eplb slots not a multiple of ranks" "eplb_slots = 18 must be a multiple of ranks = 4" \
+  --balance bias+eplb --eplb-slots 18
+expect_usage_error "eplb slots below experts" "eplb_slots = 12 is below experts = 16" --balance eplb --eplb-slots 12
 
 # A small run with metrics, a trace and a checkpoint, then a resume.
 small=(--batch-tokens 64 --hidden 32 --ffn-hidden 32 --experts 8 -q)
@@ -68,6 +71,16 @@ else
       echo "ok   resume with other ranks: $out"
     fi
   fi
+fi
+
+# EPLB: a re-placement after steps 2 and 4 (1-based; none after the last) shows in the metrics.
+if ! "$epx" train "${small[@]}" --steps 6 --balance bias+eplb --eplb-every 2 --metrics "$work/e.jsonl" \
+     > "$work/out3.txt" 2>&1; then
+  echo "FAIL eplb run:"; cat "$work/out3.txt"; failures=$((failures + 1))
+else
+  replaced=$(grep -c '"eplb":{"balance_before"' "$work/e.jsonl")
+  [[ $replaced -eq 2 ]] || { echo "FAIL eplb metrics show $replaced re-placements, want 2"; failures=$((failures + 1)); }
+  echo "ok   eplb run: 2 re-placements in the metrics"
 fi
 
 if (( failures > 0 )); then

@@ -180,14 +180,18 @@ TEST(MoELayerGradients, CapacityDropsKeepGradientsExact) {
 
 // One forward + backward of the global batch split over `num_ranks`; returns
 // out, grad_x (global token order) and every parameter's gradient keyed by
-// name and global expert (dense gradients summed over ranks).
+// name and global expert (dense gradients summed over ranks). With a
+// slot -> expert map (redundant experts, rank-major slots) the expert
+// gradients are summed over replicas and keyed by logical expert; `replicas`
+// holds every replica's copy.
 struct RunResult {
   std::vector<float> out, grad_x;
   std::map<std::string, std::vector<float>> grads;
-  std::vector<int64_t> tokens_per_expert;
+  std::map<std::string, std::vector<std::vector<float>>> replicas;
+  std::vector<int64_t> tokens_per_expert, work_per_rank;
 };
 
-RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config) {
+RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config, std::vector<int32_t> slot_expert = {}) {
   const int H = config.hidden, E = config.router.num_experts;
   const std::vector<float> all_x = global_inputs(total, H, 5), all_c = global_inputs(total, H, 6);
   RunResult result;
@@ -199,8 +203,17 @@ RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config) {
     const auto first = static_cast<std::ptrdiff_t>(rank) * T * H;
     std::vector<float> x(all_x.begin() + first, all_x.begin() + first + T * H);
     std::vector<float> c(all_c.begin() + first, all_c.begin() + first + T * H);
-    EPX_ASSIGN_OR_RETURN(auto buffer, make_buffer(t, config, total));
-    EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(config, t, *buffer, 3));
+    std::unique_ptr<Buffer> buffer;
+    if (slot_expert.empty()) {
+      EPX_ASSIGN_OR_RETURN(buffer, make_buffer(t, config, total));
+    } else {
+      const int S = static_cast<int>(slot_expert.size());
+      EPX_ASSIGN_OR_RETURN(auto placement, ExpertPlacement::contiguous(S, num_ranks));
+      EPX_ASSIGN_OR_RETURN(buffer, Buffer::create(t, {.num_experts = S, .hidden = H, .dtype = config.dtype,
+                                                      .max_topk = config.router.topk, .max_tokens_per_rank = total,
+                                                      .placement = placement}));
+    }
+    EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(config, t, *buffer, 3, slot_expert));
     EPX_RETURN_IF_ERROR(layer->forward(TensorView::contiguous(x.data(), DType::kF32, {T, H}),
                                        TensorView::contiguous(result.out.data() + first, DType::kF32, {T, H})));
     EPX_RETURN_IF_ERROR(layer->backward(TensorView::contiguous(c.data(), DType::kF32, {T, H}),
@@ -209,8 +222,10 @@ RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config) {
       if (p->kind == ParamKind::kDense)
         EPX_RETURN_IF_ERROR(t.all_reduce(std::span<float>(p->grad), ReduceOp::kSum, Deadline::after(Milliseconds(20000))));
     }
+    EPX_RETURN_IF_ERROR(layer->sum_replica_gradients());
     std::lock_guard lock(mu);
     if (rank == 0) result.tokens_per_expert = layer->load_stats().tokens_per_expert;
+    if (rank == 0) result.work_per_rank = layer->load_stats().work_per_rank;
     for (Parameter* p : layer->parameters()) {
       if (p->kind == ParamKind::kDense) {
         if (rank == 0) result.grads[p->name] = p->grad;
@@ -218,9 +233,11 @@ RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config) {
       }
       const int64_t per_expert = p->numel() / layer->num_local_experts();
       for (int l = 0; l < layer->num_local_experts(); ++l) {
-        const int g = buffer->placement().global_id(rank, l);
-        result.grads[fmt::format("{}#{}", p->name, g)].assign(p->grad.begin() + l * per_expert,
-                                                               p->grad.begin() + (l + 1) * per_expert);
+        const int g = slot_expert.empty() ? buffer->placement().global_id(rank, l) : layer->local_logical_expert(l);
+        if (g < 0) continue;
+        const std::string key = fmt::format("{}#{}", p->name, g);
+        result.grads[key].assign(p->grad.begin() + l * per_expert, p->grad.begin() + (l + 1) * per_expert);
+        result.replicas[key].push_back(result.grads[key]);
       }
     }
     (void)E;
@@ -282,6 +299,56 @@ TEST(MoELayerPrecision, Bf16FollowsF32WithinBf16Rounding) {
   EXPECT_GT(out_err, 0.0) << "bf16 should round somewhere";
   EXPECT_LT(out_err, 2e-2);
   EXPECT_LT(grad_err, 3e-2);
+}
+
+// Redundant experts: 4 logical experts in 6 slots over 2 ranks (experts 0
+// and 1 twice, on different ranks). The layer computes the same function as
+// the plain one, tokens_per_expert stays logical, the work moves with the
+// replicas, and after sum_replica_gradients both replicas hold the logical
+// expert's whole gradient, bit for bit.
+TEST(MoELayerExpertParallel, ReplicatedExpertsComputeTheLogicalLayer) {
+  MoELayerConfig config = small_layer();
+  config.aux_loss = AuxLossKind::kGlobalBatch;
+  const RunResult plain = run_layer(2, 32, config);
+  const RunResult replicated = run_layer(2, 32, config, {0, 1, 2, /*rank 1:*/ 3, 0, 1});
+  for (int64_t n : plain.tokens_per_expert) ASSERT_GT(n, 0);
+  expect_close(plain.out, replicated.out, "out");
+  expect_close(plain.grad_x, replicated.grad_x, "grad_x");
+  EXPECT_EQ(plain.tokens_per_expert, replicated.tokens_per_expert);
+  ASSERT_EQ(replicated.work_per_rank.size(), 2u);
+  // Rank 1 holds expert 3 and the second replicas (odd tokens of each rank) of 0 and 1.
+  EXPECT_EQ(replicated.work_per_rank[0] + replicated.work_per_rank[1], plain.work_per_rank[0] + plain.work_per_rank[1]);
+  EXPECT_NE(replicated.work_per_rank, plain.work_per_rank);
+  ASSERT_EQ(plain.grads.size(), replicated.grads.size());
+  for (const auto& [name, grad] : plain.grads) {
+    ASSERT_TRUE(replicated.grads.contains(name)) << name;
+    expect_close(grad, replicated.grads.at(name), name);
+  }
+  for (const char* w : {"w1", "w3", "w2"}) {
+    for (int e = 0; e < 4; ++e) {
+      const auto& copies = replicated.replicas.at(fmt::format("layer3.experts.{}#{}", w, e));
+      ASSERT_EQ(copies.size(), e < 2 ? 2u : 1u) << w << " expert " << e;
+      for (const auto& copy : copies) EXPECT_EQ(copy, copies[0]) << w << " expert " << e << ": replicas differ";
+    }
+  }
+}
+
+TEST(MoELayerConfigErrors, BadSlotMapNamesTheEntry) {
+  auto statuses = run_ranks(Topology::create(1, 1).value(), [&](Transport& t) -> Status {
+    MoELayerConfig config = small_layer();
+    EPX_ASSIGN_OR_RETURN(auto buffer, make_buffer(t, config, 4));
+    auto layer = MoELayer::create(config, t, *buffer, 0, {0, 1, 2, 7});
+    EXPECT_NE(layer.status().message().find("slot_expert[3] = 7 is outside [-1, 4)"), std::string::npos)
+        << layer.status().to_string();
+    layer = MoELayer::create(config, t, *buffer, 0, {0, 1, 2, 2});
+    EXPECT_NE(layer.status().message().find("logical expert 3 has no slot"), std::string::npos)
+        << layer.status().to_string();
+    layer = MoELayer::create(config, t, *buffer, 0, {0, 1, 2});
+    EXPECT_NE(layer.status().message().find("slot_expert has 3 entries; the Buffer has 4 slots"), std::string::npos)
+        << layer.status().to_string();
+    return Status::ok();
+  });
+  EXPECT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
 }
 
 TEST(MoELayerConfigErrors, BufferMismatchNamesBothValues) {

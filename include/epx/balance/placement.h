@@ -21,6 +21,7 @@
 
 #include "epx/core/status.h"
 #include "epx/exchange/placement.h"
+#include "epx/routing/replicas.h"
 
 namespace epx {
 
@@ -66,6 +67,8 @@ class RedundantPlacement {
   [[nodiscard]] const std::vector<int32_t>& slot_expert() const { return slot_expert_; }
   // logical expert -> its physical slots, ascending.
   [[nodiscard]] const std::vector<int32_t>& replicas(int expert) const { return replicas_[expert]; }
+  // Every expert's slots: replica_table()[e] == replicas(e).
+  [[nodiscard]] const std::vector<std::vector<int32_t>>& replica_table() const { return replicas_; }
   [[nodiscard]] int num_replicas(int expert) const { return static_cast<int>(replicas_[expert].size()); }
   [[nodiscard]] std::vector<int32_t> replica_counts() const;
   [[nodiscard]] int rank_of_slot(int slot) const { return slot / slots_per_rank(); }
@@ -124,13 +127,9 @@ struct RebalancePlan {
 Result<RebalancePlan> rebalance(const RedundantPlacement& current, const std::vector<double>& load,
                                 const PlacementConfig& config, int64_t expert_bytes, double tolerance = 0.02);
 
-enum class ReplicaChoice {
-  kTokenModulo,  // replica (token index mod replica count) of the expert
-  kLeastLoaded,  // the replica that has been given the fewest (token, k) so far; ties to the lowest slot
-};
-
 // Maps topk_idx [num_tokens, topk] of logical expert ids (-1 = none, kept) to
-// physical slot ids, deterministically (row-major order for kLeastLoaded).
+// physical slot ids, deterministically (row-major order for kLeastLoaded):
+// map_to_replicas (routing/replicas.h) over the placement's replica lists.
 // InvalidArgument on a size mismatch or an id outside [0, num_experts).
 Result<std::vector<int32_t>> choose_replicas(const RedundantPlacement& placement, std::span<const int32_t> topk_idx,
                                              int topk, ReplicaChoice choice);

@@ -16,9 +16,15 @@
 // (f32 or bf16 storage with fp32 accumulation). Deterministic: the same
 // inputs on the same topology give the same bits on every run.
 //
-// Initialisation is a pure function of (seed, layer_index, global expert
+// Initialisation is a pure function of (seed, layer_index, logical expert
 // id), so one rank holding every expert starts from the same weights as R
-// ranks holding a share each.
+// ranks holding a share each, and every replica of an expert starts equal.
+//
+// Redundant experts (EPLB): with a slot -> logical expert map the router
+// still picks logical experts (E of them) while the Buffer holds S >= E
+// physical slots; after routing, each (token t, expert e) goes to replica
+// t mod (e's replica count) of e (map_to_replicas, kTokenModulo). Without a
+// map (or with the identity) slot e holds expert e and nothing changes.
 //
 //   epx::MoELayerConfig config{.hidden = 64, .ffn_hidden = 128, .router = {.num_experts = 8, .topk = 2}};
 //   EPX_ASSIGN_OR_RETURN(auto layer, epx::MoELayer::create(config, transport, *buffer, /*layer_index=*/0));
@@ -38,6 +44,7 @@
 #include "epx/layer/parameter.h"
 #include "epx/routing/expert_bias.h"
 #include "epx/routing/load_stats.h"
+#include "epx/routing/replicas.h"
 #include "epx/routing/router.h"
 
 namespace epx {
@@ -81,16 +88,25 @@ struct LayerTimes {
 class MoELayer {
  public:
   // `buffer` must be built on `transport` with hidden == config.hidden, dtype
-  // == config.dtype, max_combine_dtype kF32 and num_experts == the router's;
-  // it may be shared by several layers (they use it one after another).
+  // == config.dtype, max_combine_dtype kF32 and num_experts == the number of
+  // physical slots; it may be shared by several layers (they use it one after
+  // another). `slot_expert` maps each slot of the Buffer to the logical expert
+  // it holds (-1 = empty slot); every logical expert needs a slot. Empty: the
+  // identity (the Buffer then has the router's num_experts slots).
   static Result<std::unique_ptr<MoELayer>> create(const MoELayerConfig& config, Transport& transport,
-                                                  Buffer& buffer, int layer_index);
+                                                  Buffer& buffer, int layer_index,
+                                                  std::vector<int32_t> slot_expert = {});
   ~MoELayer();
   MoELayer(const MoELayer&) = delete;
   MoELayer& operator=(const MoELayer&) = delete;
 
   [[nodiscard]] const MoELayerConfig& config() const;
   [[nodiscard]] int num_local_experts() const;
+  [[nodiscard]] Buffer& buffer();
+  // slot -> logical expert (-1 = empty), over the Buffer's slots.
+  [[nodiscard]] const std::vector<int32_t>& slot_expert() const;
+  // Logical expert held by local expert `local` of this rank (-1 = empty slot).
+  [[nodiscard]] int local_logical_expert(int local) const;
 
   // x, out: f32 [T, hidden] (T <= the Buffer's max_tokens_per_rank). Keeps
   // what backward needs until the next forward.
@@ -103,7 +119,9 @@ class MoELayer {
   // forward (summed over ranks they give the layer's auxiliary loss).
   [[nodiscard]] double aux_loss() const;
   // Load statistics of the last forward over every rank's tokens (the same on
-  // every rank); tokens_per_expert are the global kept (token, slot) pairs.
+  // every rank); tokens_per_expert are the global kept (token, slot) pairs per
+  // LOGICAL expert, tokens_per_rank and work_per_rank follow the physical
+  // slots (so replicas spread a hot expert's work over ranks).
   [[nodiscard]] const LoadStats& load_stats() const;
   [[nodiscard]] const LayerTimes& times() const;
   // Records spans "router", "dispatch", "experts", "combine" (forward) and
@@ -114,6 +132,16 @@ class MoELayer {
   // global load (a no-op without config.expert_bias or when frozen).
   [[nodiscard]] Status update_bias();
   [[nodiscard]] ExpertBias& bias();
+
+  // Replicated experts: sums each replicated logical expert's gradients over
+  // the ranks holding its replicas (one all-reduce of only those experts'
+  // gradients; a no-op without replicas), so that all replicas take the same
+  // optimizer update and stay bit-identical. Collective; call after backward.
+  [[nodiscard]] Status sum_replica_gradients();
+  // This rank's squared norm of the expert gradients that repeat another
+  // replica (every replica but the lowest slot of its expert), to count each
+  // logical expert once in a global gradient norm (clip_grad_norm).
+  [[nodiscard]] double duplicate_grad_sq() const;
 
   // Dense: norm, router, shared experts; expert: w1, w3, w2 of the local experts.
   [[nodiscard]] std::vector<Parameter*> parameters();

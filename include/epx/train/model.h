@@ -36,6 +36,11 @@ struct ModelConfig {
   int max_tokens_per_rank = 0;  // the largest local batch
   MoELayerConfig layer;  // every layer's shape (seed and index differ per layer)
   std::optional<ExpertPlacement> placement;  // default: contiguous
+  // Redundant experts (EPLB): slot -> logical expert (-1 = empty) per layer,
+  // S slots rank-major (rank r holds [r S/R, (r+1) S/R)); each layer then has
+  // its own Buffer over the S slots. Empty: all layers share one Buffer over
+  // `placement`.
+  std::vector<std::vector<int32_t>> layer_slots;
   Milliseconds timeout{60000};
 
   [[nodiscard]] int num_inputs() const { return task == TaskKind::kRegression ? input_dim : window * 256; }
@@ -75,7 +80,14 @@ class MoEModel {
   [[nodiscard]] std::vector<Parameter*> parameters();
   [[nodiscard]] std::vector<MoELayer*> layers();
   [[nodiscard]] const StepTimes& times() const;
-  [[nodiscard]] Buffer& buffer();
+  [[nodiscard]] Buffer& buffer(int layer = 0);
+
+  // Re-places layer `layer`'s experts: builds a new Buffer over `slot_expert`
+  // (same slot count) and a new MoELayer that keeps the old one's dense
+  // parameters and expert bias; its expert weights are the initial ones of
+  // their logical experts (the caller copies the trained ones in). Needs
+  // layer_slots. Invalidates the layer's Parameter pointers. Collective.
+  [[nodiscard]] Status replace_layer(int layer, std::vector<int32_t> slot_expert);
 
  private:
   struct Impl;

@@ -52,9 +52,12 @@ class AdamW {
 
 // Scales every gradient so that the global norm (dense gradients once,
 // expert gradients summed over ranks) is at most max_norm (0 = no clipping).
-// Returns the norm before clipping. Collective.
+// `duplicate_sq`: this rank's squared norm of expert gradients that repeat
+// another replica's (MoELayer::duplicate_grad_sq), left out of the norm so
+// that each logical expert counts once. Returns the norm before clipping.
+// Collective.
 [[nodiscard]] Result<double> clip_grad_norm(std::span<Parameter* const> params, double max_norm, Transport& transport,
-                                            const Deadline& deadline);
+                                            const Deadline& deadline, double duplicate_sq = 0.0);
 
 struct LearningRateSchedule {
   double peak = 3e-3;

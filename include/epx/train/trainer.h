@@ -10,12 +10,15 @@
 // from rank 0; keep it quick).
 //
 // Balancing strategies: none, the auxiliary load-balancing loss, the
-// aux-loss-free expert bias (DeepSeek-V3), and a capacity factor with
-// position or score drops; they combine (e.g. bias + capacity).
+// aux-loss-free expert bias (DeepSeek-V3), a capacity factor with position
+// or score drops, and EPLB (every eplb_every steps, re-place each layer's
+// experts over eplb_slots physical slots with redundant replicas, from the
+// window's per-expert loads); they combine (e.g. bias + capacity, bias + eplb).
 //
 // Checkpoints (save_dir / resume_dir) hold every rank's parameters, AdamW
-// moments, expert biases and the step; a resumed run continues with the same
-// bits as an uninterrupted one.
+// moments, expert biases, the step and (eplb) each layer's placement and the
+// current window's loads; a resumed run continues with the same bits as an
+// uninterrupted one.
 //
 //   epx::TrainConfig config;  // defaults: the tiny synthetic task
 //   EPX_ASSIGN_OR_RETURN(epx::TrainSummary summary,
@@ -25,6 +28,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,12 +47,21 @@ struct BalancingConfig {
   float bias_rate = ExpertBias::kDefaultRate;
   double capacity_factor = 0.0;  // > 0: drop over capacity
   DropPolicy drop_policy = DropPolicy::kPosition;
-  // A short name: "none", "aux", "bias", "capacity", combinations joined by '+'.
+  bool eplb = false;        // re-place experts with redundant replicas
+  int64_t eplb_every = 50;  // steps between re-placements
+  int eplb_slots = 0;       // physical slots per layer; 0: experts + ranks (rounded up to a multiple of ranks)
+  // A short name: "none", "aux", "bias", "capacity", "eplb", combinations joined by '+'.
   [[nodiscard]] std::string name() const;
+  // The physical slots per layer with eplb.
+  [[nodiscard]] int slots(int num_experts, int num_ranks) const {
+    // Default: one redundant slot per rank above the experts' own.
+    return eplb_slots > 0 ? eplb_slots : ((num_experts + num_ranks - 1) / num_ranks + 1) * num_ranks;
+  }
 };
 
-// "none", "aux", "aux-global", "bias", "capacity" (or "capacity-score"), and
-// '+'-joined combinations such as "bias+capacity"; InvalidArgument otherwise.
+// "none", "aux", "aux-global", "bias", "capacity" (or "capacity-score"),
+// "eplb", and '+'-joined combinations such as "bias+capacity";
+// InvalidArgument otherwise.
 Result<BalancingConfig> parse_balancing(std::string_view text, const BalancingConfig& defaults);
 
 struct TrainConfig {
@@ -83,6 +96,17 @@ struct RankTimes {
   [[nodiscard]] double communication() const { return dispatch + combine + sync; }
 };
 
+// An EPLB re-placement done at the end of a step.
+struct EplbReport {
+  // Per layer: max / mean rank load of the window's per-expert loads under
+  // the old and the new placement (1 = perfectly even).
+  std::vector<double> balance_before, balance_after;
+  int num_moved_slots = 0;  // all layers
+  // Bytes a real system would send: moved slots x (w1, w3, w2 and their two
+  // AdamW moments, f32). epx moves them with a full-table all-reduce.
+  int64_t moved_bytes = 0;
+};
+
 struct StepReport {
   int64_t step = 0;  // 0-based
   int64_t steps = 0;
@@ -94,6 +118,7 @@ struct StepReport {
   double tokens_per_second = 0;
   std::vector<LoadStats> layers;  // global, per layer
   std::vector<RankTimes> ranks;
+  std::optional<EplbReport> eplb;  // set on the steps that end with a re-placement
   [[nodiscard]] std::string to_json() const;
 };
 
@@ -107,9 +132,12 @@ struct TrainSummary {
   int64_t dropped = 0;        // (token, slot) pairs dropped over the run
   double idle_fraction = 0;   // mean over the last 10 steps of the worst layer's idle fraction
   double communication_share = 0;  // dispatch + combine + sync over total time, all ranks
+  int64_t eplb_moved_bytes = 0;  // over the run
   // Every rank's parameters after the last step, dense ones once, expert ones
-  // by "name#global_expert" (for comparisons); filled when keep_parameters.
+  // by "name#global_expert" (the physical slot with eplb; layer_slots says
+  // which logical expert it holds) for comparisons; filled when keep_parameters.
   std::map<std::string, std::vector<float>> parameters;
+  std::vector<std::vector<int32_t>> layer_slots;  // eplb: the final slot -> expert map per layer
 };
 
 // With a resume folder: its meta file matches this configuration (ranks,
