@@ -102,6 +102,12 @@ struct MoELayer::Impl {
   std::vector<int64_t> offsets;
   std::vector<std::byte> x_expanded;
   std::vector<float> y_expanded, moe_out, shared_out;
+  // Backward's buffers, kept between calls.
+  struct BackwardScratch {
+    std::vector<float> grad_out, grad_n, grad_n_part, grad_y, grad_recv_weights, grad_x_expanded, grad_recv_x,
+        grad_weights;
+    std::vector<std::byte> grad_out_payload;
+  } bwd;
   ExpertFfnCache cache, shared_cache;
   double aux_loss = 0.0;
   LoadStats stats;
@@ -407,83 +413,85 @@ struct MoELayer::Impl {
     const int64_t rows = expanded.num_rows();
     const int64_t num_recv = handle.num_recv_tokens();
 
-    std::vector<float> go(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H));
-    for (int64_t t = 0; t < T; ++t) std::memcpy(go.data() + t * H, grad_out.row<const float>(t), sizeof(float) * H);
-    std::vector<float> grad_n(go.size(), 0.0f);
+    // Scratch lives in `bwd` and is reused from step to step: fresh
+    // allocations of these sizes cost page faults on every call.
+    BackwardScratch& b = bwd;
+    float* go = ensure(b.grad_out, T * H);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(go + t * H, grad_out.row<const float>(t), sizeof(float) * H);
+    float* grad_n = ensure(b.grad_n, T * H);
+    std::fill(grad_n, grad_n + T * H, 0.0f);
 
     std::optional<Phase> phase;
     phase.emplace(*this, times.experts, "experts_backward");
     if (config.num_shared_experts > 0) {
       const int64_t shared_offsets[2] = {0, T};
-      std::vector<float> grad_n_shared(go.size());
+      float* grad_n_shared = ensure(b.grad_n_part, T * H);
       EPX_RETURN_IF_ERROR(expert_ffn_backward(
           shared_config(), shared_weights, payload_view(n_payload, T), shared_offsets, shared_cache,
-          TensorView::contiguous(go.data(), DType::kF32, {T, H}),
-          TensorView::contiguous(grad_n_shared.data(), DType::kF32, {T, H}),
+          TensorView::contiguous(go, DType::kF32, {T, H}), TensorView::contiguous(grad_n_shared, DType::kF32, {T, H}),
           {shared_w1.grad_view(), shared_w3.grad_view(), shared_w2.grad_view()}));
-      for (std::size_t i = 0; i < grad_n.size(); ++i) grad_n[i] += grad_n_shared[i];
+      for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_shared[i];
     }
     phase.reset();
 
     // Combine backward: grad_out travels to the experts' ranks.
     phase.emplace(*this, times.combine, "combine_backward");
-    std::vector<std::byte> go_payload(go.size() * dtype_size(config.dtype));
-    detail::convert_from_f32(go.data(), T * H, config.dtype, go_payload.data());
-    std::vector<float> grad_y(static_cast<std::size_t>(std::max<int64_t>(rows, 1) * H));
-    std::vector<float> grad_recv_weights(static_cast<std::size_t>(std::max<int64_t>(num_recv, 1) * K));
+    b.grad_out_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
+    detail::convert_from_f32(go, T * H, config.dtype, b.grad_out_payload.data());
+    float* grad_y = ensure(b.grad_y, rows * H);
+    float* grad_recv_weights = ensure(b.grad_recv_weights, num_recv * K);
     EPX_RETURN_IF_ERROR(buffer.combine_expanded_backward(
-        payload_view(go_payload, T), handle, TensorView::contiguous(y_expanded.data(), DType::kF32, {rows, H}), {},
-        TensorView::contiguous(grad_y.data(), DType::kF32, {rows, H}),
-        TensorView::contiguous(grad_recv_weights.data(), DType::kF32, {num_recv, K})));
+        payload_view(b.grad_out_payload, T), handle, TensorView::contiguous(y_expanded.data(), DType::kF32, {rows, H}),
+        {}, TensorView::contiguous(grad_y, DType::kF32, {rows, H}),
+        TensorView::contiguous(grad_recv_weights, DType::kF32, {num_recv, K})));
     phase.reset();
 
     phase.emplace(*this, times.experts, "experts_backward");
-    std::vector<float> grad_x_expanded(grad_y.size());
+    float* grad_x_expanded = ensure(b.grad_x_expanded, rows * H);
     if (num_local > 0)
       EPX_RETURN_IF_ERROR(expert_ffn_backward(expert_config(), weights, payload_view(x_expanded, rows), offsets, cache,
-                                              TensorView::contiguous(grad_y.data(), DType::kF32, {rows, H}),
-                                              TensorView::contiguous(grad_x_expanded.data(), DType::kF32, {rows, H}),
+                                              TensorView::contiguous(grad_y, DType::kF32, {rows, H}),
+                                              TensorView::contiguous(grad_x_expanded, DType::kF32, {rows, H}),
                                               {w1.grad_view(), w3.grad_view(), w2.grad_view()}));
     phase.reset();
 
     // Dispatch backward: fold the expanded rows back onto the received rows
     // (slot order), then combine them home with the weights' gradient.
     phase.emplace(*this, times.dispatch, "dispatch_backward");
-    std::vector<float> grad_recv_x(static_cast<std::size_t>(std::max<int64_t>(num_recv, 1) * H), 0.0f);
+    float* grad_recv_x = ensure(b.grad_recv_x, num_recv * H);
+    std::fill(grad_recv_x, grad_recv_x + num_recv * H, 0.0f);
     for (int64_t r = 0; r < num_recv; ++r) {
-      float* dst = grad_recv_x.data() + r * H;
+      float* dst = grad_recv_x + r * H;
       for (int k = 0; k < K; ++k) {
         const int64_t e = expanded.row_of[static_cast<std::size_t>(r * K + k)];
         if (e < 0) continue;
-        const float* src = grad_x_expanded.data() + e * H;
+        const float* src = grad_x_expanded + e * H;
         for (int h = 0; h < H; ++h) dst[h] += src[h];
       }
     }
-    std::vector<float> grad_n_moe(go.size());
-    std::vector<float> grad_weights(static_cast<std::size_t>(std::max<int64_t>(T, 1) * K));
+    float* grad_n_moe = ensure(b.grad_n_part, T * H);
+    float* grad_weights = ensure(b.grad_weights, T * K);
     EPX_RETURN_IF_ERROR(buffer.dispatch_backward(
-        TensorView::contiguous(grad_recv_x.data(), DType::kF32, {num_recv, H}), handle,
-        TensorView::contiguous(grad_n_moe.data(), DType::kF32, {T, H}),
+        TensorView::contiguous(grad_recv_x, DType::kF32, {num_recv, H}), handle,
+        TensorView::contiguous(grad_n_moe, DType::kF32, {T, H}),
         {.bias = {},
-         .grad_recv_topk_weights = TensorView::contiguous(grad_recv_weights.data(), DType::kF32, {num_recv, K}),
-         .grad_topk_weights = TensorView::contiguous(grad_weights.data(), DType::kF32, {T, K})}));
-    for (std::size_t i = 0; i < grad_n.size(); ++i) grad_n[i] += grad_n_moe[i];
+         .grad_recv_topk_weights = TensorView::contiguous(grad_recv_weights, DType::kF32, {num_recv, K}),
+         .grad_topk_weights = TensorView::contiguous(grad_weights, DType::kF32, {T, K})}));
+    for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_moe[i];
     phase.reset();
 
     phase.emplace(*this, times.router, "router_backward");
     EPX_ASSIGN_OR_RETURN(std::vector<float> grad_logits,
                          route_backward(config.router, routed,
-                                        TensorView::contiguous(grad_weights.data(), DType::kF32, {T, K})));
+                                        TensorView::contiguous(grad_weights, DType::kF32, {T, K})));
     for (std::size_t i = 0; i < grad_logits.size(); ++i) grad_logits[i] += aux_grad_logits[i];
     if (T > 0) {
       EPX_RETURN_IF_ERROR(detail::dense_gemm(true, false, H, E, T, n.data(), grad_logits.data(), true, router.grad.data()));
-      EPX_RETURN_IF_ERROR(detail::dense_gemm(false, true, T, H, E, grad_logits.data(), router.value.data(), true, grad_n.data()));
+      EPX_RETURN_IF_ERROR(detail::dense_gemm(false, true, T, H, E, grad_logits.data(), router.value.data(), true, grad_n));
     }
     // grad_x = grad_out (the residual) + the norm's backward of grad_n.
-    std::vector<float> grad_in(go.begin(), go.begin() + T * H);
-    detail::rms_norm_backward(x.data(), norm.value.data(), rstd.data(), grad_n.data(), T, H, grad_in.data(),
-                              norm.grad.data());
-    for (int64_t t = 0; t < T; ++t) std::memcpy(grad_x.row<float>(t), grad_in.data() + t * H, sizeof(float) * H);
+    detail::rms_norm_backward(x.data(), norm.value.data(), rstd.data(), grad_n, T, H, go, norm.grad.data());
+    for (int64_t t = 0; t < T; ++t) std::memcpy(grad_x.row<float>(t), go + t * H, sizeof(float) * H);
     phase.reset();
     return Status::ok();
   }
