@@ -166,9 +166,11 @@ int main(int argc, char** argv) {
                        "comment), as --save writes it. Prints a new placement of near-equal balance that moves few "
                        "expert weights, the balance now / rebalanced / from scratch, and the bytes the rebalance "
                        "moves against placing from scratch");
+  CLI::Option* current_opt = eplb_cmd->get_option("--current");
   eplb_cmd->add_option("--tolerance", eplb.tolerance,
                        "Rebalance mode: accept a balance up to (1 + this) x the from-scratch placement's")
       ->check(CLI::Range(0.0, 10.0))
+      ->needs(current_opt)
       ->capture_default_str();
   eplb_cmd->add_option("--save", eplb.save_path,
                        "Write the printed placement (from scratch, or rebalanced with --current) to this file, one "

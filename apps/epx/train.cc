@@ -263,7 +263,7 @@ int compare_balancing(const TrainOptions& o, const TrainConfig& base) {
   }
   fmt::print("Balancing strategies, same data, model and seed ({} steps, {} ranks, {} experts, top-{}):\n", base.steps,
              base.num_ranks, base.model.layer.router.num_experts, base.model.layer.router.topk);
-  fmt::print("{}", format_table({"balancing", "final loss", "MaxVio", "dropped", "idle fraction", "tokens/s"}, rows));
+  fmt::print("{}", format_table({"balancing", "final loss", "expert MaxVio", "dropped", "rank idle fraction", "tokens/s"}, rows));
   return kExitOk;
 }
 
