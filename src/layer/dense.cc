@@ -1,6 +1,7 @@
 #include "layer/dense.h"
 
 #include "experts/gemm.h"
+#include "experts/swiglu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -56,8 +57,7 @@ void convert_from_f32(const float* in, int64_t count, DType dtype, void* out) {
     std::memcpy(out, in, static_cast<std::size_t>(count) * sizeof(float));
     return;
   }
-  auto* o = static_cast<uint16_t*>(out);
-  for (int64_t i = 0; i < count; ++i) o[i] = f32_to_bf16(in[i]);
+  to_bf16(in, count, static_cast<uint16_t*>(out));  // the experts' vectorized rounding
 }
 
 }  // namespace epx::detail

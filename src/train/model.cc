@@ -45,6 +45,7 @@ struct MoEModel::Impl {
   std::vector<std::unique_ptr<MoELayer>> layers;
   Parameter embed, final_norm, head;
   StepTimes times;
+  void sum_layer_times();
   // Activations of the last forward: hidden[l] is the input of layer l.
   std::vector<std::vector<float>> hidden;
   std::vector<float> normed, rstd, outputs;
@@ -112,7 +113,6 @@ struct MoEModel::Impl {
     times.dense += watch.seconds();
     for (int l = 0; l < config.num_layers; ++l) {
       EPX_RETURN_IF_ERROR(layers[l]->forward(matrix(hidden[l], T, h), matrix(hidden[l + 1], T, h)));
-      times.layers += layers[l]->times();
     }
     watch.reset();
     const int D = config.num_outputs();
@@ -172,16 +172,7 @@ struct MoEModel::Impl {
                               grad.data(), final_norm.grad.data());
     times.dense += watch.seconds();
     for (int l = config.num_layers - 1; l >= 0; --l) {
-      // Each layer's forward times were added already; add only its backward share.
-      const LayerTimes before = layers[l]->times();
       EPX_RETURN_IF_ERROR(layers[l]->backward(matrix(grad, T, h), matrix(grad_in, T, h)));
-      LayerTimes delta = layers[l]->times();
-      delta.router -= before.router;
-      delta.dispatch -= before.dispatch;
-      delta.experts -= before.experts;
-      delta.combine -= before.combine;
-      delta.stats -= before.stats;
-      times.layers += delta;
       grad.swap(grad_in);
     }
     watch.reset();
@@ -264,6 +255,12 @@ Status MoEModel::replace_layer(int layer, std::vector<int32_t> slot_expert) {
   return Status::ok();
 }
 
+// Each layer's times cover its last forward and the backward after it.
+void MoEModel::Impl::sum_layer_times() {
+  times.layers = {};
+  for (auto& layer : layers) times.layers += layer->times();
+}
+
 Result<double> MoEModel::forward_backward(const Batch& batch, int64_t global_tokens) {
   Impl& m = *impl_;
   EPX_RETURN_IF_ERROR(m.check_batch(batch));
@@ -275,6 +272,7 @@ Result<double> MoEModel::forward_backward(const Batch& batch, int64_t global_tok
   double loss = m.loss(batch, global_tokens, &grad);
   for (auto& layer : m.layers) loss += layer->aux_loss();
   EPX_RETURN_IF_ERROR(m.backward(batch, grad));
+  m.sum_layer_times();
   m.times.total = total.seconds();
   return loss;
 }
@@ -284,6 +282,7 @@ Result<double> MoEModel::evaluate(const Batch& batch, int64_t global_tokens) {
   EPX_RETURN_IF_ERROR(m.check_batch(batch));
   m.times = {};
   EPX_RETURN_IF_ERROR(m.forward(batch));
+  m.sum_layer_times();
   return m.loss(batch, global_tokens, nullptr);
 }
 
