@@ -12,6 +12,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libtomlplusplus-dev
   libopenblas-dev libdnnl-dev
+  openmpi-bin libopenmpi-dev
+  slurm-wlm slurmd slurmctld munge libpmix-dev iproute2
 )
 
 if [[ "${EPX_SKIP_SETUP:-0}" == 1 ]]; then

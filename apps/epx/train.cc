@@ -12,6 +12,8 @@
 #include <toml++/toml.h>
 
 #include "commands.h"
+#include "launch.h"
+#include "epx/comm/mpi.h"
 #include "epx/core/clock.h"
 #include "epx/observe/chrome_trace.h"
 #include "epx/observe/metrics.h"
@@ -275,8 +277,19 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       "Train a small MoE model on in-process ranks (experts spread over them) and report loss, load balance and "
       "where the time went. Settings: defaults < --config FILE.toml < flags");
   cmd->add_option("--config", o.config_path, "A TOML file of settings (see configs/train-*.toml); flags override it");
-  cmd->add_option("--ranks", o.num_ranks, "Ranks (threads)")->check(CLI::Range(1, 256))->capture_default_str();
-  cmd->add_option("--nodes", o.num_nodes, "Emulated nodes; must divide --ranks")->check(CLI::Range(1, 256))->capture_default_str();
+  cmd->add_option("--ranks", o.num_ranks, "Ranks: threads, or under MPI the processes started (they must be equal)")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--nodes", o.num_nodes,
+                  "Nodes; must divide --ranks. In-process: emulated. Under MPI: 1 = the real hosts, more = each "
+                  "host's ranks split into emulated nodes")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--backend", o.backend,
+                  "Where the ranks run: inproc (threads of this process), mpi (one rank per process, started by "
+                  "mpirun or srun --mpi=pmix), auto (mpi when an MPI launcher started this process)")
+      ->check(CLI::IsMember({"auto", "inproc", "mpi"}))
+      ->capture_default_str();
   cmd->add_option("--steps", o.steps, "Optimizer steps")->check(CLI::Range(int64_t{0}, int64_t{1} << 40))->capture_default_str();
   cmd->add_option("--batch-tokens", o.batch_tokens, "Tokens per step over all ranks")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
@@ -345,9 +358,26 @@ int preload_train_config(int argc, char** argv, TrainOptions& options) {
   return kExitOk;
 }
 
-int run_train(const TrainOptions& o) {
+int run_train(const TrainOptions& options) {
+  TrainOptions o = options;
   auto config = make_config(o);
   if (!config.is_ok()) return fail_usage(config.status());
+
+  // Under MPI this process runs one rank; rank 0 prints and writes the files.
+  std::unique_ptr<MpiSession> session;
+  std::unique_ptr<Transport> transport;
+  if (o.backend == "mpi" || (o.backend == "auto" && launched_by_mpi())) {
+    auto opened = open_mpi_rank(config->num_ranks, config->num_nodes, "epx train", &session, &transport);
+    if (opened != kExitOk) return opened;
+    config->num_nodes = transport->topology().num_nodes();
+    config->transport = transport.get();
+    if (transport->rank() != 0) {
+      o.quiet = true;
+      o.metrics_path.clear();
+      o.trace_path.clear();
+    }
+  }
+  const bool root = transport == nullptr || transport->rank() == 0;
   if (o.compare_given) return compare_balancing(o, *config);
 
   // Everything is checked; only now are files opened.
@@ -365,9 +395,9 @@ int run_train(const TrainOptions& o) {
   const ModelConfig& m = config->model;
   if (!o.quiet)
     fmt::print(stderr,
-               "epx train: {} ranks ({} nodes), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
+               "epx train: {} {} ranks ({} nodes), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
                "{} tokens/step, balancing {}, data {}\n",
-               config->num_ranks, config->num_nodes, m.num_layers, m.layer.router.num_experts, m.layer.router.topk,
+               config->num_ranks, transport ? "MPI" : "in-process", config->num_nodes, m.num_layers, m.layer.router.num_experts, m.layer.router.topk,
                m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype), config->batch_tokens,
                config->balancing.name(), o.data);
   ProgressBar progress(config->steps, "train");
@@ -396,6 +426,7 @@ int run_train(const TrainOptions& o) {
       return kExitFailed;
     }
   }
+  if (!root) return kExitOk;
   auto rows = summary_rows(*summary);
   rows.push_back({"wall time (s)", fixed(wall.seconds(), 2)});
   fmt::print("{}", format_table({"summary", "value"}, rows));

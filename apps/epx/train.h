@@ -16,6 +16,7 @@ struct TrainOptions {
   // [run]
   int num_ranks = 4;
   int num_nodes = 1;
+  std::string backend = "auto";  // inproc | mpi | auto (command line only)
   int64_t steps = 300;
   int64_t batch_tokens = 512;
   uint64_t seed = 1;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <mutex>
 #include <optional>
 
@@ -530,8 +531,26 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
     return Status::ok();
   };
 
-  InprocWorld world(topology);
-  EPX_RETURN_IF_ERROR(first_error(world.run(rank_main)));
+  if (config.transport != nullptr) {
+    Transport& transport = *config.transport;
+    if (transport.num_ranks() != topology.num_ranks() || transport.topology().num_nodes() != topology.num_nodes())
+      return invalid_argument("the {} transport has {} but the run asks for {}", transport.backend_name(),
+                              transport.topology().describe(), topology.describe());
+    Status status;
+    try {
+      status = rank_main(transport);
+    } catch (const std::exception& e) {
+      status = internal_error("rank {} threw an exception: {}", transport.rank(), e.what());
+    }
+    if (!status.is_ok()) {
+      // The other ranks return at once instead of at their deadlines.
+      transport.abort(aborted("rank {} failed: {}", transport.rank(), status.to_string()));
+      return Status(status.code(), fmt::format("rank {}: {}", transport.rank(), status.message()));
+    }
+  } else {
+    InprocWorld world(topology);
+    EPX_RETURN_IF_ERROR(first_error(world.run(rank_main)));
+  }
 
   summary.steps = config.steps;
   if (!recent.empty()) {

@@ -21,11 +21,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "epx/comm/inproc.h"
 #include "epx/comm/topology.h"
 #include "epx/exchange/buffer.h"
 #include "exchange/harness.h"
 #include "exchange/reference.h"
+#include "exchange/world.h"
 
 namespace epx::exchange_test {
 namespace {
@@ -322,13 +322,39 @@ void check_case(const Case& c) {
   const ExchangeSpec spec{*topology, *placement, c.shape.dtype, c.hidden, c.alignment};
   const std::vector<RankInputs> inputs = make_inputs(spec, c.routing, c.topk, kMaxTokens, c.with_weights, c.seed);
 
+  TestWorld& world = test_world();
   std::vector<RankResult> results(R);
-  {
-    InprocWorld world(*topology);
-    const std::vector<Status> statuses =
-        world.run([&](Transport& t) { return run_rank(t, c, inputs[t.rank()], &results[t.rank()]); });
-    for (int r = 0; r < R; ++r) EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
-    if (!first_error(statuses).is_ok()) return;
+  const std::vector<Status> statuses =
+      world.run(*topology, [&](Transport& t) { return run_rank(t, c, inputs[t.rank()], &results[t.rank()]); });
+  // Totals over every rank, summed over the processes (MPI) before any
+  // check can return early: every process makes the same sum() calls.
+  enum : int { kFailed, kDispatchBytes, kPayloadBytes, kMetaBytes, kCombineABytes, kCombineBBytes, kCombineEBytes,
+               kNonzeroRecvX, kNonzeroA, kNonzeroB, kNonzeroE, kNonzeroGradX, kNumTotals };
+  std::vector<int64_t> totals(kNumTotals, 0);
+  for (int r = 0; r < R; ++r) {
+    if (!world.holds(r)) continue;
+    const RankResult& res = results[r];
+    EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+    if (!statuses[r].is_ok()) {
+      ++totals[kFailed];
+      continue;
+    }
+    totals[kDispatchBytes] += static_cast<int64_t>(res.dispatch_counters.inter_node_bytes);
+    totals[kPayloadBytes] += res.stats.inter_node_payload_bytes;
+    totals[kMetaBytes] += res.stats.inter_node_meta_bytes;
+    totals[kCombineABytes] += static_cast<int64_t>(res.combine_a_counters.inter_node_bytes);
+    totals[kCombineBBytes] += static_cast<int64_t>(res.combine_b_counters.inter_node_bytes);
+    totals[kCombineEBytes] += static_cast<int64_t>(res.combine_e_counters.inter_node_bytes);
+    totals[kNonzeroRecvX] += any_nonzero({res.recv_x});
+    totals[kNonzeroA] += any_nonzero({res.out_a});
+    totals[kNonzeroB] += any_nonzero({res.out_b});
+    totals[kNonzeroE] += any_nonzero({res.out_e});
+    totals[kNonzeroGradX] += any_nonzero({res.grad_x});
+  }
+  world.sum(totals);
+  if (totals[kFailed] > 0) {
+    if (!::testing::Test::HasFailure()) ADD_FAILURE() << totals[kFailed] << " rank(s) of another process failed";
+    return;
   }
 
   const int H = c.hidden;
@@ -343,10 +369,11 @@ void check_case(const Case& c) {
   int64_t total_recv = 0;
   bool dispatch_ok = true;
   for (int r = 0; r < R; ++r) {
+    total_recv += recv[r].num_recv();
+    if (!world.holds(r)) continue;
     SCOPED_TRACE(fmt::format("rank {}", r));
     const RankResult& res = results[r];
     const RefRecv& want = recv[r];
-    total_recv += want.num_recv();
     EXPECT_EQ(res.hierarchical, order == CombineOrder::kHierarchical);
     EXPECT_EQ(res.num_local_experts, spec.placement.num_local_experts(r));
     const DispatchLayout layout = reference_layout(spec, inputs[r]);
@@ -378,26 +405,17 @@ void check_case(const Case& c) {
   }
   // Everything below depends on the rows being where the contract puts them.
   ASSERT_TRUE(dispatch_ok) << "dispatch delivered the wrong rows; later checks skipped";
-  std::vector<Matrix> actual_recv_x;
-  for (const RankResult& res : results) actual_recv_x.push_back(res.recv_x);
   if (total_recv > 0) {
-    EXPECT_TRUE(any_nonzero(actual_recv_x)) << "every received row is zero";
+    EXPECT_GT(totals[kNonzeroRecvX], 0) << "every received row is zero";
   }
 
   // Bytes across nodes.
   const RefTraffic traffic = reference_traffic(spec, inputs);
   const int64_t pairs = order == CombineOrder::kHierarchical ? traffic.remote_node_pairs : traffic.remote_rank_pairs;
   const int64_t row_bytes = static_cast<int64_t>(H * dtype_size(c.shape.dtype));
-  int64_t dispatch_bytes = 0, payload_bytes = 0, meta_bytes = 0, combine_a_bytes = 0, combine_b_bytes = 0,
-          combine_e_bytes = 0;
-  for (const RankResult& res : results) {
-    dispatch_bytes += static_cast<int64_t>(res.dispatch_counters.inter_node_bytes);
-    payload_bytes += res.stats.inter_node_payload_bytes;
-    meta_bytes += res.stats.inter_node_meta_bytes;
-    combine_a_bytes += static_cast<int64_t>(res.combine_a_counters.inter_node_bytes);
-    combine_b_bytes += static_cast<int64_t>(res.combine_b_counters.inter_node_bytes);
-    combine_e_bytes += static_cast<int64_t>(res.combine_e_counters.inter_node_bytes);
-  }
+  const int64_t dispatch_bytes = totals[kDispatchBytes], payload_bytes = totals[kPayloadBytes],
+                meta_bytes = totals[kMetaBytes], combine_a_bytes = totals[kCombineABytes],
+                combine_b_bytes = totals[kCombineBBytes], combine_e_bytes = totals[kCombineEBytes];
   EXPECT_EQ(dispatch_bytes, pairs * (row_bytes + dispatch_meta_bytes(K, c.with_weights)))
       << "dispatch inter_node_bytes; " << pairs << " pairs cross nodes";
   EXPECT_EQ(payload_bytes, pairs * row_bytes) << "sum of stats.inter_node_payload_bytes";
@@ -433,15 +451,18 @@ void check_case(const Case& c) {
   for (int r = 0; r < R; ++r) {
     SCOPED_TRACE(fmt::format("rank {}", r));
     const RankResult& res = results[r];
+    const bool held = world.holds(r);
     const int64_t n = recv[r].num_recv();
     const RefExpanded ex = reference_expanded(recv[r], spec.placement.num_local_experts(r), c.alignment);
-    EXPECT_TRUE(same_vector(res.expanded.expert_offsets, ex.expert_offsets)) << "expanded expert_offsets";
-    EXPECT_TRUE(same_vector(res.expanded.num_tokens_per_expert, ex.num_tokens_per_expert))
-        << "expanded num_tokens_per_expert";
-    EXPECT_TRUE(same_vector(res.expanded.row_of, ex.row_of, K)) << "expanded row_of";
-    EXPECT_TRUE(same_vector(res.expanded.recv_row, ex.recv_row)) << "expanded recv_row";
     const Matrix expanded_x = reference_expand(recv_x[r], ex);
-    EXPECT_TRUE(same_matrix(res.expanded_x, expanded_x, &xs)) << "expand()";
+    if (held) {
+      EXPECT_TRUE(same_vector(res.expanded.expert_offsets, ex.expert_offsets)) << "expanded expert_offsets";
+      EXPECT_TRUE(same_vector(res.expanded.num_tokens_per_expert, ex.num_tokens_per_expert))
+          << "expanded num_tokens_per_expert";
+      EXPECT_TRUE(same_vector(res.expanded.row_of, ex.row_of, K)) << "expanded row_of";
+      EXPECT_TRUE(same_vector(res.expanded.recv_row, ex.recv_row)) << "expanded recv_row";
+      EXPECT_TRUE(same_matrix(res.expanded_x, expanded_x, &xs)) << "expand()";
+    }
     const Matrix y_e = expanded_expert_output(expanded_x, ex.recv_row, r, c.expanded_dtype);
     const std::vector<float> weights = c.explicit_expand_weights
                                            ? make_random_floats(sub_seed(c, kExpandWeights, r), n * K)
@@ -461,8 +482,8 @@ void check_case(const Case& c) {
   const auto cached_x2 = gather_rows(x2, recv);
   const auto grad_y = gather_rows(grad_out, recv);
 
-  std::vector<Matrix> actual_a, actual_b, actual_e, actual_grad_x;
   for (int r = 0; r < R; ++r) {
+    if (!world.holds(r)) continue;
     SCOPED_TRACE(fmt::format("rank {}", r));
     const RankResult& res = results[r];
     const bool multi_node = spec.topology.num_nodes() > 1;
@@ -490,25 +511,30 @@ void check_case(const Case& c) {
     EXPECT_TRUE(same_vector(res.recv_src_rank_again, res.recv_src_rank)) << "second dispatch recv_src_rank";
     EXPECT_TRUE(same_vector(res.counts_again, res.counts)) << "second dispatch counts";
     EXPECT_TRUE(same_matrix(res.out_a_again, res.out_a)) << "second combine: not the same bits";
-    actual_a.push_back(res.out_a);
-    actual_b.push_back(res.out_b);
-    actual_e.push_back(res.out_e);
-    actual_grad_x.push_back(res.grad_x);
   }
   if (total_recv > 0) {
-    EXPECT_TRUE(any_nonzero(actual_a)) << "every combine output is zero";
-    EXPECT_TRUE(any_nonzero(actual_b)) << "every combine output is zero";
-    EXPECT_TRUE(any_nonzero(actual_e)) << "every combine_expanded output is zero";
-    EXPECT_TRUE(any_nonzero(actual_grad_x)) << "every grad_x is zero";
+    EXPECT_GT(totals[kNonzeroA], 0) << "every combine output is zero";
+    EXPECT_GT(totals[kNonzeroB], 0) << "every combine output is zero";
+    EXPECT_GT(totals[kNonzeroE], 0) << "every combine_expanded output is zero";
+    EXPECT_GT(totals[kNonzeroGradX], 0) << "every grad_x is zero";
   }
 }
 
 class Conformance : public ::testing::TestWithParam<Shape> {};
 
+// Skips the test when the world cannot run `shape` (MPI: another process count).
+#define EPX_SKIP_UNLESS_RUNNABLE(num_ranks, num_nodes)                                          \
+  do {                                                                                          \
+    const std::string why = test_world().cannot_run(*Topology::create(num_ranks, num_nodes));   \
+    if (!why.empty()) GTEST_SKIP() << "the " << test_world().name() << " world cannot run " << why; \
+  } while (false)
+
 TEST_P(Conformance, MatchesTheReference) {
+  EPX_SKIP_UNLESS_RUNNABLE(GetParam().num_ranks, GetParam().num_nodes);
   for (const Case& c : make_cases(GetParam())) {
     check_case(c);
-    if (HasFailure()) return;  // the trace above names the first failing sub-case; the rest would repeat it
+    // The trace above names the first failing sub-case; the rest would repeat it.
+    if (test_world().any(HasFailure())) return;
   }
 }
 
@@ -541,6 +567,7 @@ INSTANTIATE_TEST_SUITE_P(Exchange, Conformance, ::testing::ValuesIn(all_shapes()
 // 5, 0, 3 and 2, interleaved), so a rank may hold none and E need not divide
 // by R; flat and two-hop, with every operation checked as above.
 TEST(ConformanceUnevenPlacement, MatchesTheReference) {
+  EPX_SKIP_UNLESS_RUNNABLE(4, 2);
   const std::vector<int32_t> map = {0, 0, 2, 0, 3, 2, 0, 2, 0, 3};
   // The reference trusts ExpertPlacement for rank_of / local_id; check it by hand first.
   const ExpertPlacement placement = *ExpertPlacement::from_map(map, 4);
@@ -578,7 +605,7 @@ TEST(ConformanceUnevenPlacement, MatchesTheReference) {
         c.explicit_expand_weights = !c.with_weights || index % 5 == 0;
         c.expert_map = map;
         check_case(c);
-        if (HasFailure()) return;
+        if (test_world().any(HasFailure())) return;
         ++index;
       }
     }

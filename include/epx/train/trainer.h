@@ -1,7 +1,9 @@
-// Training: the MoE model on R in-process ranks, one step after another.
+// Training: the MoE model on R ranks, one step after another.
 //
 // `train` builds an InprocWorld of num_ranks ranks (num_nodes emulated
-// nodes), gives every rank its model replica (dense parameters replicated,
+// nodes), or, given a `transport` (e.g. MPI: one rank per process, every
+// process calling train() with the same config), runs this process's rank on
+// it; then it gives every rank its model replica (dense parameters replicated,
 // experts spread by the placement) and runs `steps` optimizer steps. Each
 // step's global batch is samples [step * batch_tokens, (step + 1) *
 // batch_tokens) of the task's deterministic stream, split into contiguous
@@ -82,6 +84,10 @@ struct TrainConfig {
   Tracer* tracer = nullptr;  // records spans of steps [trace_first, trace_first + trace_steps)
   int64_t trace_first = 1;
   int64_t trace_steps = 0;
+  // Run this process's rank on this transport instead of num_ranks threads;
+  // it must have num_ranks ranks on num_nodes nodes. The summary and
+  // on_step are then filled on rank 0 only.
+  Transport* transport = nullptr;
 
   // Applies balancing to the model's layer config and sizes the buffers.
   [[nodiscard]] Result<ModelConfig> resolved_model() const;

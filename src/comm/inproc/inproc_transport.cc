@@ -8,7 +8,6 @@
 #include <string>
 #include <system_error>
 #include <thread>
-#include <type_traits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -17,26 +16,7 @@ namespace epx {
 namespace {
 
 using detail::CollectiveOp;
-
-std::string_view op_name(CollectiveOp op) {
-  switch (op) {
-    case CollectiveOp::kBarrier: return "barrier";
-    case CollectiveOp::kAllGather: return "all_gather_bytes";
-    case CollectiveOp::kAllToAll: return "all_to_all_bytes";
-    case CollectiveOp::kAllReduce: return "all_reduce_raw";
-    case CollectiveOp::kMapPeerMemory: return "map_peer_memory";
-  }
-  return "unknown collective";
-}
-
-std::string_view reduce_op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
-  }
-  return "unknown";
-}
+using detail::check_peer_and_tag;
 
 int64_t elapsed_ms(Clock::time_point start) {
   return std::chrono::duration_cast<Milliseconds>(Clock::now() - start).count();
@@ -104,115 +84,15 @@ using detail::CollectiveSlot;
 using detail::InprocState;
 using detail::SendOp;
 
-bool reducible(DType dtype) {
-  return dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kI32 || dtype == DType::kI64;
-}
-
 // Checks that every rank called the same collective with consistent sizes.
 // Every rank computes the same verdict from the same entries.
 Status validate(const CollectiveSlot& slot, uint64_t seq, int num_ranks) {
-  const CollectiveEntry& first = slot.entries[0];
-  for (int r = 1; r < num_ranks; ++r) {
-    const CollectiveEntry& e = slot.entries[r];
-    if (e.op != first.op)
-      return invalid_argument(
-          "collective #{}: rank 0 called {} but rank {} called {}; every rank must call the collectives in the same "
-          "order",
-          seq, op_name(first.op), r, op_name(e.op));
+  std::vector<detail::CollectiveDescriptor> all(static_cast<std::size_t>(num_ranks));
+  for (int r = 0; r < num_ranks; ++r) {
+    all[r] = slot.entries[r].desc;
+    all[r].allocated = all[r].op != CollectiveOp::kMapPeerMemory || slot.entries[r].region != nullptr;
   }
-  const std::string what = fmt::format("{} #{}", op_name(first.op), seq);
-  switch (first.op) {
-    case CollectiveOp::kBarrier:
-      return Status::ok();
-    case CollectiveOp::kAllGather:
-    case CollectiveOp::kAllToAll:
-      for (int r = 1; r < num_ranks; ++r) {
-        const CollectiveEntry& e = slot.entries[r];
-        if (e.in_bytes != first.in_bytes)
-          return invalid_argument("{}: rank 0 passed {} bytes but rank {} passed {} bytes; every rank must pass the same size",
-                                  what, first.in_bytes, r, e.in_bytes);
-      }
-      for (int r = 0; r < num_ranks; ++r) {
-        const CollectiveEntry& e = slot.entries[r];
-        if (first.op == CollectiveOp::kAllGather && e.out_bytes != e.in_bytes * num_ranks)
-          return invalid_argument("{}: rank {} passed out of {} bytes for {} ranks x {} bytes = {} bytes", what, r,
-                                  e.out_bytes, num_ranks, e.in_bytes, e.in_bytes * num_ranks);
-        if (first.op == CollectiveOp::kAllToAll && (e.out_bytes != e.in_bytes || e.in_bytes % num_ranks != 0))
-          return invalid_argument(
-              "{}: rank {} passed in of {} bytes and out of {} bytes; they must be equal and a multiple of num_ranks = {}",
-              what, r, e.in_bytes, e.out_bytes, num_ranks);
-      }
-      return Status::ok();
-    case CollectiveOp::kAllReduce:
-      for (int r = 1; r < num_ranks; ++r) {
-        const CollectiveEntry& e = slot.entries[r];
-        if (e.count != first.count)
-          return invalid_argument("{}: rank 0 passed {} elements but rank {} passed {}; every rank must pass the same count",
-                                  what, first.count, r, e.count);
-        if (e.dtype != first.dtype)
-          return invalid_argument("{}: rank 0 passed dtype {} but rank {} passed {}", what, dtype_name(first.dtype), r,
-                                  dtype_name(e.dtype));
-        if (e.reduce_op != first.reduce_op)
-          return invalid_argument("{}: rank 0 passed op {} but rank {} passed {}", what,
-                                  reduce_op_name(first.reduce_op), r, reduce_op_name(e.reduce_op));
-      }
-      if (!reducible(first.dtype))
-        return invalid_argument("{}: dtype {} cannot be reduced; use f32, f64, i32 or i64", what,
-                                dtype_name(first.dtype));
-      return Status::ok();
-    case CollectiveOp::kMapPeerMemory:
-      for (int r = 1; r < num_ranks; ++r) {
-        const CollectiveEntry& e = slot.entries[r];
-        if (e.in_bytes != first.in_bytes)
-          return invalid_argument("{}: rank 0 asked for {} bytes but rank {} asked for {} bytes; every rank must ask for "
-                                  "the same size",
-                                  what, first.in_bytes, r, e.in_bytes);
-      }
-      for (int r = 0; r < num_ranks; ++r) {
-        if (!slot.entries[r].region)
-          return resource_exhausted("{}: rank {} could not allocate {} bytes of peer memory", what, r, first.in_bytes);
-      }
-      return Status::ok();
-  }
-  return internal_error("{}: unknown collective", what);
-}
-
-template <typename T>
-T combine(T a, T b, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      if constexpr (std::is_integral_v<T>) {
-        using U = std::make_unsigned_t<T>;  // wraps instead of overflowing
-        return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-      } else {
-        return a + b;
-      }
-    case ReduceOp::kMax: return b > a ? b : a;
-    case ReduceOp::kMin: return b < a ? b : a;
-  }
-  return a;
-}
-
-// out = ((entry 0 op entry 1) op entry 2) ..., the same bits on every rank.
-template <typename T>
-void reduce_in_rank_order(const CollectiveSlot& slot, int num_ranks, std::size_t count, ReduceOp op, void* data) {
-  T* out = static_cast<T*>(data);
-  if (count == 0) return;
-  std::memcpy(out, slot.entries[0].staged.data(), count * sizeof(T));
-  for (int r = 1; r < num_ranks; ++r) {
-    const std::byte* in = slot.entries[r].staged.data();
-    for (std::size_t i = 0; i < count; ++i) {
-      T value;
-      std::memcpy(&value, in + i * sizeof(T), sizeof(T));
-      out[i] = combine(out[i], value, op);
-    }
-  }
-}
-
-Status check_peer_and_tag(int peer, int tag, int num_ranks) {
-  if (peer < 0 || peer >= num_ranks) return invalid_argument("peer = {} is outside [0, {})", peer, num_ranks);
-  if (tag < 0) return invalid_argument("tag = {} must be at least 0", tag);
-  return Status::ok();
+  return detail::validate_collective(all, seq);
 }
 
 class InprocPeerMemory final : public PeerMemory {
@@ -296,7 +176,7 @@ Status InprocTransport::rendezvous(const Contribution& mine, const Deadline& dea
   detail::RankState& me = state.ranks[rank_];
   const uint64_t seq = me.next_seq++;
   const int num_ranks = this->num_ranks();
-  auto what = [&] { return fmt::format("{} #{}", op_name(mine.op), seq); };
+  auto what = [&] { return fmt::format("{} #{}", detail::collective_op_name(mine.op), seq); };
 
   // A rank that saw a failure must not touch the slots again: a slower rank
   // may still be reading an unfinished collective's entries.
@@ -319,12 +199,13 @@ Status InprocTransport::rendezvous(const Contribution& mine, const Deadline& dea
     slot.num_arrived = 0;
   }
   entry.seq = seq;
-  entry.op = mine.op;
-  entry.in_bytes = mine.in_bytes;
-  entry.out_bytes = mine.out_bytes;
-  entry.count = mine.count;
-  entry.dtype = mine.dtype;
-  entry.reduce_op = mine.reduce_op;
+  entry.desc.seq = seq;
+  entry.desc.op = mine.op;
+  entry.desc.in_bytes = mine.in_bytes;
+  entry.desc.out_bytes = mine.out_bytes;
+  entry.desc.count = mine.count;
+  entry.desc.dtype = mine.dtype;
+  entry.desc.reduce_op = mine.reduce_op;
   if (++slot.num_arrived == num_ranks) {
     lock.unlock();
     for (int r = 0; r < num_ranks; ++r) {
@@ -424,13 +305,9 @@ Status InprocTransport::all_reduce_raw(void* data, std::size_t count, DType dtyp
   mine.dtype = dtype;
   mine.reduce_op = op;
   EPX_RETURN_IF_ERROR(rendezvous(mine, deadline, &slot, &seq));
-  switch (dtype) {
-    case DType::kF32: reduce_in_rank_order<float>(*slot, num_ranks(), count, op, data); break;
-    case DType::kF64: reduce_in_rank_order<double>(*slot, num_ranks(), count, op, data); break;
-    case DType::kI32: reduce_in_rank_order<int32_t>(*slot, num_ranks(), count, op, data); break;
-    case DType::kI64: reduce_in_rank_order<int64_t>(*slot, num_ranks(), count, op, data); break;
-    default: return internal_error("all_reduce_raw #{}: dtype {} passed validation", seq, dtype_name(dtype));
-  }
+  std::vector<const std::byte*> contributions(static_cast<std::size_t>(num_ranks()));
+  for (int r = 0; r < num_ranks(); ++r) contributions[r] = slot->entries[r].staged.data();
+  detail::reduce_in_rank_order(contributions, count, dtype, op, data);
   return Status::ok();
 }
 

@@ -49,6 +49,7 @@
 #include <tuple>
 #include <vector>
 
+#include "comm/collective.h"
 #include "epx/comm/inproc.h"
 #include "epx/comm/transport.h"
 #include "epx/core/buffer.h"
@@ -56,17 +57,10 @@
 namespace epx {
 namespace detail {
 
-enum class CollectiveOp : uint8_t { kBarrier, kAllGather, kAllToAll, kAllReduce, kMapPeerMemory };
-
 // What one rank put into one collective.
 struct CollectiveEntry {
   uint64_t seq = 0;  // the collective this entry belongs to (0: none yet)
-  CollectiveOp op = CollectiveOp::kBarrier;
-  std::size_t in_bytes = 0;
-  std::size_t out_bytes = 0;
-  std::size_t count = 0;  // all_reduce elements
-  DType dtype = DType::kF32;
-  ReduceOp reduce_op = ReduceOp::kSum;
+  CollectiveDescriptor desc;
   std::vector<std::byte> staged;           // a copy of `in` (grows, never shrinks)
   std::shared_ptr<AlignedBuffer> region;   // map_peer_memory: this rank's region
 };

@@ -1,0 +1,55 @@
+// What every backend's collectives share (private): the description of one
+// rank's part of a collective, the check that every rank called the same
+// collective with consistent sizes, and the rank-order reduction that gives
+// every rank and every backend the same bits.
+//
+// Each backend gathers every rank's CollectiveDescriptor (in-process: slots
+// in shared memory; MPI: an all-gather of the descriptors before the data)
+// and calls validate_collective on the same array on every rank, so every
+// rank reaches the same verdict and a mismatch is InvalidArgument everywhere.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "epx/comm/transport.h"
+#include "epx/core/dtype.h"
+#include "epx/core/status.h"
+
+namespace epx::detail {
+
+enum class CollectiveOp : uint8_t { kBarrier, kAllGather, kAllToAll, kAllReduce, kMapPeerMemory };
+
+std::string_view collective_op_name(CollectiveOp op);
+std::string_view reduce_op_name(ReduceOp op);
+
+// One rank's part of one collective. Trivially copyable: the MPI backend
+// exchanges it as bytes.
+struct CollectiveDescriptor {
+  uint64_t seq = 0;        // the collective's number on this rank (1, 2, ...)
+  uint64_t in_bytes = 0;   // map_peer_memory: the bytes asked for
+  uint64_t out_bytes = 0;
+  uint64_t count = 0;      // all_reduce elements
+  CollectiveOp op = CollectiveOp::kBarrier;
+  DType dtype = DType::kF32;
+  ReduceOp reduce_op = ReduceOp::kSum;
+  bool allocated = true;   // map_peer_memory: this rank's region exists
+  uint8_t reserved[4] = {};
+};
+
+// OK when every rank's descriptor (all[r] from rank r) agrees with rank 0's
+// on the op and on what must match, and each is consistent in itself.
+Status validate_collective(std::span<const CollectiveDescriptor> all, uint64_t seq);
+
+// out = ((contribution 0 op contribution 1) op contribution 2) ..., element by
+// element; integer sums wrap. `dtype` must be kF32, kF64, kI32 or kI64.
+// Contributions need no alignment.
+void reduce_in_rank_order(std::span<const std::byte* const> contributions, std::size_t count, DType dtype,
+                          ReduceOp op, void* out);
+
+// InvalidArgument unless 0 <= peer < num_ranks and tag >= 0.
+Status check_peer_and_tag(int peer, int tag, int num_ranks);
+
+}  // namespace epx::detail

@@ -1,0 +1,692 @@
+#include "comm/mpi/mpi_transport.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <thread>
+
+#include <fmt/format.h>
+
+namespace epx {
+namespace {
+
+using detail::CollectiveDescriptor;
+using detail::CollectiveOp;
+using detail::MpiState;
+
+// Set by the first failure of any transport of this process: MpiSession then
+// skips MPI_Finalize.
+std::atomic<bool> g_failed{false};
+
+constexpr std::size_t kWindowAlignment = 64;
+
+int64_t elapsed_ms(Clock::time_point start) {
+  return std::chrono::duration_cast<Milliseconds>(Clock::now() - start).count();
+}
+
+std::string mpi_error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return fmt::format("MPI error {}", code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+int error_class(int code) {
+  int cls = code;
+  MPI_Error_class(code, &cls);
+  return cls;
+}
+
+// True when process `pid` of this host has exited (or is a zombie).
+bool process_gone(int64_t pid) {
+  if (pid <= 0) return false;
+  if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  if (!std::getline(stat, line)) return false;  // no /proc: trust kill()
+  const std::size_t paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
+}
+
+// Spins, then yields, then sleeps: the caller waits for a peer that may need
+// this core (ranks are often more than cores on a test machine).
+void back_off(uint64_t polls, Clock::time_point start) {
+  if (polls < 256) return;
+  if (Clock::now() - start < std::chrono::milliseconds(2)) {
+    sched_yield();
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+Status mpi_call(int rc, std::string_view what) {
+  if (rc == MPI_SUCCESS) return Status::ok();
+  return internal_error("{} failed: {}", what, mpi_error_string(rc));
+}
+
+}  // namespace
+
+namespace detail {
+
+MpiState::~MpiState() {
+  // Only reached when nothing failed (a failed state is leaked on purpose).
+  for (MPI_Request& r : notice_requests)
+    if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+  for (MPI_Comm* c : {&node, &ctrl, &coll, &comm})
+    if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+}
+
+Status MpiState::aborted_now(std::string_view what) const {
+  std::lock_guard lock(mutex);
+  const std::string cause = failure.code() == StatusCode::kAborted ? failure.message() : failure.to_string();
+  return aborted("{} on rank {} aborted: {}", what, rank, cause);
+}
+
+void MpiState::fail(const Status& reason) {
+  const Status first = reason.is_ok() ? internal_error("abort() was called with an OK status") : reason;
+  {
+    std::lock_guard lock(mutex);
+    if (!failure.is_ok()) return;
+    failure = first;
+    poisoned.store(true, std::memory_order_release);
+  }
+  g_failed.store(true, std::memory_order_release);
+  // Tell every other rank: code (4 bytes) + message. Small, so sent eagerly;
+  // the requests are never waited for (a peer may be gone).
+  if (ctrl == MPI_COMM_NULL) return;
+  const int32_t code = static_cast<int32_t>(first.code());
+  std::string notice(sizeof(code), '\0');
+  std::memcpy(notice.data(), &code, sizeof(code));
+  notice += fmt::format("rank {}: {}", rank, first.message());
+  notice_buffers.push_back(std::move(notice));
+  const std::string& buffer = notice_buffers.back();
+  for (int r = 0; r < topology.num_ranks(); ++r) {
+    if (r == rank) continue;
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (MPI_Isend(buffer.data(), static_cast<int>(buffer.size()), MPI_BYTE, r, kNoticeTag, ctrl, &request) ==
+        MPI_SUCCESS)
+      notice_requests.push_back(request);
+  }
+  // Give the notices a moment to leave before the caller exits.
+  for (int i = 0; i < 20; ++i) {
+    int all_done = 1;
+    for (MPI_Request& r : notice_requests) {
+      int done = 1;
+      if (r != MPI_REQUEST_NULL) MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+      all_done = all_done && done;
+    }
+    if (all_done) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+Status MpiState::check_world(std::string_view what, int64_t waited_ms, bool force_liveness) {
+  if (failed()) return aborted_now(what);
+  // A notice from a rank that failed.
+  int flag = 0;
+  MPI_Status status;
+  if (ctrl != MPI_COMM_NULL && MPI_Iprobe(MPI_ANY_SOURCE, kNoticeTag, ctrl, &flag, &status) == MPI_SUCCESS && flag) {
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    std::string notice(static_cast<std::size_t>(std::max(bytes, 0)), '\0');
+    MPI_Recv(notice.data(), bytes, MPI_BYTE, status.MPI_SOURCE, kNoticeTag, ctrl, MPI_STATUS_IGNORE);
+    int32_t code = static_cast<int32_t>(StatusCode::kAborted);
+    if (notice.size() >= sizeof(code)) std::memcpy(&code, notice.data(), sizeof(code));
+    const std::string message = notice.size() >= sizeof(code) ? notice.substr(sizeof(code)) : notice;
+    // As in-process: a rank stalled by the same absent peer whose deadline
+    // passed first reports a timeout too.
+    Status cause = static_cast<StatusCode>(code) == StatusCode::kDeadlineExceeded
+                       ? deadline_exceeded("rank {} waited {} ms in {}, until another deadline passed: {}", rank,
+                                           waited_ms, what, message)
+                       : aborted("{} on rank {} aborted: {}", what, rank, message);
+    {
+      std::lock_guard lock(mutex);
+      if (failure.is_ok()) {
+        failure = aborted("{}", message);
+        poisoned.store(true, std::memory_order_release);
+      }
+    }
+    g_failed.store(true, std::memory_order_release);
+    return cause;
+  }
+  // A process of this host that is gone.
+  const auto now = Clock::now();
+  if (force_liveness || now - last_liveness >= options.liveness_interval) {
+    last_liveness = now;
+    for (int r : host_ranks) {
+      if (!process_gone(pids[r])) continue;
+      Status gone = aborted("rank {} (pid {} on {}) is gone: the process exited or was killed; rank {} noticed after {} ms in {}",
+                            r, pids[r], hosts[r], rank, waited_ms, what);
+      fail(gone);
+      return gone;
+    }
+  }
+  return Status::ok();
+}
+
+Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std::function<std::string()>& what,
+                      int peer, MPI_Status* status_out, bool cancel) {
+  const auto start = Clock::now();
+  auto give_up = [&](Status status) {
+    if (cancel && *request != MPI_REQUEST_NULL) {
+      // A receive that never matched can be cancelled; one that did may
+      // still be writing, so it is left (and leaked) unless it finishes soon.
+      MPI_Cancel(request);
+      for (int i = 0; i < 100 && *request != MPI_REQUEST_NULL; ++i) {
+        int done = 0;
+        MPI_Test(request, &done, MPI_STATUS_IGNORE);
+        if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    return status;
+  };
+  for (uint64_t polls = 0;; ++polls) {
+    int done = 0;
+    MPI_Status status;
+    const int rc = MPI_Test(request, &done, &status);
+    if (rc != MPI_SUCCESS) {
+      if (error_class(rc) == MPI_ERR_TRUNCATE) {
+        if (status_out) *status_out = status;
+        return resource_exhausted("{}: {}", what(), mpi_error_string(rc));
+      }
+      Status error = internal_error("{} on rank {}: {}", what(), rank, mpi_error_string(rc));
+      fail(error);
+      return give_up(error);
+    }
+    if (done) {
+      if (status_out) *status_out = status;
+      return Status::ok();
+    }
+    if (polls % 64 == 63) {
+      const int64_t waited = elapsed_ms(start);
+      if (Status s = check_world(what(), waited, false); !s.is_ok()) return give_up(s);
+      if (deadline.expired()) {
+        // Last look: a peer that died explains the wait better than the deadline.
+        if (Status s = check_world(what(), waited, true); !s.is_ok()) return give_up(s);
+        Status late = peer >= 0 ? deadline_exceeded("rank {} waited {} ms in {}; rank {} did not answer", rank, waited,
+                                                    what(), peer)
+                                : deadline_exceeded("rank {} waited {} ms in {}", rank, waited, what());
+        fail(late);
+        return give_up(late);
+      }
+    }
+    back_off(polls, start);
+  }
+}
+
+void MpiState::sync_windows() {
+  std::lock_guard lock(windows_mutex);
+  for (MPI_Win win : windows) MPI_Win_sync(win);
+}
+
+void MpiState::add_window(MPI_Win win) {
+  std::lock_guard lock(windows_mutex);
+  windows.push_back(win);
+}
+
+void MpiState::remove_window(MPI_Win win) {
+  std::lock_guard lock(windows_mutex);
+  windows.erase(std::remove(windows.begin(), windows.end(), win), windows.end());
+}
+
+}  // namespace detail
+
+namespace {
+
+class MpiPeerMemory final : public PeerMemory {
+ public:
+  MpiPeerMemory(std::shared_ptr<MpiState> state, MPI_Win win, std::size_t size, std::vector<std::byte*> regions)
+      : state_(std::move(state)), win_(win), size_(size), regions_(std::move(regions)) {}
+
+  ~MpiPeerMemory() override {
+    state_->remove_window(win_);
+    if (state_->failed()) return;  // a peer may never come: leak the window rather than hang
+    // MPI_Win_free is a blocking collective of the node: free only once
+    // every rank of the node has arrived here.
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (MPI_Ibarrier(state_->node, &request) != MPI_SUCCESS) return;
+    const Status arrived = state_->wait(
+        &request, Deadline::after(state_->options.setup_timeout),
+        [] { return std::string("freeing peer memory (every rank of the node must free it)"); }, -1);
+    if (!arrived.is_ok()) return;
+    MPI_Win_unlock_all(win_);
+    MPI_Win_free(&win_);
+  }
+
+  [[nodiscard]] std::size_t size() const override { return size_; }
+  [[nodiscard]] std::byte* local() const override { return regions_[state_->rank]; }
+  [[nodiscard]] std::byte* peer(int rank) const override {
+    if (rank < 0 || rank >= static_cast<int>(regions_.size())) return nullptr;
+    return regions_[rank];
+  }
+
+ private:
+  std::shared_ptr<MpiState> state_;
+  MPI_Win win_;
+  std::size_t size_;
+  std::vector<std::byte*> regions_;  // by rank; null off this node
+};
+
+class MpiRequest final : public Request::Impl {
+ public:
+  MpiRequest(std::shared_ptr<MpiState> state, MPI_Request request, int peer, int tag, std::size_t bytes)
+      : state_(std::move(state)), request_(request), peer_(peer), tag_(tag), bytes_(bytes) {}
+  ~MpiRequest() override {
+    // Dropped without wait(): the send goes on; its buffer must outlive it.
+    if (request_ != MPI_REQUEST_NULL && !state_->failed()) MPI_Request_free(&request_);
+  }
+  Status wait(const Deadline& deadline) override {
+    if (request_ == MPI_REQUEST_NULL) return Status::ok();
+    return state_->wait(
+        &request_, deadline, [&] { return fmt::format("send to rank {} with tag {} ({} bytes)", peer_, tag_, bytes_); },
+        peer_);
+  }
+
+ private:
+  std::shared_ptr<MpiState> state_;
+  MPI_Request request_;
+  int peer_;
+  int tag_;
+  std::size_t bytes_;
+};
+
+Status check_message_size(std::size_t bytes, std::string_view what) {
+  if (bytes > static_cast<std::size_t>(INT_MAX))
+    return invalid_argument("{} of {} bytes: the MPI backend sends at most {} bytes per message", what, bytes, INT_MAX);
+  return Status::ok();
+}
+
+}  // namespace
+
+MpiTransport::~MpiTransport() {
+  if (state_->failed()) {
+    // MPI may still hold pointers into the state (pending collectives,
+    // receives that could not be cancelled): keep it forever.
+    new std::shared_ptr<MpiState>(std::move(state_));
+  }
+}
+
+TransportCounters MpiTransport::counters() const {
+  const MpiState& s = *state_;
+  TransportCounters c;
+  c.inter_node_bytes = s.inter_node_bytes.load(std::memory_order_relaxed);
+  c.inter_node_messages = s.inter_node_messages.load(std::memory_order_relaxed);
+  c.intra_node_bytes = s.intra_node_bytes.load(std::memory_order_relaxed);
+  c.intra_node_messages = s.intra_node_messages.load(std::memory_order_relaxed);
+  c.collective_calls = s.collective_calls.load(std::memory_order_relaxed);
+  c.collective_bytes = s.collective_bytes.load(std::memory_order_relaxed);
+  return c;
+}
+
+void MpiTransport::reset_counters() {
+  MpiState& s = *state_;
+  for (std::atomic<uint64_t>* c : {&s.inter_node_bytes, &s.inter_node_messages, &s.intra_node_bytes,
+                                   &s.intra_node_messages, &s.collective_calls, &s.collective_bytes})
+    c->store(0, std::memory_order_relaxed);
+}
+
+Status MpiTransport::agree(CollectiveDescriptor mine, const Deadline& deadline, uint64_t* seq_out) {
+  MpiState& s = *state_;
+  const uint64_t seq = s.next_seq++;
+  mine.seq = seq;
+  auto what = [&] { return fmt::format("{} #{}", detail::collective_op_name(mine.op), seq); };
+  if (s.failed()) return s.aborted_now(what());
+  s.descriptors.resize(static_cast<std::size_t>(num_ranks()));
+  s.sync_windows();
+  MPI_Request request = MPI_REQUEST_NULL;
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(&mine, sizeof(mine), MPI_BYTE, s.descriptors.data(), sizeof(mine),
+                                              MPI_BYTE, s.coll, &request),
+                               what()));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  s.sync_windows();
+  *seq_out = seq;
+  return detail::validate_collective(s.descriptors, seq);
+}
+
+Status MpiTransport::barrier(const Deadline& deadline) {
+  state_->collective_calls.fetch_add(1, std::memory_order_relaxed);
+  CollectiveDescriptor mine;
+  mine.op = CollectiveOp::kBarrier;
+  uint64_t seq = 0;
+  return agree(mine, deadline, &seq);
+}
+
+Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<std::byte> out,
+                                      const Deadline& deadline) {
+  MpiState& s = *state_;
+  s.collective_calls.fetch_add(1, std::memory_order_relaxed);
+  s.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
+  EPX_RETURN_IF_ERROR(check_message_size(out.size(), "all_gather_bytes output"));
+  CollectiveDescriptor mine;
+  mine.op = CollectiveOp::kAllGather;
+  mine.in_bytes = in.size();
+  mine.out_bytes = out.size();
+  uint64_t seq = 0;
+  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  if (in.empty()) return Status::ok();
+  s.scratch.resize(out.size());
+  MPI_Request request = MPI_REQUEST_NULL;
+  auto what = [&] { return fmt::format("all_gather_bytes #{} ({} bytes per rank)", seq, in.size()); };
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(in.data(), static_cast<int>(in.size()), MPI_BYTE, s.scratch.data(),
+                                              static_cast<int>(in.size()), MPI_BYTE, s.coll, &request),
+                               what()));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  std::memcpy(out.data(), s.scratch.data(), out.size());
+  return Status::ok();
+}
+
+Status MpiTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<std::byte> out,
+                                      const Deadline& deadline) {
+  MpiState& s = *state_;
+  s.collective_calls.fetch_add(1, std::memory_order_relaxed);
+  s.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
+  EPX_RETURN_IF_ERROR(check_message_size(in.size(), "all_to_all_bytes input"));
+  CollectiveDescriptor mine;
+  mine.op = CollectiveOp::kAllToAll;
+  mine.in_bytes = in.size();
+  mine.out_bytes = out.size();
+  uint64_t seq = 0;
+  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  const std::size_t block = in.size() / static_cast<std::size_t>(num_ranks());
+  if (block == 0) return Status::ok();
+  s.scratch.resize(out.size());
+  MPI_Request request = MPI_REQUEST_NULL;
+  auto what = [&] { return fmt::format("all_to_all_bytes #{} ({} bytes per block)", seq, block); };
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Ialltoall(in.data(), static_cast<int>(block), MPI_BYTE, s.scratch.data(),
+                                             static_cast<int>(block), MPI_BYTE, s.coll, &request),
+                               what()));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  std::memcpy(out.data(), s.scratch.data(), out.size());
+  return Status::ok();
+}
+
+Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, ReduceOp op,
+                                    const Deadline& deadline) {
+  MpiState& s = *state_;
+  const std::size_t bytes = count * dtype_size(dtype);
+  s.collective_calls.fetch_add(1, std::memory_order_relaxed);
+  s.collective_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  EPX_RETURN_IF_ERROR(check_message_size(bytes * static_cast<std::size_t>(num_ranks()), "all_reduce_raw gather"));
+  CollectiveDescriptor mine;
+  mine.op = CollectiveOp::kAllReduce;
+  mine.in_bytes = bytes;
+  mine.count = count;
+  mine.dtype = dtype;
+  mine.reduce_op = op;
+  uint64_t seq = 0;
+  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  if (count == 0) return Status::ok();
+  // Gather every rank's contribution, then reduce in rank order: the same
+  // bits on every rank and as the in-process backend (MPI_Allreduce fixes no order).
+  s.scratch.resize(bytes * static_cast<std::size_t>(num_ranks()));
+  MPI_Request request = MPI_REQUEST_NULL;
+  auto what = [&] { return fmt::format("all_reduce_raw #{} ({} x {})", seq, count, dtype_name(dtype)); };
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(data, static_cast<int>(bytes), MPI_BYTE, s.scratch.data(),
+                                              static_cast<int>(bytes), MPI_BYTE, s.coll, &request),
+                               what()));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  std::vector<const std::byte*> contributions(static_cast<std::size_t>(num_ranks()));
+  for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.scratch.data() + static_cast<std::size_t>(r) * bytes;
+  detail::reduce_in_rank_order(contributions, count, dtype, op, data);
+  return Status::ok();
+}
+
+Result<std::unique_ptr<PeerMemory>> MpiTransport::map_peer_memory(std::size_t bytes, const Deadline& deadline) {
+  MpiState& s = *state_;
+  const bool fits = bytes <= std::numeric_limits<std::size_t>::max() - kWindowAlignment &&
+                    bytes <= static_cast<std::size_t>(std::numeric_limits<MPI_Aint>::max()) - kWindowAlignment;
+  const std::size_t padded =
+      fits ? std::max(kWindowAlignment, (bytes + kWindowAlignment - 1) / kWindowAlignment * kWindowAlignment) : 0;
+  CollectiveDescriptor mine;
+  mine.op = CollectiveOp::kMapPeerMemory;
+  mine.in_bytes = bytes;
+  mine.allocated = fits;
+  uint64_t seq = 0;
+  // Every rank has arrived once this returns, so the blocking window
+  // allocation below cannot wait for an absent rank.
+  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  const std::string what = fmt::format("map_peer_memory #{} ({} bytes)", seq, bytes);
+
+  void* base = nullptr;  // this rank's segment (regions[rank()] is its aligned start)
+  MPI_Win win = MPI_WIN_NULL;
+  // One spare cache line: MPI aligns a segment less (Open MPI 4.1: 8 bytes),
+  // so each rank's region starts at the first 64-byte boundary of its segment.
+  int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(padded + kWindowAlignment), 1, MPI_INFO_NULL, s.node, &base,
+                                   &win);
+  if (rc != MPI_SUCCESS) {
+    Status error = resource_exhausted("{}: MPI_Win_allocate_shared of {} bytes on rank {} failed: {}", what, padded,
+                                      rank(), mpi_error_string(rc));
+    s.fail(error);
+    return error;
+  }
+  MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
+
+  int node_size = 0;
+  MPI_Comm_size(s.node, &node_size);
+  const int first = topology().rank_of(node(), 0);
+  std::vector<std::byte*> regions(static_cast<std::size_t>(num_ranks()), nullptr);
+  for (int i = 0; i < node_size; ++i) {
+    MPI_Aint size = 0;
+    int disp_unit = 0;
+    void* ptr = nullptr;
+    rc = MPI_Win_shared_query(win, i, &size, &disp_unit, &ptr);
+    if (rc != MPI_SUCCESS || ptr == nullptr || static_cast<std::size_t>(size) < padded + kWindowAlignment) {
+      Status error = internal_error("{}: the shared segment of rank {} is missing or too small: {}", what, first + i,
+                                    rc == MPI_SUCCESS ? fmt::format("{} bytes", size) : mpi_error_string(rc));
+      s.fail(error);
+      return error;
+    }
+    const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+    const std::uintptr_t aligned = (address + kWindowAlignment - 1) / kWindowAlignment * kWindowAlignment;
+    regions[first + i] = static_cast<std::byte*>(ptr) + (aligned - address);
+  }
+  std::memset(regions[rank()], 0, padded);
+  MPI_Win_lock_all(MPI_MODE_NOCHECK, win);
+  s.add_window(win);
+  auto memory = std::make_unique<MpiPeerMemory>(state_, win, bytes, std::move(regions));
+  // Nobody writes into a region before its owner has zeroed it.
+  s.sync_windows();
+  MPI_Request request = MPI_REQUEST_NULL;
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Ibarrier(s.node, &request), what));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, [&] { return what + ": node barrier"; }, -1));
+  s.sync_windows();
+  std::unique_ptr<PeerMemory> result = std::move(memory);
+  return result;
+}
+
+Result<Request> MpiTransport::send_async(int peer, int tag, std::span<const std::byte> data) {
+  MpiState& s = *state_;
+  EPX_RETURN_IF_ERROR(detail::check_peer_and_tag(peer, tag, num_ranks()));
+  if (tag > s.tag_ub) return invalid_argument("tag = {} is above this MPI's MPI_TAG_UB = {}", tag, s.tag_ub);
+  EPX_RETURN_IF_ERROR(check_message_size(data.size(), fmt::format("message to rank {}", peer)));
+  if (s.failed()) return s.aborted_now(fmt::format("send to rank {} with tag {}", peer, tag));
+  MPI_Request request = MPI_REQUEST_NULL;
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_BYTE, peer, tag, s.comm, &request),
+                               fmt::format("MPI_Isend to rank {} with tag {}", peer, tag)));
+  if (topology().same_node(rank(), peer)) {
+    s.intra_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
+    s.intra_node_messages.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    s.inter_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
+    s.inter_node_messages.fetch_add(1, std::memory_order_relaxed);
+  }
+  return Request(std::make_shared<MpiRequest>(state_, request, peer, tag, data.size()));
+}
+
+Result<std::size_t> MpiTransport::recv(int peer, int tag, std::span<std::byte> out, const Deadline& deadline) {
+  MpiState& s = *state_;
+  EPX_RETURN_IF_ERROR(detail::check_peer_and_tag(peer, tag, num_ranks()));
+  if (tag > s.tag_ub) return invalid_argument("tag = {} is above this MPI's MPI_TAG_UB = {}", tag, s.tag_ub);
+  auto what = [&] { return fmt::format("recv from rank {} with tag {}", peer, tag); };
+  if (s.failed()) return s.aborted_now(what());
+  const int capacity = static_cast<int>(std::min<std::size_t>(out.size(), INT_MAX));
+  MPI_Request request = MPI_REQUEST_NULL;
+  EPX_RETURN_IF_ERROR(
+      mpi_call(MPI_Irecv(out.data(), capacity, MPI_BYTE, peer, tag, s.comm, &request), "MPI_Irecv"));
+  MPI_Status status;
+  const Status waited = s.wait(&request, deadline, what, peer, &status, /*cancel=*/true);
+  if (waited.code() == StatusCode::kResourceExhausted)
+    return resource_exhausted("message from rank {} with tag {} is larger than out ({} bytes); the message was dropped",
+                              peer, tag, out.size());
+  EPX_RETURN_IF_ERROR(waited);
+  int got = 0;
+  MPI_Get_count(&status, MPI_BYTE, &got);
+  return static_cast<std::size_t>(got);
+}
+
+// ---------------------------------------------------------------------------
+// MpiSession
+
+bool mpi_available() { return true; }
+
+bool launched_by_mpi() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE"})
+    if (std::getenv(name) != nullptr) return true;
+  return false;
+}
+
+Result<std::unique_ptr<MpiSession>> MpiSession::init(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int provided = MPI_THREAD_SINGLE;
+  if (initialized) {
+    MPI_Query_thread(&provided);
+  } else if (MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
+    return internal_error("MPI_Init_thread failed");
+  }
+  if (provided < MPI_THREAD_MULTIPLE)
+    return failed_precondition(
+        "this MPI library gives thread level {} but epx needs MPI_THREAD_MULTIPLE ({}); use an MPI built with thread "
+        "support (Debian's Open MPI is)",
+        provided, MPI_THREAD_MULTIPLE);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return std::unique_ptr<MpiSession>(new MpiSession(rank, size));
+}
+
+MpiSession::~MpiSession() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized || g_failed.load(std::memory_order_acquire)) return;
+  MPI_Finalize();
+}
+
+std::string MpiSession::library_version() const {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING];
+  int length = 0;
+  MPI_Get_library_version(text, &length);
+  std::string version(text, static_cast<std::size_t>(length));
+  const std::size_t end = version.find_first_of("\r\n");
+  return end == std::string::npos ? version : version.substr(0, end);
+}
+
+Result<std::unique_ptr<Transport>> MpiSession::connect(const MpiOptions& options) {
+  // Wait (polled) until every process has arrived: the set-up below is made
+  // of blocking MPI calls, which then cannot wait for an absent process.
+  {
+    MPI_Request request = MPI_REQUEST_NULL;
+    EPX_RETURN_IF_ERROR(mpi_call(MPI_Ibarrier(MPI_COMM_WORLD, &request), "MPI_Ibarrier"));
+    const auto deadline = Deadline::after(options.setup_timeout);
+    const auto start = Clock::now();
+    for (uint64_t polls = 0;; ++polls) {
+      int done = 0;
+      EPX_RETURN_IF_ERROR(mpi_call(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test"));
+      if (done) break;
+      if (deadline.expired()) {
+        g_failed.store(true);
+        return deadline_exceeded("process {} waited {} ms for every one of the {} processes to connect", world_rank_,
+                                 elapsed_ms(start), world_size_);
+      }
+      back_off(polls, start);
+    }
+  }
+
+  // What every process knows about itself, gathered by all.
+  struct Info {
+    int32_t host_size = 0;
+    int32_t host_rank = 0;
+    int32_t host_leader = 0;  // the smallest world rank of the host
+    int32_t ranks_per_node = 0;
+    int64_t pid = 0;
+    char host[64] = {};
+  };
+  MPI_Comm host = MPI_COMM_NULL;
+  EPX_RETURN_IF_ERROR(
+      mpi_call(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_, MPI_INFO_NULL, &host),
+               "MPI_Comm_split_type(SHARED)"));
+  Info mine;
+  MPI_Comm_size(host, &mine.host_size);
+  MPI_Comm_rank(host, &mine.host_rank);
+  int leader = world_rank_;
+  MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, host);
+  mine.host_leader = leader;
+  mine.ranks_per_node = options.ranks_per_node;
+  mine.pid = static_cast<int64_t>(::getpid());
+  gethostname(mine.host, sizeof(mine.host) - 1);
+  MPI_Comm_free(&host);
+  std::vector<Info> all(static_cast<std::size_t>(world_size_));
+  EPX_RETURN_IF_ERROR(mpi_call(
+      MPI_Allgather(&mine, sizeof(Info), MPI_BYTE, all.data(), sizeof(Info), MPI_BYTE, MPI_COMM_WORLD), "MPI_Allgather"));
+
+  // Every process reaches the same verdict from the same table.
+  std::map<int, int> host_index;  // leader world rank -> host number, in leader order
+  for (const Info& info : all) host_index.emplace(info.host_leader, 0);
+  int next = 0;
+  for (auto& [leader_rank, index] : host_index) index = next++;
+  const int per_host = all[0].host_size;
+  for (int w = 0; w < world_size_; ++w) {
+    if (all[w].host_size != per_host)
+      return invalid_argument(
+          "host {} runs {} processes but host {} runs {}; epx needs the same number of ranks on every node", all[0].host,
+          per_host, all[w].host, all[w].host_size);
+    if (all[w].ranks_per_node != all[0].ranks_per_node)
+      return invalid_argument("process {} asked for ranks_per_node = {} but process 0 for {}", w, all[w].ranks_per_node,
+                              all[0].ranks_per_node);
+  }
+  const int ranks_per_node = options.ranks_per_node == 0 ? per_host : options.ranks_per_node;
+  if (ranks_per_node < 1 || per_host % ranks_per_node != 0)
+    return invalid_argument("ranks_per_node = {} must divide the {} processes per host{}", options.ranks_per_node,
+                            per_host, options.ranks_per_node < 0 ? " (and be at least 1)" : "");
+  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(world_size_, world_size_ / ranks_per_node));
+  auto node_major = [&](int w) { return host_index[all[w].host_leader] * per_host + all[w].host_rank; };
+  const int rank = node_major(world_rank_);
+
+  auto state = std::make_shared<MpiState>(topology, rank, options);
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_split(MPI_COMM_WORLD, 0, rank, &state->comm), "MPI_Comm_split"));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(state->comm, &state->coll), "MPI_Comm_dup"));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(state->comm, &state->ctrl), "MPI_Comm_dup"));
+  EPX_RETURN_IF_ERROR(
+      mpi_call(MPI_Comm_split(state->comm, topology.node_of(rank), rank, &state->node), "MPI_Comm_split(node)"));
+  for (MPI_Comm c : {state->comm, state->coll, state->ctrl, state->node}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  int check = -1;
+  MPI_Comm_rank(state->comm, &check);
+  EPX_CHECK_EQ(check, rank);
+  void* tag_ub = nullptr;
+  int has_tag_ub = 0;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_tag_ub);
+  if (has_tag_ub && tag_ub != nullptr) state->tag_ub = *static_cast<int*>(tag_ub);
+
+  state->pids.resize(static_cast<std::size_t>(world_size_));
+  state->hosts.resize(static_cast<std::size_t>(world_size_));
+  for (int w = 0; w < world_size_; ++w) {
+    const int r = node_major(w);
+    state->pids[r] = all[w].pid;
+    state->hosts[r] = all[w].host;
+    if (all[w].host_leader == mine.host_leader && r != rank) state->host_ranks.push_back(r);
+  }
+  std::unique_ptr<Transport> transport = std::make_unique<MpiTransport>(std::move(state));
+  return transport;
+}
+
+}  // namespace epx

@@ -1,0 +1,153 @@
+// The MPI backend's per-process state and transport (private).
+//
+// Communicators, all made by connect() from MPI_COMM_WORLD:
+//  - comm: every rank, renumbered node-major; carries send_async/recv;
+//  - coll: a duplicate of comm for the collectives, so they never match a
+//    message of the exchange;
+//  - ctrl: a duplicate for abort notices (tag kNoticeTag), polled by waits;
+//  - node: the ranks of this (emulated) node; the shared windows live here.
+// Every communicator returns errors (MPI_ERRORS_RETURN) instead of aborting.
+//
+// Waiting: every MPI request is polled with MPI_Test until it completes,
+// the deadline passes, a notice arrives or a process of this host is found
+// dead (kill(pid, 0) and /proc/PID/stat, every liveness_interval). Polling
+// spins briefly, then yields, then sleeps 50 us between tests, so that
+// oversubscribed ranks (8 processes on 2 cores) leave the cores to the ranks
+// that have work.
+//
+// Failures poison the state as in-process: the first failure is kept, later
+// calls return Aborted naming it, and the failure is sent to every other
+// rank as a notice (status code + message), so their waits end at once.
+// After a failure no MPI object is freed and no request is cancelled whose
+// cancellation did not complete: the state is leaked on purpose (MPI may
+// still hold pointers into it), and MpiSession skips MPI_Finalize.
+//
+// Collectives: each exchanges every rank's CollectiveDescriptor first
+// (MPI_Iallgather; this is also the barrier) and validates it as in-process;
+// then the data moves through MPI_Iallgather / MPI_Ialltoall into scratch
+// owned by the state. All-reduce is an all-gather followed by the rank-order
+// reduction of comm/collective.h: the same bits as the in-process backend.
+//
+// Peer memory: MPI_Win_allocate_shared on `node`, each rank's size padded to
+// 64 bytes (a one-sided-write bug of some MPI builds depends on it; it also
+// keeps every region 64-byte aligned), zero-filled, then a node barrier.
+// Windows are held in a passive epoch (MPI_Win_lock_all) and every barrier
+// runs MPI_Win_sync on each live window before and after, which is what the
+// MPI memory model asks for direct loads and stores to be seen by peers.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <mpi.h>
+
+#include "comm/collective.h"
+#include "epx/comm/mpi.h"
+#include "epx/comm/transport.h"
+
+namespace epx {
+namespace detail {
+
+inline constexpr int kNoticeTag = 1;
+
+struct MpiState {
+  MpiState(const Topology& topology, int rank, MpiOptions options)
+      : topology(topology), rank(rank), options(options) {}
+  ~MpiState();
+
+  // Polls `request` until it completes (OK; *status, when given, filled) or
+  // fails: an MPI error, the deadline, a notice, a dead process on this host.
+  // `what` names the call for messages; `peer` (or -1) is the rank it waits
+  // for. A receive is cancelled on failure (`cancel`).
+  Status wait(MPI_Request* request, const Deadline& deadline, const std::function<std::string()>& what, int peer,
+              MPI_Status* status = nullptr, bool cancel = false);
+  // Records the first failure and sends it to every other rank.
+  void fail(const Status& reason);
+  [[nodiscard]] bool failed() const { return poisoned.load(std::memory_order_acquire); }
+  // Aborted: `what` on this rank could not run because of the first failure.
+  [[nodiscard]] Status aborted_now(std::string_view what) const;
+  // Checks for notices and dead processes of this host; non-OK (and the
+  // state poisoned) when the world failed. `waited_ms` and `what` go into
+  // the message.
+  Status check_world(std::string_view what, int64_t waited_ms, bool force_liveness);
+  // MPI_Win_sync on every live window.
+  void sync_windows();
+  void add_window(MPI_Win win);
+  void remove_window(MPI_Win win);
+
+  const Topology topology;
+  const int rank;
+  const MpiOptions options;
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm coll = MPI_COMM_NULL;
+  MPI_Comm ctrl = MPI_COMM_NULL;
+  MPI_Comm node = MPI_COMM_NULL;
+  int tag_ub = 32767;
+  std::vector<int> host_ranks;     // the other ranks of this host (their deaths are seen)
+  std::vector<int64_t> pids;       // by rank
+  std::vector<std::string> hosts;  // by rank
+
+  mutable std::mutex mutex;
+  Status failure;                     // guarded by mutex
+  std::atomic<bool> poisoned{false};  // failure is non-OK
+  Clock::time_point last_liveness = Clock::now();
+  // Notices this rank sent (kept until the state goes; it never goes after a failure).
+  std::vector<std::string> notice_buffers;
+  std::vector<MPI_Request> notice_requests;
+
+  std::mutex windows_mutex;
+  std::vector<MPI_Win> windows;
+
+  uint64_t next_seq = 1;
+  std::vector<CollectiveDescriptor> descriptors;  // one per rank
+  std::vector<std::byte> scratch;                 // collective data
+
+  std::atomic<uint64_t> inter_node_bytes{0};
+  std::atomic<uint64_t> inter_node_messages{0};
+  std::atomic<uint64_t> intra_node_bytes{0};
+  std::atomic<uint64_t> intra_node_messages{0};
+  std::atomic<uint64_t> collective_calls{0};
+  std::atomic<uint64_t> collective_bytes{0};
+};
+
+}  // namespace detail
+
+// The transport of this process's rank. Used by one thread at a time.
+class MpiTransport final : public Transport {
+ public:
+  explicit MpiTransport(std::shared_ptr<detail::MpiState> state) : state_(std::move(state)) {}
+  ~MpiTransport() override;
+
+  [[nodiscard]] int rank() const override { return state_->rank; }
+  [[nodiscard]] const Topology& topology() const override { return state_->topology; }
+  [[nodiscard]] std::string_view backend_name() const override { return "mpi"; }
+
+  Result<std::unique_ptr<PeerMemory>> map_peer_memory(std::size_t bytes, const Deadline& deadline) override;
+  Result<Request> send_async(int peer, int tag, std::span<const std::byte> data) override;
+  Result<std::size_t> recv(int peer, int tag, std::span<std::byte> out, const Deadline& deadline) override;
+  Status barrier(const Deadline& deadline) override;
+  Status all_gather_bytes(std::span<const std::byte> in, std::span<std::byte> out,
+                          const Deadline& deadline) override;
+  Status all_to_all_bytes(std::span<const std::byte> in, std::span<std::byte> out,
+                          const Deadline& deadline) override;
+  Status all_reduce_raw(void* data, std::size_t count, DType dtype, ReduceOp op,
+                        const Deadline& deadline) override;
+  void abort(const Status& reason) override { state_->fail(reason); }
+  [[nodiscard]] TransportCounters counters() const override;
+  void reset_counters() override;
+
+ private:
+  // Exchanges and validates every rank's descriptor of collective `op` (the
+  // barrier of every collective); on OK the collective's number is *seq.
+  Status agree(detail::CollectiveDescriptor mine, const Deadline& deadline, uint64_t* seq);
+
+  std::shared_ptr<detail::MpiState> state_;
+};
+
+}  // namespace epx
