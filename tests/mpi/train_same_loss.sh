@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# `epx train` on MPI processes gives the same loss curve, bit for bit, as the
+# in-process run with the same ranks and nodes (the transport contract fixes
+# every reduction order). Usage: train_same_loss.sh EPX MPIEXEC CONFIG [NP] [NODES]
+set -euo pipefail
+epx=$1 mpiexec=$2 config=$3 np=${4:-4} nodes=${5:-1}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+args=(train --config "$config" --ranks "$np" --nodes "$nodes" --steps 40 -q)
+
+timeout 300 "$mpiexec" --oversubscribe --bind-to none -n "$np" "$epx" "${args[@]}" --backend mpi \
+  --metrics "$work/mpi.jsonl" > "$work/mpi.out"
+timeout 300 "$epx" "${args[@]}" --backend inproc --metrics "$work/inproc.jsonl" > "$work/inproc.out"
+
+losses() { grep -o '"\(main_\)\?loss":[^,]*' "$1"; }
+n_mpi=$(losses "$work/mpi.jsonl" | wc -l)
+n_in=$(losses "$work/inproc.jsonl" | wc -l)
+if [[ $n_mpi -ne 80 || $n_in -ne 80 ]]; then
+  echo "FAIL: expected 40 steps x (loss, main_loss) from both runs, got $n_mpi (MPI) and $n_in (in-process)"
+  exit 1
+fi
+if ! diff <(losses "$work/mpi.jsonl") <(losses "$work/inproc.jsonl") > "$work/diff"; then
+  echo "FAIL: the MPI run's losses differ from the in-process run's:"
+  head -20 "$work/diff"
+  exit 1
+fi
+echo "same loss curve: $np MPI processes ($nodes node(s)) and $np in-process ranks agree on all 40 steps"
+losses "$work/mpi.jsonl" | sed -n '1p;$p'
