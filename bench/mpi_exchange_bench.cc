@@ -1,0 +1,373 @@
+// The MPI backend's dispatch and combine against what an MPI user would
+// otherwise run, in one run (`mpirun -n R epx_mpi_exchange_bench`):
+//
+//   epx        Buffer::dispatch / Buffer::combine on the MPI transport;
+//   alltoallv  MPI_Alltoallv of exactly the bytes the dispatch delivers
+//              (rows already packed by destination: the bare data movement);
+//   naive      the pack / all-to-all-v / unpack dispatcher (Megatron-style):
+//              one copy of a token per (token, expert) pair, packed by
+//              destination rank and local expert, counts by MPI_Alltoall,
+//              payload by MPI_Alltoallv, re-sorted expert-major; its combine
+//              reverses the sort, sends the rows back and sums them weighted
+//              in top-k order (fp32).
+//
+// Methods are interleaved in each repetition; each time is the slowest
+// rank's, after a barrier; medians over repetitions. Logical bandwidth is
+// DeepEP's per-rank figure: the dispatch's received row bytes per rank over
+// the time (the same bytes for every method). Rank 0 then runs the
+// in-process backend on the same shape with R threads (`epx bench
+// exchange`'s code) while the other processes wait, for the in-process rate.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "epx/comm/mpi.h"
+#include "epx/core/buffer.h"
+#include "epx/core/dtype.h"
+#include "epx/exchange/buffer.h"
+#include "epx/exchange/layout.h"
+#include "exchange_bench.h"
+#include "synthetic_routing.h"
+
+namespace epx::bench {
+namespace {
+
+struct Options {
+  int tokens = 1024;
+  int hidden = 7168;
+  int experts = 256;
+  int topk = 8;
+  int nodes = 1;
+  int reps = 7;
+  std::string dtype = "bf16";
+  uint64_t seed = 1;
+  bool inproc = true;
+  bool json = false;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The naive dispatcher's routes, kept from dispatch for combine.
+struct Naive {
+  std::vector<int> send_counts, send_displs, recv_counts, recv_displs;  // bytes, per rank
+  std::vector<int> chunk_send, chunk_recv;  // rows per (rank, local expert) slot
+  std::vector<int64_t> slot_row;            // [T, K] send row of (t, k), -1 none
+  AlignedBuffer send, recv, sorted;
+  int max_local = 0;
+};
+
+int run(int argc, char** argv) {
+  Options o;
+  CLI::App app{"MPI-backend dispatch/combine vs MPI_Alltoallv and a naive pack/all-to-all-v/unpack; run under mpirun"};
+  app.add_option("--tokens", o.tokens, "Tokens per rank")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  app.add_option("--hidden", o.hidden, "Elements per row")->check(CLI::Range(4, 1 << 20))->capture_default_str();
+  app.add_option("--experts", o.experts, "Experts")->check(CLI::Range(1, 65536))->capture_default_str();
+  app.add_option("--topk", o.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  app.add_option("--nodes", o.nodes, "Nodes: 1 = the real hosts; more = emulated nodes")->capture_default_str();
+  app.add_option("--reps", o.reps, "Timed repetitions")->check(CLI::Range(1, 1000))->capture_default_str();
+  app.add_option("--dtype", o.dtype, "Payload")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
+  app.add_option("--seed", o.seed, "Routing seed")->capture_default_str();
+  app.add_flag("!--no-inproc", o.inproc, "Skip the in-process run of the same shape");
+  app.add_flag("--json", o.json, "Also print one JSON line");
+  CLI11_PARSE(app, argc, argv);
+
+  auto session = MpiSession::init(&argc, &argv);
+  if (!session.is_ok()) {
+    fmt::print(stderr, "{}\n", session.status().to_string());
+    return 1;
+  }
+  const int R = (*session)->world_size();
+  if (o.nodes < 1 || R % o.nodes != 0) {
+    fmt::print(stderr, "--nodes {} must divide the {} processes\n", o.nodes, R);
+    return 2;
+  }
+  MpiOptions mpi_options;
+  mpi_options.ranks_per_node = o.nodes > 1 ? R / o.nodes : 0;
+  auto connected = (*session)->connect(mpi_options);
+  if (!connected.is_ok()) {
+    fmt::print(stderr, "{}\n", connected.status().to_string());
+    return 1;
+  }
+  int exit_code = 0;
+  {
+    Transport& t = **connected;
+    const int rank = t.rank();
+    const DType dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16;
+    const std::size_t row = static_cast<std::size_t>(o.hidden) * dtype_size(dtype);
+    const int T = o.tokens, K = o.topk, E = o.experts;
+    auto fail = [&](const Status& s) {
+      fmt::print(stderr, "rank {}: {}\n", rank, s.to_string());
+      t.abort(s);
+      return 1;
+    };
+    auto placement = ExpertPlacement::contiguous(E, R);
+    if (!placement.is_ok()) return fail(placement.status());
+    const RoutingSpec spec{.num_tokens = T, .num_experts = E, .topk = K, .skew = 0.0, .seed = o.seed};
+    // Every rank's layout (cheap), for the receive sizes.
+    std::vector<int64_t> recv_rows(R, 0);
+    RankRouting mine;
+    DispatchLayout my_layout;
+    for (int r = 0; r < R; ++r) {
+      auto routing = make_routing(spec, r);
+      if (!routing.is_ok()) return fail(routing.status());
+      auto layout = compute_layout(routing->idx(), *placement, t.topology());
+      if (!layout.is_ok()) return fail(layout.status());
+      for (int d = 0; d < R; ++d) recv_rows[d] += layout->num_tokens_per_rank[d];
+      if (r == rank) {
+        mine = std::move(routing).value();
+        my_layout = std::move(layout).value();
+      }
+    }
+    const int64_t max_recv = *std::max_element(recv_rows.begin(), recv_rows.end());
+    AlignedBuffer x(std::max<std::size_t>(T * row, 64));
+    for (int i = 0; i < T; ++i)
+      for (int c = 0; c < o.hidden; ++c) store_from_f32(x.data() + i * row, dtype, c, 0.001f * ((i * 7 + c + rank) % 997));
+    const TensorView xv = TensorView::contiguous(x.data(), dtype, {T, o.hidden});
+    AlignedBuffer out(std::max<std::size_t>(T * row, 64));
+    const TensorView outv = TensorView::contiguous(out.data(), dtype, {T, o.hidden});
+
+    auto buffer = Buffer::create(t, BufferConfig{.num_experts = E, .hidden = o.hidden, .dtype = dtype, .max_topk = K,
+                                                 .max_tokens_per_rank = T, .max_recv_tokens = max_recv,
+                                                 .max_combine_dtype = dtype, .placement = *placement,
+                                                 .timeout = Milliseconds(600000)});
+    if (!buffer.is_ok()) return fail(buffer.status());
+
+    // alltoallv: the dispatch's bytes, packed by destination once.
+    std::vector<int> a_sc(R), a_sd(R), a_rc(R), a_rd(R);
+    {
+      int at = 0;
+      for (int d = 0; d < R; ++d) {
+        a_sc[d] = static_cast<int>(my_layout.num_tokens_per_rank[d] * row);
+        a_sd[d] = at;
+        at += a_sc[d];
+      }
+    }
+    MPI_Alltoall(a_sc.data(), 1, MPI_INT, a_rc.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    {
+      int at = 0;
+      for (int s = 0; s < R; ++s) {
+        a_rd[s] = at;
+        at += a_rc[s];
+      }
+    }
+    AlignedBuffer a_send(std::max<std::size_t>(static_cast<std::size_t>(a_sd[R - 1]) + a_sc[R - 1], 64));
+    AlignedBuffer a_recv(std::max<std::size_t>(static_cast<std::size_t>(max_recv) * row, 64));
+
+    // naive: sizes of the (token, expert) copies.
+    Naive n;
+    n.max_local = 0;
+    for (int r = 0; r < R; ++r) n.max_local = std::max(n.max_local, placement->num_local_experts(r));
+    const int slots = R * n.max_local;
+    n.chunk_send.assign(slots, 0);
+    n.slot_row.assign(static_cast<std::size_t>(T) * K, -1);
+    for (int i = 0; i < T * K; ++i) {
+      const int e = mine.topk_idx[i];
+      if (e >= 0) ++n.chunk_send[placement->rank_of(e) * n.max_local + placement->local_id(e)];
+    }
+    n.chunk_recv.assign(slots, 0);
+    MPI_Alltoall(n.chunk_send.data(), n.max_local, MPI_INT, n.chunk_recv.data(), n.max_local, MPI_INT, MPI_COMM_WORLD);
+    int64_t naive_send_rows = 0, naive_recv_rows = 0;
+    for (int v : n.chunk_send) naive_send_rows += v;
+    for (int v : n.chunk_recv) naive_recv_rows += v;
+    int64_t naive_max = std::max(naive_send_rows, naive_recv_rows);
+    MPI_Allreduce(MPI_IN_PLACE, &naive_max, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    n.send = AlignedBuffer(std::max<std::size_t>(naive_max * row, 64));
+    n.recv = AlignedBuffer(std::max<std::size_t>(naive_max * row, 64));
+    n.sorted = AlignedBuffer(std::max<std::size_t>(naive_max * row, 64));
+    n.send_counts.assign(R, 0), n.send_displs.assign(R, 0), n.recv_counts.assign(R, 0), n.recv_displs.assign(R, 0);
+
+    auto naive_dispatch = [&]() {
+      // Pack by (destination rank, local expert, token); counts by all-to-all.
+      std::vector<int> chunk_offset(slots, 0);
+      std::fill(n.chunk_send.begin(), n.chunk_send.end(), 0);
+      for (int i = 0; i < T * K; ++i) {
+        const int e = mine.topk_idx[i];
+        if (e >= 0) ++n.chunk_send[placement->rank_of(e) * n.max_local + placement->local_id(e)];
+      }
+      for (int s = 0, at = 0; s < slots; ++s) {
+        chunk_offset[s] = at;
+        at += n.chunk_send[s];
+      }
+      for (int i = 0; i < T; ++i)
+        for (int k = 0; k < K; ++k) {
+          const int e = mine.topk_idx[i * K + k];
+          if (e < 0) continue;
+          const int slot = placement->rank_of(e) * n.max_local + placement->local_id(e);
+          const int64_t r = chunk_offset[slot]++;
+          n.slot_row[i * K + k] = r;
+          std::memcpy(n.send.data() + r * row, x.data() + i * row, row);
+        }
+      MPI_Alltoall(n.chunk_send.data(), n.max_local, MPI_INT, n.chunk_recv.data(), n.max_local, MPI_INT,
+                   MPI_COMM_WORLD);
+      for (int d = 0, s_at = 0, r_at = 0; d < R; ++d) {
+        int sr = 0, rr = 0;
+        for (int j = 0; j < n.max_local; ++j) {
+          sr += n.chunk_send[d * n.max_local + j];
+          rr += n.chunk_recv[d * n.max_local + j];
+        }
+        n.send_counts[d] = static_cast<int>(sr * row);
+        n.send_displs[d] = static_cast<int>(s_at * row);
+        n.recv_counts[d] = static_cast<int>(rr * row);
+        n.recv_displs[d] = static_cast<int>(r_at * row);
+        s_at += sr;
+        r_at += rr;
+      }
+      MPI_Alltoallv(n.send.data(), n.send_counts.data(), n.send_displs.data(), MPI_BYTE, n.recv.data(),
+                    n.recv_counts.data(), n.recv_displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+      // Source-major chunks -> expert-major.
+      std::byte* to = n.sorted.data();
+      for (int j = 0; j < n.max_local; ++j)
+        for (int s = 0; s < R; ++s) {
+          std::size_t before = 0;
+          for (int jj = 0; jj < j; ++jj) before += n.chunk_recv[s * n.max_local + jj];
+          const std::size_t bytes = n.chunk_recv[s * n.max_local + j] * row;
+          std::memcpy(to, n.recv.data() + n.recv_displs[s] + before * row, bytes);
+          to += bytes;
+        }
+    };
+    auto naive_combine = [&]() {
+      // Expert-major -> source-major, send back, weighted sum in top-k order.
+      const std::byte* from = n.sorted.data();
+      for (int j = 0; j < n.max_local; ++j)
+        for (int s = 0; s < R; ++s) {
+          std::size_t before = 0;
+          for (int jj = 0; jj < j; ++jj) before += n.chunk_recv[s * n.max_local + jj];
+          const std::size_t bytes = n.chunk_recv[s * n.max_local + j] * row;
+          std::memcpy(n.recv.data() + n.recv_displs[s] + before * row, from, bytes);
+          from += bytes;
+        }
+      MPI_Alltoallv(n.recv.data(), n.recv_counts.data(), n.recv_displs.data(), MPI_BYTE, n.send.data(),
+                    n.send_counts.data(), n.send_displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+      std::vector<float> acc(o.hidden);
+      for (int i = 0; i < T; ++i) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int k = 0; k < K; ++k) {
+          const int64_t r = n.slot_row[i * K + k];
+          if (r < 0) continue;
+          const float w = mine.topk_weights[i * K + k];
+          const std::byte* src = n.send.data() + r * row;
+          for (int c = 0; c < o.hidden; ++c) acc[c] += w * load_as_f32(src, dtype, c);
+        }
+        for (int c = 0; c < o.hidden; ++c) store_from_f32(out.data() + i * row, dtype, c, acc[c]);
+      }
+    };
+
+    enum { kDispatch, kCombine, kAlltoallv, kNaiveDispatch, kNaiveCombine, kMethods };
+    const char* names[kMethods] = {"epx dispatch", "epx combine", "MPI_Alltoallv (same bytes)", "naive dispatch",
+                                   "naive combine"};
+    std::vector<std::vector<double>> samples(kMethods);
+    DispatchResult recv;
+    const DispatchInputs inputs{.x = xv, .topk_idx = mine.idx(), .topk_weights = mine.weights()};
+    TensorView y;
+    auto timed = [&](int method, auto&& op) -> Status {
+      MPI_Barrier(MPI_COMM_WORLD);
+      const double start = now_ms();
+      EPX_RETURN_IF_ERROR(op());
+      double ms = now_ms() - start;
+      MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      if (method >= 0) samples[method].push_back(ms);
+      return Status::ok();
+    };
+    for (int rep = -1; rep < o.reps; ++rep) {  // rep -1: warm-up
+      const bool warm = rep >= 0;
+      Status s = timed(warm ? kDispatch : -1, [&] { return (*buffer)->dispatch(inputs, &recv); });
+      if (s.is_ok()) {
+        auto input = (*buffer)->combine_input(recv.handle, dtype);
+        if (!input.is_ok()) return fail(input.status());
+        y = *input;
+        if (!warm) std::memcpy(y.data(), recv.recv_x.data(), recv.recv_x.size(0) * row);
+        s = timed(warm ? kCombine : -1, [&] { return (*buffer)->combine(y, recv.handle, outv); });
+      }
+      if (s.is_ok())
+        s = timed(warm ? kAlltoallv : -1, [&] {
+          MPI_Alltoallv(a_send.data(), a_sc.data(), a_sd.data(), MPI_BYTE, a_recv.data(), a_rc.data(), a_rd.data(),
+                        MPI_BYTE, MPI_COMM_WORLD);
+          return Status::ok();
+        });
+      if (s.is_ok()) s = timed(warm ? kNaiveDispatch : -1, [&] { naive_dispatch(); return Status::ok(); });
+      if (s.is_ok()) s = timed(warm ? kNaiveCombine : -1, [&] { naive_combine(); return Status::ok(); });
+      if (!s.is_ok()) return fail(s);
+    }
+    int64_t total_recv = 0;
+    for (int64_t v : recv_rows) total_recv += v;
+    const double logical = static_cast<double>(total_recv) / R * static_cast<double>(row);  // bytes per rank
+    double inproc_ms[2] = {0, 0};
+    if (o.inproc) {
+      // Rank 0 runs the in-process backend on the same shape; the others wait.
+      if (rank == 0) {
+        ExchangeBenchConfig c;
+        c.num_ranks = R;
+        c.num_nodes = t.topology().num_nodes();
+        c.num_tokens = T;
+        c.hidden = o.hidden;
+        c.num_experts = E;
+        c.topk = K;
+        c.dtype = dtype;
+        c.reps = o.reps;
+        c.seed = o.seed;
+        auto result = run_exchange_bench(c);
+        if (result.is_ok()) {
+          inproc_ms[0] = result->dispatch.time_ms;
+          inproc_ms[1] = result->combine.time_ms;
+        } else {
+          fmt::print(stderr, "in-process run: {}\n", result.status().to_string());
+        }
+      }
+      const Status waited = t.barrier(Deadline::after(std::chrono::minutes(30)));
+      if (!waited.is_ok()) return fail(waited);
+    }
+    if (rank == 0) {
+      fmt::print("MPI backend, {} processes ({}), {} tokens/rank, hidden {}, top-{} of {} experts, {}; {} ({} reps, "
+                 "medians; logical bytes/rank {:.1f} MB)\n",
+                 R, t.topology().describe(), T, o.hidden, K, E, o.dtype, (*session)->library_version(), o.reps,
+                 logical / 1e6);
+      fmt::print("{:<28} {:>10} {:>10}\n", "method", "ms", "GB/s");
+      std::string json = fmt::format("{{\"ranks\":{},\"nodes\":{},\"tokens\":{},\"hidden\":{},\"topk\":{},\"experts\":{}",
+                                     R, t.topology().num_nodes(), T, o.hidden, K, E);
+      for (int m = 0; m < kMethods; ++m) {
+        const double ms = median(samples[m]);
+        fmt::print("{:<28} {:>10.3f} {:>10.2f}\n", names[m], ms, logical / (ms * 1e6));
+        json += fmt::format(",\"{}_ms\":{:.4f}", m == kDispatch ? "dispatch" : m == kCombine ? "combine"
+                                                 : m == kAlltoallv ? "alltoallv" : m == kNaiveDispatch ? "naive_dispatch"
+                                                                                                       : "naive_combine",
+                            ms);
+      }
+      if (o.inproc) {
+        fmt::print("{:<28} {:>10.3f} {:>10.2f}\n", "in-process dispatch", inproc_ms[0], logical / (inproc_ms[0] * 1e6));
+        fmt::print("{:<28} {:>10.3f} {:>10.2f}\n", "in-process combine", inproc_ms[1], logical / (inproc_ms[1] * 1e6));
+        json += fmt::format(",\"inproc_dispatch_ms\":{:.4f},\"inproc_combine_ms\":{:.4f}", inproc_ms[0], inproc_ms[1]);
+      }
+      const double d = median(samples[kDispatch]), c = median(samples[kCombine]);
+      fmt::print("epx vs naive: dispatch {:.2f}x, combine {:.2f}x; vs MPI_Alltoallv: dispatch {:.2f}x\n",
+                 median(samples[kNaiveDispatch]) / d, median(samples[kNaiveCombine]) / c,
+                 median(samples[kAlltoallv]) / d);
+      if (o.inproc && inproc_ms[0] > 0)
+        fmt::print("MPI rate / in-process rate: dispatch {:.2f}, combine {:.2f}\n", inproc_ms[0] / d, inproc_ms[1] / c);
+      const TransportCounters counters = t.counters();
+      json += fmt::format(",\"inter_node_bytes_rank0\":{}}}", counters.inter_node_bytes);
+      if (o.json) fmt::print("{}\n", json);
+    }
+  }
+  return exit_code;
+}
+
+}  // namespace
+}  // namespace epx::bench
+
+int main(int argc, char** argv) { return epx::bench::run(argc, argv); }
