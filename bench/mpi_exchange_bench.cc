@@ -51,6 +51,7 @@ struct Options {
   uint64_t seed = 1;
   bool inproc = true;
   bool json = false;
+  bool phases = false;
 };
 
 double median(std::vector<double> v) {
@@ -85,6 +86,7 @@ int run(int argc, char** argv) {
   app.add_option("--seed", o.seed, "Routing seed")->capture_default_str();
   app.add_flag("!--no-inproc", o.inproc, "Skip the in-process run of the same shape");
   app.add_flag("--json", o.json, "Also print one JSON line");
+  app.add_flag("--phases", o.phases, "Print rank 0's time per exchange phase (tracer spans of the timed reps)");
   CLI11_PARSE(app, argc, argv);
 
   auto session = MpiSession::init(&argc, &argv);
@@ -140,12 +142,14 @@ int run(int argc, char** argv) {
       for (int c = 0; c < o.hidden; ++c) store_from_f32(x.data() + i * row, dtype, c, 0.001f * ((i * 7 + c + rank) % 997));
     const TensorView xv = TensorView::contiguous(x.data(), dtype, {T, o.hidden});
     AlignedBuffer out(std::max<std::size_t>(T * row, 64));
+    Tracer tracer;  // --phases: rank 0's Buffer spans
     const TensorView outv = TensorView::contiguous(out.data(), dtype, {T, o.hidden});
 
     auto buffer = Buffer::create(t, BufferConfig{.num_experts = E, .hidden = o.hidden, .dtype = dtype, .max_topk = K,
                                                  .max_tokens_per_rank = T, .max_recv_tokens = max_recv,
                                                  .max_combine_dtype = dtype, .placement = *placement,
-                                                 .timeout = Milliseconds(600000)});
+                                                 .timeout = Milliseconds(600000),
+                                                 .tracer = o.phases && rank == 0 ? &tracer : nullptr});
     if (!buffer.is_ok()) return fail(buffer.status());
 
     // alltoallv: the dispatch's bytes, packed by destination once.
@@ -286,6 +290,7 @@ int run(int argc, char** argv) {
     };
     for (int rep = -1; rep < o.reps; ++rep) {  // rep -1: warm-up
       const bool warm = rep >= 0;
+      if (rep == 0) tracer.clear();
       Status s = timed(warm ? kDispatch : -1, [&] { return (*buffer)->dispatch(inputs, &recv); });
       if (s.is_ok()) {
         auto input = (*buffer)->combine_input(recv.handle, dtype);
@@ -304,6 +309,9 @@ int run(int argc, char** argv) {
       if (s.is_ok()) s = timed(warm ? kNaiveCombine : -1, [&] { naive_combine(); return Status::ok(); });
       if (!s.is_ok()) return fail(s);
     }
+    if (o.phases && rank == 0)
+      for (const PhaseSummary& p : summarize_phases(tracer))
+        fmt::print("phase {:<18} mean {:8.3f} ms  max {:8.3f} ms  ({} calls)\n", p.name, p.mean_ms, p.max_ms, p.count);
     int64_t total_recv = 0;
     for (int64_t v : recv_rows) total_recv += v;
     const double logical = static_cast<double>(total_recv) / R * static_cast<double>(row);  // bytes per rank

@@ -375,7 +375,10 @@ Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const Dis
     std::copy(layout->num_tokens_per_expert.begin(), layout->num_tokens_per_expert.end(), words.begin() + 3 + R + N);
   }
   std::vector<int64_t> all;
-  EPX_RETURN_IF_ERROR(m.gather_header(local_status, words, &all, "dispatch", deadline));
+  {
+    ScopedSpan header_span(m.config.tracer, m.rank, "dispatch:header");
+    EPX_RETURN_IF_ERROR(m.gather_header(local_status, words, &all, "dispatch", deadline));
+  }
   const std::size_t stride = words.size() + 1;
   auto header = [&](int r, std::size_t i) { return all[r * stride + 1 + i]; };
 
@@ -429,9 +432,15 @@ Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const Dis
   }
 
   ExchangeStats stats;
-  EPX_RETURN_IF_ERROR(m.move_rows(in.x, &in.topk_idx, has_weights ? &in.topk_weights : nullptr, *h, &h->forward,
-                                  deadline, &stats));
-  EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
+  {
+    ScopedSpan copy_span(m.config.tracer, m.rank, "dispatch:copy");
+    EPX_RETURN_IF_ERROR(m.move_rows(in.x, &in.topk_idx, has_weights ? &in.topk_weights : nullptr, *h, &h->forward,
+                                    deadline, &stats));
+  }
+  {
+    ScopedSpan sync_span(m.config.tracer, m.rank, "dispatch:sync");
+    EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
+  }
 
   // Per-local-expert counts come from the senders' layouts.
   const int num_local = m.placement.num_local_experts(m.rank);

@@ -334,21 +334,32 @@ void MpiTransport::reset_counters() {
     c->store(0, std::memory_order_relaxed);
 }
 
-Status MpiTransport::agree(CollectiveDescriptor mine, const Deadline& deadline, uint64_t* seq_out) {
+Status MpiTransport::agree(CollectiveDescriptor mine, std::span<const std::byte> data, const Deadline& deadline,
+                           uint64_t* seq_out, bool* inlined) {
   MpiState& s = *state_;
   const uint64_t seq = s.next_seq++;
   mine.seq = seq;
   auto what = [&] { return fmt::format("{} #{}", detail::collective_op_name(mine.op), seq); };
   if (s.failed()) return s.aborted_now(what());
-  s.descriptors.resize(static_cast<std::size_t>(num_ranks()));
+  const std::size_t R = static_cast<std::size_t>(num_ranks());
+  s.slots.resize(R);
+  s.descriptors.resize(R);
+  detail::CollectiveSlot slot{};
+  slot.desc = mine;
+  const bool fits = data.size() <= detail::CollectiveSlot::kInline;
+  if (fits && !data.empty()) std::memcpy(slot.data, data.data(), data.size());
+  // The whole slot travels, a fixed count, so ranks that disagree about the
+  // sizes still make matching MPI calls; validation then fails on every rank.
   s.sync_windows();
   MPI_Request request = MPI_REQUEST_NULL;
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(&mine, sizeof(mine), MPI_BYTE, s.descriptors.data(), sizeof(mine),
-                                              MPI_BYTE, s.coll, &request),
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(&slot, sizeof(slot), MPI_BYTE, s.slots.data(), sizeof(slot), MPI_BYTE,
+                                              s.coll, &request),
                                what()));
   EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
   s.sync_windows();
+  for (std::size_t r = 0; r < R; ++r) s.descriptors[r] = s.slots[r].desc;
   *seq_out = seq;
+  *inlined = fits;
   return detail::validate_collective(s.descriptors, seq);
 }
 
@@ -357,7 +368,8 @@ Status MpiTransport::barrier(const Deadline& deadline) {
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kBarrier;
   uint64_t seq = 0;
-  return agree(mine, deadline, &seq);
+  bool inlined = false;
+  return agree(mine, {}, deadline, &seq, &inlined);
 }
 
 Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<std::byte> out,
@@ -371,8 +383,14 @@ Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<s
   mine.in_bytes = in.size();
   mine.out_bytes = out.size();
   uint64_t seq = 0;
-  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  bool inlined = false;
+  EPX_RETURN_IF_ERROR(agree(mine, in, deadline, &seq, &inlined));
   if (in.empty()) return Status::ok();
+  if (inlined) {
+    for (int r = 0; r < num_ranks(); ++r)
+      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), s.slots[r].data, in.size());
+    return Status::ok();
+  }
   s.scratch.resize(out.size());
   MPI_Request request = MPI_REQUEST_NULL;
   auto what = [&] { return fmt::format("all_gather_bytes #{} ({} bytes per rank)", seq, in.size()); };
@@ -395,9 +413,16 @@ Status MpiTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<s
   mine.in_bytes = in.size();
   mine.out_bytes = out.size();
   uint64_t seq = 0;
-  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  bool inlined = false;
+  EPX_RETURN_IF_ERROR(agree(mine, in, deadline, &seq, &inlined));
   const std::size_t block = in.size() / static_cast<std::size_t>(num_ranks());
   if (block == 0) return Status::ok();
+  if (inlined) {
+    for (int src = 0; src < num_ranks(); ++src)
+      std::memcpy(out.data() + static_cast<std::size_t>(src) * block,
+                  s.slots[src].data + static_cast<std::size_t>(rank()) * block, block);
+    return Status::ok();
+  }
   s.scratch.resize(out.size());
   MPI_Request request = MPI_REQUEST_NULL;
   auto what = [&] { return fmt::format("all_to_all_bytes #{} ({} bytes per block)", seq, block); };
@@ -423,19 +448,25 @@ Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, 
   mine.dtype = dtype;
   mine.reduce_op = op;
   uint64_t seq = 0;
-  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  bool inlined = false;
+  const std::span<const std::byte> in(static_cast<const std::byte*>(data), bytes);
+  EPX_RETURN_IF_ERROR(agree(mine, in, deadline, &seq, &inlined));
   if (count == 0) return Status::ok();
-  // Gather every rank's contribution, then reduce in rank order: the same
-  // bits on every rank and as the in-process backend (MPI_Allreduce fixes no order).
-  s.scratch.resize(bytes * static_cast<std::size_t>(num_ranks()));
-  MPI_Request request = MPI_REQUEST_NULL;
-  auto what = [&] { return fmt::format("all_reduce_raw #{} ({} x {})", seq, count, dtype_name(dtype)); };
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(data, static_cast<int>(bytes), MPI_BYTE, s.scratch.data(),
-                                              static_cast<int>(bytes), MPI_BYTE, s.coll, &request),
-                               what()));
-  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  // Every rank's contribution, reduced in rank order: the same bits on every
+  // rank and as the in-process backend (MPI_Allreduce fixes no order).
   std::vector<const std::byte*> contributions(static_cast<std::size_t>(num_ranks()));
-  for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.scratch.data() + static_cast<std::size_t>(r) * bytes;
+  if (inlined) {
+    for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.slots[r].data;
+  } else {
+    s.scratch.resize(bytes * static_cast<std::size_t>(num_ranks()));
+    MPI_Request request = MPI_REQUEST_NULL;
+    auto what = [&] { return fmt::format("all_reduce_raw #{} ({} x {})", seq, count, dtype_name(dtype)); };
+    EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(data, static_cast<int>(bytes), MPI_BYTE, s.scratch.data(),
+                                                static_cast<int>(bytes), MPI_BYTE, s.coll, &request),
+                                 what()));
+    EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+    for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.scratch.data() + static_cast<std::size_t>(r) * bytes;
+  }
   detail::reduce_in_rank_order(contributions, count, dtype, op, data);
   return Status::ok();
 }
@@ -451,9 +482,10 @@ Result<std::unique_ptr<PeerMemory>> MpiTransport::map_peer_memory(std::size_t by
   mine.in_bytes = bytes;
   mine.allocated = fits;
   uint64_t seq = 0;
+  bool inlined = false;
   // Every rank has arrived once this returns, so the blocking window
   // allocation below cannot wait for an absent rank.
-  EPX_RETURN_IF_ERROR(agree(mine, deadline, &seq));
+  EPX_RETURN_IF_ERROR(agree(mine, {}, deadline, &seq, &inlined));
   const std::string what = fmt::format("map_peer_memory #{} ({} bytes)", seq, bytes);
 
   void* base = nullptr;  // this rank's segment (regions[rank()] is its aligned start)

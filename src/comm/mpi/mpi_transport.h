@@ -22,10 +22,11 @@
 // cancellation did not complete: the state is leaked on purpose (MPI may
 // still hold pointers into it), and MpiSession skips MPI_Finalize.
 //
-// Collectives: each exchanges every rank's CollectiveDescriptor first
-// (MPI_Iallgather; this is also the barrier) and validates it as in-process;
-// then the data moves through MPI_Iallgather / MPI_Ialltoall into scratch
-// owned by the state. All-reduce is an all-gather followed by the rank-order
+// Collectives: each exchanges every rank's CollectiveDescriptor first, in a
+// 4 KiB slot that also carries the data when it fits (MPI_Iallgather; this
+// round is also the barrier), and validates it as in-process; larger data
+// then moves through MPI_Iallgather / MPI_Ialltoall into scratch owned by
+// the state. All-reduce is an all-gather followed by the rank-order
 // reduction of comm/collective.h: the same bits as the in-process backend.
 //
 // Peer memory: MPI_Win_allocate_shared on `node`, each rank's size padded to
@@ -55,6 +56,18 @@ namespace epx {
 namespace detail {
 
 inline constexpr int kNoticeTag = 1;
+
+// What every rank contributes to the first round of every collective: its
+// descriptor, and its data when that fits (every valid call of a
+// collective passes the same size on every rank, so all ranks agree on
+// whether it fits): small collectives take one round.
+struct CollectiveSlot {
+  static constexpr std::size_t kBytes = 4096;
+  static constexpr std::size_t kInline = kBytes - sizeof(CollectiveDescriptor);
+  CollectiveDescriptor desc;
+  std::byte data[kInline];
+};
+static_assert(sizeof(CollectiveSlot) == CollectiveSlot::kBytes);
 
 struct MpiState {
   MpiState(const Topology& topology, int rank, MpiOptions options)
@@ -105,8 +118,9 @@ struct MpiState {
   std::vector<MPI_Win> windows;
 
   uint64_t next_seq = 1;
-  std::vector<CollectiveDescriptor> descriptors;  // one per rank
-  std::vector<std::byte> scratch;                 // collective data
+  std::vector<CollectiveSlot> slots;               // one per rank: the first round
+  std::vector<CollectiveDescriptor> descriptors;  // copied out of the slots for validation
+  std::vector<std::byte> scratch;                 // collective data too large for a slot
 
   std::atomic<uint64_t> inter_node_bytes{0};
   std::atomic<uint64_t> inter_node_messages{0};
@@ -143,9 +157,12 @@ class MpiTransport final : public Transport {
   void reset_counters() override;
 
  private:
-  // Exchanges and validates every rank's descriptor of collective `op` (the
-  // barrier of every collective); on OK the collective's number is *seq.
-  Status agree(detail::CollectiveDescriptor mine, const Deadline& deadline, uint64_t* seq);
+  // Exchanges and validates every rank's descriptor of a collective, with
+  // `data` inline when it fits a slot (the first round of every collective,
+  // and all of a barrier). On OK the collective's number is *seq and, when
+  // *inlined, rank r's data is state_->slots[r].data.
+  Status agree(detail::CollectiveDescriptor mine, std::span<const std::byte> data, const Deadline& deadline,
+               uint64_t* seq, bool* inlined);
 
   std::shared_ptr<detail::MpiState> state_;
 };
