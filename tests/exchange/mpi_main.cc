@@ -1,4 +1,4 @@
-// main() of the exchange tests under MPI: `mpirun -n P epx_exchange_mpi_tests`.
+// main() of the transport and exchange tests under MPI: `mpirun -n P epx_mpi_tests`.
 // Each process is one rank (the MPI backend); the conformance table runs the
 // shapes with P ranks and skips the others. Rank 0 prints gtest's usual
 // output; other ranks print only their failures, prefixed with their rank.
@@ -22,6 +22,7 @@ class MpiTestWorld final : public TestWorld {
  public:
   explicit MpiTestWorld(MpiSession& session) : session_(session) {}
   [[nodiscard]] std::string_view name() const override { return "mpi"; }
+  [[nodiscard]] int ranks_for(int) const override { return session_.world_size(); }
   [[nodiscard]] std::string cannot_run(const Topology& topology) const override {
     if (topology.num_ranks() != session_.world_size())
       return fmt::format("{} ranks; this run has {} MPI processes", topology.num_ranks(), session_.world_size());
@@ -95,7 +96,7 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   auto session = epx::MpiSession::init(&argc, &argv);
   if (!session.is_ok()) {
-    std::fprintf(stderr, "epx_exchange_mpi_tests: %s\n", session.status().to_string().c_str());
+    std::fprintf(stderr, "epx_mpi_tests: %s\n", session.status().to_string().c_str());
     return 1;
   }
   MpiTestWorld world(**session);
@@ -105,7 +106,7 @@ int main(int argc, char** argv) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new RankFailurePrinter((*session)->world_rank()));
   } else {
-    std::printf("exchange tests on the MPI backend: %d processes, %s\n", (*session)->world_size(),
+    std::printf("transport and exchange tests on the MPI backend: %d processes, %s\n", (*session)->world_size(),
                 (*session)->library_version().c_str());
   }
   const int result = RUN_ALL_TESTS();

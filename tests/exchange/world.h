@@ -22,6 +22,9 @@ class TestWorld {
  public:
   virtual ~TestWorld() = default;
   [[nodiscard]] virtual std::string_view name() const = 0;
+  // How many ranks a test that can use any number should use: `inproc_ranks`
+  // in-process, the number of processes under MPI.
+  [[nodiscard]] virtual int ranks_for(int inproc_ranks) const = 0;
   // Empty when `topology` can run here, else why not (the test is skipped).
   [[nodiscard]] virtual std::string cannot_run(const Topology& topology) const = 0;
   // Runs fn on every rank of `topology` held here and returns one status per

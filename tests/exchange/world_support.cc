@@ -8,6 +8,7 @@ namespace {
 class InprocTestWorld final : public TestWorld {
  public:
   [[nodiscard]] std::string_view name() const override { return "inproc"; }
+  [[nodiscard]] int ranks_for(int inproc_ranks) const override { return inproc_ranks; }
   [[nodiscard]] std::string cannot_run(const Topology&) const override { return {}; }
   std::vector<Status> run(const Topology& topology, const std::function<Status(Transport&)>& fn) override {
     InprocWorld world(topology);

@@ -52,9 +52,10 @@ class MpiSession {
   // library gives less). One per process; Unimplemented when epx was built
   // without MPI (EPX_WITH_MPI=OFF).
   static Result<std::unique_ptr<MpiSession>> init(int* argc, char*** argv);
-  // MPI_Finalize, unless a transport of this process failed: then a peer may
-  // be gone or a collective unfinished, and finalizing could hang, so it is
-  // skipped (the process should exit with an error).
+  // MPI_Finalize once every process has reached its own session end (a
+  // polled barrier: 120 s, or 3 s after a failure of this process). When one
+  // never does (it died), finalizing would hang, so it is skipped and the
+  // process exits without it (the launcher reports that).
   ~MpiSession();
   MpiSession(const MpiSession&) = delete;
   MpiSession& operator=(const MpiSession&) = delete;

@@ -610,7 +610,22 @@ Result<std::unique_ptr<MpiSession>> MpiSession::init(int* argc, char*** argv) {
 MpiSession::~MpiSession() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized || g_failed.load(std::memory_order_acquire)) return;
+  if (finalized) return;
+  // MPI_Finalize waits for every process, and a gone one never comes: first
+  // a polled barrier of every process, then finalize only if all arrived.
+  // After a failure a peer is likely gone, so wait less.
+  const bool failed = g_failed.load(std::memory_order_acquire);
+  const auto deadline = Deadline::after(failed ? std::chrono::seconds(3) : std::chrono::seconds(120));
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (MPI_Ibarrier(MPI_COMM_WORLD, &request) != MPI_SUCCESS) return;
+  const auto start = Clock::now();
+  for (uint64_t polls = 0;; ++polls) {
+    int done = 0;
+    if (MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
+    if (done) break;
+    if (deadline.expired()) return;  // exit without MPI_Finalize: the launcher reports it
+    back_off(polls, start);
+  }
   MPI_Finalize();
 }
 
