@@ -27,6 +27,9 @@
 #   --mpirun-arg ARG   extra mpirun argument (repeatable), e.g. --mpirun-arg -x --mpirun-arg FOO
 #   -x VAR             forward VAR to the ranks (mpirun -x; repeatable)
 #   --verbose          print the mpirun command and log fake-ssh calls
+#   --bare             experiments: launch only (hosts, ranks, fake-ssh, --oversubscribe);
+#                      none of the pml/osc/btl/oob/UCX settings below
+#   --no-uts           experiments: both hosts keep this machine's hostname
 #
 # Needs root (namespaces, veth, tc); otherwise, or when namespaces cannot be
 # made, it prints why and exits 77 (ctest SKIP_RETURN_CODE). It removes its
@@ -35,7 +38,7 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 me=two_hosts.sh
 
-np=2 hosts=2 rate= burst=256kb tbf_latency=20ms delay= timeout_s=300 subnet=10.231.77 verbose=0
+np=2 hosts=2 rate= burst=256kb tbf_latency=20ms delay= timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
 extra=()
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -51,6 +54,8 @@ while [ $# -gt 0 ]; do
     --mpirun-arg) extra+=("$2"); shift 2 ;;
     -x) extra+=(-x "$2"); shift 2 ;;
     --verbose|-v) verbose=1; shift ;;
+    --bare) bare=1; shift ;;
+    --no-uts) uts=0; shift ;;
     -h|--help) usage ;;
     --) shift; break ;;
     *) echo "$me: unknown option $1 (program goes after --)" >&2; usage ;;
@@ -155,7 +160,7 @@ txp_a0=$(counter "$ns_a" tx_packets) txp_b0=$(counter "$ns_b" tx_packets)
 export EPX_FAKE_SSH_HOSTS="$host_a=$ns_a $host_b=$ns_b $addr_a=$ns_a $addr_b=$ns_b"
 if [ "$verbose" = 1 ]; then export EPX_FAKE_SSH_LOG=/dev/stderr; fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export UCX_TLS=tcp,sm,self UCX_NET_DEVICES=eth0
+[ "$uts" = 1 ] || export EPX_FAKE_SSH_NO_UTS=1
 # OpenMPI's session directories go under TMPDIR; keep them per run.
 tmp=$(mktemp -d "/tmp/epx2h-$id.XXXXXX") && export TMPDIR=$tmp
 cleanup_tmp() { rm -rf "$tmp"; }
@@ -163,22 +168,29 @@ cleanup_tmp() { rm -rf "$tmp"; }
 mpirun_cmd=(
   mpirun
   --host "$host_a:$np,$host_b:$np" -np $((2 * np))
-  --oversubscribe --bind-to none --map-by slot
+  --oversubscribe --map-by slot
   --mca plm_rsh_agent "$here/fake-ssh"
-  --mca plm_rsh_no_tree_spawn 1
-  --mca oob_tcp_if_include eth0
-  --mca btl self,vader,tcp --mca btl_tcp_if_include eth0
-  --mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any
-  --mca osc sm,ucx
-  -x UCX_TLS -x UCX_NET_DEVICES -x TMPDIR -x PATH
-  ${LD_LIBRARY_PATH:+-x LD_LIBRARY_PATH}
-  "${extra[@]}"
-  "$@"
 )
+if [ "$bare" = 0 ]; then
+  export UCX_TLS=tcp,sm,self UCX_NET_DEVICES=eth0
+  mpirun_cmd+=(
+    --bind-to none
+    --mca oob_tcp_if_include eth0
+    --mca btl self,vader,tcp --mca btl_tcp_if_include eth0
+    --mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any
+    --mca osc sm,ucx
+    -x UCX_TLS -x UCX_NET_DEVICES
+  )
+fi
+mpirun_cmd+=(-x TMPDIR -x PATH ${LD_LIBRARY_PATH:+-x LD_LIBRARY_PATH} "${extra[@]}" "$@")
+if [ "$uts" = 1 ]; then
+  in_host_a=(ip netns exec "$ns_a" unshare --uts -- /bin/sh -c 'hostname "$1" || exit 1; shift; exec "$@"' sh "$host_a")
+else
+  in_host_a=(ip netns exec "$ns_a")
+fi
 [ "$verbose" = 1 ] && echo "$me: ip netns exec $ns_a unshare --uts (hostname $host_a): ${mpirun_cmd[*]}" >&2
 t0=$(date +%s.%N)
-ip netns exec "$ns_a" unshare --uts -- /bin/sh -c 'hostname "$1" || exit 1; shift; exec "$@"' sh "$host_a" \
-  timeout --kill-after=10 "$timeout_s" "${mpirun_cmd[@]}" &
+"${in_host_a[@]}" timeout --kill-after=10 "$timeout_s" "${mpirun_cmd[@]}" &
 child=$!
 wait "$child"
 rc=$?
