@@ -113,6 +113,18 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
 
+# A run killed with SIGKILL (a ctest timeout, say) cannot clean up after itself:
+# remove the namespaces of runs whose script is gone.
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^epx2h-[0-9]+-[ab]$'); do
+  pid=${ns#epx2h-}; pid=${pid%-*}
+  if ! kill -0 "$pid" 2>/dev/null; then
+    echo "$me: removing $ns, left by run $pid" >&2
+    kill_ns_procs KILL "$ns"
+    ip netns del "$ns" 2>/dev/null
+    rm -rf "/etc/netns/$ns"
+  fi
+done
+
 # ---- the two hosts ----------------------------------------------------------
 for ns in "$ns_a" "$ns_b"; do
   ip netns add "$ns" 2>/dev/null || skip "cannot create network namespace $ns (ip netns add failed)"
