@@ -9,12 +9,12 @@
 #     and at most MAX_SLOWDOWN times that.
 #
 #   check_two_hosts.sh PROBE [--bytes N] [--np-per-host NP] [--rate 1gbit]
-#                      [--max-ratio 1.10] [--slack 1000000] [--max-slowdown 4]
+#                      [--max-ratio 1.10] [--slack 1000000] [--max-slowdown 10]
 # Exits 77 when two_hosts.sh skips (not root, no namespaces).
 set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 probe=$1; shift
-bytes=16777216 np=2 rate= max_ratio=1.10 slack=1000000 max_slowdown=4
+bytes=16777216 np=2 rate= max_ratio=1.10 slack=1000000 max_slowdown=10
 while [ $# -gt 0 ]; do
   case $1 in
     --bytes) bytes=$2 ;;
