@@ -21,7 +21,8 @@
 #   --hosts N          only 2 is supported (one veth pair)
 #   --rate RATE        tc tbf on both veth ends, e.g. 1gbit (default: none)
 #   --burst B          tbf burst (default 256kb), --tbf-latency L (default 20ms)
-#   --delay D          netem delay on both ends instead of/with tbf, e.g. 1ms
+#   --delay D          netem delay on both ends (with --rate: netem's rate, no tbf);
+#                      needs sch_netem, which this machine's kernel lacks (exit 77)
 #   --timeout S        kill the whole run after S seconds (default 300)
 #   --subnet A.B.C     the /24 the two hosts use (default 10.231.77)
 #   --mpirun-arg ARG   extra mpirun argument (repeatable), e.g. --mpirun-arg -x --mpirun-arg FOO
@@ -64,6 +65,9 @@ done
 [ $# -ge 1 ] || usage
 [ "$hosts" = 2 ] || { echo "$me: --hosts $hosts: only 2 hosts (one veth pair) are supported" >&2; exit 2; }
 case $np in ''|*[!0-9]*|0) echo "$me: --np-per-host needs a positive number" >&2; exit 2 ;; esac
+if [ -n "$rate" ] && ! [[ $rate =~ ^[0-9]+(\.[0-9]+)?([kKmMgGtT]?(bit|bps))?$ ]]; then
+  echo "$me: --rate $rate: expected a tc rate such as 1gbit or 200mbit" >&2; exit 2
+fi
 
 skip() { echo "$me: SKIP: $*" >&2; exit 77; }
 [ "$(id -u)" = 0 ] || skip "needs root (network namespaces, veth, tc)"
@@ -143,14 +147,14 @@ setup() {  # ns tmpname addr
 setup "$ns_a" "$veth_a" "$addr_a" || { echo "$me: setting up $ns_a failed" >&2; exit 1; }
 setup "$ns_b" "$veth_b" "$addr_b" || { echo "$me: setting up $ns_b failed" >&2; exit 1; }
 if [ -n "$rate$delay" ]; then
+  if [ -n "$delay" ]; then
+    qdisc=(netem delay "$delay" ${rate:+rate "$rate"})
+  else
+    qdisc=(tbf rate "$rate" burst "$burst" latency "$tbf_latency")
+  fi
   for ns in "$ns_a" "$ns_b"; do
-    if [ -n "$delay" ] && [ -n "$rate" ]; then
-      tc -n "$ns" qdisc add dev eth0 root netem delay "$delay" rate "$rate" || exit 1
-    elif [ -n "$delay" ]; then
-      tc -n "$ns" qdisc add dev eth0 root netem delay "$delay" || exit 1
-    else
-      tc -n "$ns" qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency "$tbf_latency" || exit 1
-    fi
+    tc -n "$ns" qdisc add dev eth0 root "${qdisc[@]}" ||
+      skip "tc qdisc add dev eth0 root ${qdisc[*]} failed (kernel without sch_${qdisc[0]}, or a bad value)"
   done
 fi
 # /etc/netns/NS/hosts is bind-mounted over /etc/hosts by "ip netns exec NS".
