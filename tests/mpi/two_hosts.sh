@@ -159,7 +159,7 @@ if [ -n "$rate$delay" ]; then
 fi
 # /etc/netns/NS/hosts is bind-mounted over /etc/hosts by "ip netns exec NS".
 for ns in "$ns_a" "$ns_b"; do
-  mkdir -p "/etc/netns/$ns"
+  mkdir -p "/etc/netns/$ns" || mkdir -p "/etc/netns/$ns"   # a parallel run may rmdir /etc/netns between the two levels
   printf '127.0.0.1\tlocalhost\n%s\t%s\n%s\t%s\n' "$addr_a" "$host_a" "$addr_b" "$host_b" >"/etc/netns/$ns/hosts"
 done
 # Wait for the link (veth carrier is immediate, but be sure).
