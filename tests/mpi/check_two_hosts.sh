@@ -14,7 +14,7 @@
 set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 probe=$1; shift
-bytes=16777216 np=2 rate= max_ratio=1.10 slack=1000000 max_slowdown=10
+bytes=16777216 np=2 rate='' max_ratio=1.10 slack=1000000 max_slowdown=10
 while [ $# -gt 0 ]; do
   case $1 in
     --bytes) bytes=$2 ;;

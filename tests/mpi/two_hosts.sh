@@ -39,7 +39,7 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 me=two_hosts.sh
 
-np=2 hosts=2 rate= burst=256kb tbf_latency=20ms delay= timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
+np=2 hosts=2 rate='' burst=256kb tbf_latency=20ms delay='' timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
 extra=()
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -163,7 +163,7 @@ for ns in "$ns_a" "$ns_b"; do
   printf '127.0.0.1\tlocalhost\n%s\t%s\n%s\t%s\n' "$addr_a" "$host_a" "$addr_b" "$host_b" >"/etc/netns/$ns/hosts"
 done
 # Wait for the link (veth carrier is immediate, but be sure).
-for i in $(seq 50); do
+for _ in $(seq 50); do
   ip -n "$ns_a" -o link show eth0 | grep -q LOWER_UP && ip -n "$ns_b" -o link show eth0 | grep -q LOWER_UP && break
   sleep 0.1
 done
