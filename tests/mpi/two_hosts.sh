@@ -95,9 +95,9 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM HUP
   [ -n "$child" ] && kill -TERM "$child" 2>/dev/null
-  local ns i
+  local ns
   for ns in "${made_ns[@]}"; do kill_ns_procs TERM "$ns"; done
-  for i in 1 2 3 4 5 6 7 8 9 10; do
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
     local left=
     for ns in "${made_ns[@]}"; do [ -n "$(ip netns pids "$ns" 2>/dev/null)" ] && left=1; done
     [ -z "$left" ] && break
