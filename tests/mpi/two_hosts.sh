@@ -84,6 +84,7 @@ addr_a=$subnet.1 addr_b=$subnet.2
 veth_a=e2h${id}a veth_b=e2h${id}b   # temporary names (<= 15 chars), renamed eth0
 made_ns=()
 child=
+tmp=
 
 kill_ns_procs() {  # kill every process whose network namespace is $1
   local sig=$1 ns=$2 pids
@@ -110,6 +111,7 @@ cleanup() {
   done
   ip link del "$veth_a" 2>/dev/null   # only if it never moved into a namespace
   rmdir /etc/netns 2>/dev/null         # only when empty (another run may use it)
+  [ -n "$tmp" ] && rm -rf "$tmp"
   exit "$rc"
 }
 trap cleanup EXIT
@@ -127,6 +129,11 @@ for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^epx2h-[0-9]
     ip netns del "$ns" 2>/dev/null
     rm -rf "/etc/netns/$ns"
   fi
+done
+for d in /tmp/epx2h-[0-9]*.*; do
+  [ -d "$d" ] || continue
+  pid=${d#/tmp/epx2h-}; pid=${pid%%.*}
+  kill -0 "$pid" 2>/dev/null || rm -rf "$d"
 done
 
 # ---- the two hosts ----------------------------------------------------------
@@ -177,9 +184,9 @@ export EPX_FAKE_SSH_HOSTS="$host_a=$ns_a $host_b=$ns_b $addr_a=$ns_a $addr_b=$ns
 if [ "$verbose" = 1 ]; then export EPX_FAKE_SSH_LOG=/dev/stderr; fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 [ "$uts" = 1 ] || export EPX_FAKE_SSH_NO_UTS=1
-# OpenMPI's session directories go under TMPDIR; keep them per run.
+# OpenMPI's session directories go under TMPDIR (fake-ssh passes it on to
+# orted): one per run, removed by cleanup even when orted was killed.
 tmp=$(mktemp -d "/tmp/epx2h-$id.XXXXXX") && export TMPDIR=$tmp
-cleanup_tmp() { rm -rf "$tmp"; }
 
 mpirun_cmd=(
   mpirun
@@ -219,5 +226,4 @@ txp_a1=$(counter "$ns_a" tx_packets) txp_b1=$(counter "$ns_b" tx_packets)
 echo "veth_bytes a_to_b=$((tx_a1 - tx_a0)) b_to_a=$((tx_b1 - tx_b0))"
 echo "veth_packets a_to_b=$((txp_a1 - txp_a0)) b_to_a=$((txp_b1 - txp_b0))"
 echo "two_hosts_seconds=$(echo "$t1 $t0" | awk '{printf "%.2f", $1 - $2}')"
-cleanup_tmp
 exit "$rc"
