@@ -52,6 +52,7 @@ struct Options {
   bool inproc = true;
   bool json = false;
   bool phases = false;
+  bool epx_only = false;
 };
 
 double median(std::vector<double> v) {
@@ -86,6 +87,9 @@ int run(int argc, char** argv) {
   app.add_option("--seed", o.seed, "Routing seed")->capture_default_str();
   app.add_flag("!--no-inproc", o.inproc, "Skip the in-process run of the same shape");
   app.add_flag("--json", o.json, "Also print one JSON line");
+  app.add_flag("--epx-only", o.epx_only,
+               "Only epx's dispatch and combine (no baselines, no in-process run), and print the bytes that crossed "
+               "nodes next to the (token, destination node) pairs times the row size");
   app.add_flag("--phases", o.phases, "Print rank 0's time per exchange phase (tracer spans of the timed reps)");
   CLI11_PARSE(app, argc, argv);
 
@@ -151,6 +155,19 @@ int run(int argc, char** argv) {
                                                  .timeout = Milliseconds(600000),
                                                  .tracer = o.phases && rank == 0 ? &tracer : nullptr});
     if (!buffer.is_ok()) return fail(buffer.status());
+    // Across nodes, the flat algorithm too (one copy per (token, destination
+    // rank) over the network), to compare with two-hop in the same run.
+    const bool multi_node = t.topology().num_nodes() > 1;
+    std::unique_ptr<Buffer> flat;
+    if (multi_node) {
+      auto made = Buffer::create(t, BufferConfig{.num_experts = E, .hidden = o.hidden, .dtype = dtype, .max_topk = K,
+                                                 .max_tokens_per_rank = T, .max_recv_tokens = max_recv,
+                                                 .max_combine_dtype = dtype, .placement = *placement,
+                                                 .algorithm = DispatchAlgorithm::kFlat,
+                                                 .timeout = Milliseconds(600000)});
+      if (!made.is_ok()) return fail(made.status());
+      flat = std::move(made).value();
+    }
 
     // alltoallv: the dispatch's bytes, packed by destination once.
     std::vector<int> a_sc(R), a_sd(R), a_rc(R), a_rd(R);
@@ -272,32 +289,65 @@ int run(int argc, char** argv) {
       }
     };
 
-    enum { kDispatch, kCombine, kAlltoallv, kNaiveDispatch, kNaiveCombine, kMethods };
-    const char* names[kMethods] = {"epx dispatch", "epx combine", "MPI_Alltoallv (same bytes)", "naive dispatch",
-                                   "naive combine"};
+    enum { kDispatch, kCombine, kFlatDispatch, kFlatCombine, kAlltoallv, kNaiveDispatch, kNaiveCombine, kMethods };
+    const char* names[kMethods] = {"epx dispatch", "epx combine", "epx flat dispatch", "epx flat combine",
+                                   "MPI_Alltoallv (same bytes)", "naive dispatch", "naive combine"};
+    const char* keys[kMethods] = {"dispatch", "combine", "flat_dispatch", "flat_combine", "alltoallv",
+                                  "naive_dispatch", "naive_combine"};
     std::vector<std::vector<double>> samples(kMethods);
+    std::vector<int64_t> inter_node(kMethods, 0);  // bytes this rank sent to other nodes, timed reps
+    int64_t dispatch_payload = 0, dispatch_meta = 0;  // from ExchangeStats, timed reps
     DispatchResult recv;
     const DispatchInputs inputs{.x = xv, .topk_idx = mine.idx(), .topk_weights = mine.weights()};
     TensorView y;
     auto timed = [&](int method, auto&& op) -> Status {
       MPI_Barrier(MPI_COMM_WORLD);
+      const uint64_t before = t.counters().inter_node_bytes;
       const double start = now_ms();
       EPX_RETURN_IF_ERROR(op());
       double ms = now_ms() - start;
       MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-      if (method >= 0) samples[method].push_back(ms);
+      if (method >= 0) {
+        samples[method].push_back(ms);
+        inter_node[method] += static_cast<int64_t>(t.counters().inter_node_bytes - before);
+      }
       return Status::ok();
     };
+    // Naive and MPI_Alltoallv bytes to other nodes: what this rank sends there.
+    int64_t naive_remote_rows = 0, alltoallv_remote_bytes = 0;
+    for (int d = 0; d < R; ++d) {
+      if (t.topology().same_node(d, rank)) continue;
+      alltoallv_remote_bytes += a_sc[d];
+      for (int j = 0; j < n.max_local; ++j) naive_remote_rows += n.chunk_send[d * n.max_local + j];
+    }
+    DispatchResult flat_recv;
     for (int rep = -1; rep < o.reps; ++rep) {  // rep -1: warm-up
       const bool warm = rep >= 0;
       if (rep == 0) tracer.clear();
       Status s = timed(warm ? kDispatch : -1, [&] { return (*buffer)->dispatch(inputs, &recv); });
+      if (s.is_ok() && warm) {
+        dispatch_payload += recv.stats.inter_node_payload_bytes;
+        dispatch_meta += recv.stats.inter_node_meta_bytes;
+      }
       if (s.is_ok()) {
         auto input = (*buffer)->combine_input(recv.handle, dtype);
         if (!input.is_ok()) return fail(input.status());
         y = *input;
         if (!warm) std::memcpy(y.data(), recv.recv_x.data(), recv.recv_x.size(0) * row);
         s = timed(warm ? kCombine : -1, [&] { return (*buffer)->combine(y, recv.handle, outv); });
+      }
+      if (s.is_ok() && flat) {
+        s = timed(warm ? kFlatDispatch : -1, [&] { return flat->dispatch(inputs, &flat_recv); });
+        if (s.is_ok()) {
+          auto input = flat->combine_input(flat_recv.handle, dtype);
+          if (!input.is_ok()) return fail(input.status());
+          if (!warm) std::memcpy(input->data(), flat_recv.recv_x.data(), flat_recv.recv_x.size(0) * row);
+          s = timed(warm ? kFlatCombine : -1, [&] { return flat->combine(*input, flat_recv.handle, outv); });
+        }
+      }
+      if (o.epx_only) {
+        if (!s.is_ok()) return fail(s);
+        continue;
       }
       if (s.is_ok())
         s = timed(warm ? kAlltoallv : -1, [&] {
@@ -308,7 +358,24 @@ int run(int argc, char** argv) {
       if (s.is_ok()) s = timed(warm ? kNaiveDispatch : -1, [&] { naive_dispatch(); return Status::ok(); });
       if (s.is_ok()) s = timed(warm ? kNaiveCombine : -1, [&] { naive_combine(); return Status::ok(); });
       if (!s.is_ok()) return fail(s);
+      if (warm) {
+        inter_node[kAlltoallv] += alltoallv_remote_bytes;
+        inter_node[kNaiveDispatch] += naive_remote_rows * static_cast<int64_t>(row);
+        inter_node[kNaiveCombine] += naive_remote_rows * static_cast<int64_t>(row);
+      }
     }
+    // Totals over ranks.
+    MPI_Allreduce(MPI_IN_PLACE, inter_node.data(), kMethods, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    int64_t dispatch_bytes[2] = {dispatch_payload, dispatch_meta};
+    MPI_Allreduce(MPI_IN_PLACE, dispatch_bytes, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    // (token, destination node) pairs that leave their node, over all ranks.
+    int64_t remote_pairs = 0;
+    for (int node = 0; node < t.topology().num_nodes(); ++node)
+      if (node != t.node()) remote_pairs += my_layout.num_tokens_per_node[node];
+    MPI_Allreduce(MPI_IN_PLACE, &remote_pairs, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    // Every message byte epx sent to another node in this run, warm-up included.
+    int64_t run_inter_node = static_cast<int64_t>(t.counters().inter_node_bytes);
+    MPI_Allreduce(MPI_IN_PLACE, &run_inter_node, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
     if (o.phases && rank == 0)
       for (const PhaseSummary& p : summarize_phases(tracer))
         fmt::print("phase {:<18} mean {:8.3f} ms  max {:8.3f} ms  ({} calls)\n", p.name, p.mean_ms, p.max_ms, p.count);
@@ -316,7 +383,7 @@ int run(int argc, char** argv) {
     for (int64_t v : recv_rows) total_recv += v;
     const double logical = static_cast<double>(total_recv) / R * static_cast<double>(row);  // bytes per rank
     double inproc_ms[2] = {0, 0};
-    if (o.inproc) {
+    if (o.inproc && !o.epx_only) {
       // Rank 0 runs the in-process backend on the same shape; the others wait.
       if (rank == 0) {
         ExchangeBenchConfig c;
@@ -345,23 +412,38 @@ int run(int argc, char** argv) {
                  "medians; logical bytes/rank {:.1f} MB)\n",
                  R, t.topology().describe(), T, o.hidden, K, E, o.dtype, (*session)->library_version(), o.reps,
                  logical / 1e6);
-      fmt::print("{:<28} {:>10} {:>10}\n", "method", "ms", "GB/s");
+      fmt::print("{:<28} {:>10} {:>10} {:>16}\n", "method", "ms", "GB/s", "inter-node MB");
       std::string json = fmt::format("{{\"ranks\":{},\"nodes\":{},\"tokens\":{},\"hidden\":{},\"topk\":{},\"experts\":{}",
                                      R, t.topology().num_nodes(), T, o.hidden, K, E);
       for (int m = 0; m < kMethods; ++m) {
+        if (samples[m].empty()) continue;
         const double ms = median(samples[m]);
-        fmt::print("{:<28} {:>10.3f} {:>10.2f}\n", names[m], ms, logical / (ms * 1e6));
-        json += fmt::format(",\"{}_ms\":{:.4f}", m == kDispatch ? "dispatch" : m == kCombine ? "combine"
-                                                 : m == kAlltoallv ? "alltoallv" : m == kNaiveDispatch ? "naive_dispatch"
-                                                                                                       : "naive_combine",
-                            ms);
+        const double mb = static_cast<double>(inter_node[m]) / static_cast<double>(samples[m].size()) / 1e6;
+        fmt::print("{:<28} {:>10.3f} {:>10.2f} {:>16.2f}\n", names[m], ms, logical / (ms * 1e6), mb);
+        json += fmt::format(",\"{}_ms\":{:.4f},\"{}_inter_node_bytes\":{}", keys[m], ms, keys[m],
+                            inter_node[m] / static_cast<int64_t>(samples[m].size()));
       }
-      if (o.inproc) {
+      if (multi_node)
+        fmt::print("inter_node_dispatch pairs={} row_bytes={} dispatches={} payload_bytes={} meta_bytes={} "
+                   "expected_payload_bytes={} run_inter_node_message_bytes={}\n",
+                   remote_pairs, row, samples[kDispatch].size(), dispatch_bytes[0], dispatch_bytes[1],
+                   remote_pairs * static_cast<int64_t>(row) * static_cast<int64_t>(samples[kDispatch].size()),
+                   run_inter_node);
+      if (o.inproc && !o.epx_only) {
         fmt::print("{:<28} {:>10.3f} {:>10.2f}\n", "in-process dispatch", inproc_ms[0], logical / (inproc_ms[0] * 1e6));
         fmt::print("{:<28} {:>10.3f} {:>10.2f}\n", "in-process combine", inproc_ms[1], logical / (inproc_ms[1] * 1e6));
         json += fmt::format(",\"inproc_dispatch_ms\":{:.4f},\"inproc_combine_ms\":{:.4f}", inproc_ms[0], inproc_ms[1]);
       }
       const double d = median(samples[kDispatch]), c = median(samples[kCombine]);
+      if (multi_node)
+        fmt::print("two-hop vs flat: dispatch {:.2f}x faster, {:.2f}x fewer inter-node bytes; combine {:.2f}x faster\n",
+                   median(samples[kFlatDispatch]) / d,
+                   static_cast<double>(inter_node[kFlatDispatch]) / std::max<double>(1.0, inter_node[kDispatch]),
+                   median(samples[kFlatCombine]) / c);
+      if (o.epx_only) {
+        if (o.json) fmt::print("{}}}\n", json);
+        return exit_code;
+      }
       fmt::print("epx vs naive: dispatch {:.2f}x, combine {:.2f}x; vs MPI_Alltoallv: dispatch {:.2f}x\n",
                  median(samples[kNaiveDispatch]) / d, median(samples[kNaiveCombine]) / c,
                  median(samples[kAlltoallv]) / d);

@@ -25,9 +25,10 @@ Deadline seconds(int s) { return Deadline::after(std::chrono::seconds(s)); }
 // The ranks a test uses: 4 threads in-process, every process under MPI.
 int test_ranks() { return test_world().ranks_for(4); }
 
-// Runs fn on a world of `num_ranks` ranks as `num_nodes` nodes; statuses per rank.
+// Runs fn on a world of `num_ranks` ranks as `num_nodes` nodes (or as many
+// as the MPI hosts, when they are several); statuses per rank.
 std::vector<Status> run(int num_ranks, int num_nodes, const std::function<Status(Transport&)>& fn) {
-  return test_world().run(*Topology::create(num_ranks, num_nodes), fn);
+  return test_world().run(*Topology::create(num_ranks, test_world().nodes_for(num_nodes)), fn);
 }
 
 #define EPX_NEED_RANKS(n)                                                                        \
@@ -123,7 +124,7 @@ TEST(Transport, MessagesRingAndTooSmallBuffer) {
 TEST(Transport, PeerMemoryIsSharedInsideANodeOnly) {
   EPX_NEED_RANKS(2);
   const int R = test_ranks();
-  const int nodes = R % 2 == 0 ? 2 : 1;  // two (emulated) nodes when they divide
+  const int nodes = test_world().nodes_for(R % 2 == 0 ? 2 : 1);  // two (emulated) nodes when they divide
   std::vector<std::string> seen(R);
   auto statuses = run(R, nodes, [&](Transport& t) -> Status {
     EPX_ASSIGN_OR_RETURN(auto memory, t.map_peer_memory(1000, seconds(30)));

@@ -20,12 +20,24 @@ namespace {
 
 class MpiTestWorld final : public TestWorld {
  public:
-  explicit MpiTestWorld(MpiSession& session) : session_(session) {}
+  explicit MpiTestWorld(MpiSession& session) : session_(session) {
+    MPI_Comm host = MPI_COMM_NULL;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host);
+    MPI_Comm_size(host, &per_host_);
+    MPI_Comm_free(&host);
+  }
   [[nodiscard]] std::string_view name() const override { return "mpi"; }
   [[nodiscard]] int ranks_for(int) const override { return session_.world_size(); }
+  [[nodiscard]] int nodes_for(int inproc_nodes) const override {
+    const int hosts = session_.world_size() / per_host_;
+    return hosts > 1 || per_host_ % inproc_nodes != 0 ? hosts : inproc_nodes;
+  }
   [[nodiscard]] std::string cannot_run(const Topology& topology) const override {
     if (topology.num_ranks() != session_.world_size())
       return fmt::format("{} ranks; this run has {} MPI processes", topology.num_ranks(), session_.world_size());
+    if (per_host_ % topology.ranks_per_node() != 0)
+      return fmt::format("{}: nodes of {} ranks cannot be made of hosts of {} processes", topology.describe(),
+                         topology.ranks_per_node(), per_host_);
     return {};
   }
   std::vector<Status> run(const Topology& topology, const std::function<Status(Transport&)>& fn) override {
@@ -69,6 +81,7 @@ class MpiTestWorld final : public TestWorld {
 
  private:
   MpiSession& session_;
+  int per_host_ = 1;  // processes on this host (every host has as many, or connect fails)
   int my_rank_ = -1;
   std::map<int, std::unique_ptr<Transport>> transports_;  // by ranks per node
   std::set<const Transport*> failed_;

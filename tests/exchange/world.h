@@ -25,6 +25,9 @@ class TestWorld {
   // How many ranks a test that can use any number should use: `inproc_ranks`
   // in-process, the number of processes under MPI.
   [[nodiscard]] virtual int ranks_for(int inproc_ranks) const = 0;
+  // How many nodes such a test should use: `inproc_nodes` in-process and on
+  // one MPI host (emulated), the number of hosts when MPI spans several.
+  [[nodiscard]] virtual int nodes_for(int inproc_nodes) const = 0;
   // Empty when `topology` can run here, else why not (the test is skipped).
   [[nodiscard]] virtual std::string cannot_run(const Topology& topology) const = 0;
   // Runs fn on every rank of `topology` held here and returns one status per

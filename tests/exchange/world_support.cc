@@ -9,6 +9,7 @@ class InprocTestWorld final : public TestWorld {
  public:
   [[nodiscard]] std::string_view name() const override { return "inproc"; }
   [[nodiscard]] int ranks_for(int inproc_ranks) const override { return inproc_ranks; }
+  [[nodiscard]] int nodes_for(int inproc_nodes) const override { return inproc_nodes; }
   [[nodiscard]] std::string cannot_run(const Topology&) const override { return {}; }
   std::vector<Status> run(const Topology& topology, const std::function<Status(Transport&)>& fn) override {
     InprocWorld world(topology);

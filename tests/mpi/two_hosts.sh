@@ -205,7 +205,9 @@ if [ "$bare" = 0 ]; then
     -x UCX_TLS -x UCX_NET_DEVICES
   )
 fi
-mpirun_cmd+=(-x TMPDIR -x PATH ${LD_LIBRARY_PATH:+-x LD_LIBRARY_PATH} "${extra[@]}" "$@")
+# The sanitizers' settings too, when set (fake-ssh gives the remote side a clean environment).
+mpirun_cmd+=(-x TMPDIR -x PATH ${LD_LIBRARY_PATH:+-x LD_LIBRARY_PATH} ${ASAN_OPTIONS:+-x ASAN_OPTIONS}
+             ${UBSAN_OPTIONS:+-x UBSAN_OPTIONS} "${extra[@]}" "$@")
 if [ "$uts" = 1 ]; then
   in_host_a=(ip netns exec "$ns_a" unshare --uts -- /bin/sh -c 'hostname "$1" || exit 1; shift; exec "$@"' sh "$host_a")
 else
