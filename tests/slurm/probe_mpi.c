@@ -1,7 +1,8 @@
 /* probe_mpi: the smallest check that an MPI launch works the way epx needs it.
  *
  * MPI_Init_thread(MPI_THREAD_MULTIPLE) and the provided level, rank and size,
- * the node split (MPI_Comm_split_type SHARED), an Allreduce, and an MPI-3
+ * the node split (MPI_Comm_split_type SHARED), an Allreduce, a 4 MiB ring
+ * exchange, and an MPI-3
  * shared window (MPI_Win_allocate_shared) that every rank of a node writes and
  * reads. Prints one line per rank ("probe: rank R of N ...") and, on rank 0,
  * "probe: OK size=N" when everything checked out. Exits 0 on success, 1 on a
@@ -68,6 +69,25 @@ int main(int argc, char **argv) {
     bad = 1;
   }
 
+  /* A ring exchange of 4 MiB (large enough for the rendezvous/single-copy
+   * path of the shared-memory transport, which some containers forbid). */
+  {
+    const int count = 1 << 20;
+    int *out = malloc(sizeof(int) * count), *in = malloc(sizeof(int) * count);
+    const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+    for (int i = 0; i < count; ++i) out[i] = rank * 7 + i;
+    MPI_Sendrecv(out, count, MPI_INT, next, 7, in, count, MPI_INT, prev, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+    for (int i = 0; i < count; ++i) {
+      if (in[i] != prev * 7 + i) {
+        fprintf(stderr, "probe: rank %d: ring message from %d wrong at %d\n", rank, prev, i);
+        bad = 1;
+        break;
+      }
+    }
+    free(out);
+    free(in);
+  }
+
   /* Shared window: 64 bytes per rank (padded, as epx pads its windows); each
    * rank writes its segment, then reads every peer's segment directly. */
   const MPI_Aint seg = 64;
@@ -112,7 +132,7 @@ int main(int argc, char **argv) {
     if (any_bad) {
       printf("probe: FAILED size=%d\n", size);
     } else {
-      printf("probe: OK size=%d thread=%s allreduce=%ld shared-window=yes\n", size, level_name(provided), sum);
+      printf("probe: OK size=%d thread=%s allreduce=%ld ring=4MiB shared-window=yes\n", size, level_name(provided), sum);
     }
   }
   MPI_Finalize();

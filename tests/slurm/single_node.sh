@@ -162,20 +162,22 @@ done
 tmp=$(mktemp -d "$base_dir/epx-slurm.XXXXXX") || skip "cannot create a directory in $base_dir"
 chmod 700 "$tmp"
 echo $$ >"$tmp/harness.pid"
-mkdir -p "$tmp"/{munge,state,spool,log,run,tmpfs}
+mkdir -p "$tmp"/{munge,state,spool/slurmd-"$host",log,run,tmpfs}
 started=()      # PIDs of the daemons we started, in start order
 watchdog=
 srun_pid=
 status=1
 cleaned=0
 
-print_logs() {
-  local f
-  for f in "$tmp"/log/*; do
+print_logs() {  # print_logs [FILE...]: the last lines of the daemons' logs
+  local f files=("$@")
+  ((${#files[@]})) || files=("$tmp"/log/*)
+  for f in "${files[@]}"; do
     [[ -s "$f" ]] || continue
     echo "----- ${f#"$tmp"/} (last 15 lines) -----" >&2
     tail -n 15 "$f" >&2
   done
+  ((keep)) || echo "----- (--keep keeps $tmp with every log) -----" >&2
 }
 
 cleanup() {
@@ -343,10 +345,6 @@ wait_for 30 "node $host to be idle" node_idle
 log "node $host idle (daemons: munged ${started[0]}, slurmctld ${started[1]}, slurmd ${started[2]})"
 
 # --------------------------------------------------------------------- run
-# OpenMPI under srun: direct launch needs no mpirun, so no
-# OMPI_ALLOW_RUN_AS_ROOT; the settings below are those this environment needs
-# (see docs/cluster.md) and a caller's own values win.
-export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
 srun_cmd=(env SLURM_CONF="$slurm_conf" srun -n "$ntasks" --mpi="$mpi_type" --kill-on-bad-exit=1 --wait=30 "${srun_extra[@]}" -- "$@")
 log "running: ${srun_cmd[*]:1}"
 "${srun_cmd[@]}" &
@@ -356,6 +354,6 @@ status=$?
 srun_pid=
 log "srun exited with status $status"
 if ((status != 0)); then
-  print_logs
+  print_logs "$tmp/log/slurmd.out"
 fi
 exit "$status"
