@@ -72,8 +72,11 @@ done
 [[ "$timeout_s" =~ ^[1-9][0-9]*$ ]] || { echo "$prog_name: --timeout wants seconds, got '$timeout_s'" >&2; exit 2; }
 
 t_start=${EPOCHREALTIME/[.,]/}
-elapsed() { local us=$((${EPOCHREALTIME/[.,]/} - t_start)); printf '%d.%d' $((us / 1000000)) $((us / 100000 % 10)); }
-log() { echo "[$prog_name $(elapsed)s] $*" >&2; }
+# No subshell in log(): it runs in signal traps too.
+log() {
+  local us=$((${EPOCHREALTIME/[.,]/} - t_start))
+  printf '[%s %d.%ds] %s\n' "$prog_name" $((us / 1000000)) $((us / 100000 % 10)) "$*" >&2
+}
 
 skip() {
   if [[ "${EPX_SLURM_REQUIRE:-0}" == 1 ]]; then
@@ -98,6 +101,14 @@ if [[ "$mpi_type" != none ]]; then
   done
   if [[ -n "$plugin_dir" && ! -e "$plugin_dir/mpi_${mpi_type}.so" ]]; then
     skip "Slurm's MPI plugin mpi_${mpi_type}.so is not in $plugin_dir (Debian: slurm-wlm-basic-plugins)"
+  fi
+  # Slurm's pmix plugin dlopen()s the unversioned libpmix.so from the PMIx
+  # directory it was built against: on Debian that file is in libpmix-dev.
+  if [[ "$mpi_type" == pmix* && -n "$plugin_dir" && -e "$plugin_dir/mpi_${mpi_type}.so" ]]; then
+    pmix_lib=$(grep -aoE '/[[:alnum:]_./+-]*pmix[[:alnum:]_./+-]*/lib' "$(readlink -f "$plugin_dir/mpi_${mpi_type}.so")" | head -1)
+    if [[ -n "$pmix_lib" && ! -e "$pmix_lib/libpmix.so" ]]; then
+      skip "Slurm's pmix plugin needs $pmix_lib/libpmix.so (Debian: libpmix-dev)"
+    fi
   fi
 fi
 
@@ -183,17 +194,20 @@ print_logs() {  # print_logs [FILE...]: the last lines of the daemons' logs
 cleanup() {
   ((cleaned)) && return
   cleaned=1
-  trap '' INT TERM
+  trap '' INT TERM USR1
   [[ -n "$watchdog" ]] && kill "$watchdog" 2>/dev/null
+  # Interrupted while the job runs: cancel it (every job of our own cluster is
+  # ours), which ends its tasks and srun within KillWait; then srun itself.
   if [[ -n "$srun_pid" ]] && kill -0 "$srun_pid" 2>/dev/null; then
-    stop_pids 5 "$srun_pid"
-  fi
-  # Jobs still known to our slurmctld (only ours: it is our own cluster).
-  if ((${#started[@]} >= 2)) && kill -0 "${started[1]}" 2>/dev/null; then
-    timeout 5 env SLURM_CONF="$slurm_conf" scancel --quiet --full --user=root 2>/dev/null
+    if ((${#started[@]} >= 2)) && kill -0 "${started[1]}" 2>/dev/null; then
+      timeout 5 env SLURM_CONF="$slurm_conf" scancel --quiet --full --user=root 2>/dev/null
+    fi
+    local i
+    for ((i = 0; i < 80; i++)); do kill -0 "$srun_pid" 2>/dev/null || break; sleep 0.1; done
+    stop_pids 2 "$srun_pid"
   fi
   # Daemons in reverse start order: slurmd, slurmctld, munged.
-  local i rev=()
+  local rev=()
   for ((i = ${#started[@]} - 1; i >= 0; i--)); do rev+=("${started[i]}"); done
   stop_pids 5 "${rev[@]}"
   # Anything else this run started (slurmstepd, job tasks): found by our directory.
@@ -210,13 +224,16 @@ cleanup() {
   else
     rm -rf "$tmp"
   fi
+  log "stopped what this run started; exit status $status"
 }
 on_signal() {
+  trap '' INT TERM
   log "got SIG$1: stopping"
   status=$((128 + $2))
   exit "$status"
 }
 on_timeout() {
+  trap '' INT TERM USR1
   log "TIMEOUT: the whole run passed ${timeout_s}s; stopping"
   print_logs
   status=124
@@ -228,7 +245,8 @@ trap 'on_signal TERM 15' TERM
 trap 'on_timeout' USR1
 
 # Watchdog: USR1 to this shell when the time is up.
-bash -c 's=; trap '\''[[ -n $s ]] && kill $s; exit 0'\'' TERM; sleep "$1" & s=$!; wait $s; kill -USR1 "$2"' \
+# Only a sleep that ran out sends it (not one killed with our process group).
+bash -c 's=; trap '\''[[ -n $s ]] && kill $s 2>/dev/null; exit 0'\'' TERM; sleep "$1" & s=$!; wait $s && kill -USR1 "$2"' \
   watchdog "$timeout_s" "$$" &
 watchdog=$!
 
@@ -239,7 +257,7 @@ mungekey --create --keyfile="$tmp/munge/munge.key" >"$tmp/log/mungekey.out" 2>&1
   dd if=/dev/urandom of="$tmp/munge/munge.key" bs=1024 count=1 status=none ||
   skip "cannot create a munge key: $(cat "$tmp/log/mungekey.out")"
 chmod 600 "$tmp/munge/munge.key"
-munged -F --force --key-file="$tmp/munge/munge.key" --socket="$munge_socket" \
+setsid munged -F --force --key-file="$tmp/munge/munge.key" --socket="$munge_socket" \
   --pid-file="$tmp/run/munged.pid" --log-file="$tmp/log/munged.log" --seed-file="$tmp/munge/munged.seed" \
   --num-threads=2 >"$tmp/log/munged.out" 2>&1 &
 started+=($!)
@@ -324,7 +342,7 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 MessageTimeout=10
 TCPTimeout=5
-KillWait=5
+KillWait=2
 UnkillableStepTimeout=30
 InactiveLimit=0
 MinJobAge=10
@@ -334,10 +352,10 @@ EOF
 # Slurm reads cgroup.conf beside slurm.conf if it exists; none is wanted.
 
 log "munged up; starting slurmctld (port $ctld_port) and slurmd (port $slurmd_port) for node $host in $tmp"
-env SLURM_CONF="$slurm_conf" slurmctld -D -i -f "$slurm_conf" >"$tmp/log/slurmctld.out" 2>&1 &
+setsid env SLURM_CONF="$slurm_conf" slurmctld -D -i -f "$slurm_conf" >"$tmp/log/slurmctld.out" 2>&1 &
 started+=($!)
 wait_for 20 "slurmctld to answer" with_conf scontrol ping
-env SLURM_CONF="$slurm_conf" slurmd -D -f "$slurm_conf" -N "$host" >"$tmp/log/slurmd.out" 2>&1 &
+setsid env SLURM_CONF="$slurm_conf" slurmd -D -f "$slurm_conf" -N "$host" >"$tmp/log/slurmd.out" 2>&1 &
 started+=($!)
 echo "${started[*]}" >"$tmp/run/daemons.pids"
 node_idle() { [[ "$(with_conf sinfo -h -n "$host" -o %t 2>/dev/null)" == idle* ]]; }
