@@ -300,6 +300,11 @@ slurmd_port=$(pick_port "$ctld_port" $((ctld_port + 1))) || skip "no free TCP po
 # ---------------------------------------------------------------- slurm.conf
 cpus=$((ntasks > 8 ? ntasks : 8))
 cluster=epx$(basename "$tmp" | tr -dc 'a-z0-9' | tail -c 8)
+# Job IDs start at a random number: OpenMPI names its shared-memory segments
+# and session directory after the job (the PMIx namespace slurm.pmix.JOB.STEP),
+# so two of these clusters running at once on one host, both at job 1, would
+# map each other's segments (seen: a segfault in btl vader).
+first_job_id=$((((RANDOM << 15) | RANDOM) % 60000000 + 1000))
 # SLURM_CONF is given to each Slurm command, not exported, so that only the
 # daemons, srun and the job's tasks carry it (procs_using finds them by it).
 slurm_conf=$tmp/slurm.conf
@@ -346,12 +351,13 @@ KillWait=2
 UnkillableStepTimeout=30
 InactiveLimit=0
 MinJobAge=10
+FirstJobId=$first_job_id
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
 PartitionName=epx Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 # Slurm reads cgroup.conf beside slurm.conf if it exists; none is wanted.
 
-log "munged up; starting slurmctld (port $ctld_port) and slurmd (port $slurmd_port) for node $host in $tmp"
+log "munged up; starting slurmctld (port $ctld_port) and slurmd (port $slurmd_port) for node $host in $tmp, first job id $first_job_id"
 setsid env SLURM_CONF="$slurm_conf" slurmctld -D -i -f "$slurm_conf" >"$tmp/log/slurmctld.out" 2>&1 &
 started+=($!)
 wait_for 20 "slurmctld to answer" with_conf scontrol ping
