@@ -5,15 +5,23 @@
 #
 #   tests/slurm/single_node.sh [-n N] [--mpi TYPE] [--timeout SECS] [--keep]
 #                              [--srun-arg ARG]... -- PROGRAM [ARGS...]
+#   tests/slurm/single_node.sh --sbatch [-n N] [--srun-arg ARG]... -- SCRIPT [ARGS...]
 #
-#   -n N            tasks (MPI ranks) for srun, default 4
+#   -n N            tasks (MPI ranks) for srun, default 4 (with --sbatch: only
+#                   when given, else the script's #SBATCH lines decide)
 #   --mpi TYPE      srun --mpi=TYPE, default pmix (OpenMPI 4.1 here needs it;
 #                   pmi2 aborts in MPI_Init, see docs/cluster.md)
 #   --timeout SECS  bound on the whole run, default 120 (EPX_SLURM_TIMEOUT)
 #   --keep          keep the temporary directory (configs, daemon logs)
-#   --srun-arg ARG  one more argument for srun (repeatable)
+#   --srun-arg ARG  one more argument for srun, or for sbatch (repeatable)
+#   --sbatch        submit SCRIPT with `sbatch --wait` instead (e.g. the
+#                   templates in configs/slurm/); it runs in a scratch
+#                   directory (its output files go with it unless --keep),
+#                   its output is printed at the end
 #
-# e.g.  tests/slurm/single_node.sh -n 4 -- build/apps/epx/epx demo
+# e.g.  tests/slurm/single_node.sh -n 4 -- build/bin/epx demo
+#       EPX=$PWD/build/bin/epx CONFIG=$PWD/configs/train-tiny.toml \
+#         tests/slurm/single_node.sh --sbatch -- configs/slurm/one-node.sbatch
 #
 # What it does, all inside one fresh directory /tmp/epx-slurm.XXXXXX and
 # without systemd or /etc/slurm: makes a munge key and starts `munged -F` on its
@@ -45,6 +53,8 @@ mpi_type=pmix
 timeout_s=${EPX_SLURM_TIMEOUT:-120}
 keep=0
 srun_extra=()
+mode=srun
+ntasks_given=0
 
 usage() {
   sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0" >&2
@@ -53,8 +63,9 @@ usage() {
 
 while (($#)); do
   case "$1" in
-    -n|--ntasks) [[ $# -ge 2 ]] || usage; ntasks=$2; shift 2 ;;
-    -n*) ntasks=${1#-n}; shift ;;
+    -n|--ntasks) [[ $# -ge 2 ]] || usage; ntasks=$2; ntasks_given=1; shift 2 ;;
+    -n*) ntasks=${1#-n}; ntasks_given=1; shift ;;
+    --sbatch) mode=sbatch; shift ;;
     --mpi) [[ $# -ge 2 ]] || usage; mpi_type=$2; shift 2 ;;
     --mpi=*) mpi_type=${1#--mpi=}; shift ;;
     --timeout) [[ $# -ge 2 ]] || usage; timeout_s=$2; shift 2 ;;
@@ -191,6 +202,17 @@ print_logs() {  # print_logs [FILE...]: the last lines of the daemons' logs
   ((keep)) || echo "----- (--keep keeps $tmp with every log) -----" >&2
 }
 
+print_job_output() {  # --sbatch: the job's output file, once
+  local f
+  for f in "$tmp"/job/slurm-*.out; do
+    [[ -e "$f" && ! -e "$f.shown" ]] || continue
+    echo "----- output of the batch job (${f##*/}) -----"
+    cat "$f"
+    echo "----- end of ${f##*/} -----"
+    : >"$f.shown"
+  done
+}
+
 cleanup() {
   ((cleaned)) && return
   cleaned=1
@@ -206,6 +228,7 @@ cleanup() {
     for ((i = 0; i < 80; i++)); do kill -0 "$srun_pid" 2>/dev/null || break; sleep 0.1; done
     stop_pids 2 "$srun_pid"
   fi
+  [[ "$mode" == sbatch ]] && print_job_output
   # Daemons in reverse start order: slurmd, slurmctld, munged.
   local rev=()
   for ((i = ${#started[@]} - 1; i >= 0; i--)); do rev+=("${started[i]}"); done
@@ -369,14 +392,27 @@ wait_for 30 "node $host to be idle" node_idle
 log "node $host idle (daemons: munged ${started[0]}, slurmctld ${started[1]}, slurmd ${started[2]})"
 
 # --------------------------------------------------------------------- run
-srun_cmd=(env SLURM_CONF="$slurm_conf" srun -n "$ntasks" --mpi="$mpi_type" --kill-on-bad-exit=1 --wait=30 "${srun_extra[@]}" -- "$@")
+if [[ "$mode" == srun ]]; then
+  srun_cmd=(env SLURM_CONF="$slurm_conf" srun -n "$ntasks" --mpi="$mpi_type" --kill-on-bad-exit=1 --wait=30
+            "${srun_extra[@]}" -- "$@")
+else
+  [[ -r "$1" ]] || { log "no batch script '$1'"; exit 2; }
+  script=$(readlink -f "$1"); shift
+  mkdir -p "$tmp/job"
+  n_arg=()
+  ((ntasks_given)) && n_arg=(--ntasks="$ntasks")
+  # The job's environment is ours (sbatch --export=ALL), SLURM_CONF included.
+  srun_cmd=(env SLURM_CONF="$slurm_conf" sbatch --wait --quiet --chdir="$tmp/job"
+            --output="$tmp/job/slurm-%j.out" "${n_arg[@]}" "${srun_extra[@]}" "$script" "$@")
+fi
 log "running: ${srun_cmd[*]:1}"
 "${srun_cmd[@]}" &
 srun_pid=$!
 wait "$srun_pid"
 status=$?
 srun_pid=
-log "srun exited with status $status"
+print_job_output
+log "$mode exited with status $status"
 if ((status != 0)); then
   print_logs "$tmp/log/slurmd.out"
 fi
