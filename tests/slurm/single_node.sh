@@ -88,6 +88,10 @@ done
 [[ "$timeout_s" =~ ^[1-9][0-9]*$ ]] || { echo "$prog_name: --timeout wants seconds, got '$timeout_s'" >&2; exit 2; }
 
 t_start=${EPOCHREALTIME/[.,]/}
+# The caller's stdout and stderr, for the traps: a signal that arrives while
+# a function runs with its output redirected (wait_until's polls) runs the
+# trap with those redirections, and the trap exits without undoing them.
+exec {out_fd}>&1 {err_fd}>&2
 # No subshell in log(): it runs in signal traps too.
 log() {
   local us=$((${EPOCHREALTIME/[.,]/} - t_start))
@@ -224,6 +228,7 @@ cleanup() {
   ((cleaned)) && return
   cleaned=1
   trap '' INT TERM USR1
+  exec 1>&"$out_fd" 2>&"$err_fd"
   [[ -n "$watchdog" ]] && kill "$watchdog" 2>/dev/null
   # Interrupted while the job runs: cancel it (every job of our own cluster is
   # ours), which ends its tasks and srun within KillWait; then srun itself.
@@ -258,12 +263,14 @@ cleanup() {
 }
 on_signal() {
   trap '' INT TERM
+  exec 1>&"$out_fd" 2>&"$err_fd"
   log "got SIG$1: stopping"
   status=$((128 + $2))
   exit "$status"
 }
 on_timeout() {
   trap '' INT TERM USR1
+  exec 1>&"$out_fd" 2>&"$err_fd"
   log "TIMEOUT: the whole run passed ${timeout_s}s; stopping"
   print_logs
   status=124
@@ -292,19 +299,39 @@ setsid munged -F --force --key-file="$tmp/munge/munge.key" --socket="$munge_sock
   --num-threads=2 >"$tmp/log/munged.out" 2>&1 &
 started+=($!)
 
-wait_for() {  # wait_for SECONDS WHAT COMMAND...: poll every 0.1 s
-  local limit=$1 what=$2; shift 2
-  local i
+# wait_until SECONDS COMMAND...: poll every 0.1 s until COMMAND succeeds (0),
+# one of our daemons exits (1, its PID in $dead_pid), or time is up (2). With
+# $bind_log set: also 1 (the daemon started last) as soon as that log says
+# the port is taken (slurmctld retries binding for ~10 s before it gives up).
+dead_pid=
+bind_log=
+bound_fail() {  # the daemon of log $1 failed to bind its port
+  grep -q 'Address already in use' "$1" 2>/dev/null
+}
+wait_until() {
+  local limit=$1; shift
+  local i p
   for ((i = 0; i < limit * 10; i++)); do
     "$@" >/dev/null 2>&1 && return 0
-    local p
+    if [[ -n "$bind_log" ]] && bound_fail "$bind_log"; then
+      dead_pid=${started[-1]}
+      return 1
+    fi
     for p in "${started[@]}"; do
-      kill -0 "$p" 2>/dev/null || { print_logs; skip "a daemon exited while waiting for $what (pid $p)"; }
+      kill -0 "$p" 2>/dev/null || { dead_pid=$p; return 1; }
     done
     sleep 0.1
   done
-  print_logs
-  skip "timed out after ${limit}s waiting for $what"
+  return 2
+}
+wait_for() {  # wait_for SECONDS WHAT COMMAND...: wait_until, or skip
+  local limit=$1 what=$2; shift 2
+  wait_until "$limit" "$@"
+  case $? in
+    0) return 0 ;;
+    1) print_logs; skip "a daemon exited while waiting for $what (pid $dead_pid)" ;;
+    *) print_logs; skip "timed out after ${limit}s waiting for $what" ;;
+  esac
 }
 munge_works() { munge -n -S "$munge_socket" | unmunge -S "$munge_socket"; }
 wait_for 10 "munged" munge_works
@@ -324,8 +351,10 @@ pick_port() {
   done
   return 1
 }
-ctld_port=$(pick_port) || skip "no free TCP port"
-slurmd_port=$(pick_port "$ctld_port" $((ctld_port + 1))) || skip "no free TCP port"
+pick_ports() {  # sets ctld_port and slurmd_port
+  ctld_port=$(pick_port) || skip "no free TCP port"
+  slurmd_port=$(pick_port "$ctld_port" $((ctld_port + 1))) || skip "no free TCP port"
+}
 
 # ---------------------------------------------------------------- slurm.conf
 cpus=$((ntasks > 8 ? ntasks : 8))
@@ -339,6 +368,7 @@ first_job_id=$((((RANDOM << 15) | RANDOM) % 60000000 + 1000))
 # daemons, srun and the job's tasks carry it (procs_using finds them by it).
 slurm_conf=$tmp/slurm.conf
 with_conf() { SLURM_CONF=$slurm_conf "$@"; }
+write_conf() {
 cat >"$slurm_conf" <<EOF
 # Written by $prog_name for one run; removed with $tmp.
 ClusterName=$cluster
@@ -385,17 +415,67 @@ FirstJobId=$first_job_id
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
 PartitionName=epx Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
+}
 # Slurm reads cgroup.conf beside slurm.conf if it exists; none is wanted.
 
-log "munged up; starting slurmctld (port $ctld_port) and slurmd (port $slurmd_port) for node $host in $tmp, first job id $first_job_id"
-setsid env SLURM_CONF="$slurm_conf" slurmctld -D -i -f "$slurm_conf" >"$tmp/log/slurmctld.out" 2>&1 &
-started+=($!)
-wait_for 20 "slurmctld to answer" with_conf scontrol ping
-setsid env SLURM_CONF="$slurm_conf" slurmd -D -f "$slurm_conf" -N "$host" >"$tmp/log/slurmd.out" 2>&1 &
-started+=($!)
-echo "${started[*]}" >"$tmp/run/daemons.pids"
+# Start slurmctld, then slurmd. The ports were free a moment ago; should one
+# be taken in between ("Address already in use"), retry with new ones.
+# EPX_SLURM_PORTS=CTLD,SLURMD fixes them for the first attempt.
 node_idle() { [[ "$(with_conf sinfo -h -n "$host" -o %t 2>/dev/null)" == idle* ]]; }
-wait_for 30 "node $host to be idle" node_idle
+# scontrol ping only once our slurmctld listens: against a closed port, or
+# one that another program holds, it takes MessageTimeout (10 s) to give up.
+listens() { ss -Htlnp "( sport = :$1 )" 2>/dev/null | grep -q "pid=$2,"; }
+ctld_up() { listens "$ctld_port" "${started[-1]}" && with_conf scontrol ping; }
+drop_last_daemon() {  # stop and forget the daemon started last
+  stop_pids 5 "${started[-1]}"
+  wait "${started[-1]}" 2>/dev/null
+  unset 'started[-1]'
+}
+for attempt in 1 2 3; do
+  if [[ $attempt == 1 && "${EPX_SLURM_PORTS:-}" =~ ^([0-9]+),([0-9]+)$ ]]; then
+    ctld_port=${BASH_REMATCH[1]} slurmd_port=${BASH_REMATCH[2]}
+  else
+    pick_ports
+  fi
+  write_conf
+  rm -rf "${tmp:?}/state"/* "$tmp/spool/slurmd-$host"/*
+  log "munged up; starting slurmctld (port $ctld_port) and slurmd (port $slurmd_port) for node $host in $tmp, first job id $first_job_id"
+  setsid env SLURM_CONF="$slurm_conf" slurmctld -D -i -f "$slurm_conf" >"$tmp/log/slurmctld.out" 2>&1 &
+  started+=($!)
+  bind_log=$tmp/log/slurmctld.out
+  wait_until 20 ctld_up
+  rc=$?
+  if ((rc == 1)) && [[ "$dead_pid" == "${started[-1]}" ]] && bound_fail "$tmp/log/slurmctld.out"; then
+    log "slurmctld: port $ctld_port was taken meanwhile; trying other ports"
+    drop_last_daemon
+    continue
+  fi
+  if ((rc != 0)); then
+    print_logs
+    ((rc == 1)) && skip "slurmctld did not come up: a daemon exited (pid $dead_pid)"
+    skip "slurmctld did not answer in 20s"
+  fi
+  setsid env SLURM_CONF="$slurm_conf" slurmd -D -f "$slurm_conf" -N "$host" >"$tmp/log/slurmd.out" 2>&1 &
+  started+=($!)
+  bind_log=$tmp/log/slurmd.out
+  wait_until 30 node_idle
+  rc=$?
+  bind_log=
+  if ((rc == 1)) && [[ "$dead_pid" == "${started[-1]}" ]] && bound_fail "$tmp/log/slurmd.out"; then
+    log "slurmd: port $slurmd_port was taken meanwhile; trying other ports"
+    drop_last_daemon   # slurmd
+    drop_last_daemon   # this attempt's slurmctld
+    continue
+  fi
+  if ((rc != 0)); then
+    print_logs
+    ((rc == 1)) && skip "node $host did not come up: a daemon exited (pid $dead_pid)"
+    skip "node $host not idle after 30s"
+  fi
+  break
+done
+((${#started[@]} == 3)) || { print_logs; skip "Slurm's ports were taken three times over"; }
+echo "${started[*]}" >"$tmp/run/daemons.pids"
 log "node $host idle (daemons: munged ${started[0]}, slurmctld ${started[1]}, slurmd ${started[2]})"
 
 # --------------------------------------------------------------------- run
