@@ -109,9 +109,14 @@ skip() {
 
 # ---------------------------------------------------------------- environment
 ((EUID == 0)) || skip "needs root (SlurmUser=root, munged and slurmd run as root); uid is $EUID"
-for cmd in munged mungekey munge unmunge slurmctld slurmd srun sinfo scontrol squeue scancel; do
+for cmd in munged mungekey munge unmunge slurmctld slurmd srun sbatch sinfo scontrol scancel; do
   command -v "$cmd" >/dev/null 2>&1 || skip "'$cmd' not found (Debian: apt-get install slurmctld slurmd slurm-client munge)"
 done
+command -v setsid >/dev/null 2>&1 || skip "'setsid' not found (Debian: util-linux)"
+# ss (iproute2) finds free ports and tells when slurmctld listens; without it
+# a bash /dev/tcp probe and plain polling do, a little slower.
+have_ss=0
+command -v ss >/dev/null 2>&1 && have_ss=1
 slurm_version=$(slurmctld -V 2>/dev/null)
 [[ "$slurm_version" == slurm* ]] || skip "slurmctld -V does not answer like Slurm: '$(slurmctld -V 2>&1 | head -1)'"
 if [[ "$mpi_type" != none ]]; then
@@ -340,7 +345,8 @@ wait_for 10 "munged" munge_works
 # Two free TCP ports (not listening now, not in the ephemeral range, and not
 # consecutive with each other, since SlurmctldPort may be a range).
 port_free() {
-  ! ss -Htan "( sport = :$1 )" 2>/dev/null | grep -q . && ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+  if ((have_ss)) && ss -Htan "( sport = :$1 )" 2>/dev/null | grep -q .; then return 1; fi
+  ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 pick_port() {
   local p tries
@@ -424,7 +430,7 @@ EOF
 node_idle() { [[ "$(with_conf sinfo -h -n "$host" -o %t 2>/dev/null)" == idle* ]]; }
 # scontrol ping only once our slurmctld listens: against a closed port, or
 # one that another program holds, it takes MessageTimeout (10 s) to give up.
-listens() { ss -Htlnp "( sport = :$1 )" 2>/dev/null | grep -q "pid=$2,"; }
+listens() { ((!have_ss)) || ss -Htlnp "( sport = :$1 )" 2>/dev/null | grep -q "pid=$2,"; }
 ctld_up() { listens "$ctld_port" "${started[-1]}" && with_conf scontrol ping; }
 drop_last_daemon() {  # stop and forget the daemon started last
   stop_pids 5 "${started[-1]}"
