@@ -13,7 +13,7 @@ packages=(
   libfmt-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libtomlplusplus-dev
   libopenblas-dev libdnnl-dev
   openmpi-bin libopenmpi-dev
-  slurm-wlm slurmd slurmctld munge libpmix-dev iproute2
+  slurmctld slurmd slurm-client munge libpmix-dev iproute2
 )
 
 if [[ "${EPX_SKIP_SETUP:-0}" == 1 ]]; then

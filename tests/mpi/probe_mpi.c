@@ -1,5 +1,5 @@
 /* probe_mpi: checks that an MPI launch spans the hosts it should, the way the
- * epx MPI transport uses MPI (tests/mpi/two_hosts.sh, docs/two-hosts.md).
+ * epx MPI transport uses MPI (tests/mpi/two_hosts.sh, docs/cluster.md).
  *
  *   probe_mpi [--bytes N] [--reps R] [--expect-nodes K] [--expect-local L] [--no-rma]
  *
