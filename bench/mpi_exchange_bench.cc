@@ -283,9 +283,21 @@ int run(int argc, char** argv) {
           if (r < 0) continue;
           const float w = mine.topk_weights[i * K + k];
           const std::byte* src = n.send.data() + r * row;
-          for (int c = 0; c < o.hidden; ++c) acc[c] += w * load_as_f32(src, dtype, c);
+          // Typed inner loops, so the compiler vectorizes them as a user's code would be.
+          if (dtype == DType::kBF16) {
+            const auto* v = reinterpret_cast<const uint16_t*>(src);
+            for (int c = 0; c < o.hidden; ++c) acc[c] += w * bf16_to_f32(v[c]);
+          } else {
+            const auto* v = reinterpret_cast<const float*>(src);
+            for (int c = 0; c < o.hidden; ++c) acc[c] += w * v[c];
+          }
         }
-        for (int c = 0; c < o.hidden; ++c) store_from_f32(out.data() + i * row, dtype, c, acc[c]);
+        if (dtype == DType::kBF16) {
+          auto* v = reinterpret_cast<uint16_t*>(out.data() + i * row);
+          for (int c = 0; c < o.hidden; ++c) v[c] = f32_to_bf16(acc[c]);
+        } else {
+          std::memcpy(out.data() + i * row, acc.data(), row);
+        }
       }
     };
 

@@ -145,6 +145,23 @@ void reduce_in_rank_order(std::span<const std::byte* const> contributions, std::
   }
 }
 
+TransportCounters AtomicCounters::snapshot() const {
+  TransportCounters c;
+  c.inter_node_bytes = inter_node_bytes_.load(std::memory_order_relaxed);
+  c.inter_node_messages = inter_node_messages_.load(std::memory_order_relaxed);
+  c.intra_node_bytes = intra_node_bytes_.load(std::memory_order_relaxed);
+  c.intra_node_messages = intra_node_messages_.load(std::memory_order_relaxed);
+  c.collective_calls = collective_calls_.load(std::memory_order_relaxed);
+  c.collective_bytes = collective_bytes_.load(std::memory_order_relaxed);
+  return c;
+}
+
+void AtomicCounters::reset() {
+  for (std::atomic<uint64_t>* c : {&inter_node_bytes_, &inter_node_messages_, &intra_node_bytes_,
+                                   &intra_node_messages_, &collective_calls_, &collective_bytes_})
+    c->store(0, std::memory_order_relaxed);
+}
+
 Status check_peer_and_tag(int peer, int tag, int num_ranks) {
   if (peer < 0 || peer >= num_ranks) return invalid_argument("peer = {} is outside [0, {})", peer, num_ranks);
   if (tag < 0) return invalid_argument("tag = {} must be at least 0", tag);

@@ -9,6 +9,7 @@
 // rank reaches the same verdict and a mismatch is InvalidArgument everywhere.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -48,6 +49,29 @@ Status validate_collective(std::span<const CollectiveDescriptor> all, uint64_t s
 // Contributions need no alignment.
 void reduce_in_rank_order(std::span<const std::byte* const> contributions, std::size_t count, DType dtype,
                           ReduceOp op, void* out);
+
+// One rank's TransportCounters, counted by its thread and read from any.
+class AtomicCounters {
+ public:
+  void count_message(bool same_node, std::size_t bytes) {
+    (same_node ? intra_node_bytes_ : inter_node_bytes_).fetch_add(bytes, std::memory_order_relaxed);
+    (same_node ? intra_node_messages_ : inter_node_messages_).fetch_add(1, std::memory_order_relaxed);
+  }
+  void count_collective(std::size_t bytes) {
+    collective_calls_.fetch_add(1, std::memory_order_relaxed);
+    collective_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  [[nodiscard]] TransportCounters snapshot() const;
+  void reset();
+
+ private:
+  std::atomic<uint64_t> inter_node_bytes_{0};
+  std::atomic<uint64_t> inter_node_messages_{0};
+  std::atomic<uint64_t> intra_node_bytes_{0};
+  std::atomic<uint64_t> intra_node_messages_{0};
+  std::atomic<uint64_t> collective_calls_{0};
+  std::atomic<uint64_t> collective_bytes_{0};
+};
 
 // InvalidArgument unless 0 <= peer < num_ranks and tag >= 0.
 Status check_peer_and_tag(int peer, int tag, int num_ranks);

@@ -63,17 +63,7 @@ Status InprocState::interrupted_locked(std::string_view what, int rank, int64_t 
                            waiting_for, failure.message());
 }
 
-TransportCounters InprocState::counters_of(int rank) const {
-  const RankState& r = ranks[rank];
-  TransportCounters c;
-  c.inter_node_bytes = r.inter_node_bytes.load(std::memory_order_relaxed);
-  c.inter_node_messages = r.inter_node_messages.load(std::memory_order_relaxed);
-  c.intra_node_bytes = r.intra_node_bytes.load(std::memory_order_relaxed);
-  c.intra_node_messages = r.intra_node_messages.load(std::memory_order_relaxed);
-  c.collective_calls = r.collective_calls.load(std::memory_order_relaxed);
-  c.collective_bytes = r.collective_bytes.load(std::memory_order_relaxed);
-  return c;
-}
+
 
 }  // namespace detail
 
@@ -243,7 +233,7 @@ Status InprocTransport::rendezvous(const Contribution& mine, const Deadline& dea
 }
 
 Status InprocTransport::barrier(const Deadline& deadline) {
-  state_->ranks[rank_].collective_calls.fetch_add(1, std::memory_order_relaxed);
+  state_->ranks[rank_].counters.count_collective(0);
   const CollectiveSlot* slot = nullptr;
   uint64_t seq = 0;
   Contribution mine;
@@ -255,8 +245,7 @@ Status InprocTransport::barrier(const Deadline& deadline) {
 Status InprocTransport::stage_bytes(CollectiveOp op, std::span<const std::byte> in, std::size_t out_bytes,
                                     const Deadline& deadline, const CollectiveSlot** slot) {
   detail::RankState& me = state_->ranks[rank_];
-  me.collective_calls.fetch_add(1, std::memory_order_relaxed);
-  me.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
+  me.counters.count_collective(in.size());
   uint64_t seq = 0;
   Contribution mine;
   mine.op = op;
@@ -293,8 +282,7 @@ Status InprocTransport::all_reduce_raw(void* data, std::size_t count, DType dtyp
                                        const Deadline& deadline) {
   const std::size_t bytes = count * dtype_size(dtype);
   detail::RankState& me = state_->ranks[rank_];
-  me.collective_calls.fetch_add(1, std::memory_order_relaxed);
-  me.collective_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  me.counters.count_collective(bytes);
   const CollectiveSlot* slot = nullptr;
   uint64_t seq = 0;
   Contribution mine;
@@ -354,14 +342,7 @@ Result<Request> InprocTransport::send_async(int peer, int tag, std::span<const s
     state.mailboxes[{rank_, peer, tag}].push_back(op);
   }
   state.ranks[peer].cv.notify_all();
-  detail::RankState& me = state.ranks[rank_];
-  if (topology().same_node(rank_, peer)) {
-    me.intra_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
-    me.intra_node_messages.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    me.inter_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
-    me.inter_node_messages.fetch_add(1, std::memory_order_relaxed);
-  }
+  state.ranks[rank_].counters.count_message(topology().same_node(rank_, peer), data.size());
   return Request(std::make_shared<InprocRequest>(state_, std::move(op)));
 }
 
@@ -415,15 +396,7 @@ Result<std::size_t> InprocTransport::recv(int peer, int tag, std::span<std::byte
   return size;
 }
 
-void InprocTransport::reset_counters() {
-  detail::RankState& me = state_->ranks[rank_];
-  me.inter_node_bytes.store(0, std::memory_order_relaxed);
-  me.inter_node_messages.store(0, std::memory_order_relaxed);
-  me.intra_node_bytes.store(0, std::memory_order_relaxed);
-  me.intra_node_messages.store(0, std::memory_order_relaxed);
-  me.collective_calls.store(0, std::memory_order_relaxed);
-  me.collective_bytes.store(0, std::memory_order_relaxed);
-}
+
 
 // ---------------------------------------------------------------------------
 // InprocWorld

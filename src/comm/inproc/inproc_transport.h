@@ -88,12 +88,7 @@ struct SendOp {
 struct RankState {
   std::condition_variable cv;
   uint64_t next_seq = 1;
-  std::atomic<uint64_t> inter_node_bytes{0};
-  std::atomic<uint64_t> inter_node_messages{0};
-  std::atomic<uint64_t> intra_node_bytes{0};
-  std::atomic<uint64_t> intra_node_messages{0};
-  std::atomic<uint64_t> collective_calls{0};
-  std::atomic<uint64_t> collective_bytes{0};
+  AtomicCounters counters;
 };
 
 struct InprocState {
@@ -113,7 +108,7 @@ struct InprocState {
   // first); otherwise Aborted. Calls made after the failure get Aborted.
   [[nodiscard]] Status interrupted_locked(std::string_view what, int rank, int64_t waited_ms,
                                           std::string_view waiting_for) const;
-  [[nodiscard]] TransportCounters counters_of(int rank) const;
+  [[nodiscard]] TransportCounters counters_of(int rank) const { return ranks[rank].counters.snapshot(); }
 
   using MailboxKey = std::tuple<int, int, int>;  // (src, dst, tag)
 
@@ -149,7 +144,7 @@ class InprocTransport final : public Transport {
                         const Deadline& deadline) override;
   void abort(const Status& reason) override { state_->abort(reason); }
   [[nodiscard]] TransportCounters counters() const override { return state_->counters_of(rank_); }
-  void reset_counters() override;
+  void reset_counters() override { state_->ranks[rank_].counters.reset(); }
 
  private:
   // This rank's part of one collective.

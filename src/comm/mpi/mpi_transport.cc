@@ -315,25 +315,6 @@ MpiTransport::~MpiTransport() {
   }
 }
 
-TransportCounters MpiTransport::counters() const {
-  const MpiState& s = *state_;
-  TransportCounters c;
-  c.inter_node_bytes = s.inter_node_bytes.load(std::memory_order_relaxed);
-  c.inter_node_messages = s.inter_node_messages.load(std::memory_order_relaxed);
-  c.intra_node_bytes = s.intra_node_bytes.load(std::memory_order_relaxed);
-  c.intra_node_messages = s.intra_node_messages.load(std::memory_order_relaxed);
-  c.collective_calls = s.collective_calls.load(std::memory_order_relaxed);
-  c.collective_bytes = s.collective_bytes.load(std::memory_order_relaxed);
-  return c;
-}
-
-void MpiTransport::reset_counters() {
-  MpiState& s = *state_;
-  for (std::atomic<uint64_t>* c : {&s.inter_node_bytes, &s.inter_node_messages, &s.intra_node_bytes,
-                                   &s.intra_node_messages, &s.collective_calls, &s.collective_bytes})
-    c->store(0, std::memory_order_relaxed);
-}
-
 Status MpiTransport::agree(CollectiveDescriptor mine, std::span<const std::byte> data, const Deadline& deadline,
                            uint64_t* seq_out, bool* inlined) {
   MpiState& s = *state_;
@@ -364,7 +345,7 @@ Status MpiTransport::agree(CollectiveDescriptor mine, std::span<const std::byte>
 }
 
 Status MpiTransport::barrier(const Deadline& deadline) {
-  state_->collective_calls.fetch_add(1, std::memory_order_relaxed);
+  state_->counters.count_collective(0);
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kBarrier;
   uint64_t seq = 0;
@@ -375,8 +356,7 @@ Status MpiTransport::barrier(const Deadline& deadline) {
 Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<std::byte> out,
                                       const Deadline& deadline) {
   MpiState& s = *state_;
-  s.collective_calls.fetch_add(1, std::memory_order_relaxed);
-  s.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
+  s.counters.count_collective(in.size());
   EPX_RETURN_IF_ERROR(check_message_size(out.size(), "all_gather_bytes output"));
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kAllGather;
@@ -405,8 +385,7 @@ Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<s
 Status MpiTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<std::byte> out,
                                       const Deadline& deadline) {
   MpiState& s = *state_;
-  s.collective_calls.fetch_add(1, std::memory_order_relaxed);
-  s.collective_bytes.fetch_add(in.size(), std::memory_order_relaxed);
+  s.counters.count_collective(in.size());
   EPX_RETURN_IF_ERROR(check_message_size(in.size(), "all_to_all_bytes input"));
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kAllToAll;
@@ -438,8 +417,7 @@ Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, 
                                     const Deadline& deadline) {
   MpiState& s = *state_;
   const std::size_t bytes = count * dtype_size(dtype);
-  s.collective_calls.fetch_add(1, std::memory_order_relaxed);
-  s.collective_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  s.counters.count_collective(bytes);
   EPX_RETURN_IF_ERROR(check_message_size(bytes * static_cast<std::size_t>(num_ranks()), "all_reduce_raw gather"));
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kAllReduce;
@@ -544,13 +522,7 @@ Result<Request> MpiTransport::send_async(int peer, int tag, std::span<const std:
   MPI_Request request = MPI_REQUEST_NULL;
   EPX_RETURN_IF_ERROR(mpi_call(MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_BYTE, peer, tag, s.comm, &request),
                                fmt::format("MPI_Isend to rank {} with tag {}", peer, tag)));
-  if (topology().same_node(rank(), peer)) {
-    s.intra_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
-    s.intra_node_messages.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    s.inter_node_bytes.fetch_add(data.size(), std::memory_order_relaxed);
-    s.inter_node_messages.fetch_add(1, std::memory_order_relaxed);
-  }
+  s.counters.count_message(topology().same_node(rank(), peer), data.size());
   return Request(std::make_shared<MpiRequest>(state_, request, peer, tag, data.size()));
 }
 

@@ -122,12 +122,7 @@ struct MpiState {
   std::vector<CollectiveDescriptor> descriptors;  // copied out of the slots for validation
   std::vector<std::byte> scratch;                 // collective data too large for a slot
 
-  std::atomic<uint64_t> inter_node_bytes{0};
-  std::atomic<uint64_t> inter_node_messages{0};
-  std::atomic<uint64_t> intra_node_bytes{0};
-  std::atomic<uint64_t> intra_node_messages{0};
-  std::atomic<uint64_t> collective_calls{0};
-  std::atomic<uint64_t> collective_bytes{0};
+  AtomicCounters counters;
 };
 
 }  // namespace detail
@@ -153,8 +148,8 @@ class MpiTransport final : public Transport {
   Status all_reduce_raw(void* data, std::size_t count, DType dtype, ReduceOp op,
                         const Deadline& deadline) override;
   void abort(const Status& reason) override { state_->fail(reason); }
-  [[nodiscard]] TransportCounters counters() const override;
-  void reset_counters() override;
+  [[nodiscard]] TransportCounters counters() const override { return state_->counters.snapshot(); }
+  void reset_counters() override { state_->counters.reset(); }
 
  private:
   // Exchanges and validates every rank's descriptor of a collective, with
