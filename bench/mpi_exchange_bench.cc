@@ -117,9 +117,12 @@ int run(int argc, char** argv) {
     const DType dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16;
     const std::size_t row = static_cast<std::size_t>(o.hidden) * dtype_size(dtype);
     const int T = o.tokens, K = o.topk, E = o.experts;
+    // A failure on one rank while others sit in a blocking MPI call of the
+    // baselines: end the job.
     auto fail = [&](const Status& s) {
       fmt::print(stderr, "rank {}: {}\n", rank, s.to_string());
       t.abort(s);
+      MPI_Abort(MPI_COMM_WORLD, 1);
       return 1;
     };
     auto placement = ExpertPlacement::contiguous(E, R);
@@ -169,6 +172,11 @@ int run(int argc, char** argv) {
       flat = std::move(made).value();
     }
 
+    // The baselines run on a communicator numbered like epx's ranks
+    // (node-major), so their traffic matches the layouts whatever order the
+    // launcher used.
+    MPI_Comm bcomm = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, 0, rank, &bcomm);
     // alltoallv: the dispatch's bytes, packed by destination once.
     std::vector<int> a_sc(R), a_sd(R), a_rc(R), a_rd(R);
     {
@@ -179,7 +187,7 @@ int run(int argc, char** argv) {
         at += a_sc[d];
       }
     }
-    MPI_Alltoall(a_sc.data(), 1, MPI_INT, a_rc.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    MPI_Alltoall(a_sc.data(), 1, MPI_INT, a_rc.data(), 1, MPI_INT, bcomm);
     {
       int at = 0;
       for (int s = 0; s < R; ++s) {
@@ -202,12 +210,14 @@ int run(int argc, char** argv) {
       if (e >= 0) ++n.chunk_send[placement->rank_of(e) * n.max_local + placement->local_id(e)];
     }
     n.chunk_recv.assign(slots, 0);
-    MPI_Alltoall(n.chunk_send.data(), n.max_local, MPI_INT, n.chunk_recv.data(), n.max_local, MPI_INT, MPI_COMM_WORLD);
+    MPI_Alltoall(n.chunk_send.data(), n.max_local, MPI_INT, n.chunk_recv.data(), n.max_local, MPI_INT, bcomm);
     int64_t naive_send_rows = 0, naive_recv_rows = 0;
     for (int v : n.chunk_send) naive_send_rows += v;
     for (int v : n.chunk_recv) naive_recv_rows += v;
+    int64_t naive_rows_total_all = naive_send_rows;
+    MPI_Allreduce(MPI_IN_PLACE, &naive_rows_total_all, 1, MPI_INT64_T, MPI_SUM, bcomm);
     int64_t naive_max = std::max(naive_send_rows, naive_recv_rows);
-    MPI_Allreduce(MPI_IN_PLACE, &naive_max, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &naive_max, 1, MPI_INT64_T, MPI_MAX, bcomm);
     n.send = AlignedBuffer(std::max<std::size_t>(naive_max * row, 64));
     n.recv = AlignedBuffer(std::max<std::size_t>(naive_max * row, 64));
     n.sorted = AlignedBuffer(std::max<std::size_t>(naive_max * row, 64));
@@ -235,7 +245,7 @@ int run(int argc, char** argv) {
           std::memcpy(n.send.data() + r * row, x.data() + i * row, row);
         }
       MPI_Alltoall(n.chunk_send.data(), n.max_local, MPI_INT, n.chunk_recv.data(), n.max_local, MPI_INT,
-                   MPI_COMM_WORLD);
+                   bcomm);
       for (int d = 0, s_at = 0, r_at = 0; d < R; ++d) {
         int sr = 0, rr = 0;
         for (int j = 0; j < n.max_local; ++j) {
@@ -250,7 +260,7 @@ int run(int argc, char** argv) {
         r_at += rr;
       }
       MPI_Alltoallv(n.send.data(), n.send_counts.data(), n.send_displs.data(), MPI_BYTE, n.recv.data(),
-                    n.recv_counts.data(), n.recv_displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+                    n.recv_counts.data(), n.recv_displs.data(), MPI_BYTE, bcomm);
       // Source-major chunks -> expert-major.
       std::byte* to = n.sorted.data();
       for (int j = 0; j < n.max_local; ++j)
@@ -274,7 +284,7 @@ int run(int argc, char** argv) {
           from += bytes;
         }
       MPI_Alltoallv(n.recv.data(), n.recv_counts.data(), n.recv_displs.data(), MPI_BYTE, n.send.data(),
-                    n.send_counts.data(), n.send_displs.data(), MPI_BYTE, MPI_COMM_WORLD);
+                    n.send_counts.data(), n.send_displs.data(), MPI_BYTE, bcomm);
       std::vector<float> acc(o.hidden);
       for (int i = 0; i < T; ++i) {
         std::fill(acc.begin(), acc.end(), 0.0f);
@@ -313,12 +323,12 @@ int run(int argc, char** argv) {
     const DispatchInputs inputs{.x = xv, .topk_idx = mine.idx(), .topk_weights = mine.weights()};
     TensorView y;
     auto timed = [&](int method, auto&& op) -> Status {
-      MPI_Barrier(MPI_COMM_WORLD);
+      MPI_Barrier(bcomm);
       const uint64_t before = t.counters().inter_node_bytes;
       const double start = now_ms();
       EPX_RETURN_IF_ERROR(op());
       double ms = now_ms() - start;
-      MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      MPI_Allreduce(MPI_IN_PLACE, &ms, 1, MPI_DOUBLE, MPI_MAX, bcomm);
       if (method >= 0) {
         samples[method].push_back(ms);
         inter_node[method] += static_cast<int64_t>(t.counters().inter_node_bytes - before);
@@ -364,7 +374,7 @@ int run(int argc, char** argv) {
       if (s.is_ok())
         s = timed(warm ? kAlltoallv : -1, [&] {
           MPI_Alltoallv(a_send.data(), a_sc.data(), a_sd.data(), MPI_BYTE, a_recv.data(), a_rc.data(), a_rd.data(),
-                        MPI_BYTE, MPI_COMM_WORLD);
+                        MPI_BYTE, bcomm);
           return Status::ok();
         });
       if (s.is_ok()) s = timed(warm ? kNaiveDispatch : -1, [&] { naive_dispatch(); return Status::ok(); });
@@ -377,17 +387,17 @@ int run(int argc, char** argv) {
       }
     }
     // Totals over ranks.
-    MPI_Allreduce(MPI_IN_PLACE, inter_node.data(), kMethods, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, inter_node.data(), kMethods, MPI_INT64_T, MPI_SUM, bcomm);
     int64_t dispatch_bytes[2] = {dispatch_payload, dispatch_meta};
-    MPI_Allreduce(MPI_IN_PLACE, dispatch_bytes, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, dispatch_bytes, 2, MPI_INT64_T, MPI_SUM, bcomm);
     // (token, destination node) pairs that leave their node, over all ranks.
     int64_t remote_pairs = 0;
     for (int node = 0; node < t.topology().num_nodes(); ++node)
       if (node != t.node()) remote_pairs += my_layout.num_tokens_per_node[node];
-    MPI_Allreduce(MPI_IN_PLACE, &remote_pairs, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &remote_pairs, 1, MPI_INT64_T, MPI_SUM, bcomm);
     // Every message byte epx sent to another node in this run, warm-up included.
     int64_t run_inter_node = static_cast<int64_t>(t.counters().inter_node_bytes);
-    MPI_Allreduce(MPI_IN_PLACE, &run_inter_node, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &run_inter_node, 1, MPI_INT64_T, MPI_SUM, bcomm);
     if (o.phases && rank == 0)
       for (const PhaseSummary& p : summarize_phases(tracer))
         fmt::print("phase {:<18} mean {:8.3f} ms  max {:8.3f} ms  ({} calls)\n", p.name, p.mean_ms, p.max_ms, p.count);
@@ -435,6 +445,9 @@ int run(int argc, char** argv) {
         json += fmt::format(",\"{}_ms\":{:.4f},\"{}_inter_node_bytes\":{}", keys[m], ms, keys[m],
                             inter_node[m] / static_cast<int64_t>(samples[m].size()));
       }
+      fmt::print("rows moved per rank: epx dispatch {:.0f} (one per (token, rank)), naive {:.0f} (one per (token, "
+                 "expert))\n",
+                 static_cast<double>(total_recv) / R, static_cast<double>(naive_rows_total_all) / R);
       if (multi_node)
         fmt::print("inter_node_dispatch pairs={} row_bytes={} dispatches={} payload_bytes={} meta_bytes={} "
                    "expected_payload_bytes={} run_inter_node_message_bytes={}\n",

@@ -224,7 +224,8 @@ int fail_usage(const Status& s) {
   return kExitUsage;
 }
 
-int compare_balancing(const TrainOptions& o, const TrainConfig& base) {
+// Prints on rank 0 only (in-process: always).
+int compare_balancing(const TrainOptions& o, const TrainConfig& base, bool root) {
   std::vector<std::string> names;
   std::string list = o.compare.empty() ? "none,aux,bias,capacity,bias+capacity,eplb,bias+eplb" : o.compare;
   for (std::size_t start = 0; start <= list.size();) {
@@ -263,6 +264,7 @@ int compare_balancing(const TrainOptions& o, const TrainConfig& base) {
                     fmt::format("{}", summary->dropped), fixed(summary->idle_fraction, 3),
                     fmt::format("{:.0f}", summary->tokens_per_second)});
   }
+  if (!root) return kExitOk;
   fmt::print("Balancing strategies, same data, model and seed ({} steps, {} ranks, {} experts, top-{}):\n", base.steps,
              base.num_ranks, base.model.layer.router.num_experts, base.model.layer.router.topk);
   fmt::print("{}", format_table({"balancing", "final loss", "expert MaxVio", "dropped", "rank idle fraction", "tokens/s"}, rows));
@@ -378,13 +380,16 @@ int run_train(const TrainOptions& options) {
     }
   }
   const bool root = transport == nullptr || transport->rank() == 0;
-  if (o.compare_given) return compare_balancing(o, *config);
+  if (o.compare_given) return compare_balancing(o, *config, root);
 
   // Everything is checked; only now are files opened.
   std::optional<MetricsWriter> metrics;
   if (!o.metrics_path.empty()) {
     auto opened = MetricsWriter::open(o.metrics_path, /*append=*/!o.resume_dir.empty());
-    if (!opened.is_ok()) return fail_usage(opened.status());
+    if (!opened.is_ok()) {
+      if (transport) transport->abort(aborted("rank 0 could not open the metrics file: {}", opened.status().message()));
+      return fail_usage(opened.status());
+    }
     metrics.emplace(std::move(opened).value());
   }
   Tracer tracer;

@@ -71,6 +71,10 @@ Status validate_collective(std::span<const CollectiveDescriptor> all, uint64_t s
   const CollectiveDescriptor& first = all[0];
   for (int r = 1; r < num_ranks; ++r) {
     const CollectiveDescriptor& e = all[r];
+    if (e.seq != first.seq)
+      return invalid_argument(
+          "collective #{} of rank 0 met collective #{} of rank {} ({}); a rank skipped a collective the others made",
+          first.seq, e.seq, r, collective_op_name(e.op));
     if (e.op != first.op)
       return invalid_argument(
           "collective #{}: rank 0 called {} but rank {} called {}; every rank must call the collectives in the same "

@@ -131,10 +131,19 @@ Status save_checkpoint(const std::string& dir, const CheckpointMeta& meta, Trans
     if (!out) {
       local = internal_error("could not write {}/meta.json: {}", tmp, std::strerror(errno));
     } else {
+      // The last complete checkpoint stays until the new one is in place:
+      // DIR -> DIR.old, DIR.tmp -> DIR, then DIR.old goes.
       std::error_code ec;
-      fs::remove_all(dir, ec);
-      fs::rename(tmp, dir, ec);
-      if (ec) local = internal_error("could not rename {} to {}: {}", tmp, dir, ec.message());
+      const std::string old = dir + ".old";
+      fs::remove_all(old, ec);
+      ec.clear();
+      if (fs::exists(dir, ec)) fs::rename(dir, old, ec);
+      if (ec) local = internal_error("could not rename {} to {}: {}", dir, old, ec.message());
+      if (local.is_ok()) {
+        fs::rename(tmp, dir, ec);
+        if (ec) local = internal_error("could not rename {} to {}: {}", tmp, dir, ec.message());
+      }
+      if (local.is_ok()) fs::remove_all(old, ec);
     }
   }
   return agree(local);

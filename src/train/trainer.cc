@@ -309,7 +309,22 @@ std::string StepReport::to_json() const {
                      ranks_json, eplb_json);
 }
 
+namespace {
+Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters);
+}  // namespace
+
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
+  Result<TrainSummary> result = train_ranks(config, on_step, keep_parameters);
+  // On an external transport (MPI) an error on this process alone (a file,
+  // a config) must end the other ranks' waits too: they hear of it at once.
+  if (!result.is_ok() && config.transport != nullptr)
+    config.transport->abort(aborted("rank {} stopped training: {}", config.transport->rank(), result.status().to_string()));
+  return result;
+}
+
+namespace {
+
+Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
   EPX_RETURN_IF_ERROR(config.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig model_config, config.resolved_model());
   EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
@@ -542,11 +557,7 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
     } catch (const std::exception& e) {
       status = internal_error("rank {} threw an exception: {}", transport.rank(), e.what());
     }
-    if (!status.is_ok()) {
-      // The other ranks return at once instead of at their deadlines.
-      transport.abort(aborted("rank {} failed: {}", transport.rank(), status.to_string()));
-      return Status(status.code(), fmt::format("rank {}: {}", transport.rank(), status.message()));
-    }
+    if (!status.is_ok()) return Status(status.code(), fmt::format("rank {}: {}", transport.rank(), status.message()));
   } else {
     InprocWorld world(topology);
     EPX_RETURN_IF_ERROR(first_error(world.run(rank_main)));
@@ -577,5 +588,7 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
   summary.communication_share = total_seconds > 0 ? comm_seconds / total_seconds : 0.0;
   return summary;
 }
+
+}  // namespace
 
 }  // namespace epx

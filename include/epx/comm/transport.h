@@ -90,7 +90,10 @@ class Transport {
   // Collective: a zero-filled region of `bytes` on every rank, mapped into
   // the ranks of each node. Every rank must pass the same `bytes`
   // (InvalidArgument otherwise, on every rank). It lives as long as the
-  // returned object and the transport both do.
+  // returned object and the transport both do. The ranks of a node must
+  // destroy their PeerMemory objects in the same order (MPI frees a shared
+  // window collectively; a mismatch is detected, leaks both and fails the
+  // transport).
   virtual Result<std::unique_ptr<PeerMemory>> map_peer_memory(std::size_t bytes, const Deadline& deadline) = 0;
 
   // Sends `data` to `peer`. Messages between one pair with one tag arrive in
@@ -98,6 +101,9 @@ class Transport {
   virtual Result<Request> send_async(int peer, int tag, std::span<const std::byte> data) = 0;
   // Receives the next message from `peer` with `tag` into `out` and returns
   // its size; ResourceExhausted (and the message is dropped) if it is larger.
+  // After any other error `out` may still be written (MPI: a receive that
+  // had matched and could not be cancelled) until the transport is
+  // destroyed: keep it alive, or end the process.
   virtual Result<std::size_t> recv(int peer, int tag, std::span<std::byte> out, const Deadline& deadline) = 0;
 
   virtual Status barrier(const Deadline& deadline) = 0;

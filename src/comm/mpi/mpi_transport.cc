@@ -46,15 +46,36 @@ int error_class(int code) {
   return cls;
 }
 
-// True when process `pid` of this host has exited (or is a zombie).
-bool process_gone(int64_t pid) {
+// The start time of process `pid` (field 22 of /proc/PID/stat, clock ticks
+// since boot), or 0 when unreadable. With the pid it names one process even
+// if the pid is reused.
+uint64_t start_ticks(int64_t pid) {
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  if (!std::getline(stat, line)) return 0;
+  const std::size_t paren = line.rfind(')');
+  if (paren == std::string::npos) return 0;
+  std::size_t at = paren + 2;  // field 3 (state)
+  for (int field = 3; field < 22 && at < line.size(); ++field) {
+    at = line.find(' ', at);
+    if (at == std::string::npos) return 0;
+    ++at;
+  }
+  return std::strtoull(line.c_str() + at, nullptr, 10);
+}
+
+// True when process `pid` of this host, started at `ticks` (0: unknown), has
+// exited, is a zombie, or the pid now names another process.
+bool process_gone(int64_t pid, uint64_t ticks) {
   if (pid <= 0) return false;
   if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
   std::ifstream stat(fmt::format("/proc/{}/stat", pid));
   std::string line;
   if (!std::getline(stat, line)) return false;  // no /proc: trust kill()
   const std::size_t paren = line.rfind(')');
-  return paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X');
+  if (paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X'))
+    return true;
+  return ticks != 0 && start_ticks(pid) != ticks;
 }
 
 // Spins, then yields, then sleeps: the caller waits for a peer that may need
@@ -74,11 +95,28 @@ Status mpi_call(int rc, std::string_view what) {
 }
 
 }  // namespace
+namespace detail {
+struct MpiState;
+}
+namespace {
+
+// An MPI error inside a collective or a peer-memory step: the other ranks
+// are in it too, so the transport fails and they hear of it.
+Status fail_on_error(detail::MpiState& state, int rc, std::string_view what);
+
+}  // namespace
 
 namespace detail {
 
+std::size_t collective_slot_bytes(int num_ranks) {
+  if (num_ranks <= 16) return 4096;
+  const std::size_t share = 65536 / static_cast<std::size_t>(num_ranks) / 64 * 64;
+  return std::max<std::size_t>(512, share);
+}
+
 MpiState::~MpiState() {
-  // Only reached when nothing failed (a failed state is leaked on purpose).
+  // Reached when the transport and every PeerMemory are gone without a
+  // failure before the transport went (a failed transport leaks its state).
   for (MPI_Request& r : notice_requests)
     if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
   for (MPI_Comm* c : {&node, &ctrl, &coll, &comm})
@@ -132,13 +170,16 @@ void MpiState::fail(const Status& reason) {
 Status MpiState::check_world(std::string_view what, int64_t waited_ms, bool force_liveness) {
   if (failed()) return aborted_now(what);
   // A notice from a rank that failed.
+  // Matched probe: a notice is received by the thread that found it.
   int flag = 0;
   MPI_Status status;
-  if (ctrl != MPI_COMM_NULL && MPI_Iprobe(MPI_ANY_SOURCE, kNoticeTag, ctrl, &flag, &status) == MPI_SUCCESS && flag) {
+  MPI_Message message = MPI_MESSAGE_NULL;
+  if (ctrl != MPI_COMM_NULL &&
+      MPI_Improbe(MPI_ANY_SOURCE, kNoticeTag, ctrl, &flag, &message, &status) == MPI_SUCCESS && flag) {
     int bytes = 0;
     MPI_Get_count(&status, MPI_BYTE, &bytes);
     std::string notice(static_cast<std::size_t>(std::max(bytes, 0)), '\0');
-    MPI_Recv(notice.data(), bytes, MPI_BYTE, status.MPI_SOURCE, kNoticeTag, ctrl, MPI_STATUS_IGNORE);
+    MPI_Mrecv(notice.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
     int32_t code = static_cast<int32_t>(StatusCode::kAborted);
     if (notice.size() >= sizeof(code)) std::memcpy(&code, notice.data(), sizeof(code));
     const std::string message = notice.size() >= sizeof(code) ? notice.substr(sizeof(code)) : notice;
@@ -163,7 +204,7 @@ Status MpiState::check_world(std::string_view what, int64_t waited_ms, bool forc
   if (force_liveness || now - last_liveness >= options.liveness_interval) {
     last_liveness = now;
     for (int r : host_ranks) {
-      if (!process_gone(pids[r])) continue;
+      if (!process_gone(pids[r], start_ticks[r])) continue;
       Status gone = aborted("rank {} (pid {} on {}) is gone: the process exited or was killed; rank {} noticed after {} ms in {}",
                             r, pids[r], hosts[r], rank, waited_ms, what);
       fail(gone);
@@ -223,6 +264,42 @@ Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std:
   }
 }
 
+Status MpiState::wait_gate(MPI_Request* request, std::string_view what) {
+  const auto start = Clock::now();
+  const Deadline deadline = Deadline::after(options.setup_timeout);
+  for (uint64_t polls = 0;; ++polls) {
+    int done = 0;
+    const int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      Status error = internal_error("{} on rank {}: {}", what, rank, mpi_error_string(rc));
+      fail(error);
+      return error;
+    }
+    if (done) return Status::ok();
+    if (polls % 64 == 63) {
+      const auto now = Clock::now();
+      if (now - last_liveness >= options.liveness_interval) {
+        last_liveness = now;
+        for (int r : host_ranks)
+          if (process_gone(pids[r], start_ticks[r])) {
+            Status gone = aborted("rank {} (pid {} on {}) is gone: the process exited or was killed; rank {} noticed "
+                                  "after {} ms in {}",
+                                  r, pids[r], hosts[r], rank, elapsed_ms(start), what);
+            fail(gone);
+            return gone;
+          }
+      }
+      if (deadline.expired()) {
+        Status late = deadline_exceeded("rank {} waited {} ms in {} for every rank of its node (setup_timeout)", rank,
+                                        elapsed_ms(start), what);
+        fail(late);
+        return late;
+      }
+    }
+    back_off(polls, start);
+  }
+}
+
 void MpiState::sync_windows() {
   std::lock_guard lock(windows_mutex);
   for (MPI_Win win : windows) MPI_Win_sync(win);
@@ -242,22 +319,42 @@ void MpiState::remove_window(MPI_Win win) {
 
 namespace {
 
+Status fail_on_error(MpiState& state, int rc, std::string_view what) {
+  Status status = mpi_call(rc, what);
+  if (!status.is_ok()) state.fail(status);
+  return status;
+}
+
 class MpiPeerMemory final : public PeerMemory {
  public:
-  MpiPeerMemory(std::shared_ptr<MpiState> state, MPI_Win win, std::size_t size, std::vector<std::byte*> regions)
-      : state_(std::move(state)), win_(win), size_(size), regions_(std::move(regions)) {}
+  MpiPeerMemory(std::shared_ptr<MpiState> state, MPI_Win win, uint64_t id, std::size_t size,
+                std::vector<std::byte*> regions)
+      : state_(std::move(state)), win_(win), id_(id), size_(size), regions_(std::move(regions)) {}
 
   ~MpiPeerMemory() override {
-    state_->remove_window(win_);
-    if (state_->failed()) return;  // a peer may never come: leak the window rather than hang
-    // MPI_Win_free is a blocking collective of the node: free only once
-    // every rank of the node has arrived here.
+    MpiState& s = *state_;
+    s.remove_window(win_);
+    if (s.failed()) return;  // a peer may never come: leak the window rather than hang
+    // MPI_Win_free is a blocking collective of the node: enter it only once
+    // every rank of the node is here, freeing the same window.
+    int node_size = 0;
+    MPI_Comm_size(s.node, &node_size);
+    std::vector<uint64_t> ids(static_cast<std::size_t>(node_size));
     MPI_Request request = MPI_REQUEST_NULL;
-    if (MPI_Ibarrier(state_->node, &request) != MPI_SUCCESS) return;
-    const Status arrived = state_->wait(
-        &request, Deadline::after(state_->options.setup_timeout),
-        [] { return std::string("freeing peer memory (every rank of the node must free it)"); }, -1);
-    if (!arrived.is_ok()) return;
+    if (MPI_Iallgather(&id_, 1, MPI_UINT64_T, ids.data(), 1, MPI_UINT64_T, s.node, &request) != MPI_SUCCESS) return;
+    if (!s.wait_gate(&request, fmt::format("freeing peer memory #{}", id_)).is_ok()) {
+      // Freed on this rank only: `ids` stays MPI's until the request ends.
+      new std::vector<uint64_t>(std::move(ids));
+      return;
+    }
+    for (int i = 0; i < node_size; ++i)
+      if (ids[i] != id_) {
+        s.fail(failed_precondition(
+            "rank {} freed peer memory #{} while rank {} of its node freed #{}: every rank must free its PeerMemory "
+            "objects in the same order; both windows are leaked",
+            state_->rank, id_, state_->topology.rank_of(state_->topology.node_of(state_->rank), i), ids[i]));
+        return;
+      }
     MPI_Win_unlock_all(win_);
     MPI_Win_free(&win_);
   }
@@ -272,6 +369,7 @@ class MpiPeerMemory final : public PeerMemory {
  private:
   std::shared_ptr<MpiState> state_;
   MPI_Win win_;
+  uint64_t id_;  // this rank's n-th PeerMemory
   std::size_t size_;
   std::vector<std::byte*> regions_;  // by rank; null off this node
 };
@@ -323,26 +421,40 @@ Status MpiTransport::agree(CollectiveDescriptor mine, std::span<const std::byte>
   auto what = [&] { return fmt::format("{} #{}", detail::collective_op_name(mine.op), seq); };
   if (s.failed()) return s.aborted_now(what());
   const std::size_t R = static_cast<std::size_t>(num_ranks());
-  s.slots.resize(R);
+  const std::size_t slot = s.slot_bytes;
+  const std::size_t capacity = slot - sizeof(CollectiveDescriptor);
+  // The send slot lives in the state, which outlives a failed wait (MPI may
+  // still read it then).
+  s.send_slot.assign(slot, std::byte{0});
+  s.slots.resize(R * slot);
   s.descriptors.resize(R);
-  detail::CollectiveSlot slot{};
-  slot.desc = mine;
-  const bool fits = data.size() <= detail::CollectiveSlot::kInline;
-  if (fits && !data.empty()) std::memcpy(slot.data, data.data(), data.size());
+  std::memcpy(s.send_slot.data(), &mine, sizeof(mine));
+  const bool fits = data.size() <= capacity;
+  if (fits && !data.empty()) std::memcpy(s.send_slot.data() + sizeof(mine), data.data(), data.size());
   // The whole slot travels, a fixed count, so ranks that disagree about the
   // sizes still make matching MPI calls; validation then fails on every rank.
   s.sync_windows();
   MPI_Request request = MPI_REQUEST_NULL;
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(&slot, sizeof(slot), MPI_BYTE, s.slots.data(), sizeof(slot), MPI_BYTE,
-                                              s.coll, &request),
-                               what()));
+  EPX_RETURN_IF_ERROR(fail_on_error(s,
+                                    MPI_Iallgather(s.send_slot.data(), static_cast<int>(slot), MPI_BYTE, s.slots.data(),
+                                                   static_cast<int>(slot), MPI_BYTE, s.coll, &request),
+                                    what()));
   EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
   s.sync_windows();
-  for (std::size_t r = 0; r < R; ++r) s.descriptors[r] = s.slots[r].desc;
+  for (std::size_t r = 0; r < R; ++r) std::memcpy(&s.descriptors[r], s.slots.data() + r * slot, sizeof(mine));
   *seq_out = seq;
   *inlined = fits;
   return detail::validate_collective(s.descriptors, seq);
 }
+
+namespace {
+
+// Rank r's inline data in the first round's slots.
+const std::byte* slot_data(const MpiState& s, int r) {
+  return s.slots.data() + static_cast<std::size_t>(r) * s.slot_bytes + sizeof(CollectiveDescriptor);
+}
+
+}  // namespace
 
 Status MpiTransport::barrier(const Deadline& deadline) {
   state_->counters.count_collective(0);
@@ -357,7 +469,6 @@ Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<s
                                       const Deadline& deadline) {
   MpiState& s = *state_;
   s.counters.count_collective(in.size());
-  EPX_RETURN_IF_ERROR(check_message_size(out.size(), "all_gather_bytes output"));
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kAllGather;
   mine.in_bytes = in.size();
@@ -368,15 +479,18 @@ Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<s
   if (in.empty()) return Status::ok();
   if (inlined) {
     for (int r = 0; r < num_ranks(); ++r)
-      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), s.slots[r].data, in.size());
+      std::memcpy(out.data() + static_cast<std::size_t>(r) * in.size(), slot_data(s, r), in.size());
     return Status::ok();
   }
+  // Past validation every rank has the same sizes, so the same verdict.
+  EPX_RETURN_IF_ERROR(check_message_size(out.size(), "all_gather_bytes output"));
   s.scratch.resize(out.size());
   MPI_Request request = MPI_REQUEST_NULL;
   auto what = [&] { return fmt::format("all_gather_bytes #{} ({} bytes per rank)", seq, in.size()); };
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(in.data(), static_cast<int>(in.size()), MPI_BYTE, s.scratch.data(),
-                                              static_cast<int>(in.size()), MPI_BYTE, s.coll, &request),
-                               what()));
+  EPX_RETURN_IF_ERROR(fail_on_error(s,
+                                    MPI_Iallgather(in.data(), static_cast<int>(in.size()), MPI_BYTE, s.scratch.data(),
+                                                   static_cast<int>(in.size()), MPI_BYTE, s.coll, &request),
+                                    what()));
   EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
   std::memcpy(out.data(), s.scratch.data(), out.size());
   return Status::ok();
@@ -386,7 +500,6 @@ Status MpiTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<s
                                       const Deadline& deadline) {
   MpiState& s = *state_;
   s.counters.count_collective(in.size());
-  EPX_RETURN_IF_ERROR(check_message_size(in.size(), "all_to_all_bytes input"));
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kAllToAll;
   mine.in_bytes = in.size();
@@ -399,15 +512,17 @@ Status MpiTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<s
   if (inlined) {
     for (int src = 0; src < num_ranks(); ++src)
       std::memcpy(out.data() + static_cast<std::size_t>(src) * block,
-                  s.slots[src].data + static_cast<std::size_t>(rank()) * block, block);
+                  slot_data(s, src) + static_cast<std::size_t>(rank()) * block, block);
     return Status::ok();
   }
+  EPX_RETURN_IF_ERROR(check_message_size(in.size(), "all_to_all_bytes input"));
   s.scratch.resize(out.size());
   MPI_Request request = MPI_REQUEST_NULL;
   auto what = [&] { return fmt::format("all_to_all_bytes #{} ({} bytes per block)", seq, block); };
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Ialltoall(in.data(), static_cast<int>(block), MPI_BYTE, s.scratch.data(),
-                                             static_cast<int>(block), MPI_BYTE, s.coll, &request),
-                               what()));
+  EPX_RETURN_IF_ERROR(fail_on_error(s,
+                                    MPI_Ialltoall(in.data(), static_cast<int>(block), MPI_BYTE, s.scratch.data(),
+                                                  static_cast<int>(block), MPI_BYTE, s.coll, &request),
+                                    what()));
   EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
   std::memcpy(out.data(), s.scratch.data(), out.size());
   return Status::ok();
@@ -418,7 +533,6 @@ Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, 
   MpiState& s = *state_;
   const std::size_t bytes = count * dtype_size(dtype);
   s.counters.count_collective(bytes);
-  EPX_RETURN_IF_ERROR(check_message_size(bytes * static_cast<std::size_t>(num_ranks()), "all_reduce_raw gather"));
   CollectiveDescriptor mine;
   mine.op = CollectiveOp::kAllReduce;
   mine.in_bytes = bytes;
@@ -434,14 +548,16 @@ Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, 
   // rank and as the in-process backend (MPI_Allreduce fixes no order).
   std::vector<const std::byte*> contributions(static_cast<std::size_t>(num_ranks()));
   if (inlined) {
-    for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.slots[r].data;
+    for (int r = 0; r < num_ranks(); ++r) contributions[r] = slot_data(s, r);
   } else {
+    EPX_RETURN_IF_ERROR(check_message_size(bytes * static_cast<std::size_t>(num_ranks()), "all_reduce_raw gather"));
     s.scratch.resize(bytes * static_cast<std::size_t>(num_ranks()));
     MPI_Request request = MPI_REQUEST_NULL;
     auto what = [&] { return fmt::format("all_reduce_raw #{} ({} x {})", seq, count, dtype_name(dtype)); };
-    EPX_RETURN_IF_ERROR(mpi_call(MPI_Iallgather(data, static_cast<int>(bytes), MPI_BYTE, s.scratch.data(),
-                                                static_cast<int>(bytes), MPI_BYTE, s.coll, &request),
-                                 what()));
+    EPX_RETURN_IF_ERROR(fail_on_error(s,
+                                      MPI_Iallgather(data, static_cast<int>(bytes), MPI_BYTE, s.scratch.data(),
+                                                     static_cast<int>(bytes), MPI_BYTE, s.coll, &request),
+                                      what()));
     EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
     for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.scratch.data() + static_cast<std::size_t>(r) * bytes;
   }
@@ -465,6 +581,13 @@ Result<std::unique_ptr<PeerMemory>> MpiTransport::map_peer_memory(std::size_t by
   // allocation below cannot wait for an absent rank.
   EPX_RETURN_IF_ERROR(agree(mine, {}, deadline, &seq, &inlined));
   const std::string what = fmt::format("map_peer_memory #{} ({} bytes)", seq, bytes);
+  // The gate: the allocation below blocks until every rank of the node
+  // calls it, so it starts only once they all have arrived here.
+  {
+    MPI_Request gate = MPI_REQUEST_NULL;
+    EPX_RETURN_IF_ERROR(fail_on_error(s, MPI_Ibarrier(s.node, &gate), what));
+    EPX_RETURN_IF_ERROR(s.wait_gate(&gate, what));
+  }
 
   void* base = nullptr;  // this rank's segment (regions[rank()] is its aligned start)
   MPI_Win win = MPI_WIN_NULL;
@@ -502,11 +625,11 @@ Result<std::unique_ptr<PeerMemory>> MpiTransport::map_peer_memory(std::size_t by
   std::memset(regions[rank()], 0, padded);
   MPI_Win_lock_all(MPI_MODE_NOCHECK, win);
   s.add_window(win);
-  auto memory = std::make_unique<MpiPeerMemory>(state_, win, bytes, std::move(regions));
+  auto memory = std::make_unique<MpiPeerMemory>(state_, win, s.windows_made++, bytes, std::move(regions));
   // Nobody writes into a region before its owner has zeroed it.
   s.sync_windows();
   MPI_Request request = MPI_REQUEST_NULL;
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Ibarrier(s.node, &request), what));
+  EPX_RETURN_IF_ERROR(fail_on_error(s, MPI_Ibarrier(s.node, &request), what));
   EPX_RETURN_IF_ERROR(s.wait(&request, deadline, [&] { return what + ": node barrier"; }, -1));
   s.sync_windows();
   std::unique_ptr<PeerMemory> result = std::move(memory);
@@ -520,8 +643,9 @@ Result<Request> MpiTransport::send_async(int peer, int tag, std::span<const std:
   EPX_RETURN_IF_ERROR(check_message_size(data.size(), fmt::format("message to rank {}", peer)));
   if (s.failed()) return s.aborted_now(fmt::format("send to rank {} with tag {}", peer, tag));
   MPI_Request request = MPI_REQUEST_NULL;
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_BYTE, peer, tag, s.comm, &request),
-                               fmt::format("MPI_Isend to rank {} with tag {}", peer, tag)));
+  EPX_RETURN_IF_ERROR(fail_on_error(
+      s, MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_BYTE, peer, tag, s.comm, &request),
+      fmt::format("MPI_Isend to rank {} with tag {}", peer, tag)));
   s.counters.count_message(topology().same_node(rank(), peer), data.size());
   return Request(std::make_shared<MpiRequest>(state_, request, peer, tag, data.size()));
 }
@@ -535,7 +659,7 @@ Result<std::size_t> MpiTransport::recv(int peer, int tag, std::span<std::byte> o
   const int capacity = static_cast<int>(std::min<std::size_t>(out.size(), INT_MAX));
   MPI_Request request = MPI_REQUEST_NULL;
   EPX_RETURN_IF_ERROR(
-      mpi_call(MPI_Irecv(out.data(), capacity, MPI_BYTE, peer, tag, s.comm, &request), "MPI_Irecv"));
+      fail_on_error(s, MPI_Irecv(out.data(), capacity, MPI_BYTE, peer, tag, s.comm, &request), "MPI_Irecv"));
   MPI_Status status;
   const Status waited = s.wait(&request, deadline, what, peer, &status, /*cancel=*/true);
   if (waited.code() == StatusCode::kResourceExhausted)
@@ -696,13 +820,22 @@ Result<std::unique_ptr<Transport>> MpiSession::connect(const MpiOptions& options
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_tag_ub);
   if (has_tag_ub && tag_ub != nullptr) state->tag_ub = *static_cast<int*>(tag_ub);
 
+  state->slot_bytes = detail::collective_slot_bytes(world_size_);
   state->pids.resize(static_cast<std::size_t>(world_size_));
+  state->start_ticks.resize(static_cast<std::size_t>(world_size_), 0);
   state->hosts.resize(static_cast<std::size_t>(world_size_));
   for (int w = 0; w < world_size_; ++w) {
     const int r = node_major(w);
     state->pids[r] = all[w].pid;
     state->hosts[r] = all[w].host;
-    if (all[w].host_leader == mine.host_leader && r != rank) state->host_ranks.push_back(r);
+    if (all[w].host_leader != mine.host_leader || r == rank) continue;
+    // Watched only if its pid is visible here (ranks of one host may sit in
+    // different pid namespaces, e.g. containers): else a live rank would
+    // look dead.
+    const bool visible = ::kill(static_cast<pid_t>(all[w].pid), 0) == 0 || errno == EPERM;
+    if (!visible) continue;
+    state->start_ticks[r] = start_ticks(all[w].pid);
+    state->host_ranks.push_back(r);
   }
   std::unique_ptr<Transport> transport = std::make_unique<MpiTransport>(std::move(state));
   return transport;

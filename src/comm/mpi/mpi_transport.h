@@ -20,18 +20,25 @@
 // rank as a notice (status code + message), so their waits end at once.
 // After a failure no MPI object is freed and no request is cancelled whose
 // cancellation did not complete: the state is leaked on purpose (MPI may
-// still hold pointers into it), and MpiSession skips MPI_Finalize.
+// still hold pointers into it: scratch, slots, notices). MpiSession then
+// finalizes only if every process reaches its own end within 3 s.
 //
 // Collectives: each exchanges every rank's CollectiveDescriptor first, in a
-// 4 KiB slot that also carries the data when it fits (MPI_Iallgather; this
+// slot (collective_slot_bytes) that also carries the data when it fits (MPI_Iallgather; this
 // round is also the barrier), and validates it as in-process; larger data
 // then moves through MPI_Iallgather / MPI_Ialltoall into scratch owned by
 // the state. All-reduce is an all-gather followed by the rank-order
 // reduction of comm/collective.h: the same bits as the in-process backend.
 //
 // Peer memory: MPI_Win_allocate_shared on `node`, each rank's size padded to
-// 64 bytes (a one-sided-write bug of some MPI builds depends on it; it also
-// keeps every region 64-byte aligned), zero-filled, then a node barrier.
+// 64 bytes plus a spare line (a one-sided-write bug of some MPI builds
+// depends on the padding; the region starts at the first 64-byte boundary),
+// zero-filled, then a node barrier. Allocation and free are blocking
+// collectives of the node, so each is entered only after a gate round
+// (wait_gate) that every rank of the node finishes once any has; a
+// PeerMemory's free also checks that the node's ranks free the same window
+// (the n-th made on each), else it leaks the window and poisons the
+// transport rather than pair frees of different windows.
 // Windows are held in a passive epoch (MPI_Win_lock_all) and every barrier
 // runs MPI_Win_sync on each live window before and after, which is what the
 // MPI memory model asks for direct loads and stores to be seen by peers.
@@ -57,17 +64,14 @@ namespace detail {
 
 inline constexpr int kNoticeTag = 1;
 
-// What every rank contributes to the first round of every collective: its
-// descriptor, and its data when that fits (every valid call of a
-// collective passes the same size on every rank, so all ranks agree on
-// whether it fits): small collectives take one round.
-struct CollectiveSlot {
-  static constexpr std::size_t kBytes = 4096;
-  static constexpr std::size_t kInline = kBytes - sizeof(CollectiveDescriptor);
-  CollectiveDescriptor desc;
-  std::byte data[kInline];
-};
-static_assert(sizeof(CollectiveSlot) == CollectiveSlot::kBytes);
+// What every rank contributes to the first round of every collective: a
+// slot holding its descriptor, then its data when that fits (every valid
+// call of a collective passes the same size on every rank, so all ranks
+// agree on whether it fits): small collectives take one round. The slot
+// shrinks as ranks grow (4 KiB up to 16 ranks, 64 KiB / R above, at least
+// 512 bytes), so a barrier moves at most 64 KiB per rank; every rank
+// computes the same size from R.
+std::size_t collective_slot_bytes(int num_ranks);
 
 struct MpiState {
   MpiState(const Topology& topology, int rank, MpiOptions options)
@@ -80,6 +84,13 @@ struct MpiState {
   // for. A receive is cancelled on failure (`cancel`).
   Status wait(MPI_Request* request, const Deadline& deadline, const std::function<std::string()>& what, int peer,
               MPI_Status* status = nullptr, bool cancel = false);
+  // Polls a request of a "gate" round: the polled round that lets a blocking
+  // MPI call (window allocation or free) start only once every rank of the
+  // node has arrived. Unlike wait() it ignores notices and an earlier
+  // failure: once a rank sees the gate complete it goes into the blocking
+  // call, so every other rank must finish the gate too. It gives up only when
+  // a process of this host is gone or `setup_timeout` passes.
+  Status wait_gate(MPI_Request* request, std::string_view what);
   // Records the first failure and sends it to every other rank.
   void fail(const Status& reason);
   [[nodiscard]] bool failed() const { return poisoned.load(std::memory_order_acquire); }
@@ -102,8 +113,9 @@ struct MpiState {
   MPI_Comm ctrl = MPI_COMM_NULL;
   MPI_Comm node = MPI_COMM_NULL;
   int tag_ub = 32767;
-  std::vector<int> host_ranks;     // the other ranks of this host (their deaths are seen)
+  std::vector<int> host_ranks;     // the other ranks of this host whose pid is visible here (their deaths are seen)
   std::vector<int64_t> pids;       // by rank
+  std::vector<uint64_t> start_ticks;  // by rank: /proc/PID/stat start time (same host; 0 unknown), against pid reuse
   std::vector<std::string> hosts;  // by rank
 
   mutable std::mutex mutex;
@@ -118,8 +130,11 @@ struct MpiState {
   std::vector<MPI_Win> windows;
 
   uint64_t next_seq = 1;
-  std::vector<CollectiveSlot> slots;               // one per rank: the first round
+  std::size_t slot_bytes = 0;                     // collective_slot_bytes(R)
+  std::vector<std::byte> send_slot;               // this rank's slot (outlives a failed wait)
+  std::vector<std::byte> slots;                   // every rank's slot: the first round
   std::vector<CollectiveDescriptor> descriptors;  // copied out of the slots for validation
+  uint64_t windows_made = 0;                      // PeerMemory objects made, the id of the next
   std::vector<std::byte> scratch;                 // collective data too large for a slot
 
   AtomicCounters counters;
@@ -155,7 +170,7 @@ class MpiTransport final : public Transport {
   // Exchanges and validates every rank's descriptor of a collective, with
   // `data` inline when it fits a slot (the first round of every collective,
   // and all of a barrier). On OK the collective's number is *seq and, when
-  // *inlined, rank r's data is state_->slots[r].data.
+  // *inlined, rank r's data is at state_->slots + r * slot_bytes + sizeof(CollectiveDescriptor).
   Status agree(detail::CollectiveDescriptor mine, std::span<const std::byte> data, const Deadline& deadline,
                uint64_t* seq, bool* inlined);
 
