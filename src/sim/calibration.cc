@@ -14,7 +14,18 @@
 
 namespace epx::sim {
 
-Result<ExchangeEstimate> estimate_exchange(const Scenario& s) {
+namespace {
+
+// A scenario's routed traffic, kept so that the link parameters can change
+// without routing again.
+struct Prepared {
+  Topology topology;
+  GroupTraffic traffic;
+  int64_t dispatch_bytes = 0, combine_bytes = 0, remote_bytes = 0;
+  bool two_hop = false;
+};
+
+Result<Prepared> prepare(const Scenario& s) {
   EPX_RETURN_IF_ERROR(s.validate());
   const ModelConfig& m = s.model;
   const int R = s.parallelism.ep;
@@ -32,20 +43,26 @@ Result<ExchangeEstimate> estimate_exchange(const Scenario& s) {
   q.sample_tokens = s.routing.sample_tokens;
   q.seed = s.routing.seed;
   q.threads = s.run.threads > 0 ? s.run.threads : std::max(1u, std::thread::hardware_concurrency());
-  GroupTraffic traffic;
-  EPX_RETURN_IF_ERROR(route_group(q, &traffic));
-  const bool two_hop = s.parallelism.dispatch == "two_hop" && nodes > 1;
-  EPX_ASSIGN_OR_RETURN(int64_t disp, row_bytes(m.dispatch_dtype, m.hidden));
-  EPX_ASSIGN_OR_RETURN(int64_t comb, row_bytes(m.combine_dtype, m.hidden));
-  EPX_ASSIGN_OR_RETURN(int64_t remote,
+  Prepared p{topo, {}, 0, 0, 0, s.parallelism.dispatch == "two_hop" && nodes > 1};
+  EPX_RETURN_IF_ERROR(route_group(q, &p.traffic));
+  EPX_ASSIGN_OR_RETURN(p.dispatch_bytes, row_bytes(m.dispatch_dtype, m.hidden));
+  EPX_ASSIGN_OR_RETURN(p.combine_bytes, row_bytes(m.combine_dtype, m.hidden));
+  EPX_ASSIGN_OR_RETURN(p.remote_bytes,
                        row_bytes(m.combine_remote_dtype.empty() ? m.combine_dtype : m.combine_remote_dtype, m.hidden));
-  const AllToAllCost d = all_to_all(traffic, topo, s.hardware, {two_hop, false, double(disp), 0});
-  const AllToAllCost c = all_to_all(traffic, topo, s.hardware, {two_hop, true, double(comb), double(remote)});
+  return p;
+}
+
+ExchangeEstimate estimate(const Prepared& p, const HardwareProfile& h) {
+  const GroupTraffic& t = p.traffic;
+  const int R = t.num_ranks;
+  const double disp = static_cast<double>(p.dispatch_bytes), comb = static_cast<double>(p.combine_bytes);
+  const AllToAllCost d = all_to_all(t, p.topology, h, {p.two_hop, false, disp, 0});
+  const AllToAllCost c = all_to_all(t, p.topology, h, {p.two_hop, true, comb, static_cast<double>(p.remote_bytes)});
   ExchangeEstimate e;
   for (int g = 0; g < R; ++g) {
     double ranks = 0, node_pairs = 0;
-    for (int r = 0; r < R; ++r) ranks += traffic.pair(g, r);
-    for (int n = 0; n < nodes; ++n) node_pairs += traffic.node_pair(g, n);
+    for (int r = 0; r < R; ++r) ranks += t.pair(g, r);
+    for (int n = 0; n < t.num_nodes; ++n) node_pairs += t.node_pair(g, n);
     e.dispatch_s = std::max(e.dispatch_s, d.time(g));
     e.combine_s = std::max(e.combine_s, c.time(g));
     e.dispatch_rank_bw += ranks * disp / d.time(g) / R;
@@ -57,6 +74,26 @@ Result<ExchangeEstimate> estimate_exchange(const Scenario& s) {
     e.bytes_dispatched += ranks * disp;
   }
   return e;
+}
+
+// The efficiency in [1e-3, 1] at which the mean of the model's dispatch and
+// combine bandwidths (as `measure` reads them) equals `target`, by bisection:
+// the bandwidth grows with the efficiency.
+double bisect(const Prepared& p, HardwareProfile h, double HardwareProfile::*eff, double target,
+              double (*measure)(const ExchangeEstimate&)) {
+  double lo = 1e-3, hi = 1.0;
+  for (int i = 0; i < 50; ++i) {
+    h.*eff = 0.5 * (lo + hi);
+    (measure(estimate(p, h)) < target ? lo : hi) = h.*eff;
+  }
+  return 0.5 * (lo + hi);
+}
+
+}  // namespace
+
+Result<ExchangeEstimate> estimate_exchange(const Scenario& s) {
+  EPX_ASSIGN_OR_RETURN(Prepared p, prepare(s));
+  return estimate(p, s.hardware);
 }
 
 Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens) {
@@ -81,34 +118,25 @@ Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens)
 
 Result<LinkFit> fit_deepep(const HardwareProfile& hardware) {
   constexpr double kGB = 1e9;
-  LinkFit fit;
+  // EP8 (one node) sets the NVLink efficiency so that the mean of dispatch's
+  // and combine's per-rank bandwidth is the mean of the published ones; then
+  // EP16 (two nodes) sets the NIC efficiency from DeepEP's per-node (RDMA)
+  // figure. Latencies stay the profile's; nothing else is fitted.
   HardwareProfile h = hardware;
-  // Predicted bandwidth is proportional to the efficiency while the link is
-  // the bottleneck, so eff <- eff x published / predicted converges in a few
-  // rounds; the latencies stay the profile's. The routing of a scenario does
-  // not depend on the efficiencies, so the traffic is the same every round.
-  // EP8 sets the NVLink efficiency (mean of dispatch's and combine's), then
-  // EP16 over two nodes the NIC's, from DeepEP's per-node (RDMA) figure.
-  for (int round = 0; round < 6; ++round) {
-    EPX_ASSIGN_OR_RETURN(ExchangeEstimate e, estimate_exchange(deepep_scenario(h, 1, 4096)));
-    const double d = h.nvlink_efficiency * 153 * kGB / e.dispatch_rank_bw;
-    const double c = h.nvlink_efficiency * 158 * kGB / e.combine_rank_bw;
-    h.nvlink_efficiency = std::clamp(0.5 * (d + c), 1e-3, 1.0);
-  }
-  for (int round = 0; round < 6; ++round) {
-    EPX_ASSIGN_OR_RETURN(ExchangeEstimate e, estimate_exchange(deepep_scenario(h, 2, 4096)));
-    const double d = h.nic_efficiency * 43 * kGB / e.dispatch_node_bw;
-    const double c = h.nic_efficiency * 43 * kGB / e.combine_node_bw;
-    h.nic_efficiency = std::clamp(0.5 * (d + c), 1e-3, 1.0);
-  }
+  EPX_ASSIGN_OR_RETURN(Prepared ep8, prepare(deepep_scenario(h, 1, 4096)));
+  EPX_ASSIGN_OR_RETURN(Prepared ep16, prepare(deepep_scenario(h, 2, 4096)));
+  h.nvlink_efficiency = bisect(ep8, h, &HardwareProfile::nvlink_efficiency, 0.5 * (153 + 158) * kGB,
+                               [](const ExchangeEstimate& e) { return 0.5 * (e.dispatch_rank_bw + e.combine_rank_bw); });
+  h.nic_efficiency = bisect(ep16, h, &HardwareProfile::nic_efficiency, 43 * kGB,
+                            [](const ExchangeEstimate& e) { return 0.5 * (e.dispatch_node_bw + e.combine_node_bw); });
+  LinkFit fit;
   fit.nvlink_efficiency = h.nvlink_efficiency;
   fit.nic_efficiency = h.nic_efficiency;
-  EPX_ASSIGN_OR_RETURN(ExchangeEstimate ep8, estimate_exchange(deepep_scenario(h, 1, 4096)));
-  EPX_ASSIGN_OR_RETURN(ExchangeEstimate ep16, estimate_exchange(deepep_scenario(h, 2, 4096)));
-  fit.points.push_back({"EP8 dispatch (NVLink)", 153, ep8.dispatch_rank_bw / kGB});
-  fit.points.push_back({"EP8 combine (NVLink)", 158, ep8.combine_rank_bw / kGB});
-  fit.points.push_back({"EP16 dispatch (RDMA)", 43, ep16.dispatch_node_bw / kGB});
-  fit.points.push_back({"EP16 combine (RDMA)", 43, ep16.combine_node_bw / kGB});
+  const ExchangeEstimate a = estimate(ep8, h), b = estimate(ep16, h);
+  fit.points.push_back({"EP8 dispatch (NVLink)", 153, a.dispatch_rank_bw / kGB});
+  fit.points.push_back({"EP8 combine (NVLink)", 158, a.combine_rank_bw / kGB});
+  fit.points.push_back({"EP16 dispatch (RDMA)", 43, b.dispatch_node_bw / kGB});
+  fit.points.push_back({"EP16 combine (RDMA)", 43, b.combine_node_bw / kGB});
   return fit;
 }
 

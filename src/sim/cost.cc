@@ -30,10 +30,12 @@ std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& top
         loads[s].nvl_out += rows * o.row_bytes;
         loads[d].nvl_in += rows * o.row_bytes;
         ++loads[s].messages;
+        ++loads[d].messages_in;
       } else if (!o.two_hop) {
         loads[s].nic_out += rows * remote;
         loads[d].nic_in += rows * remote;
         ++loads[s].messages;
+        ++loads[d].messages_in;
       } else {
         // Forwarded by the GPU of s's local rank on d's node.
         const int f = topo.rank_of(topo.node_of(d), topo.local_rank_of(s));
@@ -43,6 +45,7 @@ std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& top
           loads[f].nvl_out += rows * o.row_bytes;
           loads[d].nvl_in += rows * o.row_bytes;
           ++loads[f].messages;
+          ++loads[d].messages_in;
         }
       }
     }
@@ -54,6 +57,7 @@ std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& top
         loads[s].nic_out += rows * remote;
         loads[f].nic_in += rows * remote;
         ++loads[s].messages;
+        ++loads[f].messages_in;
       }
     }
   }
@@ -71,6 +75,7 @@ AllToAllCost all_to_all(const GroupTraffic& traffic, const Topology& topology, c
     for (LinkLoad& l : cost.loads) {
       std::swap(l.nvl_out, l.nvl_in);
       std::swap(l.nic_out, l.nic_in);
+      std::swap(l.messages, l.messages_in);
     }
   std::vector<double> own(R);
   double host_bytes = 0;

@@ -38,7 +38,8 @@ namespace epx::sim {
 
 struct LinkLoad {
   double nvl_out = 0, nvl_in = 0, nic_out = 0, nic_in = 0, self = 0;  // bytes
-  int messages = 0;
+  int messages = 0;       // messages this GPU sends
+  int messages_in = 0;    // messages it receives (it sends them in the transposed direction)
 };
 
 struct AllToAllOptions {
