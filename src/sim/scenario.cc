@@ -269,7 +269,7 @@ Status Scenario::validate() const {
     return invalid_argument("model.topk = {} is outside [1, model.experts = {}]", m.topk, m.experts);
   if (m.groups < 1 || m.experts % m.groups != 0)
     return invalid_argument("model.groups = {} must be at least 1 and divide model.experts = {}", m.groups, m.experts);
-  if (m.topk_groups < 1 || m.topk_groups > m.groups)
+  if (m.groups > 1 && (m.topk_groups < 1 || m.topk_groups > m.groups))
     return invalid_argument("model.topk_groups = {} is outside [1, model.groups = {}]", m.topk_groups, m.groups);
   if (m.groups > 1 && m.topk_groups * (m.experts / m.groups) < m.topk)
     return invalid_argument("model.topk_groups = {} groups of {} experts hold fewer than model.topk = {} experts",

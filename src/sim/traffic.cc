@@ -124,7 +124,9 @@ Status route_group(const RouteRequest& q, GroupTraffic* out) {
   const int num_tokens = static_cast<int>(std::min<int64_t>(q.tokens_per_gpu, q.sample_tokens));
   std::vector<RankResult> ranks(R);
   std::vector<Status> status(R, Status::ok());
-  const int threads = std::max(1, std::min(q.threads, R));
+  // A thread per call costs tens of microseconds: worth it only for big groups.
+  const int64_t scores = static_cast<int64_t>(R) * num_tokens * E;
+  const int threads = std::max(1, std::min({q.threads, R, static_cast<int>(scores >> 20)}));
   auto work = [&](int first) {
     std::vector<float> logits;
     DispatchLayout layout;

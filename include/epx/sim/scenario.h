@@ -66,7 +66,7 @@ struct ModelConfig {
   int shared_experts = 0;
   int topk = 8;
   int groups = 1;                 // expert groups (node-limited routing: nodes)
-  int topk_groups = 1;            // groups a token may use
+  int topk_groups = 1;            // groups a token may use (ignored when groups = 1)
   double capacity_factor = 0;     // 0 = dropless
   std::string score = "sigmoid";  // sigmoid or softmax
   std::string dispatch_dtype = "bf16";   // fp8 rows carry hidden/128 f32 scales
