@@ -237,13 +237,15 @@ int run_fit(const SimOptions& o) {
     fmt::print(stderr, "epx sim fit: {}\n", st.message());
     return kExitUsage;
   }
+  if (o.fit_stages_local_node != "profile") s.hardware.nic_stages_local_node = o.fit_stages_local_node == "true";
   auto fit = sim::fit_deepep(s.hardware);
   if (!fit.is_ok()) {
     fmt::print(stderr, "epx sim fit: {}\n", fit.status().message());
     return kExitFailed;
   }
-  fmt::print("fitted on DeepEP's published points ({}):\n  nvlink.efficiency = {:.4f}\n  nic.efficiency = {:.4f}\n\n",
-             s.hardware.name, fit->nvlink_efficiency, fit->nic_efficiency);
+  fmt::print("fitted on DeepEP's published points ({}; nic.stages_local_node = {}):\n  nvlink.efficiency = {:.4f}\n"
+             "  nic.efficiency = {:.4f}\n\n",
+             s.hardware.name, s.hardware.nic_stages_local_node, fit->nvlink_efficiency, fit->nic_efficiency);
   std::vector<std::vector<std::string>> rows;
   for (const auto& p : fit->points)
     rows.push_back({p.name, fmt::format("{:.1f}", p.published_gbs), fmt::format("{:.1f}", p.fitted_gbs)});
@@ -358,6 +360,11 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "Fit the link model's efficiencies (nvlink, nic) of a profile on DeepEP's published EP8/EP16 points, then "
       "predict other EP sizes and the decode shape (128 tokens per rank) without fitting");
   c.fit->add_option("--profile", o.fit_profile, "Hardware profile (H800: the GPU DeepEP measured on)")
+      ->capture_default_str();
+  c.fit->add_option("--nic-stages-local-node", o.fit_stages_local_node,
+                    "Whether two-hop rows for the sender's own node also pass its NIC stage: true, false, or the "
+                    "profile's hardware.nic.stages_local_node")
+      ->check(CLI::IsMember({"profile", "true", "false"}))
       ->capture_default_str();
 
   c.predict = sim->add_subcommand(

@@ -15,7 +15,8 @@ double own_time(const LinkLoad& l, const HardwareProfile& h) {
 }
 
 // Bytes on each GPU's links for the dispatch direction.
-std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o) {
+std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o,
+                                     bool stage_local) {
   const int R = topo.num_ranks();
   const double remote = o.remote_row_bytes > 0 ? o.remote_row_bytes : o.row_bytes;
   std::vector<LinkLoad> loads(R);
@@ -52,7 +53,14 @@ std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& top
     if (o.two_hop) {
       for (int n = 0; n < topo.num_nodes(); ++n) {
         const double rows = tr.node_pair(s, n);
-        if (n == node || rows <= 0) continue;
+        if (rows <= 0) continue;
+        if (n == node) {
+          if (stage_local) {  // a loopback through the NIC stage
+            loads[s].nic_out += rows * remote;
+            loads[s].nic_in += rows * remote;
+          }
+          continue;
+        }
         const int f = topo.rank_of(n, topo.local_rank_of(s));
         loads[s].nic_out += rows * remote;
         loads[f].nic_in += rows * remote;
@@ -70,7 +78,7 @@ AllToAllCost all_to_all(const GroupTraffic& traffic, const Topology& topology, c
                         const AllToAllOptions& options) {
   const int R = topology.num_ranks();
   AllToAllCost cost;
-  cost.loads = dispatch_loads(traffic, topology, options);
+  cost.loads = dispatch_loads(traffic, topology, options, hardware.nic_stages_local_node);
   if (options.combine)
     for (LinkLoad& l : cost.loads) {
       std::swap(l.nvl_out, l.nvl_in);

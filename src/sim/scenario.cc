@@ -41,6 +41,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.nic.bandwidth", &h.nic_bandwidth},
       {"hardware.nic.efficiency", &h.nic_efficiency},
       {"hardware.nic.latency", &h.nic_latency},
+      {"hardware.nic.stages_local_node", &h.nic_stages_local_node},
       {"hardware.comm.message_overhead", &h.message_overhead},
       {"hardware.comm.sms", &h.comm_sms},
       {"hardware.host.copy_bandwidth", &h.host_copy_bandwidth},

@@ -105,6 +105,27 @@ TEST(SimAllToAll, TwoHopCrossesTheNetworkOncePerNode) {
   EXPECT_EQ(back.loads[3].messages, 1);  // its rows to GPU 2 over NVLink
 }
 
+TEST(SimAllToAll, LocalNodeThroughTheNicStageWhenTheProfileSaysSo) {
+  // The two-hop case above plus 50 tokens GPU 0 keeps on its own node (to
+  // GPU 1): with nic_stages_local_node they pass GPU 0's NIC stage (a
+  // loopback: out and in), 1.5e5 B out at 0.1 GB/s = 1.5 ms.
+  GroupTraffic t = empty_traffic(4, 2);
+  t.pairs[0 * 4 + 1] = 50;
+  t.pairs[0 * 4 + 2] = 100;
+  t.pairs[0 * 4 + 3] = 100;
+  t.node_pairs[0 * 2 + 0] = 50;
+  t.node_pairs[0 * 2 + 1] = 100;
+  auto topo = Topology::create(4, 2);
+  HardwareProfile h = hand_profile();
+  EXPECT_DOUBLE_EQ(all_to_all(t, *topo, h, {.two_hop = true, .row_bytes = 1000}).loads[0].nic_out, 1e5);
+  h.nic_stages_local_node = true;
+  const AllToAllCost c = all_to_all(t, *topo, h, {.two_hop = true, .row_bytes = 1000});
+  EXPECT_DOUBLE_EQ(c.loads[0].nic_out, 1.5e5);
+  EXPECT_DOUBLE_EQ(c.loads[0].nic_in, 5e4);
+  EXPECT_DOUBLE_EQ(c.loads[1].nvl_in, 5e4);  // still delivered over NVLink
+  EXPECT_NEAR(c.time(0), 1.5e-3 + 1e-6 + 5e-6 + 2e-7, 1e-12);
+}
+
 TEST(SimAllToAll, HostCopyBandwidthBoundsAnEmulatedCluster) {
   // Every copy of the group goes through one host at 1e8 B/s: 4 pairs of
   // 1e5 B = 4 ms, whatever each "link" could do.

@@ -6,7 +6,8 @@
 // the same node crosses NVLink, to another node the GPU's NICs, to itself HBM
 // (a copy: hbm_bandwidth / 2). Two-hop (DeepEP's internode path): a token
 // crosses the network once per destination node, to the GPU of the same local
-// rank there, which forwards it over NVLink. Each GPU g gets
+// rank there, which forwards it over NVLink (with nic_stages_local_node the
+// rows for its own node pass its NIC stage too, as a loopback). Each GPU g gets
 //   own(g)  = max(nvl_out / B_nvl, nvl_in / B_nvl, nic_out / B_nic, nic_in / B_nic, self / (hbm / 2))
 //   time(g) = max(own(g), own(p) for every peer p that sends to or receives
 //             from g, and in two-hop every GPU of g's node) + latency(g)

@@ -42,6 +42,9 @@ struct HardwareProfile {
   double nic_bandwidth = 0;        // per NIC, per direction
   double nic_efficiency = 1.0;     // share an all-to-all reaches (calibrated)
   double nic_latency = 0;          // once per all-to-all that crosses nodes
+  // Two-hop: the (token, own node) rows also pass the NIC stage (staged and
+  // put like remote ones, as a loopback) instead of only the remote ones.
+  bool nic_stages_local_node = false;
   double message_overhead = 0;     // per (source, destination) message a GPU issues
   int comm_sms = 0;                // cores the communication kernels take while they run
   // Emulated clusters (the in-process backend): every link is a CPU copy on
