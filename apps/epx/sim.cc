@@ -198,7 +198,7 @@ int run_scenario(const SimOptions& o) {
   for (const auto& [name, seconds] : s.phase_s) phases.push_back({name, ms(seconds)});
   fmt::print("{}", format_table({"time per GPU per stage unit (fwd+bwd)", "ms"}, phases));
   if (!o.trace_path.empty())
-    fmt::print("\ntrace of step {} (stage 0, EP group 0; track 2g = GPU g compute, 2g+1 = its communication): {}\n",
+    fmt::print("\ntrace of step {} (the first stage with an MoE layer, EP group 0; track 2g = GPU g compute, 2g+1 = its communication): {}\n",
                base.run.trace_step, o.trace_path);
   return kExitOk;
 }
@@ -334,6 +334,7 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
   c.run = sim->add_subcommand("run", "Simulate a scenario file (configs/sim/*.toml) and print the summary table");
   c.run->add_option("scenario", o.scenario_path, "Scenario TOML file (see configs/sim/template.toml)")->required();
   c.run->add_option("--set", o.sets, "Override one value, KEY=VALUE (e.g. model.topk=4); repeatable")
+      ->allow_extra_args(false)
       ->take_all();
   c.run->add_option("--sweep", o.sweep,
                     "KEY=V1,V2,...: run once per value and print one row per setting (any key; epx sim keys)");

@@ -485,7 +485,9 @@ Result<SimResult> Simulator::run() {
     for (int stage = 0; stage < pp; ++stage) {
       const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
       for (int group = 0; group < groups_; ++group) {
-        const bool tracing = o_.keep_trace && step == s_.run.trace_step && stage == 0 && group == 0;
+        // The trace shows the first stage that holds an MoE layer.
+        const bool moe_stage = l0 <= m.dense_layers && m.dense_layers < l1;
+        const bool tracing = o_.keep_trace && step == s_.run.trace_step && moe_stage && group == 0;
         GroupClock clk;
         clk.compute_free.assign(R_, 0.0);
         clk.comm_free.assign(R_, 0.0);

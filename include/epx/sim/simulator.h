@@ -59,7 +59,8 @@ struct Summary {
 struct SimResult {
   std::vector<StepStats> steps;
   Summary summary;
-  // One step (run.trace_step) of stage 0, EP group 0: rank 2g is GPU g's
+  // One step (run.trace_step) of the first stage with an MoE layer, EP group
+  // 0: rank 2g is GPU g's
   // compute stream (with "idle" gaps), rank 2g + 1 its communication.
   std::vector<TraceSpan> trace;
   int sampled_tokens = 0;           // tokens per GPU routed one by one
