@@ -103,10 +103,14 @@ struct Interval {
 };
 
 // Finish time of `work` seconds of compute started at `start` on a GPU whose
-// communication is busy during `comm` (sorted, disjoint): slower by `slow` there.
+// communication is busy during `comm` (sorted by begin and by end, disjoint: one
+// stream): slower by `slow` there.
 double run_compute(double start, double work, const std::vector<Interval>& comm, double slow) {
   double t = start;
-  for (const Interval& c : comm) {
+  auto first = std::upper_bound(comm.begin(), comm.end(), start,
+                                [](double v, const Interval& c) { return v < c.end; });
+  for (auto it = first; it != comm.end(); ++it) {
+    const Interval& c = *it;
     if (work <= 0) break;
     if (c.end <= t) continue;
     if (c.begin > t) {
@@ -146,8 +150,12 @@ struct LayerCosts {
 struct GroupClock {
   std::vector<double> compute_free, comm_free;
   std::vector<std::vector<double>> ready;  // [mb][gpu]: the micro-batch's last layer output
-  std::vector<double> busy, comm_time, exposed;
+  std::vector<double> busy, comm_time;
   std::vector<std::array<double, kNumKinds>> kind_s;
+  // Every interval of the stage on each GPU's streams, in time order (each
+  // stream runs one task at a time): later layers' compute can overlap an
+  // earlier layer's communication.
+  std::vector<std::vector<Interval>> comm, compute;
 };
 
 class Simulator {
@@ -371,7 +379,6 @@ void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, st
   const int n = static_cast<int>(program.size());
   const double slow = static_cast<double>(s_.hardware.sms) / (s_.hardware.sms - s_.hardware.comm_sms);
   std::vector<std::vector<double>> finish(n, std::vector<double>(R_, 0.0));
-  std::vector<std::vector<Interval>> comm(R_), compute(R_);
   for (int i = 0; i < n; ++i) {
     const Task& t = program[i];
     auto ready_of = [&](int g) {
@@ -389,7 +396,7 @@ void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, st
         const double end = start + a2a.time(g, t.fraction);
         finish[i][g] = end;
         clk.comm_free[g] = end;
-        comm[g].push_back({start, end});
+        clk.comm[g].push_back({start, end});
         clk.comm_time[g] += end - start;
         clk.kind_s[g][static_cast<int>(t.kind)] += end - start;
         if (trace) trace->push_back({kKindNames[static_cast<int>(t.kind)], 2 * g + 1, int64_t(start * 1e9), int64_t(end * 1e9)});
@@ -398,10 +405,10 @@ void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, st
       for (int g = 0; g < R_; ++g) {
         const double start = std::max(clk.compute_free[g], ready_of(g));
         const double work = compute_seconds(t.kind, c, g, t.fraction, backward);
-        const double end = run_compute(start, work, comm[g], slow);
+        const double end = run_compute(start, work, clk.comm[g], slow);
         finish[i][g] = end;
         clk.compute_free[g] = end;
-        compute[g].push_back({start, end});
+        clk.compute[g].push_back({start, end});
         clk.busy[g] += end - start;
         clk.kind_s[g][static_cast<int>(t.kind)] += end - start;
         if (trace) trace->push_back({kKindNames[static_cast<int>(t.kind)], 2 * g, int64_t(start * 1e9), int64_t(end * 1e9)});
@@ -415,10 +422,6 @@ void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, st
         if (program[i].mb == mb) out = std::max(out, finish[i][g]);
       clk.ready[mb][g] = out;
     }
-    double comm_len = 0;
-    for (const Interval& x : comm[g]) comm_len += x.end - x.begin;
-    std::sort(compute[g].begin(), compute[g].end(), [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
-    clk.exposed[g] += comm_len - overlap_of(comm[g], compute[g]);
   }
 }
 
@@ -494,7 +497,8 @@ Result<SimResult> Simulator::run() {
         clk.ready.assign(num_mb_, std::vector<double>(R_, 0.0));
         clk.busy.assign(R_, 0.0);
         clk.comm_time.assign(R_, 0.0);
-        clk.exposed.assign(R_, 0.0);
+        clk.comm.assign(R_, {});
+        clk.compute.assign(R_, {});
         clk.kind_s.assign(R_, {});
         std::vector<LayerCosts> costs(l1 - l0);
         const int global_group = stage * s_.ep_groups_per_stage() + group;
@@ -513,7 +517,8 @@ Result<SimResult> Simulator::run() {
         st.stage_s = std::max(st.stage_s, end);
         for (int g = 0; g < R_; ++g) {
           idle.push_back(end > 0 ? 1.0 - clk.busy[g] / end : 0.0);
-          exposed_sum += end > 0 ? clk.exposed[g] / end : 0.0;
+          const double exposed = clk.comm_time[g] - overlap_of(clk.comm[g], clk.compute[g]);
+          exposed_sum += end > 0 ? exposed / end : 0.0;
           comm_sum += end > 0 ? clk.comm_time[g] / end : 0.0;
           for (int k = 0; k < kNumKinds; ++k) kinds[k] += clk.kind_s[g][k];
         }
