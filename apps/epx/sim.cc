@@ -98,7 +98,8 @@ Result<sim::Scenario> scenario_from(const SimOptions& o) {
   EPX_ASSIGN_OR_RETURN(sim::Scenario s, sim::load_scenario(o.scenario_path));
   for (const std::string& text : o.sets) {
     EPX_ASSIGN_OR_RETURN(auto kv, split_setting(text, "--set"));
-    EPX_RETURN_IF_ERROR(sim::set_value(s, kv.first, kv.second));
+    Status st = sim::set_value(s, kv.first, kv.second);
+    if (!st.is_ok()) return invalid_argument("--set {}: {}", text, st.message());
   }
   if (o.steps > 0) s.run.steps = o.steps;
   if (s.run.trace_step >= s.run.steps) s.run.trace_step = 0;
