@@ -1,4 +1,6 @@
 // The simulator end to end on small scenarios: schedules, balancing, outputs.
+#include <fstream>
+
 #include <gtest/gtest.h>
 
 #include "epx/sim/simulator.h"
@@ -146,6 +148,41 @@ TEST(Simulator, TraceHasEveryGpuAndPercentilesAreNearestRank) {
   EXPECT_EQ(p.p50, 3);
   EXPECT_EQ(p.p99, 5);
   EXPECT_EQ(p.mean, 3);
+}
+
+TEST(Simulator, ReplaysATraceInTheFormatEpxTrainWrites) {
+  // Two steps of `epx train --metrics` lines (other fields trimmed): step 0
+  // sends almost everything to expert 5, step 1 is even. max_vio follows.
+  const std::string path = ::testing::TempDir() + "/sim_trace.jsonl";
+  {
+    std::ofstream out(path);
+    std::string hot = "0", even = "100";
+    for (int e = 1; e < 32; ++e) {
+      hot += e == 5 ? ",100000" : ",0";
+      even += ",100";
+    }
+    out << "{\"step\":0,\"layers\":[{\"layer\":0,\"tokens_per_expert\":[" << hot << "]}]}\n";
+    out << "{\"step\":1,\"layers\":[{\"layer\":0,\"tokens_per_expert\":[" << even << "]}]}\n";
+  }
+  Scenario s = small_scenario();
+  s.model.layers = 1;
+  s.routing.distribution = "trace";
+  s.routing.trace = path;
+  s.run.steps = 2;
+  auto r = simulate(s);
+  ASSERT_TRUE(r.is_ok()) << r.status().message();
+  // Step 0: expert 5 is in nearly every token's top-4 (load ~ tokens, mean
+  // tokens x 4 / 32): max_vio near 7; step 1: near 0.
+  EXPECT_GT(r->steps[0].max_vio, 6.0);
+  EXPECT_LT(r->steps[1].max_vio, 1.0);
+  EXPECT_GT(r->steps[0].worst_idle, r->steps[1].worst_idle);
+
+  std::ofstream(path) << "{\"step\":0,\"layers\":[{\"layer\":0,\"tokens_per_expert\":[1,2,3]}]}\n";
+  auto bad = simulate(s);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("sim_trace.jsonl:1: layers[0].tokens_per_expert must list model.experts = 32"),
+            std::string::npos)
+      << bad.status().message();
 }
 
 TEST(Simulator, ResultsDoNotDependOnThreads) {
