@@ -5,6 +5,7 @@
 //   epx bench routing --json      router and placement cost next to the score GEMM
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
 //   epx train [--config F.toml]   train an MoE model on in-process ranks, with load balancing
+//   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +14,7 @@
 #include <spdlog/spdlog.h>
 
 #include "commands.h"
+#include "sim.h"
 #include "train.h"
 
 int main(int argc, char** argv) {
@@ -181,12 +183,16 @@ int main(int argc, char** argv) {
   epx::app::TrainOptions train;
   CLI::App* train_cmd = epx::app::add_train_command(app, train);
 
+  // epx sim
+  epx::app::SimOptions sim;
+  const epx::app::SimCommands sim_cmds = epx::app::add_sim_command(app, sim);
+
   // A word where a command belongs that is not one: say so plainly.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.empty() || arg[0] == '-') continue;
-    if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train") {
-      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, demo, bench and eplb (see epx --help)\n",
+    if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, demo, bench and eplb (see epx --help)\n",
                  arg);
       return kExitUsage;
     }
@@ -216,6 +222,7 @@ int main(int argc, char** argv) {
     train.quiet = quiet;
     return epx::app::run_train(train);
   }
+  if (app.got_subcommand("sim")) return epx::app::run_sim(sim_cmds, sim);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
 }

@@ -1,0 +1,397 @@
+// `epx sim`: the cluster simulator's command.
+#include "sim.h"
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "epx/observe/chrome_trace.h"
+#include "epx/observe/table.h"
+#include "epx/sim/calibration.h"
+#include "epx/sim/simulator.h"
+
+namespace epx::app {
+namespace {
+
+// "key=value" -> (key, value); the option's name for the error.
+Result<std::pair<std::string, std::string>> split_setting(const std::string& text, const char* option) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == text.size())
+    return invalid_argument("{} '{}' must be KEY=VALUE (e.g. model.topk=4; epx sim keys lists the keys)", option, text);
+  return std::make_pair(text.substr(0, eq), text.substr(eq + 1));
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&t));
+  return buf;
+}
+
+std::string pct(double v) { return fmt::format("{:.1f}%", 100 * v); }
+std::string ms(double s) { return fmt::format("{:.3f}", 1e3 * s); }
+
+std::string describe(const sim::Scenario& s) {
+  const auto& m = s.model;
+  const auto& p = s.parallelism;
+  const int dp = s.num_gpus() / (p.ep * p.pp_stages);
+  std::string routing = s.routing.distribution;
+  if (routing == "zipf") routing += fmt::format("(s={})", s.routing.zipf_s);
+  if (routing == "lognormal") routing += fmt::format("(sigma={})", s.routing.lognormal_sigma);
+  if (s.routing.drift > 0) routing += fmt::format(", drift {}/step", s.routing.drift);
+  return fmt::format(
+      "cluster: {} nodes x {} GPUs ({}), EP {} x PP {} x {} EP groups per stage (DP {})\n"
+      "model: {} layers ({} dense), hidden {}, {} experts (+{} shared) of width {}, top-{}{}, dispatch {} / "
+      "combine {}, compute {}\n"
+      "run: {} tokens per GPU per micro-batch, {} micro-batches, mode {}, dispatch {}, overlap {}{}; routing {}, "
+      "balancing {}\n",
+      s.cluster.nodes, s.cluster.gpus_per_node, s.hardware.name, p.ep, p.pp_stages, s.ep_groups_per_stage(), dp,
+      m.layers, m.dense_layers, m.hidden, m.experts, m.shared_experts, m.expert_hidden, m.topk,
+      m.groups > 1 ? fmt::format(" within {} of {} groups", m.topk_groups, m.groups) : "", m.dispatch_dtype,
+      m.combine_dtype, m.compute_dtype, p.tokens_per_gpu, p.micro_batches, p.mode, p.dispatch, s.schedule.overlap,
+      s.schedule.overlap == "chunked" ? fmt::format(" ({} chunks)", s.schedule.chunks) : "", routing,
+      s.balancing.strategy);
+}
+
+std::string sampling_note(const sim::Scenario& s, const sim::SimResult& r) {
+  if (r.sample_scale <= 1.0) return fmt::format("routing: all {} tokens per GPU routed token by token", r.sampled_tokens);
+  return fmt::format(
+      "routing: SAMPLED: {} of {} tokens per GPU routed token by token, every count scaled by {:.4g} "
+      "(per-pair counts are noisier than at full size, so hot links read slightly hot; raise routing.sample_tokens "
+      "to check)",
+      r.sampled_tokens, s.parallelism.tokens_per_gpu, r.sample_scale);
+}
+
+std::vector<std::string> row_of(const sim::Percentiles& p, const std::string& name,
+                                std::string (*fmt_one)(double)) {
+  return {name, fmt_one(p.p50), fmt_one(p.p99), fmt_one(p.mean)};
+}
+
+std::string num(double v) { return fmt::format("{:.4g}", v); }
+std::string tokens(double v) { return fmt::format("{:.0f}", v); }
+
+nlohmann::json to_json(const sim::SimResult& r) {
+  auto p = [](const sim::Percentiles& x) { return nlohmann::json{{"p50", x.p50}, {"p99", x.p99}, {"mean", x.mean}}; };
+  const sim::Summary& s = r.summary;
+  nlohmann::json phases = nlohmann::json::object();
+  for (const auto& [name, seconds] : s.phase_s) phases[name] = seconds;
+  return {{"step_s", p(s.step_s)},
+          {"worst_idle", p(s.worst_idle)},
+          {"exposed_comm", p(s.exposed_comm)},
+          {"comm_share", p(s.comm_share)},
+          {"tokens_per_s_per_gpu", p(s.tokens_per_s_per_gpu)},
+          {"mfu", p(s.mfu)},
+          {"max_vio", p(s.max_vio)},
+          {"phase_s", phases},
+          {"sampled_tokens", r.sampled_tokens},
+          {"sample_scale", r.sample_scale},
+          {"routed_gpu_layers", r.routed_gpu_layers},
+          {"wall_s", r.wall_s}};
+}
+
+Result<sim::Scenario> scenario_from(const SimOptions& o) {
+  EPX_ASSIGN_OR_RETURN(sim::Scenario s, sim::load_scenario(o.scenario_path));
+  for (const std::string& text : o.sets) {
+    EPX_ASSIGN_OR_RETURN(auto kv, split_setting(text, "--set"));
+    Status st = sim::set_value(s, kv.first, kv.second);
+    if (!st.is_ok()) return invalid_argument("--set {}: {}", text, st.message());
+  }
+  if (o.steps > 0) s.run.steps = o.steps;
+  if (s.run.trace_step >= s.run.steps) s.run.trace_step = 0;
+  Status st = s.validate();
+  if (!st.is_ok()) return invalid_argument("{} (after --set/--steps): {}", o.scenario_path, st.message());
+  return s;
+}
+
+int run_scenario(const SimOptions& o) {
+  auto loaded = scenario_from(o);
+  if (!loaded.is_ok()) {
+    fmt::print(stderr, "epx sim: {}\n", loaded.status().message());
+    return kExitUsage;
+  }
+  const sim::Scenario& base = *loaded;
+  if (!o.sweep.empty()) {
+    auto kv = split_setting(o.sweep, "--sweep");
+    if (!kv.is_ok()) {
+      fmt::print(stderr, "epx sim: {}\n", kv.status().message());
+      return kExitUsage;
+    }
+    const auto& [key, list] = *kv;
+    std::vector<std::string> values;
+    for (std::size_t start = 0;;) {
+      const auto comma = list.find(',', start);
+      values.push_back(list.substr(start, comma - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    std::vector<sim::Scenario> scenarios;
+    for (const std::string& v : values) {
+      sim::Scenario s = base;
+      Status st = sim::set_value(s, key, v);
+      if (st.is_ok()) st = s.validate();
+      if (!st.is_ok()) {
+        fmt::print(stderr, "epx sim: --sweep {}={}: {}\n", key, v, st.message());
+        return kExitUsage;
+      }
+      scenarios.push_back(std::move(s));
+    }
+    if (!o.json) fmt::print("{}\n", describe(base));
+    std::vector<std::vector<std::string>> rows;
+    nlohmann::json all = nlohmann::json::array();
+    for (std::size_t i = 0; i < scenarios.size(); ++i) {
+      auto r = sim::simulate(scenarios[i]);
+      if (!r.is_ok()) {
+        fmt::print(stderr, "epx sim: {}={}: {}\n", key, values[i], r.status().message());
+        return kExitFailed;
+      }
+      const sim::Summary& s = r->summary;
+      rows.push_back({values[i], ms(s.step_s.p50), ms(s.step_s.p99), pct(s.worst_idle.p50), pct(s.exposed_comm.p50),
+                      tokens(s.tokens_per_s_per_gpu.p50), pct(s.mfu.p50), num(s.max_vio.p50)});
+      nlohmann::json j = to_json(*r);
+      j["value"] = values[i];
+      all.push_back(j);
+      if (i == 0 && !o.json) fmt::print("{}\n\n", sampling_note(scenarios[i], *r));
+    }
+    if (o.json) {
+      fmt::print("{}\n", nlohmann::json{{"sweep", key}, {"rows", all}}.dump());
+    } else {
+      fmt::print("{}", format_table({key, "step ms p50", "step ms p99", "worst idle", "comm not hidden",
+                                     "tokens/s/GPU", "MFU", "max_vio"},
+                                    rows));
+    }
+    return kExitOk;
+  }
+  sim::SimOptions so;
+  so.keep_trace = !o.trace_path.empty();
+  auto result = sim::simulate(base, so);
+  if (!result.is_ok()) {
+    fmt::print(stderr, "epx sim: {}\n", result.status().message());
+    return kExitFailed;
+  }
+  const sim::SimResult& r = *result;
+  if (!o.trace_path.empty()) {
+    Status st = write_chrome_trace(r.trace, o.trace_path);
+    if (!st.is_ok()) {
+      fmt::print(stderr, "epx sim: --trace: {}\n", st.message());
+      return kExitFailed;
+    }
+  }
+  if (o.json) {
+    fmt::print("{}\n", to_json(r).dump());
+    return kExitOk;
+  }
+  const sim::Summary& s = r.summary;
+  fmt::print("{}{}\n", describe(base), sampling_note(base, r));
+  fmt::print("simulated {} steps x {} of {} EP groups per stage: {} route + layout calls in {:.3f} s\n\n",
+             base.run.steps, r.simulated_groups, base.ep_groups_per_stage(), r.routed_gpu_layers, r.wall_s);
+  fmt::print("{}\n", format_table({"per step", "p50", "p99", "mean"},
+                                  {row_of(s.step_s, "step time ms", ms), row_of(s.worst_idle, "worst GPU idle", pct),
+                                   row_of(s.exposed_comm, "comm not hidden (share of stage)", pct),
+                                   row_of(s.comm_share, "comm busy (share of stage)", pct),
+                                   row_of(s.tokens_per_s_per_gpu, "tokens/s/GPU", tokens),
+                                   row_of(s.mfu, "MFU", pct), row_of(s.max_vio, "max_vio (expert load)", num)}));
+  std::vector<std::vector<std::string>> phases;
+  for (const auto& [name, seconds] : s.phase_s) phases.push_back({name, ms(seconds)});
+  fmt::print("{}", format_table({"time per GPU per stage unit (fwd+bwd)", "ms"}, phases));
+  if (!o.trace_path.empty())
+    fmt::print("\ntrace of step {} (the first stage with an MoE layer, EP group 0; track 2g = GPU g compute, 2g+1 = its communication): {}\n",
+               base.run.trace_step, o.trace_path);
+  return kExitOk;
+}
+
+int run_keys() {
+  for (const std::string& k : sim::scenario_keys()) fmt::print("{}\n", k);
+  return kExitOk;
+}
+
+int run_calibrate(const SimOptions& o) {
+  const int threads =
+      o.calibrate_threads > 0 ? o.calibrate_threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const sim::CopyBandwidth bw = sim::measure_copy_bandwidth(o.calibrate_mb << 20, threads);
+  const std::string when = utc_now();
+  const std::string toml = sim::machine_profile_toml(bw, when);
+  fmt::print(stderr, "memcpy {} MiB per thread, best of 5: one thread {:.2f} GB/s, {} threads {:.2f} GB/s ({})\n",
+             o.calibrate_mb, bw.one_thread / 1e9, threads, bw.all_threads / 1e9, when);
+  if (o.calibrate_out.empty()) {
+    fmt::print("{}", toml);
+    return kExitOk;
+  }
+  std::ofstream out(o.calibrate_out);
+  out << toml;
+  if (!out) {
+    fmt::print(stderr, "epx sim calibrate: cannot write '{}'\n", o.calibrate_out);
+    return kExitFailed;
+  }
+  fmt::print("wrote {}\n", o.calibrate_out);
+  return kExitOk;
+}
+
+int run_fit(const SimOptions& o) {
+  sim::Scenario s;
+  Status st = sim::load_hardware(o.fit_profile, &s);
+  if (!st.is_ok()) {
+    fmt::print(stderr, "epx sim fit: {}\n", st.message());
+    return kExitUsage;
+  }
+  if (o.fit_stages_local_node != "profile") s.hardware.nic_stages_local_node = o.fit_stages_local_node == "true";
+  auto fit = sim::fit_deepep(s.hardware);
+  if (!fit.is_ok()) {
+    fmt::print(stderr, "epx sim fit: {}\n", fit.status().message());
+    return kExitFailed;
+  }
+  fmt::print("fitted on DeepEP's published points ({}; nic.stages_local_node = {}):\n  nvlink.efficiency = {:.4f}\n"
+             "  nic.efficiency = {:.4f}\n\n",
+             s.hardware.name, s.hardware.nic_stages_local_node, fit->nvlink_efficiency, fit->nic_efficiency);
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& p : fit->points)
+    rows.push_back({p.name, fmt::format("{:.1f}", p.published_gbs), fmt::format("{:.1f}", p.fitted_gbs)});
+  fmt::print("{}\n", format_table({"calibration point", "published GB/s", "model GB/s"}, rows));
+  // Predictions, nothing fitted: other EP sizes and the decode shape.
+  s.hardware.nvlink_efficiency = fit->nvlink_efficiency;
+  s.hardware.nic_efficiency = fit->nic_efficiency;
+  rows.clear();
+  for (int tokens : {4096, 128}) {
+    for (int nodes : {1, 2, 4, 8}) {
+      auto e = sim::estimate_exchange(sim::deepep_scenario(s.hardware, nodes, tokens));
+      if (!e.is_ok()) {
+        fmt::print(stderr, "epx sim fit: {}\n", e.status().message());
+        return kExitFailed;
+      }
+      const bool intra = nodes == 1;
+      rows.push_back({fmt::format("EP{}", nodes * 8), fmt::format("{}", tokens),
+                      fmt::format("{:.1f}", 1e6 * e->dispatch_s), fmt::format("{:.1f}", 1e6 * e->combine_s),
+                      fmt::format("{:.1f}", (intra ? e->dispatch_rank_bw : e->dispatch_node_bw) / 1e9),
+                      fmt::format("{:.1f}", (intra ? e->combine_rank_bw : e->combine_node_bw) / 1e9),
+                      intra ? "rank (NVLink)" : "node (RDMA)"});
+    }
+  }
+  fmt::print("predictions with the fitted efficiencies (DeepEP shape: hidden 7168, top-8 of 256, <= 4 nodes per "
+             "token, fp8 dispatch, bf16 combine):\n{}",
+             format_table({"EP", "tokens/rank", "dispatch us", "combine us", "dispatch GB/s", "combine GB/s",
+                           "GB/s counts pairs per"},
+                          rows));
+  return kExitOk;
+}
+
+int run_predict(const SimOptions& o) {
+  int nodes = 0, per_node = 0;
+  if (std::sscanf(o.node_shape.c_str(), "%dx%d", &nodes, &per_node) != 2 || nodes < 1 || per_node < 1 ||
+      nodes * per_node != o.ranks) {
+    fmt::print(stderr, "epx sim predict-exchange: --nodes-shape '{}' must be NODESxRANKS_PER_NODE with {} ranks\n",
+               o.node_shape, o.ranks);
+    return kExitUsage;
+  }
+  sim::Scenario s;
+  Status st = sim::load_hardware(o.profile_path, &s);
+  if (!st.is_ok()) {
+    fmt::print(stderr, "epx sim predict-exchange: {}\n", st.message());
+    return kExitUsage;
+  }
+  s.cluster.nodes = nodes;
+  s.cluster.gpus_per_node = per_node;
+  s.model.layers = 1;
+  s.model.hidden = o.hidden;
+  s.model.experts = o.experts;
+  s.model.topk = o.topk;
+  s.model.dispatch_dtype = o.dtype;
+  s.model.combine_dtype = o.dtype;
+  // The in-process two-hop combine sends its partial sums between nodes in f32.
+  s.model.combine_remote_dtype = nodes > 1 ? "f32" : "";
+  s.parallelism.ep = o.ranks;
+  s.parallelism.tokens_per_gpu = o.tokens;
+  s.parallelism.dispatch = nodes > 1 ? "two_hop" : "flat";
+  s.parallelism.mode = "forward";
+  s.routing.sample_tokens = o.tokens;
+  auto e = sim::estimate_exchange(s);
+  if (!e.is_ok()) {
+    fmt::print(stderr, "epx sim predict-exchange: {}\n", e.status().message());
+    return e.status().code() == StatusCode::kInvalidArgument ? kExitUsage : kExitFailed;
+  }
+  fmt::print("{}: {} ranks as {}, {} tokens per rank, hidden {} {}, top-{} of {} (uniform)\n", s.hardware.name,
+             o.ranks, o.node_shape, o.tokens, o.hidden, o.dtype, o.topk, o.experts);
+  fmt::print("{}", format_table({"predicted", "ms", "MB moved (rows x bytes)"},
+                                {{"dispatch", fmt::format("{:.1f}", 1e3 * e->dispatch_s),
+                                  fmt::format("{:.1f}", e->bytes_dispatched / 1e6)},
+                                 {"combine", fmt::format("{:.1f}", 1e3 * e->combine_s),
+                                  fmt::format("{:.1f}", e->bytes_dispatched / 1e6)}}));
+  return kExitOk;
+}
+
+}  // namespace
+
+SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
+  SimCommands c;
+  CLI::App* sim = app.add_subcommand(
+      "sim",
+      "Cluster simulator: predicts per-GPU timelines, idle time, hidden/exposed communication, tokens/s/GPU and MFU "
+      "of an MoE configuration on up to thousands of GPUs, with traffic from epx's own router and dispatch layout "
+      "(see docs/simulator.md)");
+  sim->require_subcommand(1);
+  c.run = sim->add_subcommand("run", "Simulate a scenario file (configs/sim/*.toml) and print the summary table");
+  c.run->add_option("scenario", o.scenario_path, "Scenario TOML file (see configs/sim/template.toml)")->required();
+  c.run->add_option("--set", o.sets, "Override one value, KEY=VALUE (e.g. model.topk=4); repeatable")
+      ->allow_extra_args(false)
+      ->take_all();
+  c.run->add_option("--sweep", o.sweep,
+                    "KEY=V1,V2,...: run once per value and print one row per setting (any key; epx sim keys)");
+  c.run->add_option("--steps", o.steps, "Simulated steps (overrides run.steps)")->check(CLI::Range(1, 1000000));
+  c.run->add_option("--trace", o.trace_path, "Write a Chrome trace of one step (run.trace_step) to this file");
+  c.run->add_flag("--json", o.json, "Print one JSON object instead of the tables");
+
+  c.keys = sim->add_subcommand("keys", "List every scenario key (--set/--sweep take them)");
+
+  c.calibrate = sim->add_subcommand(
+      "calibrate",
+      "Measure this machine's memory copy rate and print (or write) a hardware profile of the in-process backend "
+      "for `epx sim predict-exchange`");
+  c.calibrate->add_option("--mb", o.calibrate_mb, "MiB copied per thread per pass")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->capture_default_str();
+  c.calibrate->add_option("--threads", o.calibrate_threads, "Copy threads for the host rate; 0 = all cores")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
+  c.calibrate->add_option("--out", o.calibrate_out, "Write the profile here instead of stdout");
+
+  c.fit = sim->add_subcommand(
+      "fit",
+      "Fit the link model's efficiencies (nvlink, nic) of a profile on DeepEP's published EP8/EP16 points, then "
+      "predict other EP sizes and the decode shape (128 tokens per rank) without fitting");
+  c.fit->add_option("--profile", o.fit_profile, "Hardware profile (H800: the GPU DeepEP measured on)")
+      ->capture_default_str();
+  c.fit->add_option("--nic-stages-local-node", o.fit_stages_local_node,
+                    "Whether two-hop rows for the sender's own node also pass its NIC stage: true, false, or the "
+                    "profile's hardware.nic.stages_local_node")
+      ->check(CLI::IsMember({"profile", "true", "false"}))
+      ->capture_default_str();
+
+  c.predict = sim->add_subcommand(
+      "predict-exchange",
+      "Predict one dispatch and one combine of the in-process backend at `epx bench exchange`'s shape from a "
+      "profile (from `epx sim calibrate`)");
+  c.predict->add_option("--profile", o.profile_path, "Hardware profile TOML")->required();
+  c.predict->add_option("--tokens", o.tokens, "Tokens per rank")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  c.predict->add_option("--ranks", o.ranks, "Ranks")->check(CLI::Range(1, 4096))->capture_default_str();
+  c.predict->add_option("--nodes-shape", o.node_shape, "NODESxRANKS_PER_NODE")->capture_default_str();
+  c.predict->add_option("--hidden", o.hidden, "Elements per row")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  c.predict->add_option("--experts", o.experts, "Experts")->check(CLI::Range(1, 65536))->capture_default_str();
+  c.predict->add_option("--topk", o.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  c.predict->add_option("--dtype", o.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
+  return c;
+}
+
+int run_sim(const SimCommands& c, const SimOptions& o) {
+  if (*c.run) return run_scenario(o);
+  if (*c.keys) return run_keys();
+  if (*c.calibrate) return run_calibrate(o);
+  if (*c.fit) return run_fit(o);
+  if (*c.predict) return run_predict(o);
+  fmt::print(stderr, "epx sim: no subcommand given; see epx sim --help\n");
+  return kExitUsage;
+}
+
+}  // namespace epx::app

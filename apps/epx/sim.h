@@ -1,0 +1,53 @@
+// `epx sim`: the cluster simulator's command (run a scenario, sweep a key,
+// calibrate this machine, fit the link model to DeepEP's published points,
+// predict the in-process exchange).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+namespace epx::app {
+
+struct SimOptions {
+  // run
+  std::string scenario_path;
+  std::vector<std::string> sets;  // key=value
+  std::string sweep;              // key=v1,v2,...
+  int steps = 0;                  // 0 = the scenario's run.steps
+  std::string trace_path;
+  bool json = false;
+  // calibrate
+  int64_t calibrate_mb = 256;
+  int calibrate_threads = 0;
+  std::string calibrate_out;
+  // fit
+  std::string fit_profile = "configs/hardware/h800.toml";
+  std::string fit_stages_local_node = "profile";  // profile, true or false
+  // predict-exchange
+  std::string profile_path;
+  int tokens = 4096;
+  int ranks = 8;
+  std::string node_shape = "1x8";
+  int hidden = 7168;
+  int experts = 256;
+  int topk = 8;
+  std::string dtype = "bf16";
+};
+
+struct SimCommands {
+  CLI::App* run = nullptr;
+  CLI::App* keys = nullptr;
+  CLI::App* calibrate = nullptr;
+  CLI::App* fit = nullptr;
+  CLI::App* predict = nullptr;
+};
+
+// Adds `sim` and its subcommands bound to `options`.
+SimCommands add_sim_command(CLI::App& app, SimOptions& options);
+// Runs whichever subcommand was given; the exit code.
+int run_sim(const SimCommands& commands, const SimOptions& options);
+
+}  // namespace epx::app

@@ -1,0 +1,601 @@
+#include "epx/sim/simulator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "epx/balance/placement.h"
+#include "epx/core/random.h"
+#include "epx/routing/expert_bias.h"
+#include "epx/sim/cost.h"
+#include "epx/sim/traffic.h"
+
+namespace epx::sim {
+namespace {
+
+enum class Kind : uint8_t { kAttention, kRouter, kDispatch, kShared, kExperts, kCombine, kDense };
+constexpr const char* kKindNames[] = {"attention", "router", "dispatch", "shared", "experts", "combine", "dense"};
+constexpr int kNumKinds = 7;
+
+bool is_comm(Kind k) { return k == Kind::kDispatch || k == Kind::kCombine; }
+
+struct Task {
+  Kind kind;
+  int mb = 0;              // micro-batch of the pass (0, or 0/1 for two_micro_batch)
+  double fraction = 1.0;   // share of the layer's work (chunks)
+  std::vector<int> deps;   // program indices
+  bool layer_input = false;  // also waits for the micro-batch's previous layer
+};
+
+// The program of one layer pass: tasks in issue order. Comm tasks are issued
+// before the compute they overlap, which the slowdown model relies on.
+std::vector<Task> build_program(const std::string& overlap, int chunks, bool has_shared, bool backward) {
+  std::vector<Task> p;
+  auto add = [&p](Kind k, int mb, std::vector<int> deps, double fraction = 1.0, bool input = false) {
+    p.push_back(Task{k, mb, fraction, std::move(deps), input});
+    return static_cast<int>(p.size()) - 1;
+  };
+  const int num_mb = overlap == "two_micro_batch" ? 2 : 1;
+  if (!backward) {
+    std::vector<int> router(num_mb), disp(num_mb);
+    for (int mb = 0; mb < num_mb; ++mb) {
+      const int attn = add(Kind::kAttention, mb, {}, 1.0, true);
+      router[mb] = add(Kind::kRouter, mb, {attn});
+      if (overlap != "chunked") disp[mb] = add(Kind::kDispatch, mb, {router[mb]});
+    }
+    if (overlap == "chunked") {
+      std::vector<int> d(chunks);
+      d[0] = add(Kind::kDispatch, 0, {router[0]}, 1.0 / chunks);
+      if (has_shared) add(Kind::kShared, 0, {router[0]});
+      for (int i = 0; i < chunks; ++i) {
+        if (i + 1 < chunks) d[i + 1] = add(Kind::kDispatch, 0, {router[0]}, 1.0 / chunks);
+        const int e = add(Kind::kExperts, 0, {d[i]}, 1.0 / chunks);
+        add(Kind::kCombine, 0, {e}, 1.0 / chunks);
+      }
+      return p;
+    }
+    for (int mb = 0; mb < num_mb; ++mb) {
+      // none: the shared experts wait for dispatch, so nothing overlaps.
+      if (has_shared) add(Kind::kShared, mb, {overlap == "none" ? disp[mb] : router[mb]});
+      const int e = add(Kind::kExperts, mb, {disp[mb]});
+      add(Kind::kCombine, mb, {e});
+    }
+    return p;
+  }
+  // Backward: gradient of combine (dispatch-shaped), experts, gradient of
+  // dispatch (combine-shaped), then attention and router.
+  if (overlap == "chunked") {
+    std::vector<int> d(chunks), c(chunks);
+    d[0] = add(Kind::kDispatch, 0, {}, 1.0 / chunks, true);
+    if (has_shared) add(Kind::kShared, 0, {}, 1.0, true);
+    for (int i = 0; i < chunks; ++i) {
+      if (i + 1 < chunks) d[i + 1] = add(Kind::kDispatch, 0, {}, 1.0 / chunks, true);
+      const int e = add(Kind::kExperts, 0, {d[i]}, 1.0 / chunks);
+      c[i] = add(Kind::kCombine, 0, {e}, 1.0 / chunks);
+    }
+    const int r = add(Kind::kRouter, 0, c);
+    add(Kind::kAttention, 0, {r});
+    return p;
+  }
+  std::vector<int> disp(num_mb), comb(num_mb);
+  for (int mb = 0; mb < num_mb; ++mb) disp[mb] = add(Kind::kDispatch, mb, {}, 1.0, true);
+  for (int mb = 0; mb < num_mb; ++mb) {
+    if (has_shared) add(Kind::kShared, mb, {overlap == "none" ? disp[mb] : -1}, 1.0, true);
+    const int e = add(Kind::kExperts, mb, {disp[mb]});
+    comb[mb] = add(Kind::kCombine, mb, {e});
+  }
+  for (int mb = 0; mb < num_mb; ++mb) {
+    const int r = add(Kind::kRouter, mb, {comb[mb]});
+    add(Kind::kAttention, mb, {r});
+  }
+  return p;
+}
+
+struct Interval {
+  double begin, end;
+};
+
+// Finish time of `work` seconds of compute started at `start` on a GPU whose
+// communication is busy during `comm` (sorted by begin and by end, disjoint: one
+// stream): slower by `slow` there.
+double run_compute(double start, double work, const std::vector<Interval>& comm, double slow) {
+  double t = start;
+  auto first = std::upper_bound(comm.begin(), comm.end(), start,
+                                [](double v, const Interval& c) { return v < c.end; });
+  for (auto it = first; it != comm.end(); ++it) {
+    const Interval& c = *it;
+    if (work <= 0) break;
+    if (c.end <= t) continue;
+    if (c.begin > t) {
+      const double free = std::min(work, c.begin - t);
+      work -= free;
+      t += free;
+      if (work <= 0) break;
+    }
+    const double capacity = (c.end - t) / slow;
+    if (work <= capacity) return t + work * slow;
+    work -= capacity;
+    t = c.end;
+  }
+  return t + work;
+}
+
+double overlap_of(const std::vector<Interval>& a, const std::vector<Interval>& b) {
+  double total = 0;
+  std::size_t j = 0;
+  for (const Interval& x : a) {
+    while (j < b.size() && b[j].end <= x.begin) ++j;
+    for (std::size_t k = j; k < b.size() && b[k].begin < x.end; ++k)
+      total += std::max(0.0, std::min(x.end, b[k].end) - std::max(x.begin, b[k].begin));
+  }
+  return total;
+}
+
+// Costs of one MoE layer for one EP group, forward and backward.
+struct LayerCosts {
+  AllToAllCost dispatch, combine, dispatch_bwd, combine_bwd;
+  std::vector<double> slot_rows;  // [slots]
+  int slots_per_gpu = 0;
+  bool moe = true;
+};
+
+// Per-GPU state of one EP group walking through its stage's layers.
+struct GroupClock {
+  std::vector<double> compute_free, comm_free;
+  std::vector<std::vector<double>> ready;  // [mb][gpu]: the micro-batch's last layer output
+  std::vector<double> busy, comm_time;
+  std::vector<std::array<double, kNumKinds>> kind_s;
+  // Every interval of the stage on each GPU's streams, in time order (each
+  // stream runs one task at a time): later layers' compute can overlap an
+  // earlier layer's communication.
+  std::vector<std::vector<Interval>> comm, compute;
+};
+
+class Simulator {
+ public:
+  Simulator(const Scenario& s, const SimOptions& o) : s_(s), o_(o) {}
+  Result<SimResult> run();
+
+ private:
+  Status prepare();
+  Status load_trace();
+  void step_popularity(int step);
+  Status route_layer(int step, int layer, int group, const Topology& topo, LayerCosts* costs, GroupTraffic* traffic);
+  void run_pass(const LayerCosts& costs, bool backward, GroupClock& clock, std::vector<TraceSpan>* trace);
+  double compute_seconds(Kind kind, const LayerCosts& costs, int gpu, double fraction, bool backward) const;
+  Status end_of_step(int step);
+
+  const Scenario& s_;
+  const SimOptions& o_;
+  int R_ = 0, nodes_per_group_ = 1, groups_ = 0, units_ = 1, num_mb_ = 1;
+  double peak_ = 0;
+  int64_t T_ = 0;
+  RouterConfig router_;
+  std::vector<std::vector<double>> log_pop_;     // [layer][expert], drifting
+  std::vector<std::vector<double>> trace_pop_;   // [line * moe_layers + layer][expert]
+  int trace_layers_ = 0;
+  std::vector<ExpertBias> bias_;                 // [layer]
+  std::vector<std::optional<RedundantPlacement>> redundant_;  // [layer] (eplb)
+  std::vector<std::optional<ExpertPlacement>> placement_;     // [layer]
+  std::vector<std::vector<double>> eplb_load_;   // [layer][expert] since the last placement
+  std::vector<std::vector<int64_t>> step_load_;  // [layer][expert] this step, all groups
+  std::vector<int64_t> dropped_;                 // [layer] this step, all groups (sampled pairs)
+  std::vector<Task> fwd_, bwd_;
+  int64_t routed_ = 0;
+};
+
+Status Simulator::load_trace() {
+  std::ifstream in(s_.routing.trace);
+  if (!in) return not_found("routing.trace = '{}' cannot be opened", s_.routing.trace);
+  std::string line;
+  int lineno = 0;
+  while (std::getline(in, line)) {
+    ++lineno;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      return invalid_argument("{}:{}: not JSON ({})", s_.routing.trace, lineno, e.what());
+    }
+    if (!j.contains("layers") || !j["layers"].is_array() || j["layers"].empty())
+      return invalid_argument("{}:{}: no \"layers\" array (the format epx train --metrics writes)", s_.routing.trace,
+                              lineno);
+    const int layers = static_cast<int>(j["layers"].size());
+    if (trace_layers_ != 0 && layers != trace_layers_)
+      return invalid_argument("{}:{}: {} layers, the first line had {}", s_.routing.trace, lineno, layers, trace_layers_);
+    trace_layers_ = layers;
+    for (int l = 0; l < layers; ++l) {
+      const auto& counts = j["layers"][l]["tokens_per_expert"];
+      if (!counts.is_array() || static_cast<int>(counts.size()) != s_.model.experts)
+        return invalid_argument("{}:{}: layers[{}].tokens_per_expert must list model.experts = {} counts", s_.routing.trace,
+                                lineno, l, s_.model.experts);
+      std::vector<double> pop(s_.model.experts);
+      for (int e = 0; e < s_.model.experts; ++e) {
+        if (!counts[e].is_number() || counts[e].get<double>() < 0)
+          return invalid_argument("{}:{}: layers[{}].tokens_per_expert[{}] is not a count >= 0", s_.routing.trace,
+                                  lineno, l, e);
+        pop[e] = std::log(counts[e].get<double>() + 1.0);
+      }
+      trace_pop_.push_back(std::move(pop));
+    }
+  }
+  if (trace_pop_.empty()) return invalid_argument("routing.trace = '{}' holds no steps", s_.routing.trace);
+  return Status::ok();
+}
+
+Status Simulator::prepare() {
+  const ModelConfig& m = s_.model;
+  const ParallelismConfig& p = s_.parallelism;
+  R_ = p.ep;
+  nodes_per_group_ = std::max(1, p.ep / s_.cluster.gpus_per_node);
+  const int per_stage = s_.ep_groups_per_stage();
+  groups_ = s_.run.ep_groups > 0 ? std::min(s_.run.ep_groups, per_stage) : per_stage;
+  num_mb_ = s_.schedule.overlap == "two_micro_batch" ? 2 : 1;
+  units_ = p.micro_batches / num_mb_;
+  peak_ = m.compute_dtype == "fp8" ? s_.hardware.fp8_flops : s_.hardware.bf16_flops;
+  T_ = p.tokens_per_gpu;
+  router_ = make_router_config(m);
+  EPX_RETURN_IF_ERROR(router_.validate());
+
+  const int L = m.layers;
+  log_pop_.assign(L, std::vector<double>(m.experts, 0.0));
+  const uint64_t seed = s_.routing.seed;
+  for (int l = 0; l < L; ++l) {
+    std::vector<double>& pop = log_pop_[l];
+    if (s_.routing.distribution == "zipf") {
+      std::vector<int> perm(m.experts);
+      std::iota(perm.begin(), perm.end(), 0);
+      for (int i = m.experts - 1; i > 0; --i)  // Fisher-Yates, the layer's own order
+        std::swap(perm[i], perm[static_cast<int>(uniform01(seed, 7000 + l, i) * (i + 1))]);
+      for (int i = 0; i < m.experts; ++i) pop[perm[i]] = -s_.routing.zipf_s * std::log(i + 1.0);
+    } else if (s_.routing.distribution == "lognormal") {
+      for (int e = 0; e < m.experts; ++e) pop[e] = s_.routing.lognormal_sigma * standard_normal(seed, 9000 + l, e);
+    }
+  }
+  if (s_.routing.distribution == "trace") EPX_RETURN_IF_ERROR(load_trace());
+
+  const float rate = static_cast<float>(s_.balancing.bias_rate);
+  bias_.assign(L, ExpertBias(m.experts, rate));
+  redundant_.assign(L, std::nullopt);
+  placement_.assign(L, std::nullopt);
+  eplb_load_.assign(L, std::vector<double>(m.experts, 0.0));
+  step_load_.assign(L, std::vector<int64_t>(m.experts, 0));
+  dropped_.assign(L, 0);
+  for (int l = m.dense_layers; l < L; ++l) {
+    if (s_.balancing.strategy == "eplb") {
+      std::vector<double> even(m.experts, 1.0);
+      PlacementConfig pc;
+      pc.num_slots = m.experts + s_.balancing.eplb_redundant * R_;
+      if (pc.num_slots % R_ != 0) pc.num_slots += R_ - pc.num_slots % R_;
+      pc.num_nodes = nodes_per_group_;
+      pc.ranks_per_node = R_ / nodes_per_group_;
+      pc.num_groups = m.groups > 1 ? m.groups : 0;
+      auto placed = place_experts(even, pc);
+      if (!placed.is_ok()) return invalid_argument("balancing.strategy = 'eplb': {}", placed.status().message());
+      redundant_[l] = std::move(placed).value();
+      EPX_ASSIGN_OR_RETURN(ExpertPlacement ep, redundant_[l]->to_expert_placement());
+      placement_[l] = std::move(ep);
+    } else {
+      EPX_ASSIGN_OR_RETURN(ExpertPlacement ep, ExpertPlacement::contiguous(m.experts, R_));
+      placement_[l] = std::move(ep);
+    }
+  }
+  const bool shared = m.shared_experts > 0;
+  fwd_ = build_program(s_.schedule.overlap, s_.schedule.chunks, shared, false);
+  bwd_ = build_program(s_.schedule.overlap, s_.schedule.chunks, shared, true);
+  return Status::ok();
+}
+
+void Simulator::step_popularity(int step) {
+  if (s_.routing.drift <= 0 || step == 0) return;
+  for (int l = 0; l < s_.model.layers; ++l)
+    for (int e = 0; e < s_.model.experts; ++e)
+      log_pop_[l][e] += s_.routing.drift * standard_normal(s_.routing.seed, 11000 + l, uint64_t(step) * 65536 + e);
+}
+
+Status Simulator::route_layer(int step, int layer, int group, const Topology& topo, LayerCosts* costs,
+                              GroupTraffic* traffic) {
+  const ModelConfig& m = s_.model;
+  std::vector<double> pop;
+  if (!trace_pop_.empty()) {
+    const int lines = static_cast<int>(trace_pop_.size()) / trace_layers_;
+    const int moe_layer = (layer - m.dense_layers) % trace_layers_;
+    pop = trace_pop_[static_cast<std::size_t>(step % lines) * trace_layers_ + moe_layer];
+  } else {
+    pop = log_pop_[layer];
+  }
+  if (s_.balancing.strategy == "aux")
+    for (double& v : pop) v *= 1.0 - s_.balancing.aux_skew_reduction;
+  RouteRequest q;
+  q.router = &router_;
+  q.placement = &*placement_[layer];
+  q.topology = &topo;
+  if (redundant_[layer]) q.replicas = redundant_[layer]->replica_table();
+  q.log_popularity = pop;
+  if (s_.balancing.strategy == "bias") q.expert_bias = bias_[layer].values();
+  q.tokens_per_gpu = T_;
+  q.sample_tokens = s_.routing.sample_tokens;
+  q.seed = s_.routing.seed;
+  q.stream = (static_cast<uint64_t>(step) * s_.model.layers + layer) * 65536 + group;
+  q.threads = s_.run.threads > 0 ? s_.run.threads : std::max(1u, std::thread::hardware_concurrency());
+  EPX_RETURN_IF_ERROR(route_group(q, traffic));
+  routed_ += R_;
+  for (int e = 0; e < m.experts; ++e) step_load_[layer][e] += traffic->expert_load[e];
+  dropped_[layer] += traffic->num_dropped;
+
+  const bool two_hop = s_.parallelism.dispatch == "two_hop" && topo.num_nodes() > 1;
+  EPX_ASSIGN_OR_RETURN(int64_t disp_bytes, row_bytes(m.dispatch_dtype, m.hidden));
+  EPX_ASSIGN_OR_RETURN(int64_t comb_bytes, row_bytes(m.combine_dtype, m.hidden));
+  EPX_ASSIGN_OR_RETURN(int64_t remote_bytes,
+                       row_bytes(m.combine_remote_dtype.empty() ? m.combine_dtype : m.combine_remote_dtype, m.hidden));
+  const HardwareProfile& h = s_.hardware;
+  costs->dispatch = all_to_all(*traffic, topo, h, {two_hop, false, double(disp_bytes), 0});
+  costs->combine = all_to_all(*traffic, topo, h, {two_hop, true, double(comb_bytes), double(remote_bytes)});
+  // Backward moves gradients in the combine dtype both ways.
+  costs->dispatch_bwd = all_to_all(*traffic, topo, h, {two_hop, false, double(comb_bytes), double(remote_bytes)});
+  costs->combine_bwd = all_to_all(*traffic, topo, h, {two_hop, true, double(comb_bytes), double(remote_bytes)});
+  costs->slot_rows = traffic->slot_rows;
+  costs->slots_per_gpu = static_cast<int>(traffic->slot_rows.size()) / R_;
+  costs->moe = true;
+  return Status::ok();
+}
+
+double Simulator::compute_seconds(Kind kind, const LayerCosts& c, int gpu, double fraction, bool backward) const {
+  const ModelConfig& m = s_.model;
+  const HardwareProfile& h = s_.hardware;
+  const double tokens = static_cast<double>(T_) * fraction;
+  const double dense_rate = peak_ * gemm_efficiency(tokens, h);
+  const double attn = m.attention_flops_per_token > 0 ? m.attention_flops_per_token : 8.0 * m.hidden * m.hidden;
+  const double expert_row = 6.0 * m.hidden * m.expert_hidden;
+  double seconds = 0;
+  switch (kind) {
+    case Kind::kAttention: seconds = tokens * attn / dense_rate; break;
+    case Kind::kRouter: seconds = tokens * 2.0 * m.hidden * m.experts / dense_rate; break;
+    case Kind::kShared: seconds = tokens * m.shared_experts * expert_row / dense_rate; break;
+    case Kind::kDense: seconds = tokens * (attn + 6.0 * m.hidden * m.dense_hidden) / dense_rate; break;
+    case Kind::kExperts: {
+      const std::span<const double> rows(c.slot_rows.data() + static_cast<std::size_t>(gpu) * c.slots_per_gpu,
+                                         c.slots_per_gpu);
+      seconds = grouped_gemm_time(rows, expert_row, peak_, h, fraction);
+      break;
+    }
+    default: break;
+  }
+  return backward ? 2.0 * seconds : seconds;
+}
+
+void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, std::vector<TraceSpan>* trace) {
+  const std::vector<Task>& prog = backward ? bwd_ : fwd_;
+  const std::vector<Task> dense_prog = {Task{Kind::kDense, 0, 1.0, {}, true}};
+  const std::vector<Task>& program = c.moe ? prog : dense_prog;
+  const int n = static_cast<int>(program.size());
+  const double slow = static_cast<double>(s_.hardware.sms) / (s_.hardware.sms - s_.hardware.comm_sms);
+  std::vector<std::vector<double>> finish(n, std::vector<double>(R_, 0.0));
+  for (int i = 0; i < n; ++i) {
+    const Task& t = program[i];
+    auto ready_of = [&](int g) {
+      double r = t.layer_input ? clk.ready[t.mb][g] : 0.0;
+      for (int d : t.deps)
+        if (d >= 0) r = std::max(r, finish[d][g]);
+      return r;
+    };
+    if (is_comm(t.kind)) {
+      const AllToAllCost& a2a = (t.kind == Kind::kDispatch) ? (backward ? c.dispatch_bwd : c.dispatch)
+                                                            : (backward ? c.combine_bwd : c.combine);
+      double start = 0;
+      for (int g = 0; g < R_; ++g) start = std::max(start, std::max(clk.comm_free[g], ready_of(g)));
+      for (int g = 0; g < R_; ++g) {
+        const double end = start + a2a.time(g, t.fraction);
+        finish[i][g] = end;
+        clk.comm_free[g] = end;
+        clk.comm[g].push_back({start, end});
+        clk.comm_time[g] += end - start;
+        clk.kind_s[g][static_cast<int>(t.kind)] += end - start;
+        if (trace) trace->push_back({kKindNames[static_cast<int>(t.kind)], 2 * g + 1, int64_t(start * 1e9), int64_t(end * 1e9)});
+      }
+    } else {
+      for (int g = 0; g < R_; ++g) {
+        const double start = std::max(clk.compute_free[g], ready_of(g));
+        const double work = compute_seconds(t.kind, c, g, t.fraction, backward);
+        const double end = run_compute(start, work, clk.comm[g], slow);
+        finish[i][g] = end;
+        clk.compute_free[g] = end;
+        clk.compute[g].push_back({start, end});
+        clk.busy[g] += end - start;
+        clk.kind_s[g][static_cast<int>(t.kind)] += end - start;
+        if (trace) trace->push_back({kKindNames[static_cast<int>(t.kind)], 2 * g, int64_t(start * 1e9), int64_t(end * 1e9)});
+      }
+    }
+  }
+  for (int g = 0; g < R_; ++g) {
+    for (int mb = 0; mb < num_mb_; ++mb) {
+      double out = 0;
+      for (int i = 0; i < n; ++i)
+        if (program[i].mb == mb) out = std::max(out, finish[i][g]);
+      clk.ready[mb][g] = out;
+    }
+  }
+}
+
+Status Simulator::end_of_step(int step) {
+  for (int l = s_.model.dense_layers; l < s_.model.layers; ++l) {
+    if (s_.balancing.strategy == "bias") EPX_RETURN_IF_ERROR(bias_[l].update(step_load_[l]));
+    if (s_.balancing.strategy == "eplb") {
+      for (int e = 0; e < s_.model.experts; ++e) eplb_load_[l][e] += static_cast<double>(step_load_[l][e]);
+      if ((step + 1) % s_.balancing.eplb_every == 0) {
+        PlacementConfig pc;
+        pc.num_slots = redundant_[l]->num_slots();
+        pc.num_nodes = nodes_per_group_;
+        pc.ranks_per_node = R_ / nodes_per_group_;
+        pc.num_groups = s_.model.groups > 1 ? s_.model.groups : 0;
+        EPX_ASSIGN_OR_RETURN(RedundantPlacement placed, place_experts(eplb_load_[l], pc));
+        EPX_ASSIGN_OR_RETURN(ExpertPlacement ep, placed.to_expert_placement());
+        redundant_[l] = std::move(placed);
+        placement_[l] = std::move(ep);
+        std::fill(eplb_load_[l].begin(), eplb_load_[l].end(), 0.0);
+      }
+    }
+  }
+  return Status::ok();
+}
+
+double max_vio_of(const std::vector<int64_t>& load) {
+  if (load.empty()) return 0.0;
+  const double total = std::accumulate(load.begin(), load.end(), 0.0);
+  if (total <= 0) return 0.0;
+  const double mx = static_cast<double>(*std::max_element(load.begin(), load.end()));
+  return mx / (total / static_cast<double>(load.size())) - 1.0;
+}
+
+Result<SimResult> Simulator::run() {
+  const auto wall_start = std::chrono::steady_clock::now();
+  EPX_RETURN_IF_ERROR(prepare());
+  const ModelConfig& m = s_.model;
+  const int pp = s_.parallelism.pp_stages;
+  const bool train = s_.parallelism.mode == "train";
+  EPX_ASSIGN_OR_RETURN(Topology topo, Topology::create(R_, nodes_per_group_));
+  SimResult result;
+  result.sampled_tokens = static_cast<int>(std::min<int64_t>(T_, s_.routing.sample_tokens));
+  result.sample_scale = static_cast<double>(T_) / result.sampled_tokens;
+  result.simulated_groups = groups_;
+  {
+    const double attn = m.attention_flops_per_token > 0 ? m.attention_flops_per_token : 8.0 * m.hidden * m.hidden;
+    const double moe = attn + 2.0 * m.hidden * m.experts + (m.topk + m.shared_experts) * 6.0 * m.hidden * m.expert_hidden;
+    const double dense = attn + 6.0 * m.hidden * m.dense_hidden;
+    result.model_flops_per_token = m.dense_layers * dense + (m.layers - m.dense_layers) * moe;
+  }
+  std::array<double, kNumKinds> kind_total{};
+  LayerCosts dense_costs;
+  dense_costs.moe = false;
+  GroupTraffic traffic;
+  for (int step = 0; step < s_.run.steps; ++step) {
+    step_popularity(step);
+    for (auto& v : step_load_) std::fill(v.begin(), v.end(), 0);
+    std::fill(dropped_.begin(), dropped_.end(), 0);
+    StepStats st;
+    std::vector<double> idle;
+    double exposed_sum = 0, comm_sum = 0;
+    int64_t gpus = 0;
+    std::array<double, kNumKinds> kinds{};
+    for (int stage = 0; stage < pp; ++stage) {
+      const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
+      for (int group = 0; group < groups_; ++group) {
+        // The trace shows the first stage that holds an MoE layer.
+        const bool moe_stage = l0 <= m.dense_layers && m.dense_layers < l1;
+        const bool tracing = o_.keep_trace && step == s_.run.trace_step && moe_stage && group == 0;
+        GroupClock clk;
+        clk.compute_free.assign(R_, 0.0);
+        clk.comm_free.assign(R_, 0.0);
+        clk.ready.assign(num_mb_, std::vector<double>(R_, 0.0));
+        clk.busy.assign(R_, 0.0);
+        clk.comm_time.assign(R_, 0.0);
+        clk.comm.assign(R_, {});
+        clk.compute.assign(R_, {});
+        clk.kind_s.assign(R_, {});
+        std::vector<LayerCosts> costs(l1 - l0);
+        const int global_group = stage * s_.ep_groups_per_stage() + group;
+        for (int l = l0; l < l1; ++l) {
+          if (l < m.dense_layers) {
+            costs[l - l0] = dense_costs;
+          } else {
+            EPX_RETURN_IF_ERROR(route_layer(step, l, global_group, topo, &costs[l - l0], &traffic));
+          }
+          run_pass(costs[l - l0], false, clk, tracing ? &result.trace : nullptr);
+        }
+        if (train)
+          for (int l = l1 - 1; l >= l0; --l) run_pass(costs[l - l0], true, clk, tracing ? &result.trace : nullptr);
+        double end = 0;
+        for (int g = 0; g < R_; ++g) end = std::max({end, clk.compute_free[g], clk.comm_free[g]});
+        st.stage_s = std::max(st.stage_s, end);
+        for (int g = 0; g < R_; ++g) {
+          idle.push_back(end > 0 ? 1.0 - clk.busy[g] / end : 0.0);
+          const double exposed = clk.comm_time[g] - overlap_of(clk.comm[g], clk.compute[g]);
+          exposed_sum += end > 0 ? exposed / end : 0.0;
+          comm_sum += end > 0 ? clk.comm_time[g] / end : 0.0;
+          for (int k = 0; k < kNumKinds; ++k) kinds[k] += clk.kind_s[g][k];
+        }
+        gpus += R_;
+        if (tracing) {
+          // The compute stream's gaps, named.
+          std::vector<TraceSpan> gaps;
+          std::vector<std::vector<std::pair<int64_t, int64_t>>> busy(R_);
+          for (const TraceSpan& sp : result.trace)
+            if (sp.rank % 2 == 0) busy[sp.rank / 2].push_back({sp.begin_ns, sp.end_ns});
+          for (int g = 0; g < R_; ++g) {
+            std::sort(busy[g].begin(), busy[g].end());
+            int64_t t = 0;
+            for (auto [b, e] : busy[g]) {
+              if (b > t) gaps.push_back({"idle", 2 * g, t, b});
+              t = std::max(t, e);
+            }
+            if (int64_t(end * 1e9) > t) gaps.push_back({"idle", 2 * g, t, int64_t(end * 1e9)});
+          }
+          result.trace.insert(result.trace.end(), gaps.begin(), gaps.end());
+        }
+      }
+    }
+    st.step_s = (units_ + pp - 1) * st.stage_s;
+    st.worst_idle = *std::max_element(idle.begin(), idle.end());
+    st.mean_idle = std::accumulate(idle.begin(), idle.end(), 0.0) / static_cast<double>(idle.size());
+    st.exposed_comm = exposed_sum / static_cast<double>(gpus);
+    st.comm_share = comm_sum / static_cast<double>(gpus);
+    st.tokens_per_s_per_gpu = static_cast<double>(T_) * s_.parallelism.micro_batches / pp / st.step_s;
+    st.mfu = (train ? 3.0 : 1.0) * result.model_flops_per_token * st.tokens_per_s_per_gpu / peak_;
+    for (int l = m.dense_layers; l < m.layers; ++l) st.max_vio = std::max(st.max_vio, max_vio_of(step_load_[l]));
+    for (int k = 0; k < kNumKinds; ++k) kind_total[k] += kinds[k] / static_cast<double>(gpus);
+    for (int l = m.dense_layers; l < m.layers; ++l) st.dropped += dropped_[l];
+    EPX_RETURN_IF_ERROR(end_of_step(step));
+    result.steps.push_back(st);
+  }
+  auto collect = [&](auto member) {
+    std::vector<double> v;
+    for (const StepStats& st : result.steps) v.push_back(st.*member);
+    return percentiles(std::move(v));
+  };
+  Summary& sum = result.summary;
+  sum.step_s = collect(&StepStats::step_s);
+  sum.worst_idle = collect(&StepStats::worst_idle);
+  sum.exposed_comm = collect(&StepStats::exposed_comm);
+  sum.comm_share = collect(&StepStats::comm_share);
+  sum.tokens_per_s_per_gpu = collect(&StepStats::tokens_per_s_per_gpu);
+  sum.mfu = collect(&StepStats::mfu);
+  sum.max_vio = collect(&StepStats::max_vio);
+  for (int k = 0; k < kNumKinds; ++k)
+    if (kind_total[k] > 0) sum.phase_s.emplace_back(kKindNames[k], kind_total[k] / s_.run.steps);
+  result.routed_gpu_layers = routed_;
+  result.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  return result;
+}
+
+}  // namespace
+
+Percentiles percentiles(std::vector<double> values) {
+  Percentiles p;
+  if (values.empty()) return p;
+  std::sort(values.begin(), values.end());
+  auto at = [&](double q) {
+    const double rank = std::ceil(q * static_cast<double>(values.size()));
+    const std::size_t idx = rank < 1 ? 0 : static_cast<std::size_t>(rank) - 1;
+    return values[std::min(values.size() - 1, idx)];
+  };
+  p.p50 = at(0.5);
+  p.p99 = at(0.99);
+  p.mean = std::accumulate(values.begin(), values.end(), 0.0) / static_cast<double>(values.size());
+  return p;
+}
+
+Result<SimResult> simulate(const Scenario& scenario, const SimOptions& options) {
+  EPX_RETURN_IF_ERROR(scenario.validate());
+  Simulator sim(scenario, options);
+  return sim.run();
+}
+
+}  // namespace epx::sim

@@ -1,0 +1,172 @@
+#include "epx/sim/traffic.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <thread>
+
+#include "epx/core/random.h"
+#include "epx/exchange/layout.h"
+#include "epx/routing/replicas.h"
+
+namespace epx::sim {
+namespace {
+
+// Gumbel(0, 1) at 2^16 evenly spaced quantiles: a draw is one table lookup
+// per 16 random bits.
+const std::array<float, 65536>& gumbel_table() {
+  static const std::array<float, 65536> table = [] {
+    std::array<float, 65536> t{};
+    for (std::size_t i = 0; i < t.size(); ++i)
+      t[i] = static_cast<float>(-std::log(-std::log((static_cast<double>(i) + 0.5) / 65536.0)));
+    return t;
+  }();
+  return table;
+}
+
+// What one GPU's routing adds to the group's traffic.
+struct RankResult {
+  std::vector<int32_t> per_rank;
+  std::vector<int32_t> per_node;
+  std::vector<int32_t> per_slot;
+  std::vector<int64_t> per_expert;
+  int64_t dropped = 0;
+};
+
+Status layout_into(const std::vector<int32_t>& topk_idx, int num_tokens, int topk, const ExpertPlacement& placement,
+                   const Topology& topology, DispatchLayout* layout, RankResult* out) {
+  const TensorView view = TensorView::contiguous(topk_idx.data(), DType::kI32, {num_tokens, topk});
+  EPX_RETURN_IF_ERROR(compute_layout(view, placement, topology, layout));
+  out->per_rank = layout->num_tokens_per_rank;
+  out->per_node = layout->num_tokens_per_node;
+  out->per_slot = layout->num_tokens_per_expert;
+  return Status::ok();
+}
+
+Status route_one(const RouteRequest& q, int rank, int num_tokens, std::vector<float>& logits, DispatchLayout& layout,
+                 RankResult* out) {
+  const int E = q.router->num_experts;
+  const auto& table = gumbel_table();
+  logits.resize(static_cast<std::size_t>(num_tokens) * E);
+  const uint64_t stream = q.stream * 1000003ull + static_cast<uint64_t>(rank);
+  for (int t = 0; t < num_tokens; ++t) {
+    uint64_t state = random_bits(q.seed, stream, static_cast<uint64_t>(t));
+    float* row = logits.data() + static_cast<std::size_t>(t) * E;
+    uint64_t bits = 0;
+    for (int e = 0; e < E; ++e) {
+      if ((e & 3) == 0) bits = mix64(state += kGoldenGamma);
+      row[e] = static_cast<float>(q.log_popularity[e]) + table[bits & 0xFFFF];
+      bits >>= 16;
+    }
+  }
+  const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {num_tokens, E});
+  const TensorView bias_view =
+      q.expert_bias.empty() ? TensorView{} : TensorView::contiguous(q.expert_bias.data(), DType::kF32, {E});
+  EPX_ASSIGN_OR_RETURN(RouterOutput routed, route(*q.router, logits_view, bias_view));
+  out->per_expert = routed.tokens_per_expert;
+  out->dropped = routed.num_dropped;
+  if (q.replicas.empty())
+    return layout_into(routed.topk_idx, num_tokens, q.router->topk, *q.placement, *q.topology, &layout, out);
+  EPX_ASSIGN_OR_RETURN(std::vector<int32_t> slots,
+                       map_to_replicas(q.replicas, routed.topk_idx, q.router->topk, ReplicaChoice::kTokenModulo));
+  return layout_into(slots, num_tokens, q.router->topk, *q.placement, *q.topology, &layout, out);
+}
+
+void accumulate(const std::vector<RankResult>& ranks, double scale, GroupTraffic* out) {
+  const int R = out->num_ranks;
+  for (int s = 0; s < R; ++s) {
+    const RankResult& r = ranks[s];
+    for (int d = 0; d < R; ++d) out->pairs[static_cast<std::size_t>(s) * R + d] = r.per_rank[d] * scale;
+    for (int n = 0; n < out->num_nodes; ++n)
+      out->node_pairs[static_cast<std::size_t>(s) * out->num_nodes + n] = r.per_node[n] * scale;
+    for (std::size_t e = 0; e < r.per_slot.size(); ++e) out->slot_rows[e] += r.per_slot[e] * scale;
+    for (std::size_t e = 0; e < r.per_expert.size(); ++e) out->expert_load[e] += r.per_expert[e];
+    out->num_dropped += r.dropped;
+  }
+}
+
+void reset(GroupTraffic* out, int R, int N, int slots, int experts) {
+  out->num_ranks = R;
+  out->num_nodes = N;
+  out->pairs.assign(static_cast<std::size_t>(R) * R, 0.0);
+  out->node_pairs.assign(static_cast<std::size_t>(R) * N, 0.0);
+  out->slot_rows.assign(slots, 0.0);
+  out->expert_load.assign(experts, 0);
+  out->num_dropped = 0;
+}
+
+}  // namespace
+
+RouterConfig make_router_config(const ModelConfig& m) {
+  RouterConfig router;
+  router.num_experts = m.experts;
+  router.topk = m.topk;
+  router.score_function = m.score == "softmax" ? ScoreFunction::kSoftmax : ScoreFunction::kSigmoid;
+  router.normalize_weights = true;
+  router.num_groups = m.groups;
+  router.topk_groups = m.groups > 1 ? m.topk_groups : 1;
+  router.capacity_factor = m.capacity_factor;
+  return router;
+}
+
+Status route_group(const RouteRequest& q, GroupTraffic* out) {
+  if (q.router == nullptr || q.placement == nullptr || q.topology == nullptr)
+    return invalid_argument("route_group needs a router config, a placement and a topology");
+  const int E = q.router->num_experts;
+  if (static_cast<int>(q.log_popularity.size()) != E)
+    return invalid_argument("log_popularity has {} entries; the router has {} experts", q.log_popularity.size(), E);
+  if (!q.expert_bias.empty() && static_cast<int>(q.expert_bias.size()) != E)
+    return invalid_argument("expert_bias has {} entries; the router has {} experts", q.expert_bias.size(), E);
+  if (q.tokens_per_gpu < 1 || q.sample_tokens < 1)
+    return invalid_argument("tokens_per_gpu = {} and sample_tokens = {} must be at least 1", q.tokens_per_gpu,
+                            q.sample_tokens);
+  const int R = q.topology->num_ranks();
+  const int num_tokens = static_cast<int>(std::min<int64_t>(q.tokens_per_gpu, q.sample_tokens));
+  std::vector<RankResult> ranks(R);
+  std::vector<Status> status(R, Status::ok());
+  // A thread per call costs tens of microseconds: worth it only for big groups.
+  const int64_t scores = static_cast<int64_t>(R) * num_tokens * E;
+  const int threads = std::max(1, std::min({q.threads, R, static_cast<int>(scores >> 20)}));
+  auto work = [&](int first) {
+    std::vector<float> logits;
+    DispatchLayout layout;
+    for (int r = first; r < R; r += threads) status[r] = route_one(q, r, num_tokens, logits, layout, &ranks[r]);
+  };
+  if (threads == 1) {
+    work(0);
+  } else {
+    std::vector<std::jthread> pool;
+    for (int i = 0; i < threads; ++i) pool.emplace_back(work, i);
+  }
+  for (const Status& s : status) EPX_RETURN_IF_ERROR(s);
+  reset(out, R, q.topology->num_nodes(), q.placement->num_experts(), E);
+  out->tokens_per_gpu = q.tokens_per_gpu;
+  out->scale = static_cast<double>(q.tokens_per_gpu) / num_tokens;
+  accumulate(ranks, out->scale, out);
+  return Status::ok();
+}
+
+Result<GroupTraffic> traffic_from_routing(std::span<const std::vector<int32_t>> topk_idx, int topk,
+                                          const ExpertPlacement& placement, const Topology& topology) {
+  const int R = topology.num_ranks();
+  if (static_cast<int>(topk_idx.size()) != R)
+    return invalid_argument("{} routings given for {} ranks", topk_idx.size(), R);
+  if (topk < 1) return invalid_argument("topk = {} is below 1", topk);
+  std::vector<RankResult> ranks(R);
+  DispatchLayout layout;
+  for (int r = 0; r < R; ++r) {
+    if (topk_idx[r].size() % topk != 0)
+      return invalid_argument("rank {}: topk_idx has {} entries, not a multiple of topk = {}", r, topk_idx[r].size(),
+                              topk);
+    const int num_tokens = static_cast<int>(topk_idx[r].size() / topk);
+    EPX_RETURN_IF_ERROR(layout_into(topk_idx[r], num_tokens, topk, placement, topology, &layout, &ranks[r]));
+  }
+  GroupTraffic out;
+  reset(&out, R, topology.num_nodes(), placement.num_experts(), placement.num_experts());
+  out.scale = 1.0;
+  for (RankResult& r : ranks) r.per_expert.assign(r.per_slot.begin(), r.per_slot.end());
+  accumulate(ranks, 1.0, &out);
+  return out;
+}
+
+}  // namespace epx::sim
