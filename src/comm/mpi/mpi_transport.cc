@@ -334,27 +334,28 @@ class MpiPeerMemory final : public PeerMemory {
   ~MpiPeerMemory() override {
     MpiState& s = *state_;
     s.remove_window(win_);
-    if (s.failed()) return;  // a peer may never come: leak the window rather than hang
     // MPI_Win_free is a blocking collective of the node: enter it only once
-    // every rank of the node is here, freeing the same window.
+    // every rank of the node is here, freeing the same window, and none has
+    // failed. The gate is posted whatever this rank's state, so that all
+    // ranks of the node decide together from the same (id, failed) pairs.
     int node_size = 0;
     MPI_Comm_size(s.node, &node_size);
-    std::vector<uint64_t> ids(static_cast<std::size_t>(node_size));
+    const uint64_t mine[2] = {id_, s.failed() ? uint64_t{1} : uint64_t{0}};
+    auto* all = new std::vector<uint64_t>(2 * static_cast<std::size_t>(node_size));
     MPI_Request request = MPI_REQUEST_NULL;
-    if (MPI_Iallgather(&id_, 1, MPI_UINT64_T, ids.data(), 1, MPI_UINT64_T, s.node, &request) != MPI_SUCCESS) return;
-    if (!s.wait_gate(&request, fmt::format("freeing peer memory #{}", id_)).is_ok()) {
-      // Freed on this rank only: `ids` stays MPI's until the request ends.
-      new std::vector<uint64_t>(std::move(ids));
-      return;
-    }
-    for (int i = 0; i < node_size; ++i)
-      if (ids[i] != id_) {
+    if (MPI_Iallgather(mine, 2, MPI_UINT64_T, all->data(), 2, MPI_UINT64_T, s.node, &request) != MPI_SUCCESS) return;
+    if (!s.wait_gate(&request, fmt::format("freeing peer memory #{}", id_)).is_ok()) return;  // `all` stays MPI's
+    std::unique_ptr<std::vector<uint64_t>> owned(all);
+    for (int i = 0; i < node_size; ++i) {
+      if ((*all)[2 * i + 1] != 0) return;  // a rank of the node failed: every rank leaks the window
+      if ((*all)[2 * i] != id_) {
         s.fail(failed_precondition(
             "rank {} freed peer memory #{} while rank {} of its node freed #{}: every rank must free its PeerMemory "
             "objects in the same order; both windows are leaked",
-            state_->rank, id_, state_->topology.rank_of(state_->topology.node_of(state_->rank), i), ids[i]));
+            s.rank, id_, s.topology.rank_of(s.topology.node_of(s.rank), i), (*all)[2 * i]));
         return;
       }
+    }
     MPI_Win_unlock_all(win_);
     MPI_Win_free(&win_);
   }

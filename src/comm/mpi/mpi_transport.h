@@ -36,9 +36,10 @@
 // zero-filled, then a node barrier. Allocation and free are blocking
 // collectives of the node, so each is entered only after a gate round
 // (wait_gate) that every rank of the node finishes once any has; a
-// PeerMemory's free also checks that the node's ranks free the same window
-// (the n-th made on each), else it leaks the window and poisons the
-// transport rather than pair frees of different windows.
+// PeerMemory's free gathers (window number, failed) from the node's ranks
+// and frees only when all free the same window (the n-th made on each) and
+// none has failed; otherwise every rank leaks it (and a mismatch fails the
+// transport) rather than pair frees of different windows.
 // Windows are held in a passive epoch (MPI_Win_lock_all) and every barrier
 // runs MPI_Win_sync on each live window before and after, which is what the
 // MPI memory model asks for direct loads and stores to be seen by peers.
