@@ -24,7 +24,7 @@ using detail::CollectiveOp;
 using detail::MpiState;
 
 // Set by the first failure of any transport of this process: MpiSession then
-// skips MPI_Finalize.
+// waits only 3 s for the other processes before it finalizes (or exits without).
 std::atomic<bool> g_failed{false};
 
 constexpr std::size_t kWindowAlignment = 64;
@@ -46,22 +46,31 @@ int error_class(int code) {
   return cls;
 }
 
-// The start time of process `pid` (field 22 of /proc/PID/stat, clock ticks
-// since boot), or 0 when unreadable. With the pid it names one process even
-// if the pid is reused.
-uint64_t start_ticks(int64_t pid) {
+// What /proc/PID/stat says of a process: its state letter and its start
+// time (field 22, clock ticks since boot; with the pid it names one process
+// even if the pid is reused). False when unreadable (gone, or no /proc).
+bool read_proc_stat(int64_t pid, char* state, uint64_t* ticks) {
   std::ifstream stat(fmt::format("/proc/{}/stat", pid));
   std::string line;
-  if (!std::getline(stat, line)) return 0;
+  if (!std::getline(stat, line)) return false;
   const std::size_t paren = line.rfind(')');
-  if (paren == std::string::npos) return 0;
-  std::size_t at = paren + 2;  // field 3 (state)
+  if (paren == std::string::npos || paren + 2 >= line.size()) return false;
+  *state = line[paren + 2];  // field 3
+  std::size_t at = paren + 2;
   for (int field = 3; field < 22 && at < line.size(); ++field) {
     at = line.find(' ', at);
-    if (at == std::string::npos) return 0;
+    if (at == std::string::npos) return false;
     ++at;
   }
-  return std::strtoull(line.c_str() + at, nullptr, 10);
+  *ticks = std::strtoull(line.c_str() + at, nullptr, 10);
+  return true;
+}
+
+// Process `pid`'s start time, or 0 when unreadable.
+uint64_t start_ticks(int64_t pid) {
+  char state = 0;
+  uint64_t ticks = 0;
+  return read_proc_stat(pid, &state, &ticks) ? ticks : 0;
 }
 
 // True when process `pid` of this host, started at `ticks` (0: unknown), has
@@ -69,13 +78,10 @@ uint64_t start_ticks(int64_t pid) {
 bool process_gone(int64_t pid, uint64_t ticks) {
   if (pid <= 0) return false;
   if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return true;
-  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
-  std::string line;
-  if (!std::getline(stat, line)) return false;  // no /proc: trust kill()
-  const std::size_t paren = line.rfind(')');
-  if (paren != std::string::npos && paren + 2 < line.size() && (line[paren + 2] == 'Z' || line[paren + 2] == 'X'))
-    return true;
-  return ticks != 0 && start_ticks(pid) != ticks;
+  char state = 0;
+  uint64_t now_ticks = 0;
+  if (!read_proc_stat(pid, &state, &now_ticks)) return false;  // no /proc: trust kill()
+  return state == 'Z' || state == 'X' || (ticks != 0 && now_ticks != ticks);
 }
 
 // Spins, then yields, then sleeps: the caller waits for a peer that may need
@@ -199,17 +205,19 @@ Status MpiState::check_world(std::string_view what, int64_t waited_ms, bool forc
     g_failed.store(true, std::memory_order_release);
     return cause;
   }
-  // A process of this host that is gone.
+  return check_host_peers(what, waited_ms, force_liveness);
+}
+
+Status MpiState::check_host_peers(std::string_view what, int64_t waited_ms, bool force) {
   const auto now = Clock::now();
-  if (force_liveness || now - last_liveness >= options.liveness_interval) {
-    last_liveness = now;
-    for (int r : host_ranks) {
-      if (!process_gone(pids[r], start_ticks[r])) continue;
-      Status gone = aborted("rank {} (pid {} on {}) is gone: the process exited or was killed; rank {} noticed after {} ms in {}",
-                            r, pids[r], hosts[r], rank, waited_ms, what);
-      fail(gone);
-      return gone;
-    }
+  if (!force && now - last_liveness < options.liveness_interval) return Status::ok();
+  last_liveness = now;
+  for (int r : host_ranks) {
+    if (!process_gone(pids[r], start_ticks[r])) continue;
+    Status gone = aborted("rank {} (pid {} on {}) is gone: the process exited or was killed; rank {} noticed after {} ms in {}",
+                          r, pids[r], hosts[r], rank, waited_ms, what);
+    fail(gone);
+    return gone;
   }
   return Status::ok();
 }
@@ -277,18 +285,7 @@ Status MpiState::wait_gate(MPI_Request* request, std::string_view what) {
     }
     if (done) return Status::ok();
     if (polls % 64 == 63) {
-      const auto now = Clock::now();
-      if (now - last_liveness >= options.liveness_interval) {
-        last_liveness = now;
-        for (int r : host_ranks)
-          if (process_gone(pids[r], start_ticks[r])) {
-            Status gone = aborted("rank {} (pid {} on {}) is gone: the process exited or was killed; rank {} noticed "
-                                  "after {} ms in {}",
-                                  r, pids[r], hosts[r], rank, elapsed_ms(start), what);
-            fail(gone);
-            return gone;
-          }
-      }
+      if (Status s = check_host_peers(what, elapsed_ms(start), false); !s.is_ok()) return s;
       if (deadline.expired()) {
         Status late = deadline_exceeded("rank {} waited {} ms in {} for every rank of its node (setup_timeout)", rank,
                                         elapsed_ms(start), what);
@@ -704,6 +701,25 @@ Result<std::unique_ptr<MpiSession>> MpiSession::init(int* argc, char*** argv) {
   return std::unique_ptr<MpiSession>(new MpiSession(rank, size));
 }
 
+namespace {
+
+// A barrier of every process, polled: OK, DeadlineExceeded when `deadline`
+// passes first (the request is left), or Internal on an MPI error.
+Status poll_world_barrier(const Deadline& deadline) {
+  MPI_Request request = MPI_REQUEST_NULL;
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Ibarrier(MPI_COMM_WORLD, &request), "MPI_Ibarrier"));
+  const auto start = Clock::now();
+  for (uint64_t polls = 0;; ++polls) {
+    int done = 0;
+    EPX_RETURN_IF_ERROR(mpi_call(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test"));
+    if (done) return Status::ok();
+    if (deadline.expired()) return deadline_exceeded("waited {} ms", elapsed_ms(start));
+    back_off(polls, start);
+  }
+}
+
+}  // namespace
+
 MpiSession::~MpiSession() {
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -713,17 +729,8 @@ MpiSession::~MpiSession() {
   // After a failure a peer is likely gone, so wait less.
   const bool failed = g_failed.load(std::memory_order_acquire);
   const auto deadline = Deadline::after(failed ? std::chrono::seconds(3) : std::chrono::seconds(120));
-  MPI_Request request = MPI_REQUEST_NULL;
-  if (MPI_Ibarrier(MPI_COMM_WORLD, &request) != MPI_SUCCESS) return;
-  const auto start = Clock::now();
-  for (uint64_t polls = 0;; ++polls) {
-    int done = 0;
-    if (MPI_Test(&request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;
-    if (done) break;
-    if (deadline.expired()) return;  // exit without MPI_Finalize: the launcher reports it
-    back_off(polls, start);
-  }
-  MPI_Finalize();
+  // Otherwise exit without MPI_Finalize: the launcher reports it.
+  if (poll_world_barrier(deadline).is_ok()) MPI_Finalize();
 }
 
 std::string MpiSession::library_version() const {
@@ -738,22 +745,11 @@ std::string MpiSession::library_version() const {
 Result<std::unique_ptr<Transport>> MpiSession::connect(const MpiOptions& options) {
   // Wait (polled) until every process has arrived: the set-up below is made
   // of blocking MPI calls, which then cannot wait for an absent process.
-  {
-    MPI_Request request = MPI_REQUEST_NULL;
-    EPX_RETURN_IF_ERROR(mpi_call(MPI_Ibarrier(MPI_COMM_WORLD, &request), "MPI_Ibarrier"));
-    const auto deadline = Deadline::after(options.setup_timeout);
-    const auto start = Clock::now();
-    for (uint64_t polls = 0;; ++polls) {
-      int done = 0;
-      EPX_RETURN_IF_ERROR(mpi_call(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test"));
-      if (done) break;
-      if (deadline.expired()) {
-        g_failed.store(true);
-        return deadline_exceeded("process {} waited {} ms for every one of the {} processes to connect", world_rank_,
-                                 elapsed_ms(start), world_size_);
-      }
-      back_off(polls, start);
-    }
+  if (Status arrived = poll_world_barrier(Deadline::after(options.setup_timeout)); !arrived.is_ok()) {
+    g_failed.store(true);
+    if (arrived.code() != StatusCode::kDeadlineExceeded) return arrived;
+    return deadline_exceeded("process {} {} for every one of the {} processes to connect", world_rank_,
+                             arrived.message(), world_size_);
   }
 
   // What every process knows about itself, gathered by all.

@@ -101,6 +101,9 @@ struct MpiState {
   // state poisoned) when the world failed. `waited_ms` and `what` go into
   // the message.
   Status check_world(std::string_view what, int64_t waited_ms, bool force_liveness);
+  // The liveness part alone (at most every liveness_interval unless `force`):
+  // Aborted naming the first process of this host found gone, and the state failed.
+  Status check_host_peers(std::string_view what, int64_t waited_ms, bool force);
   // MPI_Win_sync on every live window.
   void sync_windows();
   void add_window(MPI_Win win);
