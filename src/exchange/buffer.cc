@@ -8,6 +8,7 @@
 #include "epx/core/buffer.h"
 #include "exchange/handle_data.h"
 #include "exchange/row_kernels.h"
+#include "exchange/split.h"
 
 namespace epx {
 namespace {
@@ -214,7 +215,7 @@ struct Buffer::Impl {
                           std::string_view out_name = "out") const;
 };
 
-Buffer::Buffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Buffer::Buffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)), split_(std::make_unique<Split>()) {}
 Buffer::~Buffer() = default;
 
 const BufferConfig& Buffer::config() const { return impl_->config; }
@@ -355,7 +356,7 @@ Status Buffer::Impl::validate_dispatch(const DispatchInputs& in, const DispatchL
   return Status::ok();
 }
 
-Status Buffer::dispatch(const DispatchInputs& in, DispatchResult* out, const DispatchLayout* given) {
+Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const DispatchLayout* given) {
   Impl& m = *impl_;
   ScopedSpan span(m.config.tracer, m.rank, "dispatch");
   Stopwatch watch;
@@ -706,7 +707,7 @@ Status Buffer::Impl::check_same_dispatch(const std::vector<int64_t>& all, std::s
   return Status::ok();
 }
 
-Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+Status Buffer::dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   return impl_->dispatch_cached_impl(Status::ok(), x, handle, recv_x, "dispatch_cached", "x");
 }
 
@@ -729,7 +730,7 @@ Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView&
   return Status::ok();
 }
 
-Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
+Result<TensorView> Buffer::combine_input_now(const Handle& handle, DType dtype) {
   Impl& m = *impl_;
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_input"));
   if (!is_payload_dtype(dtype) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
@@ -766,8 +767,8 @@ Status Buffer::Impl::validate_combine(const TensorView& y, const detail::HandleD
   return Status::ok();
 }
 
-Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
-                       const CombineOptions& options) {
+Status Buffer::combine_now(const TensorView& y, const Handle& handle, const TensorView& out,
+                           const CombineOptions& options) {
   return impl_->combine_checked(y, handle, out, options, "combine", "y", "out");
 }
 
@@ -955,12 +956,12 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
   return transport.barrier(deadline);
 }
 
-Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
-                                 const CombineOptions& options) {
+Status Buffer::dispatch_backward_now(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
+                                     const CombineOptions& options) {
   return impl_->combine_checked(grad_recv_x, handle, grad_x, options, "dispatch_backward", "grad_recv_x", "grad_x");
 }
 
-Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
+Status Buffer::combine_backward_now(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
   return impl_->dispatch_cached_impl(Status::ok(), grad_out, handle, grad_y, "combine_backward", "grad_out");
 }
 
@@ -988,8 +989,8 @@ Status Buffer::expand(const TensorView& recv_x, const Handle& handle, const Tens
   return Status::ok();
 }
 
-Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
-                                const TensorView& weights, const CombineOptions& options) {
+Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                    const TensorView& weights, const CombineOptions& options) {
   Impl& m = *impl_;
   Status local_status = m.check_handle(handle, "combine_expanded");
   const detail::HandleData& h = handle_data_or_empty(handle);
@@ -1040,9 +1041,9 @@ Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& hand
   return m.combine_impl(local_status, partial_view, h, out, options, "combine_expanded");
 }
 
-Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
-                                         const TensorView& y_expanded, const TensorView& weights,
-                                         const TensorView& grad_y_expanded, const TensorView& grad_weights) {
+Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle,
+                                             const TensorView& y_expanded, const TensorView& weights,
+                                             const TensorView& grad_y_expanded, const TensorView& grad_weights) {
   Impl& m = *impl_;
   constexpr std::string_view kOp = "combine_expanded_backward";
   Status local_status = m.check_handle(handle, kOp);

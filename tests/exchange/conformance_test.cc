@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -51,6 +52,13 @@ std::string shape_name(const ::testing::TestParamInfo<Shape>& info) {
                      dtype_name(s.dtype));
 }
 
+// How a case calls the operations: the blocking form, the asynchronous form
+// (issued, then waited for), or the split form (dispatch_send/recv and
+// combine_send/recv; the other operations asynchronously). Every form must
+// give the reference's bits.
+enum class Form { kBlocking, kAsync, kSplit };
+const char* form_name(Form f) { return f == Form::kBlocking ? "blocking" : f == Form::kAsync ? "async" : "split"; }
+
 // One sub-case: the routing and the knobs that vary with it.
 struct Case {
   Shape shape;
@@ -67,14 +75,15 @@ struct Case {
   DType expanded_dtype = DType::kF32;
   bool explicit_expand_weights = false;
   std::vector<int32_t> expert_map;  // expert -> rank; empty: contiguous blocks
+  Form form = Form::kBlocking;
 
   [[nodiscard]] std::string name() const {
     return fmt::format(
         "{} ranks as {} nodes, {}, {} payload; E={} K={} routing={} seed={} hidden={} alignment={} weights={} "
-        "pass_layout={} bias={} combine_input={} expanded_y={} explicit_expand_weights={}{}",
+        "pass_layout={} bias={} combine_input={} expanded_y={} explicit_expand_weights={} form={}{}",
         shape.num_ranks, shape.num_nodes, algorithm_name(shape.algorithm), dtype_name(shape.dtype), num_experts, topk,
         routing_name(routing), seed, hidden, alignment, with_weights, pass_layout, with_bias,
-        dtype_name(combine_input_dtype), dtype_name(expanded_dtype), explicit_expand_weights,
+        dtype_name(combine_input_dtype), dtype_name(expanded_dtype), explicit_expand_weights, form_name(form),
         expert_map.empty() ? "" : fmt::format(" expert_map={}", fmt::join(expert_map, ",")));
   }
 };
@@ -111,6 +120,7 @@ std::vector<Case> make_cases(const Shape& shape) {
         c.combine_input_dtype = (bits & 32u) ? DType::kBF16 : DType::kF32;
         c.expanded_dtype = (bits & 64u) ? DType::kBF16 : DType::kF32;
         c.explicit_expand_weights = !c.with_weights || (bits & 128u) != 0;
+        c.form = static_cast<Form>(index % 3);
         cases.push_back(c);
         ++index;
       }
@@ -183,12 +193,52 @@ Matrix expanded_expert_output(const Matrix& expanded_x, const std::vector<int64_
   return y;
 }
 
+// Runs one operation in the case's form. In the asynchronous forms one rank
+// (it changes with the seed) pauses between issuing and waiting, as a rank
+// computing meanwhile would: the others must finish regardless.
+class Caller {
+ public:
+  Caller(const Case& c, Buffer& buffer, int rank)
+      : form_(c.form), buffer_(buffer), pauses_(static_cast<int>(c.seed % c.shape.num_ranks) == rank) {}
+
+  Status run(const std::function<Status()>& blocking, const std::function<PendingOp()>& async) {
+    if (form_ == Form::kBlocking) return blocking();
+    const PendingOp op = async();
+    pause();
+    return op.wait();
+  }
+  Status dispatch(const DispatchInputs& in, DispatchResult* out, const DispatchLayout* layout) {
+    if (form_ != Form::kSplit)
+      return run([&] { return buffer_.dispatch(in, out, layout); }, [&] { return buffer_.dispatch_async(in, out, layout); });
+    EPX_RETURN_IF_ERROR(buffer_.dispatch_send(in, layout));
+    pause();
+    return buffer_.dispatch_recv(out, Deadline::after(std::chrono::seconds(60)));
+  }
+  Status combine(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options) {
+    if (form_ != Form::kSplit)
+      return run([&] { return buffer_.combine(y, handle, out, options); },
+                 [&] { return buffer_.combine_async(y, handle, out, options); });
+    EPX_RETURN_IF_ERROR(buffer_.combine_send(y, handle, out, options));
+    pause();
+    return buffer_.combine_recv(Deadline::after(std::chrono::seconds(60)));
+  }
+
+ private:
+  void pause() const {
+    if (pauses_) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  Form form_;
+  Buffer& buffer_;
+  bool pauses_;
+};
+
 Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankResult* res) {
   const int r = transport.rank();
   const int T = in.num_tokens();
   const int H = c.hidden;
   const int K = c.topk;
   EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(transport, make_config(c)));
+  Caller call(c, *buffer, r);
   res->hierarchical = buffer->hierarchical();
   res->num_local_experts = buffer->num_local_experts();
   EPX_ASSIGN_OR_RETURN(res->layout, buffer->get_layout(in.idx_view()));
@@ -196,7 +246,7 @@ Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankR
   TransportCounters before = transport.counters();
   DispatchResult d;
   EPX_RETURN_IF_ERROR(
-      with_context("dispatch", buffer->dispatch(in.dispatch_inputs(), &d, c.pass_layout ? &res->layout : nullptr)));
+      with_context("dispatch", call.dispatch(in.dispatch_inputs(), &d, c.pass_layout ? &res->layout : nullptr)));
   res->dispatch_counters = counters_delta(before, transport.counters());
   res->recv_x = Matrix::copy_of(d.recv_x);
   res->recv_idx = copy_i32(d.recv_topk_idx);
@@ -219,7 +269,7 @@ Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankR
   if (c.with_bias) options_a.bias = bias_a.view();
   res->out_a = Matrix::filled(c.shape.dtype, T, H, kUnwritten);
   before = transport.counters();
-  EPX_RETURN_IF_ERROR(with_context("combine A", buffer->combine(y_a.view(), handle, res->out_a.view(), options_a)));
+  EPX_RETURN_IF_ERROR(with_context("combine A", call.combine(y_a.view(), handle, res->out_a.view(), options_a)));
   res->combine_a_counters = counters_delta(before, transport.counters());
 
   // combine B
@@ -229,7 +279,7 @@ Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankR
   if (c.with_bias) options_b.bias = bias_b.view();
   res->out_b = Matrix::filled(DType::kF32, T, H, kUnwritten);
   before = transport.counters();
-  EPX_RETURN_IF_ERROR(with_context("combine B", buffer->combine(y_b.view(), handle, res->out_b.view(), options_b)));
+  EPX_RETURN_IF_ERROR(with_context("combine B", call.combine(y_b.view(), handle, res->out_b.view(), options_b)));
   res->combine_b_counters = counters_delta(before, transport.counters());
 
   // combine C: the experts write straight into the combine region.
@@ -247,7 +297,7 @@ Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankR
       store_from_f32(y_c.row(i), y_c.dtype(), col, expert_value(res->recv_x.get(i, col), r, col));
   res->out_c = Matrix::filled(c_is_a ? c.shape.dtype : DType::kF32, T, H, kUnwritten);
   EPX_RETURN_IF_ERROR(
-      with_context("combine C", buffer->combine(y_c, handle, res->out_c.view(), c_is_a ? options_a : options_b)));
+      with_context("combine C", call.combine(y_c, handle, res->out_c.view(), c_is_a ? options_a : options_b)));
 
   // expanded
   res->expanded = buffer->expanded_layout(handle);
@@ -262,15 +312,21 @@ Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankR
   res->out_e = Matrix::filled(DType::kF32, T, H, kUnwritten);
   before = transport.counters();
   EPX_RETURN_IF_ERROR(with_context(
-      "combine_expanded", buffer->combine_expanded(y_e.view(), handle, res->out_e.view(), expand_weights_view)));
+      "combine_expanded",
+      call.run([&] { return buffer->combine_expanded(y_e.view(), handle, res->out_e.view(), expand_weights_view); },
+               [&] { return buffer->combine_expanded_async(y_e.view(), handle, res->out_e.view(), expand_weights_view); })));
   res->combine_e_counters = counters_delta(before, transport.counters());
 
   // cached dispatch
   TensorView cached;
-  EPX_RETURN_IF_ERROR(with_context("dispatch_cached(x)", buffer->dispatch_cached(in.x.view(), handle, &cached)));
+  EPX_RETURN_IF_ERROR(with_context("dispatch_cached(x)",
+                                   call.run([&] { return buffer->dispatch_cached(in.x.view(), handle, &cached); },
+                                            [&] { return buffer->dispatch_cached_async(in.x.view(), handle, &cached); })));
   res->cached_same = Matrix::copy_of(cached);
   const Matrix x2 = make_payload(7, r, T, H, c.shape.dtype);
-  EPX_RETURN_IF_ERROR(with_context("dispatch_cached(x2)", buffer->dispatch_cached(x2.view(), handle, &cached)));
+  EPX_RETURN_IF_ERROR(with_context("dispatch_cached(x2)",
+                                   call.run([&] { return buffer->dispatch_cached(x2.view(), handle, &cached); },
+                                            [&] { return buffer->dispatch_cached_async(x2.view(), handle, &cached); })));
   res->cached_x2 = Matrix::copy_of(cached);
 
   // dispatch backward, with the weights' gradient
@@ -282,17 +338,23 @@ Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankR
   grad_options.grad_recv_topk_weights = TensorView::contiguous(grad_recv_w.data(), DType::kF32, {n, K});
   grad_options.grad_topk_weights = TensorView::contiguous(res->grad_w.data(), DType::kF32, {T, K});
   EPX_RETURN_IF_ERROR(with_context(
-      "dispatch_backward", buffer->dispatch_backward(grad_recv_x.view(), handle, res->grad_x.view(), grad_options)));
+      "dispatch_backward",
+      call.run([&] { return buffer->dispatch_backward(grad_recv_x.view(), handle, res->grad_x.view(), grad_options); },
+               [&] {
+                 return buffer->dispatch_backward_async(grad_recv_x.view(), handle, res->grad_x.view(), grad_options);
+               })));
 
   // combine backward
   const Matrix grad_out = make_payload(11, r, T, H, c.shape.dtype);
   TensorView grad_y;
-  EPX_RETURN_IF_ERROR(with_context("combine_backward", buffer->combine_backward(grad_out.view(), handle, &grad_y)));
+  EPX_RETURN_IF_ERROR(
+      with_context("combine_backward", call.run([&] { return buffer->combine_backward(grad_out.view(), handle, &grad_y); },
+                                                [&] { return buffer->combine_backward_async(grad_out.view(), handle, &grad_y); })));
   res->grad_y = Matrix::copy_of(grad_y);
 
   // the same dispatch and combine again, on the same Buffer
   DispatchResult again;
-  EPX_RETURN_IF_ERROR(with_context("second dispatch", buffer->dispatch(in.dispatch_inputs(), &again)));
+  EPX_RETURN_IF_ERROR(with_context("second dispatch", call.dispatch(in.dispatch_inputs(), &again, nullptr)));
   res->recv_x_again = Matrix::copy_of(again.recv_x);
   res->recv_idx_again = copy_i32(again.recv_topk_idx);
   res->recv_src_rank_again = copy_i32(again.recv_src_rank);
@@ -300,7 +362,7 @@ Status run_rank(Transport& transport, const Case& c, const RankInputs& in, RankR
   const Matrix y_again = expert_output(res->recv_x_again, r, DType::kF32);
   res->out_a_again = Matrix::filled(c.shape.dtype, T, H, kUnwritten);
   EPX_RETURN_IF_ERROR(
-      with_context("second combine", buffer->combine(y_again.view(), again.handle, res->out_a_again.view(), options_a)));
+      with_context("second combine", call.combine(y_again.view(), again.handle, res->out_a_again.view(), options_a)));
   return Status::ok();
 }
 

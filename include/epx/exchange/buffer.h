@@ -43,6 +43,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -90,6 +91,8 @@ struct ExchangeStats {
 
 namespace detail {
 struct HandleData;
+struct PendingState;
+class ProgressThread;
 }
 
 // What a dispatch decided: the routes, counts and receive metadata. Combine,
@@ -147,6 +150,28 @@ struct ExpandedLayout {
   std::vector<int64_t> row_of;                // [num_recv, K]: expanded row of (row, slot k), -1 if not local
   std::vector<int64_t> recv_row;              // [num_rows]: received row of each expanded row, -1 = padding
   [[nodiscard]] int64_t num_rows() const { return expert_offsets.empty() ? 0 : expert_offsets.back(); }
+};
+
+// An exchange operation started by one of Buffer's *_async calls. It runs on
+// the Buffer's progress thread, so it moves on whatever the caller does
+// meanwhile; wait() returns its status. Cheap to copy; a default PendingOp
+// is finished and OK.
+class PendingOp {
+ public:
+  PendingOp() = default;
+  explicit PendingOp(std::shared_ptr<detail::PendingState> state) : state_(std::move(state)) {}
+  // Whether the operation has finished (wait() would not block).
+  [[nodiscard]] bool done() const;
+  // The operation's status once it has finished. DeadlineExceeded if it has
+  // not finished by `deadline`: it is still running (its own deadline is
+  // BufferConfig::timeout from when it started), so wait again.
+  [[nodiscard]] Status wait(const Deadline& deadline) const;
+  // Waits until the latest moment the operation can end (its timeout, and
+  // those of the operations queued before it): never longer, never hangs.
+  [[nodiscard]] Status wait() const;
+
+ private:
+  std::shared_ptr<detail::PendingState> state_;
 };
 
 class Buffer {
@@ -215,13 +240,76 @@ class Buffer {
                                                  const TensorView& grad_y_expanded,
                                                  const TensorView& grad_weights = {});
 
+  // Asynchronous forms. Each queues the operation on this Buffer's progress
+  // thread (one per Buffer, started on first use) and returns at once; the
+  // operations of a Buffer run one at a time in the order they were issued,
+  // and a blocking call first waits for those already queued. The result is
+  // bit for bit the blocking form's. Until wait() returns, the arguments
+  // (inputs, handles' routes, outputs) must stay valid and unchanged, and
+  // the caller must not read the outputs nor use the transport for anything
+  // else (its collectives would interleave with the operation's). Errors are
+  // those of the blocking form, returned by wait(); a rank that never calls
+  // wait() still completes the operation for its peers.
+  [[nodiscard]] PendingOp dispatch_async(const DispatchInputs& inputs, DispatchResult* out,
+                                         const DispatchLayout* layout = nullptr);
+  [[nodiscard]] PendingOp dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x);
+  [[nodiscard]] PendingOp combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
+                                        const CombineOptions& options = {});
+  [[nodiscard]] PendingOp dispatch_backward_async(const TensorView& grad_recv_x, const Handle& handle,
+                                                  const TensorView& grad_x, const CombineOptions& options = {});
+  [[nodiscard]] PendingOp combine_backward_async(const TensorView& grad_out, const Handle& handle,
+                                                 TensorView* grad_y);
+  [[nodiscard]] PendingOp combine_expanded_async(const TensorView& y_expanded, const Handle& handle,
+                                                 const TensorView& out, const TensorView& weights = {},
+                                                 const CombineOptions& options = {});
+  [[nodiscard]] PendingOp combine_expanded_backward_async(const TensorView& grad_out, const Handle& handle,
+                                                          const TensorView& y_expanded, const TensorView& weights,
+                                                          const TensorView& grad_y_expanded,
+                                                          const TensorView& grad_weights = {});
+
+  // Split forms: send now, receive later, any work in between (one split
+  // dispatch and one split combine outstanding at a time). dispatch_send
+  // starts the dispatch (the peers' rows arrive while the caller works);
+  // dispatch_recv waits for it, with `deadline`, and hands out its result.
+  // FailedPrecondition for a receive without a send or a second send before
+  // the receive. DeadlineExceeded from a receive leaves the operation
+  // outstanding: receive again.
+  [[nodiscard]] Status dispatch_send(const DispatchInputs& inputs, const DispatchLayout* layout = nullptr);
+  [[nodiscard]] Status dispatch_recv(DispatchResult* out, const Deadline& deadline);
+  [[nodiscard]] Status combine_send(const TensorView& y, const Handle& handle, const TensorView& out,
+                                    const CombineOptions& options = {});
+  [[nodiscard]] Status combine_recv(const Deadline& deadline);
+
   // Bytes of peer-mapped memory this rank holds.
   [[nodiscard]] std::size_t region_bytes() const;
 
  private:
   struct Impl;
+  struct Split;
   explicit Buffer(std::unique_ptr<Impl> impl);
+  // The blocking operations themselves (the public forms first wait for the
+  // queued asynchronous ones).
+  Status dispatch_now(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout);
+  Status dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x);
+  Result<TensorView> combine_input_now(const Handle& handle, DType dtype);
+  Status combine_now(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options);
+  Status dispatch_backward_now(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
+                               const CombineOptions& options);
+  Status combine_backward_now(const TensorView& grad_out, const Handle& handle, TensorView* grad_y);
+  Status combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                              const TensorView& weights, const CombineOptions& options);
+  Status combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
+                                       const TensorView& weights, const TensorView& grad_y_expanded,
+                                       const TensorView& grad_weights);
+  // Waits for every queued asynchronous operation.
+  Status settle();
+  PendingOp submit(std::function<Status()> op);
+
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Split> split_;
+  // Declared last, destroyed first: queued operations finish before the
+  // memory they use goes away.
+  std::unique_ptr<detail::ProgressThread> progress_;
 };
 
 }  // namespace epx

@@ -1,0 +1,177 @@
+// Buffer's public operations: the blocking forms (after the queued
+// asynchronous ones), the asynchronous forms on the progress thread, and the
+// split send/receive forms built on them.
+#include <utility>
+
+#include "epx/exchange/buffer.h"
+#include "exchange/progress.h"
+#include "exchange/split.h"
+
+namespace epx {
+
+bool PendingOp::done() const {
+  if (!state_) return true;
+  std::lock_guard lock(state_->mutex);
+  return state_->done;
+}
+
+Status PendingOp::wait(const Deadline& deadline) const {
+  if (!state_) return Status::ok();
+  std::unique_lock lock(state_->mutex);
+  if (!state_->done_cv.wait_until(lock, deadline.when(), [&] { return state_->done; }))
+    return deadline_exceeded("the asynchronous exchange operation had not finished by the deadline; it is still "
+                             "running (wait again)");
+  return state_->status;
+}
+
+Status PendingOp::wait() const { return state_ ? wait(state_->bound) : Status::ok(); }
+
+Status Buffer::settle() {
+  if (!progress_) return Status::ok();
+  // An operation of this Buffer that calls a public form from the progress
+  // thread would wait for itself.
+  EPX_CHECK(!progress_->on_progress_thread());
+  return progress_->drain();
+}
+
+PendingOp Buffer::submit(std::function<Status()> op) {
+  if (!progress_) progress_ = std::make_unique<detail::ProgressThread>(config().timeout);
+  return PendingOp(progress_->submit(std::move(op)));
+}
+
+// Blocking forms.
+
+Status Buffer::dispatch(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout) {
+  EPX_RETURN_IF_ERROR(settle());
+  return dispatch_now(inputs, out, layout);
+}
+
+Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+  EPX_RETURN_IF_ERROR(settle());
+  return dispatch_cached_now(x, handle, recv_x);
+}
+
+Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
+  // The view is of the combine region, which a queued combine may still use.
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_input_now(handle, dtype);
+}
+
+Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options) {
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_now(y, handle, out, options);
+}
+
+Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
+                                 const CombineOptions& options) {
+  EPX_RETURN_IF_ERROR(settle());
+  return dispatch_backward_now(grad_recv_x, handle, grad_x, options);
+}
+
+Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_backward_now(grad_out, handle, grad_y);
+}
+
+Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                const TensorView& weights, const CombineOptions& options) {
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_expanded_now(y_expanded, handle, out, weights, options);
+}
+
+Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
+                                         const TensorView& y_expanded, const TensorView& weights,
+                                         const TensorView& grad_y_expanded, const TensorView& grad_weights) {
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+}
+
+// Asynchronous forms: the arguments are captured by value (views and
+// handles are cheap to copy); what they point at is the caller's to keep.
+
+PendingOp Buffer::dispatch_async(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout) {
+  return submit([this, inputs, out, layout] { return dispatch_now(inputs, out, layout); });
+}
+
+PendingOp Buffer::dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+  return submit([this, x, handle, recv_x] { return dispatch_cached_now(x, handle, recv_x); });
+}
+
+PendingOp Buffer::combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
+                                const CombineOptions& options) {
+  return submit([this, y, handle, out, options] { return combine_now(y, handle, out, options); });
+}
+
+PendingOp Buffer::dispatch_backward_async(const TensorView& grad_recv_x, const Handle& handle,
+                                          const TensorView& grad_x, const CombineOptions& options) {
+  return submit([this, grad_recv_x, handle, grad_x, options] {
+    return dispatch_backward_now(grad_recv_x, handle, grad_x, options);
+  });
+}
+
+PendingOp Buffer::combine_backward_async(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
+  return submit([this, grad_out, handle, grad_y] { return combine_backward_now(grad_out, handle, grad_y); });
+}
+
+PendingOp Buffer::combine_expanded_async(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                         const TensorView& weights, const CombineOptions& options) {
+  return submit([this, y_expanded, handle, out, weights, options] {
+    return combine_expanded_now(y_expanded, handle, out, weights, options);
+  });
+}
+
+PendingOp Buffer::combine_expanded_backward_async(const TensorView& grad_out, const Handle& handle,
+                                                  const TensorView& y_expanded, const TensorView& weights,
+                                                  const TensorView& grad_y_expanded,
+                                                  const TensorView& grad_weights) {
+  return submit([this, grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights] {
+    return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  });
+}
+
+// Split forms.
+
+Status Buffer::dispatch_send(const DispatchInputs& inputs, const DispatchLayout* layout) {
+  Split& s = *split_;
+  if (s.dispatch_outstanding)
+    return failed_precondition("dispatch_send: the previous split dispatch has not been received (call dispatch_recv)");
+  s.dispatch = dispatch_async(inputs, &s.result, layout);
+  s.dispatch_outstanding = true;
+  return Status::ok();
+}
+
+Status Buffer::dispatch_recv(DispatchResult* out, const Deadline& deadline) {
+  Split& s = *split_;
+  if (!s.dispatch_outstanding) return failed_precondition("dispatch_recv without a dispatch_send before it");
+  if (out == nullptr) return invalid_argument("dispatch_recv needs an output");
+  Status status = s.dispatch.wait(deadline);
+  if (status.code() == StatusCode::kDeadlineExceeded && !s.dispatch.done()) return status;
+  s.dispatch_outstanding = false;
+  EPX_RETURN_IF_ERROR(status);
+  // Moving keeps the handle storage shared with the Buffer, as a blocking
+  // dispatch into `out` would.
+  *out = std::move(s.result);
+  s.result = DispatchResult();
+  return Status::ok();
+}
+
+Status Buffer::combine_send(const TensorView& y, const Handle& handle, const TensorView& out,
+                            const CombineOptions& options) {
+  Split& s = *split_;
+  if (s.combine_outstanding)
+    return failed_precondition("combine_send: the previous split combine has not been received (call combine_recv)");
+  s.combine = combine_async(y, handle, out, options);
+  s.combine_outstanding = true;
+  return Status::ok();
+}
+
+Status Buffer::combine_recv(const Deadline& deadline) {
+  Split& s = *split_;
+  if (!s.combine_outstanding) return failed_precondition("combine_recv without a combine_send before it");
+  Status status = s.combine.wait(deadline);
+  if (status.code() == StatusCode::kDeadlineExceeded && !s.combine.done()) return status;
+  s.combine_outstanding = false;
+  return status;
+}
+
+}  // namespace epx
