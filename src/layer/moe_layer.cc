@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 
 #include "epx/core/clock.h"
@@ -37,6 +38,11 @@ struct StorageCopy {
   }
 };
 
+std::vector<int32_t> copy_ints(const TensorView& v) {
+  const auto* p = static_cast<const int32_t*>(v.data());
+  return v.defined() ? std::vector<int32_t>(p, p + v.numel()) : std::vector<int32_t>();
+}
+
 template <typename T>
 T* ensure(std::vector<T>& v, int64_t count) {
   v.resize(static_cast<std::size_t>(std::max<int64_t>(count, 1)));
@@ -44,6 +50,23 @@ T* ensure(std::vector<T>& v, int64_t count) {
 }
 
 }  // namespace
+
+std::string_view overlap_mode_name(OverlapMode mode) {
+  switch (mode) {
+    case OverlapMode::kNone: return "none";
+    case OverlapMode::kSharedExperts: return "shared";
+    case OverlapMode::kChunked: return "chunked";
+    case OverlapMode::kTwoMicroBatches: return "two-micro-batches";
+  }
+  return "?";
+}
+
+Result<OverlapMode> parse_overlap_mode(std::string_view name) {
+  for (OverlapMode m : {OverlapMode::kNone, OverlapMode::kSharedExperts, OverlapMode::kChunked,
+                        OverlapMode::kTwoMicroBatches})
+    if (name == overlap_mode_name(m)) return m;
+  return invalid_argument("overlap mode '{}' is not one of none, shared, chunked, two-micro-batches", name);
+}
 
 LayerTimes& LayerTimes::operator+=(const LayerTimes& o) {
   router += o.router;
@@ -68,6 +91,12 @@ Status MoELayerConfig::validate() const {
     return invalid_argument("bias_rate = {} must be finite and >= 0", bias_rate);
   if (!(norm_eps > 0)) return invalid_argument("norm_eps = {} must be above 0", norm_eps);
   if (!(init_std >= 0) || !std::isfinite(init_std)) return invalid_argument("init_std = {} must be >= 0", init_std);
+  if (overlap_chunks < 1 || overlap_chunks > 64)
+    return invalid_argument("overlap_chunks = {} is outside [1, 64]", overlap_chunks);
+  if (overlap == OverlapMode::kTwoMicroBatches && router.capacity_factor > 0)
+    return invalid_argument("overlap two-micro-batches routes each half on its own, but capacity_factor = {} makes "
+                            "the drops depend on the whole batch; use overlap chunked",
+                            router.capacity_factor);
   return router.validate();
 }
 
@@ -108,6 +137,30 @@ struct MoELayer::Impl {
         grad_weights;
     std::vector<std::byte> grad_out_payload;
   } bwd;
+  // An overlapped forward's chunks (one for kSharedExperts, two for
+  // kTwoMicroBatches), kept for backward.
+  struct Chunk {
+    int64_t begin = 0, count = 0;  // this rank's tokens [begin, begin + count)
+    RouterOutput routed;           // kTwoMicroBatches: this half's routing (merged into `routed` after)
+    DispatchResult recv;
+    std::vector<int32_t> src_rank;  // of each received row
+    std::vector<int64_t> offsets;
+    std::vector<std::byte> x_expanded;
+    std::vector<float> y_expanded;
+    ExpertFfnCache cache;
+    std::vector<float> grad_y, grad_recv_weights, grad_recv_x;
+    std::vector<int64_t> whole_row;  // expanded row -> row of the whole-batch layout (-1: padding)
+    PendingOp op;
+  };
+  std::vector<Chunk> chunks;
+  bool overlapped = false;  // the last forward took the overlapped path
+  // The whole batch's expanded rows, assembled from the chunks for backward.
+  struct Whole {
+    std::vector<int64_t> offsets;
+    std::vector<std::byte> x;
+    std::vector<float> grad_y, grad_x;
+    ExpertFfnCache cache;
+  } whole;
   ExpertFfnCache cache, shared_cache;
   double aux_loss = 0.0;
   LoadStats stats;
@@ -241,16 +294,24 @@ struct MoELayer::Impl {
     times = {};
     num_tokens = 0;
     handle = {};
+    overlapped = false;
 
     std::optional<Phase> phase;
     phase.emplace(*this, times.router, "router");
     float* xs = ensure(x, T * H);
     for (int64_t t = 0; t < T; ++t) std::memcpy(xs + t * H, x_in.row<const float>(t), sizeof(float) * H);
     detail::rms_norm_forward(xs, norm.value.data(), config.norm_eps, T, H, ensure(n, T * H), ensure(rstd, T));
+    phase.reset();
+    if (config.overlap != OverlapMode::kNone) {
+      EPX_RETURN_IF_ERROR(forward_overlapped(T, out));
+      return finish_forward(T);
+    }
+
+    phase.emplace(*this, times.router, "router");
     EPX_RETURN_IF_ERROR(detail::dense_gemm(false, false, T, E, H, n.data(), router.value.data(), false, ensure(logits, T * E)));
     const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {T, E});
     EPX_ASSIGN_OR_RETURN(routed, route(config.router, logits_view, config.expert_bias ? bias.view() : TensorView{}));
-    EPX_RETURN_IF_ERROR(auxiliary_losses(logits_view, T));
+    EPX_RETURN_IF_ERROR(auxiliary_losses(T));
     if (!identity) {
       // Replica choice (token modulo): deterministic, no communication.
       EPX_ASSIGN_OR_RETURN(slot_idx, map_to_replicas(replicas, routed.topk_idx, K, ReplicaChoice::kTokenModulo));
@@ -282,13 +343,7 @@ struct MoELayer::Impl {
     if (num_local > 0)
       EPX_RETURN_IF_ERROR(expert_ffn_forward(expert_config(), weights, payload_view(x_expanded, rows), offsets,
                                              TensorView::contiguous(y, DType::kF32, {rows, H}), &cache));
-    if (config.num_shared_experts > 0) {
-      const int64_t shared_offsets[2] = {0, T};
-      EPX_RETURN_IF_ERROR(expert_ffn_forward(shared_config(), shared_weights, payload_view(n_payload, T),
-                                             shared_offsets,
-                                             TensorView::contiguous(ensure(shared_out, T * H), DType::kF32, {T, H}),
-                                             &shared_cache));
-    }
+    EPX_RETURN_IF_ERROR(shared_forward(T));
     phase.reset();
 
     phase.emplace(*this, times.combine, "combine");
@@ -296,11 +351,25 @@ struct MoELayer::Impl {
     EPX_RETURN_IF_ERROR(buffer.combine_expanded(TensorView::contiguous(y, DType::kF32, {rows, H}), handle,
                                                 TensorView::contiguous(combined, DType::kF32, {T, H})));
     phase.reset();
+    add_residual(T, out);
+    return finish_forward(T);
+  }
 
+  Status shared_forward(int64_t T) {
+    if (config.num_shared_experts == 0) return Status::ok();
+    const int H = hidden();
+    const int64_t shared_offsets[2] = {0, T};
+    return expert_ffn_forward(shared_config(), shared_weights, payload_view(n_payload, T), shared_offsets,
+                              TensorView::contiguous(ensure(shared_out, T * H), DType::kF32, {T, H}), &shared_cache);
+  }
+
+  // out = x + the routed experts' combined output (+ the shared experts').
+  void add_residual(int64_t T, const TensorView& out) const {
+    const int H = hidden();
     for (int64_t t = 0; t < T; ++t) {
       float* o = out.row<float>(t);
-      const float* xt = xs + t * H;
-      const float* m = combined + t * H;
+      const float* xt = x.data() + t * H;
+      const float* m = moe_out.data() + t * H;
       if (config.num_shared_experts > 0) {
         const float* s = shared_out.data() + t * H;
         for (int h = 0; h < H; ++h) o[h] = xt[h] + m[h] + s[h];
@@ -308,8 +377,13 @@ struct MoELayer::Impl {
         for (int h = 0; h < H; ++h) o[h] = xt[h] + m[h];
       }
     }
-    num_tokens = T;
+  }
 
+  // The load statistics of the forward just done (one all-reduce).
+  Status finish_forward(int64_t T) {
+    const int E = config.router.num_experts;
+    num_tokens = T;
+    std::optional<Phase> phase;
     phase.emplace(*this, times.stats, "stats");
     // Work per rank follows the slots; tokens_per_expert is per logical expert.
     EPX_ASSIGN_OR_RETURN(stats, compute_load_stats(dispatch_idx(T), buffer.placement().expert_rank()));
@@ -325,9 +399,295 @@ struct MoELayer::Impl {
     return Status::ok();
   }
 
-  // Weighted aux and z losses; keeps their gradient w.r.t. the logits.
-  Status auxiliary_losses(const TensorView& logits_view, int64_t T) {
+  [[nodiscard]] int num_chunks() const {
+    switch (config.overlap) {
+      case OverlapMode::kChunked: return config.overlap_chunks;
+      case OverlapMode::kTwoMicroBatches: return 2;
+      default: return 1;
+    }
+  }
+
+  // Waits for every chunk's queued operation (they use this layer's memory),
+  // whatever happened; the first error, if any.
+  Status wait_chunks() {
+    Status first;
+    for (Chunk& c : chunks) {
+      Status s = c.op.wait();
+      c.op = PendingOp();
+      if (first.is_ok() && !s.is_ok()) first = std::move(s);
+    }
+    return first;
+  }
+  // On every way out of an overlapped forward or backward, nothing of ours
+  // may still be in flight.
+  struct WaitOnExit {
+    Impl& impl;
+    ~WaitOnExit() { impl.wait_chunks().ignore(); }
+  };
+
+  // Router GEMM and routing of rows [begin, begin + count) into `out`.
+  Status route_rows(int64_t begin, int64_t count, RouterOutput* out) {
+    const int H = hidden(), E = config.router.num_experts;
+    EPX_RETURN_IF_ERROR(detail::dense_gemm(false, false, count, E, H, n.data() + begin * H, router.value.data(), false,
+                                           logits.data() + begin * E));
+    const TensorView view = TensorView::contiguous(logits.data() + begin * E, DType::kF32, {count, E});
+    EPX_ASSIGN_OR_RETURN(*out, route(config.router, view, config.expert_bias ? bias.view() : TensorView{}));
+    return Status::ok();
+  }
+
+  // The two halves' routing as if routed together (tokens are independent
+  // without capacity, which kTwoMicroBatches refuses).
+  void merge_routing() {
+    RouterOutput merged;
+    merged.num_experts = config.router.num_experts;
+    merged.topk = config.router.topk;
+    merged.tokens_per_expert.assign(static_cast<std::size_t>(merged.num_experts), 0);
+    merged.rows_per_expert.assign(static_cast<std::size_t>(merged.num_experts), 0);
+    auto append = [](auto& into, const auto& part) { into.insert(into.end(), part.begin(), part.end()); };
+    for (const Chunk& c : chunks) {
+      const RouterOutput& r = c.routed;
+      merged.num_tokens += r.num_tokens;
+      append(merged.topk_idx, r.topk_idx);
+      append(merged.topk_weights, r.topk_weights);
+      append(merged.scores, r.scores);
+      append(merged.selected_idx, r.selected_idx);
+      append(merged.selected_probs, r.selected_probs);
+      merged.num_dropped += r.num_dropped;
+      for (std::size_t e = 0; e < r.tokens_per_expert.size(); ++e) merged.tokens_per_expert[e] += r.tokens_per_expert[e];
+      for (std::size_t e = 0; e < r.rows_per_expert.size(); ++e) merged.rows_per_expert[e] += r.rows_per_expert[e];
+    }
+    routed = std::move(merged);
+  }
+
+  // Starts chunk c's dispatch. Its routing is in `routed` (rows [begin,
+  // begin + count)) or, for two micro-batches, in the chunk's own.
+  void start_dispatch(Chunk& c, bool own_routing) {
+    const int H = hidden(), K = config.router.topk;
+    const std::size_t row_bytes = static_cast<std::size_t>(H) * dtype_size(config.dtype);
+    const int32_t* idx = own_routing ? c.routed.topk_idx.data()
+                                     : (identity ? routed.topk_idx.data() : slot_idx.data()) + c.begin * K;
+    const float* w = own_routing ? c.routed.topk_weights.data() : routed.topk_weights.data() + c.begin * K;
+    c.op = buffer.dispatch_async({.x = TensorView::contiguous(n_payload.data() + c.begin * row_bytes, config.dtype,
+                                                             {c.count, H}),
+                                  .topk_idx = TensorView::contiguous(idx, DType::kI32, {c.count, K}),
+                                  .topk_weights = TensorView::contiguous(w, DType::kF32, {c.count, K})},
+                                 &c.recv);
+  }
+
+  // Forward with the exchange in flight under compute (config.overlap).
+  Status forward_overlapped(int64_t T, const TensorView& out) {
+    const int H = hidden(), K = config.router.topk;
+    const int C = num_chunks();
+    const bool per_half_routing = config.overlap == OverlapMode::kTwoMicroBatches;
+    chunks.resize(static_cast<std::size_t>(C));
+    for (int c = 0; c < C; ++c) {
+      chunks[c].begin = T * c / C;
+      chunks[c].count = T * (c + 1) / C - chunks[c].begin;
+    }
+    WaitOnExit wait_on_exit{*this};
+
+    std::optional<Phase> phase;
+    phase.emplace(*this, times.router, "router");
+    ensure(logits, T * config.router.num_experts);
+    if (per_half_routing) {
+      EPX_RETURN_IF_ERROR(route_rows(0, chunks[0].count, &chunks[0].routed));
+    } else {
+      EPX_RETURN_IF_ERROR(route_rows(0, T, &routed));
+      EPX_RETURN_IF_ERROR(auxiliary_losses(T));
+      if (!identity) {
+        EPX_ASSIGN_OR_RETURN(slot_idx, map_to_replicas(replicas, routed.topk_idx, K, ReplicaChoice::kTokenModulo));
+        if (slot_idx.empty()) slot_idx.push_back(-1);
+      }
+    }
+    n_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
+    detail::convert_from_f32(n.data(), T * H, config.dtype, n_payload.data());
+    phase.reset();
+
+    start_dispatch(chunks[0], per_half_routing);
+    // Under the first dispatch: the other half's routing, the shared experts.
+    if (per_half_routing) {
+      phase.emplace(*this, times.router, "router");
+      EPX_RETURN_IF_ERROR(route_rows(chunks[1].begin, chunks[1].count, &chunks[1].routed));
+      phase.reset();
+    }
+    phase.emplace(*this, times.experts, "experts");
+    refresh_weights();
+    EPX_RETURN_IF_ERROR(shared_forward(T));
+    phase.reset();
+
+    float* combined = ensure(moe_out, T * H);
+    for (int i = 0; i < C; ++i) {
+      Chunk& c = chunks[i];
+      phase.emplace(*this, times.dispatch, "dispatch");
+      EPX_RETURN_IF_ERROR(c.op.wait());
+      c.op = PendingOp();
+      const ExpandedLayout& expanded = buffer.expanded_layout(c.recv.handle);
+      c.offsets = expanded.expert_offsets;
+      c.src_rank = copy_ints(c.recv.recv_src_rank);
+      const int64_t rows = expanded.num_rows();
+      c.x_expanded.resize(static_cast<std::size_t>(std::max<int64_t>(rows, 1) * H) * dtype_size(config.dtype));
+      EPX_RETURN_IF_ERROR(buffer.expand(c.recv.recv_x, c.recv.handle, payload_view(c.x_expanded, rows)));
+      phase.reset();
+      // The region is free again: the next chunk's rows may come.
+      if (i + 1 < C) start_dispatch(chunks[i + 1], per_half_routing);
+
+      phase.emplace(*this, times.experts, "experts");
+      float* y = ensure(c.y_expanded, rows * H);
+      if (num_local > 0)
+        EPX_RETURN_IF_ERROR(expert_ffn_forward(expert_config(), weights, payload_view(c.x_expanded, rows), c.offsets,
+                                               TensorView::contiguous(y, DType::kF32, {rows, H}), &c.cache));
+      phase.reset();
+      // Queued behind the next chunk's dispatch.
+      c.op = buffer.combine_expanded_async(TensorView::contiguous(y, DType::kF32, {rows, H}), c.recv.handle,
+                                           TensorView::contiguous(combined + c.begin * H, DType::kF32, {c.count, H}));
+    }
+    phase.emplace(*this, times.combine, "combine");
+    EPX_RETURN_IF_ERROR(wait_chunks());
+    phase.reset();
+
+    if (per_half_routing) {
+      phase.emplace(*this, times.router, "router");
+      merge_routing();
+      EPX_RETURN_IF_ERROR(auxiliary_losses(T));
+      phase.reset();
+    }
+    add_residual(T, out);
+    overlapped = true;
+    return Status::ok();
+  }
+
+  // Where each chunk's expanded rows sit in the layout one dispatch of the
+  // whole batch would have made: per local expert, rows by source rank, and
+  // for one source rank by chunk (its tokens in order), each group padded
+  // to the Buffer's expert alignment as the Buffer pads it.
+  void build_whole_layout() {
+    const int64_t align = buffer.config().expert_alignment;
+    const int R = transport.num_ranks();
+    whole.offsets.assign(static_cast<std::size_t>(num_local) + 1, 0);
+    for (Chunk& c : chunks) c.whole_row.assign(static_cast<std::size_t>(c.offsets.back()), -1);
+    int64_t next = 0;
+    for (int e = 0; e < num_local; ++e) {
+      std::vector<int64_t> pos(chunks.size());
+      for (std::size_t ci = 0; ci < chunks.size(); ++ci) pos[ci] = chunks[ci].offsets[e];
+      for (int s = 0; s < R; ++s)
+        for (std::size_t ci = 0; ci < chunks.size(); ++ci) {
+          Chunk& c = chunks[ci];
+          const std::vector<int64_t>& recv_row = buffer.expanded_layout(c.recv.handle).recv_row;
+          for (; pos[ci] < c.offsets[e + 1]; ++pos[ci]) {
+            const int64_t r = recv_row[pos[ci]];
+            if (r < 0 || c.src_rank[r] != s) break;  // padding ends a group; rows come by source
+            c.whole_row[pos[ci]] = next++;
+          }
+        }
+      const int64_t n = next - whole.offsets[e];
+      next = whole.offsets[e] + (n + align - 1) / align * align;
+      whole.offsets[e + 1] = next;
+    }
+  }
+
+  // Copies each chunk's expanded rows (elements of `bytes_per_row`) into the
+  // whole-batch rows, padding rows zero.
+  template <typename T>
+  void gather_whole(std::vector<T>& into, std::size_t per_row, const std::function<const T*(const Chunk&)>& from) {
+    into.assign(static_cast<std::size_t>(std::max<int64_t>(whole.offsets.back(), 1)) * per_row, T{});
+    for (const Chunk& c : chunks) {
+      const T* src = from(c);
+      for (std::size_t j = 0; j < c.whole_row.size(); ++j)
+        if (c.whole_row[j] >= 0)
+          std::copy(src + j * per_row, src + (j + 1) * per_row, into.data() + c.whole_row[j] * per_row);
+    }
+  }
+
+  Status backward_overlapped(int64_t T, float* go, float* grad_n, const TensorView& grad_x) {
+    const int H = hidden(), K = config.router.topk, F = config.ffn_hidden;
+    const std::size_t row_bytes = static_cast<std::size_t>(H) * dtype_size(config.dtype);
+    BackwardScratch& b = bwd;
+    WaitOnExit wait_on_exit{*this};
+    std::optional<Phase> phase;
+
+    // Every chunk's combine backward in flight under the shared experts' backward.
+    phase.emplace(*this, times.combine, "combine_backward");
+    b.grad_out_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
+    detail::convert_from_f32(go, T * H, config.dtype, b.grad_out_payload.data());
+    for (Chunk& c : chunks) {
+      const int64_t rows = c.offsets.back(), num_recv = c.recv.handle.num_recv_tokens();
+      float* grad_y = ensure(c.grad_y, rows * H);
+      float* grad_w = ensure(c.grad_recv_weights, num_recv * K);
+      c.op = buffer.combine_expanded_backward_async(
+          TensorView::contiguous(b.grad_out_payload.data() + c.begin * row_bytes, config.dtype, {c.count, H}),
+          c.recv.handle, TensorView::contiguous(c.y_expanded.data(), DType::kF32, {rows, H}), {},
+          TensorView::contiguous(grad_y, DType::kF32, {rows, H}),
+          TensorView::contiguous(grad_w, DType::kF32, {num_recv, K}));
+    }
+    phase.reset();
+    phase.emplace(*this, times.experts, "experts_backward");
+    EPX_RETURN_IF_ERROR(shared_backward(T, go, grad_n));
+    phase.reset();
+    phase.emplace(*this, times.combine, "combine_backward");
+    EPX_RETURN_IF_ERROR(wait_chunks());
+    phase.reset();
+
+    // The routed experts' backward once over the whole batch, so the weight
+    // gradients sum their rows exactly as without overlap.
+    phase.emplace(*this, times.experts, "experts_backward");
+    const float* grad_x_expanded = nullptr;
+    if (chunks.size() == 1) {
+      Chunk& c = chunks[0];
+      const int64_t rows = c.offsets.back();
+      float* gx = ensure(whole.grad_x, rows * H);
+      if (num_local > 0)
+        EPX_RETURN_IF_ERROR(expert_ffn_backward(expert_config(), weights, payload_view(c.x_expanded, rows), c.offsets,
+                                                c.cache, TensorView::contiguous(c.grad_y.data(), DType::kF32, {rows, H}),
+                                                TensorView::contiguous(gx, DType::kF32, {rows, H}),
+                                                {w1.grad_view(), w3.grad_view(), w2.grad_view()}));
+      c.whole_row.resize(static_cast<std::size_t>(rows));
+      for (int64_t j = 0; j < rows; ++j) c.whole_row[j] = j;
+      grad_x_expanded = gx;
+    } else {
+      build_whole_layout();
+      const int64_t rows = whole.offsets.back();
+      gather_whole<std::byte>(whole.x, row_bytes, [&](const Chunk& c) { return c.x_expanded.data(); });
+      gather_whole<float>(whole.cache.h1, F, [&](const Chunk& c) { return c.cache.h1.data(); });
+      gather_whole<float>(whole.cache.h3, F, [&](const Chunk& c) { return c.cache.h3.data(); });
+      whole.cache.rows = rows;
+      gather_whole<float>(whole.grad_y, H, [&](const Chunk& c) { return c.grad_y.data(); });
+      float* gx = ensure(whole.grad_x, rows * H);
+      if (num_local > 0)
+        EPX_RETURN_IF_ERROR(expert_ffn_backward(expert_config(), weights, payload_view(whole.x, rows), whole.offsets,
+                                                whole.cache,
+                                                TensorView::contiguous(whole.grad_y.data(), DType::kF32, {rows, H}),
+                                                TensorView::contiguous(gx, DType::kF32, {rows, H}),
+                                                {w1.grad_view(), w3.grad_view(), w2.grad_view()}));
+      grad_x_expanded = gx;
+    }
+    phase.reset();
+
+    // Each chunk's dispatch backward goes out as soon as its rows are folded.
+    phase.emplace(*this, times.dispatch, "dispatch_backward");
+    float* grad_n_moe = ensure(b.grad_n_part, T * H);
+    float* grad_weights = ensure(b.grad_weights, T * K);
+    for (Chunk& c : chunks) {
+      const int64_t num_recv = c.recv.handle.num_recv_tokens();
+      const ExpandedLayout& expanded = buffer.expanded_layout(c.recv.handle);
+      float* grad_recv_x = ensure(c.grad_recv_x, num_recv * H);
+      fold_expanded(expanded, num_recv, [&](int64_t e) { return grad_x_expanded + c.whole_row[e] * H; }, grad_recv_x);
+      c.op = buffer.dispatch_backward_async(
+          TensorView::contiguous(grad_recv_x, DType::kF32, {num_recv, H}), c.recv.handle,
+          TensorView::contiguous(grad_n_moe + c.begin * H, DType::kF32, {c.count, H}),
+          {.bias = {},
+           .grad_recv_topk_weights = TensorView::contiguous(c.grad_recv_weights.data(), DType::kF32, {num_recv, K}),
+           .grad_topk_weights = TensorView::contiguous(grad_weights + c.begin * K, DType::kF32, {c.count, K})});
+    }
+    EPX_RETURN_IF_ERROR(wait_chunks());
+    for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_moe[i];
+    phase.reset();
+    return router_backward(T, go, grad_n, grad_weights, grad_x);
+  }
+
+  // Weighted aux and z losses of `routed`; keeps their gradient w.r.t. the logits.
+  Status auxiliary_losses(int64_t T) {
     const int E = config.router.num_experts, K = config.router.topk;
+    const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {T, E});
     aux_loss = 0.0;
     aux_grad_logits.assign(static_cast<std::size_t>(T * E), 0.0f);
     const double R = transport.num_ranks();
@@ -404,34 +764,26 @@ struct MoELayer::Impl {
   }
 
   Status backward(const TensorView& grad_out, const TensorView& grad_x) {
-    if (!handle.valid()) return failed_precondition("MoELayer::backward needs a successful forward first");
-    const int H = hidden(), E = config.router.num_experts, K = config.router.topk;
+    if (!handle.valid() && !overlapped)
+      return failed_precondition("MoELayer::backward needs a successful forward first");
+    const int H = hidden(), K = config.router.topk;
     const int64_t T = num_tokens;
     EPX_RETURN_IF_ERROR(check_matrix(grad_out, "grad_out", DType::kF32, T, H));
     EPX_RETURN_IF_ERROR(check_matrix(grad_x, "grad_x", DType::kF32, T, H));
-    const ExpandedLayout& expanded = buffer.expanded_layout(handle);
-    const int64_t rows = expanded.num_rows();
-    const int64_t num_recv = handle.num_recv_tokens();
-
-    // Scratch lives in `bwd` and is reused from step to step: fresh
-    // allocations of these sizes cost page faults on every call.
     BackwardScratch& b = bwd;
     float* go = ensure(b.grad_out, T * H);
     for (int64_t t = 0; t < T; ++t) std::memcpy(go + t * H, grad_out.row<const float>(t), sizeof(float) * H);
     float* grad_n = ensure(b.grad_n, T * H);
     std::fill(grad_n, grad_n + T * H, 0.0f);
+    if (overlapped) return backward_overlapped(T, go, grad_n, grad_x);
+
+    const ExpandedLayout& expanded = buffer.expanded_layout(handle);
+    const int64_t rows = expanded.num_rows();
+    const int64_t num_recv = handle.num_recv_tokens();
 
     std::optional<Phase> phase;
     phase.emplace(*this, times.experts, "experts_backward");
-    if (config.num_shared_experts > 0) {
-      const int64_t shared_offsets[2] = {0, T};
-      float* grad_n_shared = ensure(b.grad_n_part, T * H);
-      EPX_RETURN_IF_ERROR(expert_ffn_backward(
-          shared_config(), shared_weights, payload_view(n_payload, T), shared_offsets, shared_cache,
-          TensorView::contiguous(go, DType::kF32, {T, H}), TensorView::contiguous(grad_n_shared, DType::kF32, {T, H}),
-          {shared_w1.grad_view(), shared_w3.grad_view(), shared_w2.grad_view()}));
-      for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_shared[i];
-    }
+    EPX_RETURN_IF_ERROR(shared_backward(T, go, grad_n));
     phase.reset();
 
     // Combine backward: grad_out travels to the experts' ranks.
@@ -459,16 +811,7 @@ struct MoELayer::Impl {
     // (slot order), then combine them home with the weights' gradient.
     phase.emplace(*this, times.dispatch, "dispatch_backward");
     float* grad_recv_x = ensure(b.grad_recv_x, num_recv * H);
-    std::fill(grad_recv_x, grad_recv_x + num_recv * H, 0.0f);
-    for (int64_t r = 0; r < num_recv; ++r) {
-      float* dst = grad_recv_x + r * H;
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = expanded.row_of[static_cast<std::size_t>(r * K + k)];
-        if (e < 0) continue;
-        const float* src = grad_x_expanded + e * H;
-        for (int h = 0; h < H; ++h) dst[h] += src[h];
-      }
-    }
+    fold_expanded(expanded, num_recv, [&](int64_t e) { return grad_x_expanded + e * H; }, grad_recv_x);
     float* grad_n_moe = ensure(b.grad_n_part, T * H);
     float* grad_weights = ensure(b.grad_weights, T * K);
     EPX_RETURN_IF_ERROR(buffer.dispatch_backward(
@@ -479,7 +822,44 @@ struct MoELayer::Impl {
          .grad_topk_weights = TensorView::contiguous(grad_weights, DType::kF32, {T, K})}));
     for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_moe[i];
     phase.reset();
+    return router_backward(T, go, grad_n, grad_weights, grad_x);
+  }
 
+  // grad_n += the shared experts' backward of go (and their weight gradients).
+  Status shared_backward(int64_t T, const float* go, float* grad_n) {
+    if (config.num_shared_experts == 0) return Status::ok();
+    const int H = hidden();
+    const int64_t shared_offsets[2] = {0, T};
+    float* grad_n_shared = ensure(bwd.grad_n_part, T * H);
+    EPX_RETURN_IF_ERROR(expert_ffn_backward(
+        shared_config(), shared_weights, payload_view(n_payload, T), shared_offsets, shared_cache,
+        TensorView::contiguous(go, DType::kF32, {T, H}), TensorView::contiguous(grad_n_shared, DType::kF32, {T, H}),
+        {shared_w1.grad_view(), shared_w3.grad_view(), shared_w2.grad_view()}));
+    for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_shared[i];
+    return Status::ok();
+  }
+
+  // Folds the expanded rows' gradients back onto the received rows, in slot
+  // order: dst[r] = sum over k of row(row_of[r][k]).
+  void fold_expanded(const ExpandedLayout& expanded, int64_t num_recv, const std::function<const float*(int64_t)>& row,
+                     float* dst_rows) const {
+    const int H = hidden(), K = config.router.topk;
+    std::fill(dst_rows, dst_rows + num_recv * H, 0.0f);
+    for (int64_t r = 0; r < num_recv; ++r) {
+      float* dst = dst_rows + r * H;
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = expanded.row_of[static_cast<std::size_t>(r * K + k)];
+        if (e < 0) continue;
+        const float* src = row(e);
+        for (int h = 0; h < H; ++h) dst[h] += src[h];
+      }
+    }
+  }
+
+  // The router's and the norm's backward; grad_x = go + the norm's backward of grad_n.
+  Status router_backward(int64_t T, float* go, float* grad_n, const float* grad_weights, const TensorView& grad_x) {
+    const int H = hidden(), E = config.router.num_experts, K = config.router.topk;
+    std::optional<Phase> phase;
     phase.emplace(*this, times.router, "router_backward");
     EPX_ASSIGN_OR_RETURN(std::vector<float> grad_logits,
                          route_backward(config.router, routed,
@@ -514,6 +894,9 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config,
   if (layer_index < 0) return invalid_argument("layer_index = {} is below 0", layer_index);
   auto impl = std::make_unique<Impl>(config, transport, buffer, layer_index);
   EPX_RETURN_IF_ERROR(impl->set_slot_map(std::move(slot_expert)));
+  if (config.overlap == OverlapMode::kTwoMicroBatches && !impl->identity)
+    return invalid_argument("overlap two-micro-batches routes each half on its own, but redundant experts choose "
+                            "replicas by token index over the whole batch; use overlap chunked");
   impl->num_local = buffer.num_local_experts();
   impl->init_parameters();
   if (impl->num_local > 0) EPX_RETURN_IF_ERROR(impl->expert_config().validate());

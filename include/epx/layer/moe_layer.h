@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "epx/comm/transport.h"
@@ -54,6 +55,27 @@ enum class AuxLossKind : uint8_t {
   kGlobalBatch,  // f and P over every rank's tokens (one all-reduce)
 };
 
+// How forward and backward hide the exchange behind compute (the Buffer's
+// asynchronous operations). Every mode gives the same bits as kNone, forward
+// and gradients (tests/layer), provided the expert GEMMs give each row the
+// same bits whatever the number of rows (oneDNN's matmul does, tested).
+enum class OverlapMode : uint8_t {
+  kNone,           // router, dispatch, experts, combine one after another
+  kSharedExperts,  // the shared experts compute while the dispatch is in flight
+  // Tokens in overlap_chunks chunks: chunk i+1's dispatch and chunk i-1's
+  // combine run under chunk i's experts (and the shared experts under the
+  // first dispatch).
+  kChunked,
+  // Two micro-batches (the two halves of the tokens): the second's norm and
+  // routing run under the first's dispatch, its dispatch under the first's
+  // experts, the first's combine under its experts. Each half is routed on
+  // its own, so capacity and redundant experts are refused (use kChunked).
+  kTwoMicroBatches,
+};
+[[nodiscard]] std::string_view overlap_mode_name(OverlapMode mode);
+// "none", "shared", "chunked", "two-micro-batches".
+[[nodiscard]] Result<OverlapMode> parse_overlap_mode(std::string_view name);
+
 struct MoELayerConfig {
   int hidden = 0;
   int ffn_hidden = 0;  // width of each routed expert
@@ -71,15 +93,19 @@ struct MoELayerConfig {
   float norm_eps = 1e-6f;
   uint64_t seed = 1;
   float init_std = 0.0f;  // 0: 1/sqrt(fan_in) for every weight
+  OverlapMode overlap = OverlapMode::kNone;
+  int overlap_chunks = 4;  // kChunked: chunks per forward (the same on every rank), 1..64
 
   [[nodiscard]] Status validate() const;
 };
 
-// Wall time of the last forward + backward on this rank, in seconds.
+// Wall time of the last forward + backward on this rank, in seconds. With an
+// overlap mode, dispatch and combine count only the time the caller waited
+// for them (what the overlap left exposed), not the time they were in flight.
 struct LayerTimes {
   double router = 0;    // norm, router GEMM, routing, aux losses (and their backward)
   double dispatch = 0;  // dispatch + expand (forward), their backward
-  double experts = 0;   // routed and shared experts
+  double experts = 0;   // routed and shared experts (and, overlapped, gathering their rows)
   double combine = 0;   // combine (forward), its backward
   double stats = 0;     // the load-statistics all-reduce
   LayerTimes& operator+=(const LayerTimes& other);
