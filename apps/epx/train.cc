@@ -80,6 +80,8 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"model.topk", bind(o.topk)},
       {"model.shared_experts", bind(o.shared_experts)},
       {"model.dtype", bind(o.dtype)},
+      {"model.overlap", bind(o.overlap)},
+      {"model.overlap_chunks", bind(o.overlap_chunks)},
       {"model.score", bind(o.score)},
       {"model.normalize", bind(o.normalize)},
       {"model.groups", bind(o.groups)},
@@ -157,6 +159,8 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   l.num_shared_experts = o.shared_experts;
   l.seed = o.seed;
   l.z_loss_coeff = o.z_coeff;
+  EPX_ASSIGN_OR_RETURN(l.overlap, parse_overlap_mode(o.overlap));
+  l.overlap_chunks = o.overlap_chunks;
   if (o.dtype == "f32") {
     l.dtype = DType::kF32;
   } else if (o.dtype == "bf16") {
@@ -312,6 +316,14 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (every token, every rank)")->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "Dispatch payload and expert GEMMs: f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--overlap", o.overlap,
+                  "Exchange under compute in each MoE layer: none, shared (shared experts under the dispatch), "
+                  "chunked (--overlap-chunks chunks pipelined), two-micro-batches; the same bits as none")
+      ->check(CLI::IsMember({"none", "shared", "chunked", "two-micro-batches"}))
+      ->capture_default_str();
+  cmd->add_option("--overlap-chunks", o.overlap_chunks, "Chunks of --overlap chunked")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_option("--score", o.score, "Gate: softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}))->capture_default_str();
   cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")->capture_default_str();

@@ -36,6 +36,8 @@ struct TrainOptions {
   int topk = 2;
   int shared_experts = 0;
   std::string dtype = "f32";
+  std::string overlap = "none";  // MoELayerConfig::overlap
+  int overlap_chunks = 4;
   std::string score = "softmax";
   bool normalize = true;
   int groups = 1;
