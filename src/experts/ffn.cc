@@ -161,69 +161,73 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
   });
 }
 
-Status expert_ffn_backward(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
-                           std::span<const int64_t> offsets, const ExpertFfnCache& cache, const TensorView& grad_y,
-                           const TensorView& grad_x, const ExpertGrads& grads) {
+namespace {
+
+// grad_y's rows [first, first + m) as the backward GEMMs read them: the f32
+// rows themselves, or (bf16) rounded into `scratch`. Returns the leading dimension.
+int64_t backward_grad_y(const ExpertFfnConfig& config, const TensorView& grad_y, int64_t first, int64_t m,
+                        void* scratch, const void** gy) {
+  if (config.dtype != DType::kBF16) {
+    *gy = grad_y.row(first);
+    return ld(grad_y);
+  }
+  const int64_t H = config.hidden;
+  for (int64_t r = 0; r < m; ++r) detail::to_bf16(grad_y.row<const float>(first + r), H, static_cast<uint16_t*>(scratch) + r * H);
+  *gy = scratch;
+  return H;
+}
+
+Status check_grad_y(const Problem& p, const TensorView& grad_y) {
+  return check_matrix(grad_y, "grad_y", DType::kF32, p.rows, p.hidden);
+}
+
+}  // namespace
+
+Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
+                                std::span<const int64_t> offsets, const ExpertFfnCache& cache,
+                                const TensorView& grad_y, const TensorView& grad_x, ExpertFfnGradState* state) {
   Problem p;
   EPX_RETURN_IF_ERROR(check_common(config, weights, x, offsets, &p));
-  const int64_t E = config.num_experts, H = p.hidden, F = p.ffn;
-  EPX_RETURN_IF_ERROR(check_matrix(grad_y, "grad_y", DType::kF32, p.rows, H));
+  const int64_t H = p.hidden, F = p.ffn;
+  EPX_RETURN_IF_ERROR(check_grad_y(p, grad_y));
   EPX_RETURN_IF_ERROR(check_matrix(grad_x, "grad_x", DType::kF32, p.rows, H));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w1, "grads.w1", DType::kF32, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w3, "grads.w3", DType::kF32, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w2, "grads.w2", DType::kF32, E * F, H));
+  if (state == nullptr) return invalid_argument("expert_ffn_backward_data needs a state to fill");
   const auto cached = static_cast<std::size_t>(p.rows * F);
   if (cache.rows != p.rows || cache.h1.size() != cached || cache.h3.size() != cached)
     return invalid_argument(
         "cache holds {} rows (h1 {} and h3 {} values) but x has {} rows ({} values each): pass the cache that "
         "expert_ffn_forward filled for this x",
         cache.rows, cache.h1.size(), cache.h3.size(), p.rows, cached);
-  const bool bf16 = config.dtype == DType::kBF16;
+  const std::size_t state_bytes = cached * p.elem;
+  state->a.resize(state_bytes);
+  state->grad_h1.resize(state_bytes);
+  state->grad_h3.resize(state_bytes);
+  state->rows = p.rows;
   const Plan plan = make_plan(p);
   return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
     const int64_t first = offsets[e], m = offsets[e + 1] - first;
     float* grad_a = nullptr;
-    void* a = nullptr;
-    void* grad_h1 = nullptr;
-    void* grad_h3 = nullptr;
-    void* gy = nullptr;  // grad_y rounded to bf16 (bf16 only)
+    void* gy_bf16 = nullptr;
     auto carve = [&](Carver& c) {
       grad_a = c.take<float>(m * F);
-      a = c.take<std::byte>(m * F * p.elem);
-      grad_h1 = c.take<std::byte>(m * F * p.elem);
-      grad_h3 = c.take<std::byte>(m * F * p.elem);
-      if (bf16) gy = c.take<uint16_t>(m * H);
+      if (config.dtype == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
     };
     Carver sizer(nullptr);
     carve(sizer);
     workspace.reserve(sizer.bytes());
     Carver carver(workspace.data());
     carve(carver);
-    int64_t ldgy = ld(grad_y);
-    if (bf16) {
-      for (int64_t r = 0; r < m; ++r)
-        detail::to_bf16(grad_y.row<const float>(first + r), H, static_cast<uint16_t*>(gy) + r * H);
-      ldgy = H;
-    } else {
-      gy = grad_y.row(first);
-    }
+    const void* gy = nullptr;
+    const int64_t ldgy = backward_grad_y(config, grad_y, first, m, gy_bf16, &gy);
+    std::byte* a = state->a.data() + first * F * p.elem;
+    std::byte* grad_h1 = state->grad_h1.data() + first * F * p.elem;
+    std::byte* grad_h3 = state->grad_h3.data() + first * F * p.elem;
     // grad_a = grad_y W2^T
     GemmArgs g{.dtype = config.dtype, .trans_b = true, .m = m, .n = F, .k = H, .a = gy, .lda = ldgy,
                .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = grad_a, .ldc = F};
     EPX_RETURN_IF_ERROR(gemm(g, threads));
     detail::swiglu_backward(cache.h1.data() + first * F, cache.h3.data() + first * F, grad_a, m * F, config.dtype, a,
                             grad_h1, grad_h3);
-    // grad_W2 += a^T grad_y
-    GemmArgs w{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = F, .n = H, .k = m, .a = a, .lda = F,
-               .b = gy, .ldb = ldgy, .c = grads.w2.row<float>(e * F), .ldc = ld(grads.w2)};
-    EPX_RETURN_IF_ERROR(gemm(w, threads));
-    // grad_W1 += x^T grad_h1, grad_W3 += x^T grad_h3
-    w = GemmArgs{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = H, .n = F, .k = m,
-                 .a = x.row(first), .lda = ld(x), .b = grad_h1, .ldb = F, .c = grads.w1.row<float>(e * H),
-                 .ldc = ld(grads.w1)};
-    EPX_RETURN_IF_ERROR(gemm(w, threads));
-    w.b = grad_h3, w.c = grads.w3.row<float>(e * H), w.ldc = ld(grads.w3);
-    EPX_RETURN_IF_ERROR(gemm(w, threads));
     // grad_x = grad_h1 W1^T + grad_h3 W3^T
     GemmArgs d{.dtype = config.dtype, .trans_b = true, .m = m, .n = H, .k = F, .a = grad_h1, .lda = F,
                .b = expert_rows(weights.w1, e * H), .ldb = ld(weights.w1), .c = grad_x.row<float>(first),
@@ -232,6 +236,56 @@ Status expert_ffn_backward(const ExpertFfnConfig& config, const ExpertWeights& w
     d.accumulate = true, d.a = grad_h3, d.b = expert_rows(weights.w3, e * H), d.ldb = ld(weights.w3);
     return gemm(d, threads);
   });
+}
+
+Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
+                                   std::span<const int64_t> offsets, const TensorView& grad_y,
+                                   const ExpertFfnGradState& state, const ExpertGrads& grads) {
+  Problem p;
+  EPX_RETURN_IF_ERROR(check_common(config, weights, x, offsets, &p));
+  const int64_t E = config.num_experts, H = p.hidden, F = p.ffn;
+  EPX_RETURN_IF_ERROR(check_grad_y(p, grad_y));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w1, "grads.w1", DType::kF32, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w3, "grads.w3", DType::kF32, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w2, "grads.w2", DType::kF32, E * F, H));
+  const std::size_t state_bytes = static_cast<std::size_t>(p.rows * F) * p.elem;
+  if (state.rows != p.rows || state.a.size() != state_bytes || state.grad_h1.size() != state_bytes ||
+      state.grad_h3.size() != state_bytes)
+    return invalid_argument("state holds {} rows but x has {}: pass the state expert_ffn_backward_data filled for "
+                            "this x",
+                            state.rows, p.rows);
+  const Plan plan = make_plan(p);
+  return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
+    const int64_t first = offsets[e], m = offsets[e + 1] - first;
+    if (config.dtype == DType::kBF16) workspace.reserve(static_cast<std::size_t>(m * H) * sizeof(uint16_t));
+    const void* gy = nullptr;
+    const int64_t ldgy = backward_grad_y(config, grad_y, first, m, workspace.data(), &gy);
+    const std::byte* a = state.a.data() + first * F * p.elem;
+    // grad_W2 += a^T grad_y
+    GemmArgs w{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = F, .n = H, .k = m, .a = a, .lda = F,
+               .b = gy, .ldb = ldgy, .c = grads.w2.row<float>(e * F), .ldc = ld(grads.w2)};
+    EPX_RETURN_IF_ERROR(gemm(w, threads));
+    // grad_W1 += x^T grad_h1, grad_W3 += x^T grad_h3
+    w = GemmArgs{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = H, .n = F, .k = m,
+                 .a = x.row(first), .lda = ld(x), .b = state.grad_h1.data() + first * F * p.elem, .ldb = F,
+                 .c = grads.w1.row<float>(e * H), .ldc = ld(grads.w1)};
+    EPX_RETURN_IF_ERROR(gemm(w, threads));
+    w.b = state.grad_h3.data() + first * F * p.elem, w.c = grads.w3.row<float>(e * H), w.ldc = ld(grads.w3);
+    return gemm(w, threads);
+  });
+}
+
+Status expert_ffn_backward(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
+                           std::span<const int64_t> offsets, const ExpertFfnCache& cache, const TensorView& grad_y,
+                           const TensorView& grad_x, const ExpertGrads& grads) {
+  // Checked before the data pass writes grad_x: nothing is written on bad input.
+  const int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w1, "grads.w1", DType::kF32, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w3, "grads.w3", DType::kF32, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w2, "grads.w2", DType::kF32, E * F, H));
+  ExpertFfnGradState state;
+  EPX_RETURN_IF_ERROR(expert_ffn_backward_data(config, weights, x, offsets, cache, grad_y, grad_x, &state));
+  return expert_ffn_backward_weights(config, weights, x, offsets, grad_y, state, grads);
 }
 
 }  // namespace epx

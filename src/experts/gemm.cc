@@ -6,6 +6,8 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <vector>
+#include <cstring>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -67,10 +69,41 @@ Result<std::shared_ptr<const Primitive>> primitive_for(const GemmArgs& args, int
   return std::shared_ptr<const Primitive>(primitive);
 }
 
+Status gemm_call(const GemmArgs& args, int num_threads);
+
 }  // namespace
 
 Status gemm(const GemmArgs& args, int num_threads) {
   if (args.m == 0 || args.n == 0) return Status::ok();
+  if (args.trans_a || args.m % kRowBlock == 0) return gemm_call(args, num_threads);
+  const int64_t whole = args.m / kRowBlock * kRowBlock, tail = args.m - whole;
+  if (whole > 0) {
+    GemmArgs head = args;
+    head.m = whole;
+    EPX_RETURN_IF_ERROR(gemm_call(head, num_threads));
+  }
+  // The last rows, zero-padded to one whole block (C too, for accumulate).
+  const std::size_t elem = dtype_size(args.dtype);
+  std::vector<std::byte> a(static_cast<std::size_t>(kRowBlock * args.k) * elem);
+  std::vector<float> c(static_cast<std::size_t>(kRowBlock * args.n), 0.0f);
+  const auto* a_rows = static_cast<const std::byte*>(args.a) + static_cast<std::size_t>(whole * args.lda) * elem;
+  float* c_rows = args.c + whole * args.ldc;
+  for (int64_t r = 0; r < tail; ++r) {
+    std::memcpy(a.data() + static_cast<std::size_t>(r * args.k) * elem, a_rows + static_cast<std::size_t>(r * args.lda) * elem,
+                static_cast<std::size_t>(args.k) * elem);
+    if (args.accumulate) std::memcpy(c.data() + r * args.n, c_rows + r * args.ldc, sizeof(float) * args.n);
+  }
+  GemmArgs last = args;
+  last.m = kRowBlock, last.a = a.data(), last.lda = args.k, last.c = c.data(), last.ldc = args.n;
+  EPX_RETURN_IF_ERROR(gemm_call(last, num_threads));
+  for (int64_t r = 0; r < tail; ++r) std::memcpy(c_rows + r * args.ldc, c.data() + r * args.n, sizeof(float) * args.n);
+  return Status::ok();
+}
+
+namespace {
+
+// One oneDNN matmul of the whole of `args`.
+Status gemm_call(const GemmArgs& args, int num_threads) {
   try {
     ScopedOmpThreads threads(num_threads);
     EPX_ASSIGN_OR_RETURN(auto primitive, primitive_for(args, num_threads));
@@ -94,6 +127,8 @@ Status gemm(const GemmArgs& args, int num_threads) {
   }
   return Status::ok();
 }
+
+}  // namespace
 
 ScopedOmpThreads::ScopedOmpThreads(int num_threads) : saved_(omp_get_max_threads()) {
   if (num_threads != saved_) omp_set_num_threads(num_threads);

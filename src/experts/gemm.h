@@ -29,6 +29,16 @@ struct GemmArgs {
 
 // Runs on `num_threads` threads (1: the calling thread only). Safe to call
 // from several threads at once. Fails with Internal if oneDNN does.
+//
+// Row-invariant (A not transposed): each row of C gets the same bits
+// whatever the number of rows m of the call, so a batch computed in chunks
+// gives the bits of the whole batch (MoELayer's overlap modes rely on it).
+// oneDNN's matmul picks its kernel by m, and kernels for different m may sum
+// in different orders (seen for m < 16 with B transposed); so the rows go in
+// blocks of kRowBlock: the whole blocks in one call, the last partial block
+// zero-padded to a whole one. With the same thread count, tests/experts
+// checks that any split of the rows gives the same bits.
+inline constexpr int64_t kRowBlock = 16;
 [[nodiscard]] Status gemm(const GemmArgs& args, int num_threads);
 
 // Sets the calling thread's OpenMP thread count (what oneDNN uses) for a

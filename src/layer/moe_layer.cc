@@ -148,7 +148,8 @@ struct MoELayer::Impl {
     std::vector<std::byte> x_expanded;
     std::vector<float> y_expanded;
     ExpertFfnCache cache;
-    std::vector<float> grad_y, grad_recv_weights, grad_recv_x;
+    std::vector<float> grad_y, grad_recv_weights, grad_recv_x, grad_x_expanded;
+    ExpertFfnGradState grad_state;
     std::vector<int64_t> whole_row;  // expanded row -> row of the whole-batch layout (-1: padding)
     PendingOp op;
   };
@@ -158,10 +159,11 @@ struct MoELayer::Impl {
   struct Whole {
     std::vector<int64_t> offsets;
     std::vector<std::byte> x;
-    std::vector<float> grad_y, grad_x;
-    ExpertFfnCache cache;
+    std::vector<float> grad_y;
+    ExpertFfnGradState grad_state;
   } whole;
   ExpertFfnCache cache, shared_cache;
+  ExpertFfnGradState grad_state, shared_grad_state;  // the backward's data -> weight pass state
   double aux_loss = 0.0;
   LoadStats stats;
   LayerTimes times;
@@ -598,6 +600,29 @@ struct MoELayer::Impl {
     }
   }
 
+  // The routed experts' backward, in its two passes (ffn.h).
+  Status routed_backward_data(const std::vector<std::byte>& x_rows, const std::vector<int64_t>& offs,
+                              const ExpertFfnCache& c, const float* grad_y, float* grad_x, ExpertFfnGradState* state) {
+    const int64_t rows = offs.back();
+    const int H = hidden();
+    return expert_ffn_backward_data(expert_config(), weights, payload_view(x_rows, rows), offs, c,
+                                    TensorView::contiguous(grad_y, DType::kF32, {rows, H}),
+                                    TensorView::contiguous(grad_x, DType::kF32, {rows, H}), state);
+  }
+  Status routed_backward_weights(const std::vector<std::byte>& x_rows, const std::vector<int64_t>& offs,
+                                 const float* grad_y, const ExpertFfnGradState& state) {
+    const int64_t rows = offs.back();
+    return expert_ffn_backward_weights(expert_config(), weights, payload_view(x_rows, rows), offs,
+                                       TensorView::contiguous(grad_y, DType::kF32, {rows, hidden()}), state,
+                                       {w1.grad_view(), w3.grad_view(), w2.grad_view()});
+  }
+
+  // Backward of an overlapped forward: every chunk's combine backward goes
+  // out at once; each chunk's data pass runs as soon as its gradients have
+  // arrived and its dispatch backward goes out right after, under the next
+  // chunk's data pass; the weight pass runs once over the whole batch,
+  // assembled in the plain layer's row order, so the weight gradients keep
+  // the plain layer's bits.
   Status backward_overlapped(int64_t T, float* go, float* grad_n, const TensorView& grad_x) {
     const int H = hidden(), K = config.router.topk, F = config.ffn_hidden;
     const std::size_t row_bytes = static_cast<std::size_t>(H) * dtype_size(config.dtype);
@@ -605,7 +630,6 @@ struct MoELayer::Impl {
     WaitOnExit wait_on_exit{*this};
     std::optional<Phase> phase;
 
-    // Every chunk's combine backward in flight under the shared experts' backward.
     phase.emplace(*this, times.combine, "combine_backward");
     b.grad_out_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
     detail::convert_from_f32(go, T * H, config.dtype, b.grad_out_payload.data());
@@ -623,54 +647,23 @@ struct MoELayer::Impl {
     phase.emplace(*this, times.experts, "experts_backward");
     EPX_RETURN_IF_ERROR(shared_backward(T, go, grad_n));
     phase.reset();
-    phase.emplace(*this, times.combine, "combine_backward");
-    EPX_RETURN_IF_ERROR(wait_chunks());
-    phase.reset();
 
-    // The routed experts' backward once over the whole batch, so the weight
-    // gradients sum their rows exactly as without overlap.
-    phase.emplace(*this, times.experts, "experts_backward");
-    const float* grad_x_expanded = nullptr;
-    if (chunks.size() == 1) {
-      Chunk& c = chunks[0];
-      const int64_t rows = c.offsets.back();
-      float* gx = ensure(whole.grad_x, rows * H);
-      if (num_local > 0)
-        EPX_RETURN_IF_ERROR(expert_ffn_backward(expert_config(), weights, payload_view(c.x_expanded, rows), c.offsets,
-                                                c.cache, TensorView::contiguous(c.grad_y.data(), DType::kF32, {rows, H}),
-                                                TensorView::contiguous(gx, DType::kF32, {rows, H}),
-                                                {w1.grad_view(), w3.grad_view(), w2.grad_view()}));
-      c.whole_row.resize(static_cast<std::size_t>(rows));
-      for (int64_t j = 0; j < rows; ++j) c.whole_row[j] = j;
-      grad_x_expanded = gx;
-    } else {
-      build_whole_layout();
-      const int64_t rows = whole.offsets.back();
-      gather_whole<std::byte>(whole.x, row_bytes, [&](const Chunk& c) { return c.x_expanded.data(); });
-      gather_whole<float>(whole.cache.h1, F, [&](const Chunk& c) { return c.cache.h1.data(); });
-      gather_whole<float>(whole.cache.h3, F, [&](const Chunk& c) { return c.cache.h3.data(); });
-      whole.cache.rows = rows;
-      gather_whole<float>(whole.grad_y, H, [&](const Chunk& c) { return c.grad_y.data(); });
-      float* gx = ensure(whole.grad_x, rows * H);
-      if (num_local > 0)
-        EPX_RETURN_IF_ERROR(expert_ffn_backward(expert_config(), weights, payload_view(whole.x, rows), whole.offsets,
-                                                whole.cache,
-                                                TensorView::contiguous(whole.grad_y.data(), DType::kF32, {rows, H}),
-                                                TensorView::contiguous(gx, DType::kF32, {rows, H}),
-                                                {w1.grad_view(), w3.grad_view(), w2.grad_view()}));
-      grad_x_expanded = gx;
-    }
-    phase.reset();
-
-    // Each chunk's dispatch backward goes out as soon as its rows are folded.
-    phase.emplace(*this, times.dispatch, "dispatch_backward");
     float* grad_n_moe = ensure(b.grad_n_part, T * H);
     float* grad_weights = ensure(b.grad_weights, T * K);
     for (Chunk& c : chunks) {
-      const int64_t num_recv = c.recv.handle.num_recv_tokens();
-      const ExpandedLayout& expanded = buffer.expanded_layout(c.recv.handle);
+      phase.emplace(*this, times.combine, "combine_backward");
+      EPX_RETURN_IF_ERROR(c.op.wait());  // queued in order: the earlier chunks' are done
+      phase.reset();
+      phase.emplace(*this, times.experts, "experts_backward");
+      const int64_t rows = c.offsets.back(), num_recv = c.recv.handle.num_recv_tokens();
+      float* grad_x_expanded = ensure(c.grad_x_expanded, rows * H);
+      if (num_local > 0)
+        EPX_RETURN_IF_ERROR(routed_backward_data(c.x_expanded, c.offsets, c.cache, c.grad_y.data(), grad_x_expanded,
+                                                 &c.grad_state));
       float* grad_recv_x = ensure(c.grad_recv_x, num_recv * H);
-      fold_expanded(expanded, num_recv, [&](int64_t e) { return grad_x_expanded + c.whole_row[e] * H; }, grad_recv_x);
+      fold_expanded(buffer.expanded_layout(c.recv.handle), num_recv,
+                    [&](int64_t e) { return grad_x_expanded + e * H; }, grad_recv_x);
+      phase.reset();
       c.op = buffer.dispatch_backward_async(
           TensorView::contiguous(grad_recv_x, DType::kF32, {num_recv, H}), c.recv.handle,
           TensorView::contiguous(grad_n_moe + c.begin * H, DType::kF32, {c.count, H}),
@@ -678,6 +671,32 @@ struct MoELayer::Impl {
            .grad_recv_topk_weights = TensorView::contiguous(c.grad_recv_weights.data(), DType::kF32, {num_recv, K}),
            .grad_topk_weights = TensorView::contiguous(grad_weights + c.begin * K, DType::kF32, {c.count, K})});
     }
+
+    // The weight pass, under the last dispatch backwards.
+    phase.emplace(*this, times.experts, "experts_backward");
+    if (num_local > 0) {
+      if (chunks.size() == 1) {
+        const Chunk& c = chunks[0];
+        EPX_RETURN_IF_ERROR(routed_backward_weights(c.x_expanded, c.offsets, c.grad_y.data(), c.grad_state));
+      } else {
+        build_whole_layout();
+        const std::size_t state_row = static_cast<std::size_t>(F) * dtype_size(config.dtype);
+        gather_whole<std::byte>(whole.x, row_bytes, [](const Chunk& c) { return c.x_expanded.data(); });
+        gather_whole<float>(whole.grad_y, H, [](const Chunk& c) { return c.grad_y.data(); });
+        gather_whole<std::byte>(whole.grad_state.a, state_row, [](const Chunk& c) { return c.grad_state.a.data(); });
+        gather_whole<std::byte>(whole.grad_state.grad_h1, state_row,
+                                [](const Chunk& c) { return c.grad_state.grad_h1.data(); });
+        gather_whole<std::byte>(whole.grad_state.grad_h3, state_row,
+                                [](const Chunk& c) { return c.grad_state.grad_h3.data(); });
+        // Exactly rows x F each (gather_whole keeps one row for an empty batch).
+        const std::size_t state_bytes = static_cast<std::size_t>(whole.offsets.back()) * state_row;
+        for (auto* v : {&whole.grad_state.a, &whole.grad_state.grad_h1, &whole.grad_state.grad_h3}) v->resize(state_bytes);
+        whole.grad_state.rows = whole.offsets.back();
+        EPX_RETURN_IF_ERROR(routed_backward_weights(whole.x, whole.offsets, whole.grad_y.data(), whole.grad_state));
+      }
+    }
+    phase.reset();
+    phase.emplace(*this, times.dispatch, "dispatch_backward");
     EPX_RETURN_IF_ERROR(wait_chunks());
     for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_moe[i];
     phase.reset();
@@ -800,11 +819,10 @@ struct MoELayer::Impl {
 
     phase.emplace(*this, times.experts, "experts_backward");
     float* grad_x_expanded = ensure(b.grad_x_expanded, rows * H);
-    if (num_local > 0)
-      EPX_RETURN_IF_ERROR(expert_ffn_backward(expert_config(), weights, payload_view(x_expanded, rows), offsets, cache,
-                                              TensorView::contiguous(grad_y, DType::kF32, {rows, H}),
-                                              TensorView::contiguous(grad_x_expanded, DType::kF32, {rows, H}),
-                                              {w1.grad_view(), w3.grad_view(), w2.grad_view()}));
+    if (num_local > 0) {
+      EPX_RETURN_IF_ERROR(routed_backward_data(x_expanded, offsets, cache, grad_y, grad_x_expanded, &grad_state));
+      EPX_RETURN_IF_ERROR(routed_backward_weights(x_expanded, offsets, grad_y, grad_state));
+    }
     phase.reset();
 
     // Dispatch backward: fold the expanded rows back onto the received rows
@@ -831,10 +849,14 @@ struct MoELayer::Impl {
     const int H = hidden();
     const int64_t shared_offsets[2] = {0, T};
     float* grad_n_shared = ensure(bwd.grad_n_part, T * H);
-    EPX_RETURN_IF_ERROR(expert_ffn_backward(
-        shared_config(), shared_weights, payload_view(n_payload, T), shared_offsets, shared_cache,
-        TensorView::contiguous(go, DType::kF32, {T, H}), TensorView::contiguous(grad_n_shared, DType::kF32, {T, H}),
-        {shared_w1.grad_view(), shared_w3.grad_view(), shared_w2.grad_view()}));
+    const TensorView n_view = payload_view(n_payload, T), go_view = TensorView::contiguous(go, DType::kF32, {T, H});
+    EPX_RETURN_IF_ERROR(expert_ffn_backward_data(shared_config(), shared_weights, n_view, shared_offsets, shared_cache,
+                                                 go_view, TensorView::contiguous(grad_n_shared, DType::kF32, {T, H}),
+                                                 &shared_grad_state));
+    EPX_RETURN_IF_ERROR(expert_ffn_backward_weights(shared_config(), shared_weights, n_view, shared_offsets, go_view,
+                                                    shared_grad_state,
+                                                    {shared_w1.grad_view(), shared_w3.grad_view(),
+                                                     shared_w2.grad_view()}));
     for (int64_t i = 0; i < T * H; ++i) grad_n[i] += grad_n_shared[i];
     return Status::ok();
   }

@@ -100,4 +100,24 @@ struct ExpertFfnCache {
                                          const ExpertFfnCache& cache, const TensorView& grad_y,
                                          const TensorView& grad_x, const ExpertGrads& grads);
 
+// The same backward in two passes, for callers that overlap it with other
+// work: the data pass, row by row (grad_x, and the gradients the weights
+// need, kept in `state`), then the weight pass over the rows. Rows are
+// independent in the data pass, so it may run on parts of the rows (one
+// call per part) and the weight pass once on all of them, in the order the
+// single call would see them: the gradients then have the single call's bits.
+// expert_ffn_backward is these two in a row.
+struct ExpertFfnGradState {
+  std::vector<std::byte> a, grad_h1, grad_h3;  // [rows, F] of config.dtype each
+  int64_t rows = 0;
+};
+[[nodiscard]] Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeights& weights,
+                                              const TensorView& x, std::span<const int64_t> offsets,
+                                              const ExpertFfnCache& cache, const TensorView& grad_y,
+                                              const TensorView& grad_x, ExpertFfnGradState* state);
+[[nodiscard]] Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWeights& weights,
+                                                 const TensorView& x, std::span<const int64_t> offsets,
+                                                 const TensorView& grad_y, const ExpertFfnGradState& state,
+                                                 const ExpertGrads& grads);
+
 }  // namespace epx

@@ -1,0 +1,76 @@
+// The experts' GEMM is row-invariant: a row of C has the same bits whatever
+// the number of rows the call has, so a batch split into chunks gives the
+// whole batch's bits (what MoELayer's overlap modes need). oneDNN alone is
+// not: with B transposed its kernels for fewer than 16 rows sum in another
+// order (the first case below failed before the rows went in blocks).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "epx/core/dtype.h"
+#include "experts/gemm.h"
+
+namespace epx::detail {
+namespace {
+
+struct Case {
+  bool trans_b;
+  DType dtype;
+  int64_t m, k, n;
+  bool accumulate;
+};
+
+TEST(GemmRows, AnySplitOfTheRowsGivesTheWholeCallsBits) {
+  const Case cases[] = {
+      {true, DType::kF32, 61, 64, 32, false},    {true, DType::kF32, 61, 32, 64, true},
+      {false, DType::kF32, 300, 1024, 256, false}, {true, DType::kBF16, 77, 2048, 512, false},
+      {false, DType::kBF16, 45, 256, 1024, true},  {true, DType::kF32, 40, 7168, 64, false},
+  };
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "m=" << c.m << " k=" << c.k << " n=" << c.n << " trans_b=" << c.trans_b << " "
+                                    << dtype_name(c.dtype) << " accumulate=" << c.accumulate);
+    const std::size_t elem = dtype_size(c.dtype);
+    std::vector<float> af(c.m * c.k), bf(c.k * c.n), c0(c.m * c.n);
+    for (float& v : af) v = normal(rng);
+    for (float& v : bf) v = normal(rng);
+    for (float& v : c0) v = normal(rng);
+    std::vector<std::byte> a(af.size() * elem), b(bf.size() * elem);
+    auto store = [&](const std::vector<float>& from, std::vector<std::byte>& to) {
+      for (std::size_t i = 0; i < from.size(); ++i) {
+        if (c.dtype == DType::kF32) {
+          std::memcpy(to.data() + i * 4, &from[i], 4);
+        } else {
+          const uint16_t h = f32_to_bf16(from[i]);
+          std::memcpy(to.data() + i * 2, &h, 2);
+        }
+      }
+    };
+    store(af, a);
+    store(bf, b);
+    GemmArgs whole{.dtype = c.dtype, .trans_b = c.trans_b, .accumulate = c.accumulate, .m = c.m, .n = c.n, .k = c.k,
+                   .a = a.data(), .lda = c.k, .b = b.data(), .ldb = c.trans_b ? c.k : c.n, .ldc = c.n};
+    std::vector<float> expected = c0;
+    whole.c = expected.data();
+    ASSERT_TRUE(gemm(whole, 1).is_ok());
+    for (int64_t split : {1, 3, 5, 13, 16, 20, 33}) {
+      std::vector<float> got = c0;
+      for (int64_t r0 = 0; r0 < c.m; r0 += split) {
+        GemmArgs part = whole;
+        part.m = std::min(split, c.m - r0);
+        part.a = a.data() + static_cast<std::size_t>(r0 * c.k) * elem;
+        part.c = got.data() + r0 * c.n;
+        ASSERT_TRUE(gemm(part, 1).is_ok());
+      }
+      EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
+          << "rows in chunks of " << split << " differ from one call";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace epx::detail
