@@ -92,7 +92,10 @@ struct LowLatencyBuffer::Impl {
 
   // Sequence numbers: collective, so equal on every rank.
   int64_t dispatch_seq = 0, combine_seq = 0;
-  bool need_entry_barrier = false;  // a dispatch since the last complete combine
+  // The kind of the previous call. A call that follows one of its own kind
+  // starts with a barrier: without the other kind between them, a fast peer
+  // could overwrite signals (or recv_x) that a slow one has not read yet.
+  enum class LastCall : uint8_t { kNone, kDispatch, kCombine } last_call = LastCall::kNone;
   bool dispatch_ok = false;         // the latest dispatch succeeded ...
   bool combined = false;            // ... and was combined already
   Status poisoned = Status::ok();
@@ -365,12 +368,12 @@ Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& in, LowLatency
   const int64_t seq = ++m.dispatch_seq;
   m.dispatch_ok = false;
   m.combined = false;
-  if (m.need_entry_barrier) {
+  if (m.last_call == Impl::LastCall::kDispatch) {
     // No combine since the last dispatch: a peer may still read its recv_x.
     Status st = m.transport.barrier(deadline);
     if (!st.is_ok()) return m.fail(std::move(st), deadline);
   }
-  m.need_entry_barrier = true;
+  m.last_call = Impl::LastCall::kDispatch;
 
   // Rows per (destination, local expert), and the first expert over capacity.
   const int T = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(0)) : 0;
@@ -587,6 +590,12 @@ Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& ha
   const int R = m.num_ranks, EL = m.max_local, MK = m.config.max_topk;
   const Status local_status = m.validate_combine(y, handle, out);
   const int64_t seq = ++m.combine_seq;
+  if (m.last_call != Impl::LastCall::kDispatch) {
+    // A combine after a combine: a peer may still read this rank's last signal.
+    Status st = m.transport.barrier(deadline);
+    if (!st.is_ok()) return m.fail(std::move(st), deadline);
+  }
+  m.last_call = Impl::LastCall::kCombine;
   const bool send_rows = local_status.is_ok();
   if (send_rows) m.combined = true;
   const std::size_t y_row = send_rows ? static_cast<std::size_t>(m.config.hidden) * dtype_size(y.dtype()) : 0;
@@ -686,7 +695,6 @@ Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& ha
     }
   }
   if (Status st = m.finish_sends(deadline); !st.is_ok()) return m.fail(std::move(st), deadline);
-  m.need_entry_barrier = false;  // every rank has read its y: the next dispatch may write
   EPX_RETURN_IF_ERROR(local_status);
   EPX_RETURN_IF_ERROR(m.peer_error("combine"));
 

@@ -304,5 +304,207 @@ INSTANTIATE_TEST_SUITE_P(Exchange, LowLatency,
                            return fmt::format("{}ranks_{}nodes", info.param.num_ranks, info.param.num_nodes);
                          });
 
+// Errors: a first call that fails in a stated way on every rank, then a good
+// dispatch + combine that must match the reference (the buffer is still usable).
+struct ErrorRun {
+  std::vector<Status> first;  // per rank
+  std::vector<Status> recover;
+  std::vector<Got> got;
+};
+
+enum class Fault { kOverflow, kBadExpert, kTooManyTokens, kStaleHandle, kCombineTwice };
+
+ErrorRun run_fault(const Shape& shape, Fault fault, const LLCase& c, const std::vector<RankInputs>& good) {
+  ErrorRun run;
+  run.first.assign(shape.num_ranks, Status::ok());
+  run.recover.assign(shape.num_ranks, Status::ok());
+  run.got.resize(shape.num_ranks);
+  // Overflow: the tightest capacity the good inputs fit, which rank 1 exceeds by one.
+  const int capacity = fault == Fault::kOverflow ? max_rows_per_source_expert(good, c.num_experts) : 0;
+  const std::vector<Status> statuses = test_world().run(*Topology::create(shape.num_ranks, shape.num_nodes), [&](Transport& t) {
+    const int r = t.rank();
+    EPX_ASSIGN_OR_RETURN(auto ll, LowLatencyBuffer::create(t, make_config(c, capacity)));
+    RankInputs in = good[r];
+    const void* data = nullptr;
+    Got& g = run.got[r];
+    switch (fault) {
+      case Fault::kOverflow:
+      case Fault::kBadExpert:
+      case Fault::kTooManyTokens: {
+        // Rank 1 sends capacity + 1 tokens to expert 3, names expert 99, or passes 30 tokens.
+        if (r == 1) {
+          const int T = fault == Fault::kTooManyTokens ? kMaxTokens + 6 : fault == Fault::kOverflow ? capacity + 1 : 5;
+          in.x = make_payload(7, r, T, c.hidden, c.dtype);
+          in.topk_idx.assign(static_cast<std::size_t>(T) * c.topk, -1);
+          for (int tok = 0; tok < T; ++tok) in.topk_idx[static_cast<std::size_t>(tok) * c.topk] = 3;
+          if (fault == Fault::kBadExpert) in.topk_idx[static_cast<std::size_t>(2) * c.topk] = 99;
+          in.with_weights = false;
+          in.topk_weights.clear();
+        }
+        LowLatencyDispatchResult d;
+        run.first[r] = ll->dispatch(inputs_of(in), &d);
+        break;
+      }
+      case Fault::kStaleHandle:
+      case Fault::kCombineTwice: {
+        // Two dispatches; rank 2 combines with the first's handle. Or a
+        // dispatch combined twice by everyone.
+        EPX_RETURN_IF_ERROR(dispatch_and_combine(*ll, c, r, good[r], false, &g.recv, &g.src, &g.out, &data));
+        LowLatencyDispatchResult d;
+        EPX_RETURN_IF_ERROR(ll->dispatch(inputs_of(good[r]), &d));
+        LowLatencyHandle handle = d.handle;
+        if (fault == Fault::kStaleHandle && r == 2) handle.seq -= 1;
+        Matrix y = Matrix::filled(c.y_dtype, ll->num_local_experts() * ll->rows_per_expert(), c.hidden, 0.0f);
+        const TensorView yv =
+            TensorView::contiguous(y.row(0), c.y_dtype, {ll->num_local_experts(), ll->rows_per_expert(), c.hidden});
+        Matrix out = Matrix::filled(c.out_dtype, good[r].num_tokens(), c.hidden, kUnwritten);
+        if (fault == Fault::kCombineTwice) EPX_RETURN_IF_ERROR(ll->combine(yv, handle, out.view()));
+        run.first[r] = ll->combine(yv, handle, out.view());
+        break;
+      }
+    }
+    run.recover[r] = dispatch_and_combine(*ll, c, r, good[r], false, &g.recv, &g.src, &g.out, &data);
+    return Status::ok();
+  });
+  for (int r = 0; r < shape.num_ranks; ++r)
+    if (test_world().holds(r)) {
+      EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+    }
+  return run;
+}
+
+class LowLatencyErrors : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(LowLatencyErrors, FailOnEveryRankThenWork) {
+  const Shape shape = GetParam();
+  EPX_SKIP_UNLESS_RUNNABLE(shape.num_ranks, shape.num_nodes);
+  LLCase c;
+  c.num_ranks = shape.num_ranks;
+  c.num_nodes = shape.num_nodes;
+  c.dtype = DType::kBF16;
+  c.y_dtype = DType::kF32;
+  c.out_dtype = DType::kBF16;
+  c.num_experts = 4 * shape.num_ranks;
+  c.topk = 2;
+  c.routing = Routing::kEmptyRank;
+  const ExchangeSpec spec{*Topology::create(shape.num_ranks, shape.num_nodes),
+                          *ExpertPlacement::contiguous(c.num_experts, shape.num_ranks), c.dtype, c.hidden, 1};
+  const std::vector<RankInputs> good = make_inputs(spec, c.routing, c.topk, kMaxTokens, true, 77);
+  const struct {
+    Fault fault;
+    const char* name;
+    StatusCode at_culprit;   // on the rank at fault
+    StatusCode elsewhere;    // on the others
+    const char* says;        // in every message (culprit and others)
+  } kFaults[] = {
+      {Fault::kOverflow, "overflow", StatusCode::kResourceExhausted, StatusCode::kResourceExhausted, ""},
+      {Fault::kBadExpert, "bad expert", StatusCode::kInvalidArgument, StatusCode::kAborted, ""},
+      {Fault::kTooManyTokens, "too many tokens", StatusCode::kInvalidArgument, StatusCode::kAborted, ""},
+      {Fault::kStaleHandle, "stale handle", StatusCode::kInvalidArgument, StatusCode::kAborted, ""},
+      {Fault::kCombineTwice, "combine twice", StatusCode::kFailedPrecondition, StatusCode::kFailedPrecondition,
+       "was combined already"},
+  };
+  for (const auto& f : kFaults) {
+    SCOPED_TRACE(f.name);
+    const int culprit = f.fault == Fault::kStaleHandle ? 2 % shape.num_ranks : 1;
+    const int capacity = max_rows_per_source_expert(good, c.num_experts);
+    const std::string says = f.fault == Fault::kOverflow
+                                 ? fmt::format("expert 3 would receive {} rows from rank 1 but the low-latency capacity "
+                                               "is {} rows per (expert, source rank)",
+                                               capacity + 1, capacity)
+                                 : f.says;
+    const ErrorRun run = run_fault(shape, f.fault, c, good);
+    for (int r = 0; r < shape.num_ranks; ++r) {
+      if (!test_world().holds(r)) continue;
+      const bool is_culprit = r == culprit;
+      const Status& st = run.first[r];
+      EXPECT_EQ(st.code(), is_culprit ? f.at_culprit : f.elsewhere) << "rank " << r << ": " << st.to_string();
+      EXPECT_NE(st.message().find(says), std::string::npos) << "rank " << r << ": " << st.to_string();
+      std::string detail;
+      if (f.fault == Fault::kBadExpert && is_culprit) detail = "topk_idx[2][0] = 99 is outside [0, 16)";
+      if (f.fault == Fault::kTooManyTokens && is_culprit) detail = "num_tokens = 30 is above max_tokens_per_rank = 24";
+      if (f.elsewhere == StatusCode::kAborted && !is_culprit) detail = fmt::format("rank {} rejected", culprit);
+      EXPECT_NE(st.message().find(detail), std::string::npos) << "rank " << r << ": " << st.to_string();
+      // The next call works and matches the reference.
+      ASSERT_TRUE(run.recover[r].is_ok()) << "rank " << r << " afterwards: " << run.recover[r].to_string();
+      const Expected ex = reference(c, spec.placement, good, r);
+      for (std::size_t e = 0; e < ex.recv.size(); ++e)
+        EXPECT_TRUE(same_matrix(run.got[r].recv[e], ex.recv[e])) << "rank " << r << " expert " << e;
+      EXPECT_TRUE(same_matrix(run.got[r].out, ex.out)) << "rank " << r;
+    }
+    if (test_world().any(::testing::Test::HasFailure())) return;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Exchange, LowLatencyErrors, ::testing::Values(Shape{4, 1}, Shape{4, 2}),
+                         [](const ::testing::TestParamInfo<Shape>& info) {
+                           return fmt::format("{}ranks_{}nodes", info.param.num_ranks, info.param.num_nodes);
+                         });
+
+// A rank that never arrives: the others give up within the timeout, and the
+// buffer is poisoned (every later call Aborted) instead of hanging.
+TEST(LowLatencyTimeout, MissingRankFailsTheOthersAndPoisons) {
+  EPX_SKIP_UNLESS_RUNNABLE(4, 2);
+  LLCase c;
+  c.num_ranks = 4;
+  c.num_nodes = 2;
+  c.num_experts = 8;
+  const ExchangeSpec spec{*Topology::create(4, 2), *ExpertPlacement::contiguous(8, 4), c.dtype, c.hidden, 1};
+  const std::vector<RankInputs> good = make_inputs(spec, Routing::kUniform, 1, kMaxTokens, true, 5);
+  std::vector<Status> first(4), later(4);
+  test_world().run(*Topology::create(4, 2), [&](Transport& t) {
+    LowLatencyConfig config = make_config(c, 0);
+    config.timeout = Milliseconds(500);
+    EPX_ASSIGN_OR_RETURN(auto ll, LowLatencyBuffer::create(t, config));
+    if (t.rank() == 3) return Status::ok();  // skips the dispatch
+    LowLatencyDispatchResult d;
+    first[t.rank()] = ll->dispatch(inputs_of(good[t.rank()]), &d);
+    later[t.rank()] = ll->dispatch(inputs_of(good[t.rank()]), &d);
+    return Status::ok();
+  });
+  for (int r = 0; r < 3; ++r) {
+    if (!test_world().holds(r)) continue;
+    EXPECT_TRUE(first[r].code() == StatusCode::kDeadlineExceeded || first[r].code() == StatusCode::kAborted)
+        << "rank " << r << ": " << first[r].to_string();
+    EXPECT_EQ(later[r].code(), StatusCode::kAborted) << "rank " << r << ": " << later[r].to_string();
+  }
+}
+
+TEST(LowLatencyConfigTest, RejectsBadAndMismatchedConfigs) {
+  EPX_SKIP_UNLESS_RUNNABLE(2, 1);
+  std::vector<Status> statuses(2);
+  test_world().run(*Topology::create(2, 1), [&](Transport& t) {
+    LowLatencyConfig config;
+    config.num_experts = 8;
+    config.hidden = 16;
+    config.max_tokens_per_rank = 4;
+    config.capacity = t.rank() == 1 ? 3 : 2;
+    statuses[t.rank()] = LowLatencyBuffer::create(t, config).status();
+    return Status::ok();
+  });
+  for (int r = 0; r < 2; ++r) {
+    if (test_world().holds(r)) {
+      EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << statuses[r].to_string();
+      EXPECT_NE(statuses[r].message().find("capacity is 2 on rank 0 but 3 on rank 1"), std::string::npos)
+          << statuses[r].to_string();
+    }
+  }
+  test_world().run(*Topology::create(2, 1), [&](Transport& t) {
+    LowLatencyConfig config;
+    config.num_experts = 8;
+    config.hidden = 16;
+    config.max_tokens_per_rank = 4;
+    config.capacity = 5;
+    statuses[t.rank()] = LowLatencyBuffer::create(t, config).status();
+    return Status::ok();
+  });
+  for (int r = 0; r < 2; ++r) {
+    if (!test_world().holds(r)) continue;
+    EXPECT_NE(statuses[r].message().find("capacity = 5 is outside [0 (the worst case), max_tokens_per_rank = 4]"),
+              std::string::npos)
+        << statuses[r].to_string();
+  }
+}
+
 }  // namespace
 }  // namespace epx::exchange_test
