@@ -445,6 +445,8 @@ INSTANTIATE_TEST_SUITE_P(Exchange, LowLatencyErrors, ::testing::Values(Shape{4, 
 // buffer is poisoned (every later call Aborted) instead of hanging.
 TEST(LowLatencyTimeout, MissingRankFailsTheOthersAndPoisons) {
   EPX_SKIP_UNLESS_RUNNABLE(4, 2);
+  // The poisoned transport would outlive the test in the MPI world's cache.
+  if (test_world().name() != "inproc") GTEST_SKIP() << "runs in-process only";
   LLCase c;
   c.num_ranks = 4;
   c.num_nodes = 2;
