@@ -30,14 +30,15 @@
 // region, and the next call works.
 //
 // Calls are collective and alternate: dispatch, combine, dispatch, ... A
-// dispatch that follows a dispatch (no combine between: a failed call or a
-// dispatch-only replay) starts with a barrier, since a peer could otherwise
-// write into a recv_x still in use. recv_x is valid until the next dispatch
-// on any rank of the node, i.e. until this rank's next combine returns.
+// call that follows one of its own kind (a dispatch after a failed or
+// un-combined dispatch, a combine after a combine) starts with a barrier, so
+// no peer overwrites a signal or a recv_x still in use. recv_x and the other
+// views stay valid until this rank's next combine has read y (peers may
+// write the next dispatch's rows from then on), so y may be recv_x itself.
 // Inputs are checked on the calling rank; a rank that rejects its input
-// still tells every peer, which returns Aborted, and the next call works. A
-// failure in the middle of a call (a deadline, a peer that aborted) poisons
-// the buffer and the transport: every later call returns Aborted.
+// still signals every peer, which returns Aborted, and the next call works.
+// A failure in the middle of a call (a deadline, a peer that aborted)
+// poisons the buffer and the transport: every later call returns Aborted.
 //
 // Nothing is allocated after create(): regions and staging are sized for
 // the worst case the config allows.
