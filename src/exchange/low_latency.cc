@@ -140,6 +140,51 @@ struct LowLatencyBuffer::Impl {
     requests.clear();
     return Status::ok();
   }
+  // Hears from every rank in call `seq`: a same-node rank through its row of
+  // `sig_rows` (in this rank's region), any other through one message with
+  // `tag` into recv_staging, which `unpack(peer, sig, bytes)` takes in; then
+  // `record(peer, sig)`. Same-node ranks first: their rows are already here.
+  template <typename Unpack, typename Record>
+  Status hear_from_all(int64_t* sig_rows, int tag, int64_t seq, std::string_view what, const Deadline& deadline,
+                       Unpack&& unpack, Record&& record) {
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int peer = 0; peer < num_ranks; ++peer) {
+        if (same_node(peer) != (pass == 0)) continue;
+        const int64_t* sig = nullptr;
+        if (pass == 0) {
+          int64_t* word = sig_rows + static_cast<std::size_t>(peer) * sig_words;
+          Status st = wait_signal(word + kSigSeq, seq, deadline, what, peer);
+          if (!st.is_ok()) return fail(std::move(st), deadline);
+          sig = word;
+        } else {
+          auto got = transport.recv(peer, tag, {recv_staging.data(), recv_staging.size()}, deadline);
+          if (!got.is_ok()) return fail(got.status(), deadline);
+          sig = recv_staging.as<int64_t>();
+          if (*got < header_bytes || sig[kSigSeq] != seq)
+            return fail(internal_error("{} message from rank {} was {} bytes for call {}, expected call {}: the ranks "
+                                       "are out of step",
+                                       what, peer, *got, *got < header_bytes ? -1 : sig[kSigSeq], seq),
+                        deadline);
+          Status st = unpack(peer, sig, *got);
+          if (!st.is_ok()) return fail(std::move(st), deadline);
+        }
+        Status st = record(peer, sig);
+        if (!st.is_ok()) return fail(std::move(st), deadline);
+      }
+    }
+    return Status::ok();
+  }
+  // The per-expert counts of a dispatch signal from `peer` fit this rank's
+  // slots (a mismatch would mean a bug, never a reason to write past them).
+  Status check_counts(int peer, const int64_t* sig) const {
+    for (int e = 0; e < max_local; ++e) {
+      const int64_t n = sig[kSigCounts + e];
+      if (n < 0 || n > capacity || (e >= num_local && n > 0))
+        return internal_error("rank {} announced {} rows for local expert {} of rank {} ({} experts, capacity {})",
+                              peer, n, e, rank, num_local, capacity);
+    }
+    return Status::ok();
+  }
   // The error every rank returns after a call in which some rank rejected
   // its input or overflowed, in rank order so all ranks agree.
   Status peer_error(std::string_view op) const;
@@ -466,48 +511,35 @@ Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& in, LowLatency
     stats.inter_node_meta_bytes += static_cast<int64_t>(n) - m.rows_to[d] * static_cast<int64_t>(m.row_bytes);
   }
 
-  // Hear from every rank: same-node signals first, then other nodes' messages
-  // (whose rows go into their slot blocks like a same-node source's).
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int s = 0; s < R; ++s) {
-      if (m.same_node(s) != (pass == 0)) continue;
-      const int64_t* sig;
-      if (pass == 0) {
-        int64_t* word = m.local().dispatch_sig + static_cast<std::size_t>(s) * m.sig_words;
-        Status st = m.wait_signal(word + kSigSeq, seq, deadline, "a low-latency dispatch", s);
-        if (!st.is_ok()) return m.fail(std::move(st), deadline);
-        sig = word;
-      } else {
-        auto got = m.transport.recv(s, kTagDispatch, {m.recv_staging.data(), m.recv_staging.size()}, deadline);
-        if (!got.is_ok()) return m.fail(got.status(), deadline);
-        sig = m.recv_staging.as<int64_t>();
-        int64_t n = 0;
-        for (int e = 0; e < EL; ++e) n += sig[kSigCounts + e];
-        const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + m.row_bytes);
-        if (*got < m.header_bytes || sig[kSigSeq] != seq || *got != expected)
-          return m.fail(internal_error("low-latency dispatch message from rank {} was {} bytes for call {} (expected {} "
-                                       "bytes for call {}): the ranks are out of step",
-                                       s, *got, sig[kSigSeq], expected, seq),
-                        deadline);
-        const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
-        const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
-        int64_t j = 0;
-        for (int e = 0; e < EL; ++e) {
-          const int64_t count = sig[kSigCounts + e];
-          if (e >= m.num_local && count > 0)
-            return m.fail(internal_error("rank {} sent {} rows for local expert {} of rank {}, which has {} experts", s,
-                                         count, e, m.rank, m.num_local),
-                          deadline);
-          if (count > cap) continue;  // only with an overflow status: reported below
-          std::memcpy(m.slot_row(m.local(), e, s, 0), rows + j * m.row_bytes, count * m.row_bytes);
-          std::memcpy(m.slot_meta(m.local(), e, s, 0), meta + 2 * j, count * 8);
-          j += count;
-        }
-      }
-      std::copy(sig + kSigStatus, sig + kSigStatus + 4, &m.peer_status[static_cast<std::size_t>(s) * 4]);
-      for (int e = 0; e < EL; ++e) m.recv_counts[static_cast<std::size_t>(s) * EL + e] = sig[kSigCounts + e];
+  // Hear from every rank; rows from other nodes go into their slot blocks
+  // like a same-node source's.
+  auto unpack = [&](int src, const int64_t* sig, std::size_t bytes) -> Status {
+    EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
+    int64_t n = 0;
+    for (int e = 0; e < EL; ++e) n += sig[kSigCounts + e];
+    const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + m.row_bytes);
+    if (bytes != expected)
+      return internal_error("low-latency dispatch message from rank {} was {} bytes for {} rows, expected {}", src,
+                            bytes, n, expected);
+    const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
+    const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
+    int64_t j = 0;
+    for (int e = 0; e < m.num_local; ++e) {
+      const int64_t count = sig[kSigCounts + e];
+      std::memcpy(m.slot_row(m.local(), e, src, 0), rows + j * m.row_bytes, count * m.row_bytes);
+      std::memcpy(m.slot_meta(m.local(), e, src, 0), meta + 2 * j, count * 8);
+      j += count;
     }
-  }
+    return Status::ok();
+  };
+  auto record = [&](int src, const int64_t* sig) -> Status {
+    EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
+    std::copy(sig + kSigStatus, sig + kSigStatus + 4, &m.peer_status[static_cast<std::size_t>(src) * 4]);
+    for (int e = 0; e < EL; ++e) m.recv_counts[static_cast<std::size_t>(src) * EL + e] = sig[kSigCounts + e];
+    return Status::ok();
+  };
+  EPX_RETURN_IF_ERROR(
+      m.hear_from_all(m.local().dispatch_sig, kTagDispatch, seq, "a low-latency dispatch", deadline, unpack, record));
   if (Status st = m.finish_sends(deadline); !st.is_ok()) return m.fail(std::move(st), deadline);
   EPX_RETURN_IF_ERROR(local_status);
   EPX_RETURN_IF_ERROR(m.peer_error("dispatch"));
@@ -653,47 +685,38 @@ Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& ha
   }
 
   // Hear from every owner; rows from other nodes go into this rank's slots.
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int d = 0; d < R; ++d) {
-      if (m.same_node(d) != (pass == 0)) continue;
-      const int64_t* sig;
-      if (pass == 0) {
-        int64_t* word = m.local().combine_sig + static_cast<std::size_t>(d) * m.sig_words;
-        Status st = m.wait_signal(word + kSigSeq, seq, deadline, "a low-latency combine", d);
-        if (!st.is_ok()) return m.fail(std::move(st), deadline);
-        sig = word;
-      } else {
-        auto got = m.transport.recv(d, kTagCombine, {m.recv_staging.data(), m.recv_staging.size()}, deadline);
-        if (!got.is_ok()) return m.fail(got.status(), deadline);
-        sig = m.recv_staging.as<int64_t>();
-        const bool dtype_ok = sig[kSigStatus] != kSignalOk || is_payload_dtype(static_cast<DType>(sig[kSigA]));
-        const std::size_t row = dtype_ok && sig[kSigStatus] == kSignalOk
-                                    ? static_cast<std::size_t>(m.config.hidden) * dtype_size(static_cast<DType>(sig[kSigA]))
-                                    : 0;
-        const int64_t n = sig[kSigB];
-        const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + row);
-        if (*got < m.header_bytes || sig[kSigSeq] != seq || !dtype_ok || *got != expected)
-          return m.fail(internal_error("low-latency combine message from rank {} was {} bytes for call {} (expected {} "
-                                       "bytes for call {}): the ranks are out of step",
-                                       d, *got, sig[kSigSeq], expected, seq),
-                        deadline);
-        const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
-        const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
-        for (int64_t i = 0; i < n; ++i) {
-          const int t = meta[2 * i], k = meta[2 * i + 1];
-          if (t < 0 || t >= m.num_tokens || k < 0 || k >= m.topk)
-            return m.fail(internal_error("rank {} sent a combine row for (token {}, slot {}) but rank {} has {} tokens "
-                                         "of top-{}",
-                                         d, t, k, m.rank, m.num_tokens, m.topk),
-                          deadline);
-          std::memcpy(m.local().combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes,
-                      rows + i * row, row);
-        }
-      }
-      m.peer_status[static_cast<std::size_t>(d) * 4] = sig[kSigStatus];
-      m.owner_dtype[d] = sig[kSigA];
+  auto y_row_of = [&](const int64_t* sig) -> std::size_t {
+    return static_cast<std::size_t>(m.config.hidden) * dtype_size(static_cast<DType>(sig[kSigA]));
+  };
+  auto record = [&](int owner, const int64_t* sig) -> Status {
+    if (sig[kSigStatus] == kSignalOk && !is_payload_dtype(static_cast<DType>(sig[kSigA])))
+      return internal_error("rank {} announced combine rows of dtype #{}", owner, sig[kSigA]);
+    m.peer_status[static_cast<std::size_t>(owner) * 4] = sig[kSigStatus];
+    m.owner_dtype[owner] = sig[kSigA];
+    return Status::ok();
+  };
+  auto unpack = [&](int owner, const int64_t* sig, std::size_t bytes) -> Status {
+    EPX_RETURN_IF_ERROR(record(owner, sig));
+    const std::size_t row = sig[kSigStatus] == kSignalOk ? y_row_of(sig) : 0;
+    const int64_t n = sig[kSigB];
+    const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + row);
+    if (n < 0 || bytes != expected)
+      return internal_error("low-latency combine message from rank {} was {} bytes for {} rows, expected {}", owner,
+                            bytes, n, expected);
+    const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
+    const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
+    for (int64_t i = 0; i < n; ++i) {
+      const int t = meta[2 * i], k = meta[2 * i + 1];
+      if (t < 0 || t >= m.num_tokens || k < 0 || k >= m.topk)
+        return internal_error("rank {} sent a combine row for (token {}, slot {}) but rank {} has {} tokens of top-{}",
+                              owner, t, k, m.rank, m.num_tokens, m.topk);
+      std::memcpy(m.local().combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes, rows + i * row,
+                  row);
     }
-  }
+    return Status::ok();
+  };
+  EPX_RETURN_IF_ERROR(
+      m.hear_from_all(m.local().combine_sig, kTagCombine, seq, "a low-latency combine", deadline, unpack, record));
   if (Status st = m.finish_sends(deadline); !st.is_ok()) return m.fail(std::move(st), deadline);
   EPX_RETURN_IF_ERROR(local_status);
   EPX_RETURN_IF_ERROR(m.peer_error("combine"));
