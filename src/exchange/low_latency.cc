@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "epx/core/buffer.h"
+#include "exchange/config_check.h"
 #include "exchange/row_kernels.h"
 
 namespace epx {
@@ -222,53 +223,26 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(Transport& tr
       return invalid_argument("capacity = {} is outside [0 (the worst case), max_tokens_per_rank = {}]",
                               config.capacity, config.max_tokens_per_rank);
     if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
-    if (config.placement) {
-      if (config.placement->num_ranks() != num_ranks)
-        return invalid_argument("the placement is for {} ranks but the transport has {}", config.placement->num_ranks(),
-                                num_ranks);
-      if (config.placement->num_experts() != config.num_experts)
-        return invalid_argument("the placement places {} experts but num_experts = {}",
-                                config.placement->num_experts(), config.num_experts);
-    } else {
-      EPX_ASSIGN_OR_RETURN(ExpertPlacement p, ExpertPlacement::contiguous(config.num_experts, num_ranks));
-      config.placement = std::move(p);
-    }
-    return Status::ok();
+    return detail::resolve_placement(&config.placement, config.num_experts, num_ranks);
   };
   const Status local_status = check();
   const Deadline deadline = Deadline::after(config.timeout.count() > 0 ? config.timeout : Milliseconds(30000));
 
-  // Every rank must describe the same exchange: a validity word, then the
-  // fields that must agree.
-  std::vector<int64_t> mine(9, 0);
-  if (local_status.is_ok()) {
-    uint64_t placement_hash = 1469598103934665603ull;  // FNV-1a over the expert -> rank map
-    for (int32_t r : config.placement->expert_rank())
-      placement_hash = (placement_hash ^ static_cast<uint32_t>(r)) * 1099511628211ull;
-    mine = {0,
-            config.num_experts,
-            config.hidden,
-            static_cast<int64_t>(config.dtype),
-            config.max_tokens_per_rank,
-            config.max_topk,
-            config.capacity > 0 ? config.capacity : config.max_tokens_per_rank,
-            static_cast<int64_t>(config.max_combine_dtype),
-            static_cast<int64_t>(placement_hash >> 1)};
-  } else {
-    mine[0] = 1;
-  }
-  std::vector<int64_t> all(mine.size() * num_ranks);
-  EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(mine), std::span<int64_t>(all), deadline));
-  EPX_RETURN_IF_ERROR(local_status);
-  for (int r = 0; r < num_ranks; ++r)
-    if (all[r * mine.size()] != 0) return aborted("rank {} rejected its LowLatencyConfig, so no buffer was made", r);
-  static constexpr const char* kNames[] = {"",         "num_experts", "hidden",           "dtype",           "max_tokens_per_rank",
-                                           "max_topk", "capacity",    "max_combine_dtype", "placement (hash)"};
-  for (int r = 0; r < num_ranks; ++r)
-    for (std::size_t i = 1; i < mine.size(); ++i)
-      if (all[r * mine.size() + i] != all[i])
-        return invalid_argument("LowLatencyConfig differs between ranks: {} is {} on rank 0 but {} on rank {}",
-                                kNames[i], all[i], all[r * mine.size() + i], r);
+  // Every rank must describe the same exchange.
+  std::vector<int64_t> fields;
+  if (local_status.is_ok())
+    fields = {config.num_experts,
+              config.hidden,
+              static_cast<int64_t>(config.dtype),
+              config.max_tokens_per_rank,
+              config.max_topk,
+              config.capacity > 0 ? config.capacity : config.max_tokens_per_rank,
+              static_cast<int64_t>(config.max_combine_dtype),
+              detail::placement_hash(*config.placement)};
+  static constexpr const char* kNames[] = {"num_experts", "hidden",   "dtype",             "max_tokens_per_rank",
+                                           "max_topk",    "capacity", "max_combine_dtype", "placement (hash)"};
+  EPX_RETURN_IF_ERROR(detail::agree_on_config(transport, local_status, fields, kNames, "LowLatencyConfig",
+                                              "LowLatencyBuffer", deadline));
 
   ExpertPlacement placement = *config.placement;
   auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement));
