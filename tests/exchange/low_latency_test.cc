@@ -259,11 +259,6 @@ struct Shape {
 
 class LowLatency : public ::testing::TestWithParam<Shape> {};
 
-#define EPX_SKIP_UNLESS_RUNNABLE(num_ranks, num_nodes)                                              \
-  do {                                                                                              \
-    const std::string why = test_world().cannot_run(*Topology::create(num_ranks, num_nodes));       \
-    if (!why.empty()) GTEST_SKIP() << "the " << test_world().name() << " world cannot run " << why; \
-  } while (false)
 
 TEST_P(LowLatency, MatchesTheReference) {
   const Shape shape = GetParam();
