@@ -40,6 +40,10 @@
 // A failure in the middle of a call (a deadline, a peer that aborted)
 // poisons the buffer and the transport: every later call returns Aborted.
 //
+// Each rank drives its buffer from one thread. The low-latency buffers of a
+// transport share its message tags (110 and 111, apart from Buffer's): never
+// drive two of them at once.
+//
 // Nothing is allocated after create(): regions and staging are sized for
 // the worst case the config allows.
 //
