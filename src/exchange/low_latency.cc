@@ -185,6 +185,13 @@ struct LowLatencyBuffer::Impl {
     }
     return Status::ok();
   }
+  // After hearing from every rank: waits for this rank's sends, then returns
+  // its own error, else the one every rank returns (peer_error), else OK.
+  Status finish_call(const Status& local_status, std::string_view op, const Deadline& deadline) {
+    if (Status st = finish_sends(deadline); !st.is_ok()) return fail(std::move(st), deadline);
+    EPX_RETURN_IF_ERROR(local_status);
+    return peer_error(op);
+  }
   // The error every rank returns after a call in which some rank rejected
   // its input or overflowed, in rank order so all ranks agree.
   Status peer_error(std::string_view op) const;
@@ -513,9 +520,7 @@ Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& in, LowLatency
   };
   EPX_RETURN_IF_ERROR(
       m.hear_from_all(m.local().dispatch_sig, kTagDispatch, seq, "a low-latency dispatch", deadline, unpack, record));
-  if (Status st = m.finish_sends(deadline); !st.is_ok()) return m.fail(std::move(st), deadline);
-  EPX_RETURN_IF_ERROR(local_status);
-  EPX_RETURN_IF_ERROR(m.peer_error("dispatch"));
+  EPX_RETURN_IF_ERROR(m.finish_call(local_status, "dispatch", deadline));
 
   // Pack each expert's blocks in ascending source rank (blocks only move
   // down, so in place).
@@ -690,9 +695,7 @@ Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& ha
   };
   EPX_RETURN_IF_ERROR(
       m.hear_from_all(m.local().combine_sig, kTagCombine, seq, "a low-latency combine", deadline, unpack, record));
-  if (Status st = m.finish_sends(deadline); !st.is_ok()) return m.fail(std::move(st), deadline);
-  EPX_RETURN_IF_ERROR(local_status);
-  EPX_RETURN_IF_ERROR(m.peer_error("combine"));
+  EPX_RETURN_IF_ERROR(m.finish_call(local_status, "combine", deadline));
 
   // out[t] = sum over k ascending of w[t][k] * y(t, k), in fp32.
   const int H = m.config.hidden;
