@@ -372,7 +372,8 @@ Status LowLatencyBuffer::Impl::fail(Status status, const Deadline& deadline) {
 Status LowLatencyBuffer::Impl::peer_error(std::string_view op) const {
   for (int r = 0; r < num_ranks; ++r) {
     const int64_t* st = &peer_status[static_cast<std::size_t>(r) * 4];
-    if (st[0] == kSignalRejected) return aborted("rank {} rejected its low-latency {} input, so no rank {}d", r, op, op);
+    if (st[0] == kSignalRejected)
+      return aborted("rank {} rejected its low-latency {} input, so the call failed on every rank", r, op);
     if (st[0] == kSignalOverflow)
       return resource_exhausted(
           "expert {} would receive {} rows from rank {} but the low-latency capacity is {} rows per (expert, source "
