@@ -3,6 +3,7 @@
 //   epx demo                      a small dispatch/combine, shown and checked
 //   epx bench exchange --json     dispatch/combine vs memcpy and a naive all-to-all
 //   epx bench routing --json      router and placement cost next to the score GEMM
+//   epx bench lowlat --json       low-latency dispatch/combine vs the normal mode at decode sizes
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
 //   epx train [--config F.toml]   train an MoE model on in-process ranks, with load balancing
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
@@ -13,6 +14,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "bench_lowlat.h"
 #include "commands.h"
 #include "sim.h"
 #include "train.h"
@@ -97,6 +99,10 @@ int main(int argc, char** argv) {
   exchange_cmd->add_flag("--phases", bench.phases, "Time the exchange's internal phases (tracer spans) and print them");
   exchange_cmd->add_option("--trace", bench.trace_path, "Write a Chrome trace of the timed repetitions to this file");
   exchange_cmd->add_flag("--json", bench.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
+
+  // epx bench lowlat
+  epx::app::BenchLowLatOptions lowlat;
+  CLI::App* lowlat_cmd = epx::app::add_bench_lowlat_command(bench_cmd, lowlat);
 
   // epx bench routing
   epx::app::BenchRoutingOptions routing;
@@ -216,6 +222,7 @@ int main(int argc, char** argv) {
   if (*demo_cmd) return epx::app::run_demo(demo);
   if (*exchange_cmd) return epx::app::run_bench_exchange(bench);
   if (*routing_cmd) return epx::app::run_bench_routing(routing);
+  if (*lowlat_cmd) return epx::app::run_bench_lowlat(lowlat);
   if (*eplb_cmd) return epx::app::run_eplb(eplb);
   if (*train_cmd) {
     train.compare_given = train_cmd->get_option("--compare-balancing")->count() > 0;

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "epx/core/buffer.h"
+#include "exchange/config_check.h"
 #include "exchange/handle_data.h"
 #include "exchange/row_kernels.h"
 #include "exchange/split.h"
@@ -255,49 +256,26 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
     if (max_recv > INT32_MAX)
       return invalid_argument("max_recv_tokens = {} is above the limit {} (rows are indexed with int32)", max_recv,
                               INT32_MAX);
-    if (config.placement) {
-      if (config.placement->num_ranks() != num_ranks)
-        return invalid_argument("the placement is for {} ranks but the transport has {}", config.placement->num_ranks(),
-                                num_ranks);
-      if (config.placement->num_experts() != config.num_experts)
-        return invalid_argument("the placement places {} experts but num_experts = {}",
-                                config.placement->num_experts(), config.num_experts);
-    } else {
-      EPX_ASSIGN_OR_RETURN(ExpertPlacement p, ExpertPlacement::contiguous(config.num_experts, num_ranks));
-      config.placement = std::move(p);
-    }
-    return Status::ok();
+    return detail::resolve_placement(&config.placement, config.num_experts, num_ranks);
   };
   const Status local_status = check();
   const Deadline deadline = Deadline::after(config.timeout.count() > 0 ? config.timeout : Milliseconds(30000));
 
-  // Every rank must describe the same exchange: the first word says whether
-  // this rank's config passed its own checks, then the fields that must agree.
-  std::vector<int64_t> mine(10, 0);
+  // Every rank must describe the same exchange.
+  std::vector<int64_t> fields;
   if (local_status.is_ok()) {
-    uint64_t placement_hash = 1469598103934665603ull;  // FNV-1a over the expert -> rank map
-    for (int32_t r : config.placement->expert_rank()) placement_hash = (placement_hash ^ static_cast<uint32_t>(r)) * 1099511628211ull;
     const int64_t max_recv = config.max_recv_tokens > 0 ? config.max_recv_tokens
                                                         : static_cast<int64_t>(num_ranks) * config.max_tokens_per_rank;
     const bool hierarchical = topo.num_nodes() > 1 && config.algorithm != DispatchAlgorithm::kFlat;
-    mine = {0, config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
-            config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
-            static_cast<int64_t>(placement_hash >> 1)};
-  } else {
-    mine[0] = 1;
+    fields = {config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
+              config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
+              detail::placement_hash(*config.placement)};
   }
-  std::vector<int64_t> all(mine.size() * num_ranks);
-  EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(mine), std::span<int64_t>(all), deadline));
-  EPX_RETURN_IF_ERROR(local_status);
-  for (int r = 0; r < num_ranks; ++r)
-    if (all[r * mine.size()] != 0) return aborted("rank {} rejected its BufferConfig, so no Buffer was made", r);
-  static constexpr const char* kNames[] = {"", "num_experts", "hidden", "dtype", "max_topk", "max_recv_tokens",
-                                           "expert_alignment", "max_combine_dtype", "algorithm", "placement (hash)"};
-  for (int r = 0; r < num_ranks; ++r)
-    for (std::size_t i = 1; i < mine.size(); ++i)
-      if (all[r * mine.size() + i] != all[i])
-        return invalid_argument("BufferConfig differs between ranks: {} is {} on rank 0 but {} on rank {}", kNames[i],
-                                all[i], all[r * mine.size() + i], r);
+  static constexpr const char* kNames[] = {"num_experts",      "hidden",           "dtype",
+                                           "max_topk",         "max_recv_tokens",  "expert_alignment",
+                                           "max_combine_dtype", "algorithm",       "placement (hash)"};
+  EPX_RETURN_IF_ERROR(
+      detail::agree_on_config(transport, local_status, fields, kNames, "BufferConfig", "Buffer", deadline));
 
   ExpertPlacement placement = *config.placement;
   auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement));

@@ -584,13 +584,6 @@ void check_case(const Case& c) {
 
 class Conformance : public ::testing::TestWithParam<Shape> {};
 
-// Skips the test when the world cannot run `shape` (MPI: another process count).
-#define EPX_SKIP_UNLESS_RUNNABLE(num_ranks, num_nodes)                                          \
-  do {                                                                                          \
-    const std::string why = test_world().cannot_run(*Topology::create(num_ranks, num_nodes));   \
-    if (!why.empty()) GTEST_SKIP() << "the " << test_world().name() << " world cannot run " << why; \
-  } while (false)
-
 TEST_P(Conformance, MatchesTheReference) {
   EPX_SKIP_UNLESS_RUNNABLE(GetParam().num_ranks, GetParam().num_nodes);
   for (const Case& c : make_cases(GetParam())) {

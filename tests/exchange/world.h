@@ -49,3 +49,13 @@ TestWorld& test_world();
 void set_test_world(TestWorld* world);
 
 }  // namespace epx::exchange_test
+
+// Skips a test when the world cannot run a (ranks, nodes) shape (MPI:
+// another process count), saying why.
+#define EPX_SKIP_UNLESS_RUNNABLE(num_ranks, num_nodes)                                                           \
+  do {                                                                                                           \
+    const std::string why =                                                                                      \
+        ::epx::exchange_test::test_world().cannot_run(*::epx::Topology::create(num_ranks, num_nodes));           \
+    if (!why.empty())                                                                                            \
+      GTEST_SKIP() << "the " << ::epx::exchange_test::test_world().name() << " world cannot run " << why;       \
+  } while (false)

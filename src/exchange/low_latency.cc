@@ -1,0 +1,718 @@
+#include "epx/exchange/low_latency.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "epx/core/buffer.h"
+#include "exchange/config_check.h"
+#include "exchange/row_kernels.h"
+
+namespace epx {
+namespace {
+
+constexpr int kTagDispatch = 110;
+constexpr int kTagCombine = 111;
+
+std::atomic<uint64_t> g_next_ll_id{1};
+
+// What a rank tells every peer in every call, in its signal words (same
+// node) or in its message header (other nodes).
+enum SignalStatus : int64_t {
+  kSignalOk = 0,
+  kSignalRejected = 1,  // the rank rejected its own input
+  kSignalOverflow = 2,  // a = global expert, b = rows, c = capacity
+};
+// Signal words: [0] sequence number (published last, release/acquire),
+// [1] status, [2..4] status details (combine: [2] = y's dtype, [3] = rows),
+// [5..] rows per local expert of the destination (dispatch).
+constexpr int kSigSeq = 0, kSigStatus = 1, kSigA = 2, kSigB = 3, kSigC = 4, kSigCounts = 5;
+
+bool is_payload_dtype(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
+
+int64_t load_acquire(int64_t* word) { return std::atomic_ref<int64_t>(*word).load(std::memory_order_acquire); }
+void store_release(int64_t* word, int64_t value) {
+  std::atomic_ref<int64_t>(*word).store(value, std::memory_order_release);
+}
+
+// One rank's peer-mapped region. Rows of source s for local expert e sit in
+// slot block [e][s][0, capacity) until the owner packs them.
+struct LLRegion {
+  std::byte* recv_x = nullptr;     // [E_max][R][capacity][row_bytes]
+  int32_t* recv_meta = nullptr;    // [E_max][R][capacity][2]: (token, k)
+  int64_t* dispatch_sig = nullptr; // [R][sig_words], written by source s into row s
+  std::byte* combine = nullptr;    // [max_tokens][max_topk][combine_row_bytes]
+  int64_t* combine_sig = nullptr;  // [R][sig_words], written by owner d into row d
+  int64_t* poison = nullptr;       // [8]: rank + 1 of a rank that failed mid-call
+
+  static std::size_t carve(std::byte* base, std::size_t slots, std::size_t row_bytes, int num_ranks,
+                           std::size_t sig_words, std::size_t combine_slots, std::size_t combine_row_bytes,
+                           LLRegion* out) {
+    Carver c(base);
+    LLRegion r;
+    r.recv_x = c.take<std::byte>(slots * row_bytes);
+    r.recv_meta = c.take<int32_t>(slots * 2);
+    r.dispatch_sig = c.take<int64_t>(static_cast<std::size_t>(num_ranks) * sig_words);
+    r.combine = c.take<std::byte>(combine_slots * combine_row_bytes);
+    r.combine_sig = c.take<int64_t>(static_cast<std::size_t>(num_ranks) * sig_words);
+    r.poison = c.take<int64_t>(8);
+    if (out) *out = r;
+    return c.bytes();
+  }
+};
+
+// Spins, then sleeps 20 us between polls. No sched_yield phase (unlike the
+// MPI backend's waits): with more rank threads than cores, yielding handed
+// the core to other processes and cost ~3 ms per call at one token per rank
+// on the 2-core test machine, sleeping ~1 ms.
+void backoff(int& polls) {
+  if (++polls < 256) return;
+  std::this_thread::sleep_for(std::chrono::microseconds(20));
+}
+
+}  // namespace
+
+struct LowLatencyBuffer::Impl {
+  Impl(Transport& t, LowLatencyConfig c, ExpertPlacement p)
+      : transport(t), config(std::move(c)), placement(std::move(p)), topology(t.topology()) {}
+
+  Transport& transport;
+  LowLatencyConfig config;
+  ExpertPlacement placement;
+  Topology topology;
+  uint64_t id = 0;
+  int rank = 0, num_ranks = 0;
+  int num_local = 0;     // experts on this rank
+  int max_local = 0;     // the most experts on any rank (region shape)
+  int64_t capacity = 0;  // rows per (local expert, source)
+  std::size_t row_bytes = 0, combine_row_bytes = 0, sig_words = 0, header_bytes = 0;
+  std::unique_ptr<PeerMemory> memory;
+  std::vector<LLRegion> regions;  // by rank; this node's ranks only
+
+  // Sequence numbers: collective, so equal on every rank.
+  int64_t dispatch_seq = 0, combine_seq = 0;
+  // The kind of the previous call. A call that follows one of its own kind
+  // starts with a barrier: without the other kind between them, a fast peer
+  // could overwrite signals (or recv_x) that a slow one has not read yet.
+  enum class LastCall : uint8_t { kNone, kDispatch, kCombine } last_call = LastCall::kNone;
+  bool dispatch_ok = false;         // the latest dispatch succeeded ...
+  bool combined = false;            // ... and was combined already
+  Status poisoned = Status::ok();
+
+  // The latest dispatch, for its combine.
+  int num_tokens = 0, topk = 0;
+  std::vector<int32_t> topk_idx;      // [max_tokens][max_topk]
+  std::vector<float> weights;         // [max_tokens][max_topk]
+  std::vector<int64_t> recv_counts;   // [R][max_local]: rows from source s for local expert e
+  std::vector<int32_t> counts_out;    // [num_local]
+  std::vector<int32_t> src_rank, src_idx, src_slot;  // [num_local][R * capacity]
+  std::vector<int64_t> peer_status;   // [R][4]: status, a, b, c heard from each rank
+  std::vector<int64_t> owner_dtype;   // [R]: the dtype of y each owner sent in combine
+
+  // Scratch, sized once.
+  std::vector<int64_t> send_counts;   // [R][max_local]
+  std::vector<int64_t> fill;          // [R][max_local]
+  std::vector<int64_t> block_of;      // [R]: byte offset of each remote peer's message in send staging
+  std::vector<int64_t> rows_to;       // [R]
+  std::vector<Request> requests;
+  AlignedBuffer send_staging, recv_staging;
+  std::vector<float> acc;             // [hidden]
+
+  const LLRegion& local() const { return regions[rank]; }
+  bool same_node(int r) const { return topology.same_node(r, rank); }
+  std::byte* slot_row(const LLRegion& r, int e, int s, int64_t i) const {
+    return r.recv_x + ((static_cast<std::size_t>(e) * num_ranks + s) * capacity + i) * row_bytes;
+  }
+  int32_t* slot_meta(const LLRegion& r, int e, int s, int64_t i) const {
+    return r.recv_meta + ((static_cast<std::size_t>(e) * num_ranks + s) * capacity + i) * 2;
+  }
+
+  Status validate_dispatch(const LowLatencyDispatchInputs& in) const;
+  Status validate_combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) const;
+  // Waits until `*word` reaches `want`, watching this rank's poison word.
+  Status wait_signal(int64_t* word, int64_t want, const Deadline& deadline, std::string_view what, int peer) const;
+  // A failure after the first write: poisons the node's ranks, the transport
+  // and this buffer, waits for this rank's sends, returns `status`.
+  Status fail(Status status, const Deadline& deadline);
+  Status finish_sends(const Deadline& deadline) {
+    for (Request& r : requests) EPX_RETURN_IF_ERROR(r.wait(deadline));
+    requests.clear();
+    return Status::ok();
+  }
+  // Hears from every rank in call `seq`: a same-node rank through its row of
+  // `sig_rows` (in this rank's region), any other through one message with
+  // `tag` into recv_staging, which `unpack(peer, sig, bytes)` takes in; then
+  // `record(peer, sig)`. Same-node ranks first: their rows are already here.
+  template <typename Unpack, typename Record>
+  Status hear_from_all(int64_t* sig_rows, int tag, int64_t seq, std::string_view what, const Deadline& deadline,
+                       Unpack&& unpack, Record&& record) {
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int peer = 0; peer < num_ranks; ++peer) {
+        if (same_node(peer) != (pass == 0)) continue;
+        const int64_t* sig = nullptr;
+        if (pass == 0) {
+          int64_t* word = sig_rows + static_cast<std::size_t>(peer) * sig_words;
+          Status st = wait_signal(word + kSigSeq, seq, deadline, what, peer);
+          if (!st.is_ok()) return fail(std::move(st), deadline);
+          sig = word;
+        } else {
+          auto got = transport.recv(peer, tag, {recv_staging.data(), recv_staging.size()}, deadline);
+          if (!got.is_ok()) return fail(got.status(), deadline);
+          sig = recv_staging.as<int64_t>();
+          if (*got < header_bytes || sig[kSigSeq] != seq)
+            return fail(internal_error("{} message from rank {} was {} bytes for call {}, expected call {}: the ranks "
+                                       "are out of step",
+                                       what, peer, *got, *got < header_bytes ? -1 : sig[kSigSeq], seq),
+                        deadline);
+          Status st = unpack(peer, sig, *got);
+          if (!st.is_ok()) return fail(std::move(st), deadline);
+        }
+        Status st = record(peer, sig);
+        if (!st.is_ok()) return fail(std::move(st), deadline);
+      }
+    }
+    return Status::ok();
+  }
+  // The per-expert counts of a dispatch signal from `peer` fit this rank's
+  // slots (a mismatch would mean a bug, never a reason to write past them).
+  Status check_counts(int peer, const int64_t* sig) const {
+    for (int e = 0; e < max_local; ++e) {
+      const int64_t n = sig[kSigCounts + e];
+      if (n < 0 || n > capacity || (e >= num_local && n > 0))
+        return internal_error("rank {} announced {} rows for local expert {} of rank {} ({} experts, capacity {})",
+                              peer, n, e, rank, num_local, capacity);
+    }
+    return Status::ok();
+  }
+  // After hearing from every rank: waits for this rank's sends, then returns
+  // its own error, else the one every rank returns (peer_error), else OK.
+  Status finish_call(const Status& local_status, std::string_view op, const Deadline& deadline) {
+    if (Status st = finish_sends(deadline); !st.is_ok()) return fail(std::move(st), deadline);
+    EPX_RETURN_IF_ERROR(local_status);
+    return peer_error(op);
+  }
+  // The error every rank returns after a call in which some rank rejected
+  // its input or overflowed, in rank order so all ranks agree.
+  Status peer_error(std::string_view op) const;
+};
+
+LowLatencyBuffer::LowLatencyBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+LowLatencyBuffer::~LowLatencyBuffer() = default;
+
+const LowLatencyConfig& LowLatencyBuffer::config() const { return impl_->config; }
+const ExpertPlacement& LowLatencyBuffer::placement() const { return impl_->placement; }
+int LowLatencyBuffer::num_local_experts() const { return impl_->num_local; }
+int64_t LowLatencyBuffer::rows_per_expert() const { return impl_->num_ranks * impl_->capacity; }
+std::size_t LowLatencyBuffer::region_bytes() const { return impl_->memory ? impl_->memory->size() : 0; }
+std::size_t LowLatencyBuffer::staging_bytes() const {
+  return impl_->send_staging.size() + impl_->recv_staging.size();
+}
+
+Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(Transport& transport, LowLatencyConfig config) {
+  const Topology& topo = transport.topology();
+  const int num_ranks = topo.num_ranks();
+  auto check = [&]() -> Status {
+    if (config.num_experts < 1) return invalid_argument("num_experts = {} must be at least 1", config.num_experts);
+    if (config.hidden < 1) return invalid_argument("hidden = {} must be at least 1", config.hidden);
+    if (!is_payload_dtype(config.dtype))
+      return invalid_argument("dtype = {} is not a low-latency payload type; use bf16 or f32", dtype_name(config.dtype));
+    if (!is_payload_dtype(config.max_combine_dtype))
+      return invalid_argument("max_combine_dtype = {} must be bf16 or f32", dtype_name(config.max_combine_dtype));
+    if (static_cast<std::size_t>(config.hidden) * 2 % 8 != 0)
+      return invalid_argument("hidden = {} must be a multiple of 4 (rows are a multiple of 8 bytes)", config.hidden);
+    if (config.max_topk < 1 || config.max_topk > config.num_experts)
+      return invalid_argument("max_topk = {} is outside [1, num_experts = {}]", config.max_topk, config.num_experts);
+    if (config.max_tokens_per_rank < 1)
+      return invalid_argument("max_tokens_per_rank = {} must be at least 1", config.max_tokens_per_rank);
+    if (config.capacity < 0 || config.capacity > config.max_tokens_per_rank)
+      return invalid_argument("capacity = {} is outside [0 (the worst case), max_tokens_per_rank = {}]",
+                              config.capacity, config.max_tokens_per_rank);
+    if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
+    return detail::resolve_placement(&config.placement, config.num_experts, num_ranks);
+  };
+  const Status local_status = check();
+  const Deadline deadline = Deadline::after(config.timeout.count() > 0 ? config.timeout : Milliseconds(30000));
+
+  // Every rank must describe the same exchange.
+  std::vector<int64_t> fields;
+  if (local_status.is_ok())
+    fields = {config.num_experts,
+              config.hidden,
+              static_cast<int64_t>(config.dtype),
+              config.max_tokens_per_rank,
+              config.max_topk,
+              config.capacity > 0 ? config.capacity : config.max_tokens_per_rank,
+              static_cast<int64_t>(config.max_combine_dtype),
+              detail::placement_hash(*config.placement)};
+  static constexpr const char* kNames[] = {"num_experts", "hidden",   "dtype",             "max_tokens_per_rank",
+                                           "max_topk",    "capacity", "max_combine_dtype", "placement (hash)"};
+  EPX_RETURN_IF_ERROR(detail::agree_on_config(transport, local_status, fields, kNames, "LowLatencyConfig",
+                                              "LowLatencyBuffer", deadline));
+
+  ExpertPlacement placement = *config.placement;
+  auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement));
+  Impl& m = *impl;
+  const LowLatencyConfig& c = m.config;
+  m.id = g_next_ll_id.fetch_add(1);
+  m.rank = transport.rank();
+  m.num_ranks = num_ranks;
+  m.num_local = m.placement.num_local_experts(m.rank);
+  for (int r = 0; r < num_ranks; ++r) m.max_local = std::max(m.max_local, m.placement.num_local_experts(r));
+  m.capacity = c.capacity > 0 ? c.capacity : c.max_tokens_per_rank;
+  m.row_bytes = static_cast<std::size_t>(c.hidden) * dtype_size(c.dtype);
+  m.combine_row_bytes = static_cast<std::size_t>(c.hidden) * dtype_size(c.max_combine_dtype);
+  m.sig_words = (kSigCounts + static_cast<std::size_t>(m.max_local) + 7) / 8 * 8;
+  m.header_bytes = m.sig_words * sizeof(int64_t);
+
+  const std::size_t slots = static_cast<std::size_t>(m.max_local) * num_ranks * m.capacity;
+  const std::size_t combine_slots = static_cast<std::size_t>(c.max_tokens_per_rank) * c.max_topk;
+  const std::size_t bytes =
+      LLRegion::carve(nullptr, slots, m.row_bytes, num_ranks, m.sig_words, combine_slots, m.combine_row_bytes, nullptr);
+  EPX_ASSIGN_OR_RETURN(m.memory, transport.map_peer_memory(bytes, deadline));
+  m.regions.resize(num_ranks);
+  for (int r = 0; r < num_ranks; ++r)
+    if (topo.same_node(r, m.rank))
+      LLRegion::carve(m.memory->peer(r), slots, m.row_bytes, num_ranks, m.sig_words, combine_slots,
+                      m.combine_row_bytes, &m.regions[r]);
+
+  // Private memory, all of it now. A message to or from one remote rank
+  // holds at most min(T K, E_local capacity) rows, and this rank's rows to all
+  // remote ranks together at most T K.
+  const int num_remote = num_ranks - topo.ranks_per_node();
+  const int64_t token_slots = static_cast<int64_t>(c.max_tokens_per_rank) * c.max_topk;
+  const int64_t rows_per_peer = std::min<int64_t>(token_slots, static_cast<int64_t>(m.max_local) * m.capacity);
+  const std::size_t dispatch_row = 8 + m.row_bytes, combine_row = 8 + m.combine_row_bytes;
+  std::size_t send_bytes = 0, recv_bytes = 0;
+  if (num_remote > 0) {
+    // dispatch: rows to all remote ranks; combine: rows back to all remote sources.
+    const int64_t combine_rows = std::min<int64_t>(static_cast<int64_t>(num_remote) * token_slots,
+                                                   static_cast<int64_t>(m.num_local) * num_remote * m.capacity);
+    send_bytes = num_remote * m.header_bytes +
+                 std::max(static_cast<std::size_t>(token_slots) * dispatch_row,
+                          static_cast<std::size_t>(combine_rows) * combine_row);
+    recv_bytes = m.header_bytes + std::max(static_cast<std::size_t>(rows_per_peer) * dispatch_row,
+                                           static_cast<std::size_t>(rows_per_peer) * combine_row);
+  }
+  m.send_staging = AlignedBuffer(send_bytes);
+  m.recv_staging = AlignedBuffer(recv_bytes);
+
+  const std::size_t R = num_ranks;
+  m.topk_idx.assign(combine_slots, -1);
+  m.weights.assign(combine_slots, 0.0f);
+  m.recv_counts.assign(R * m.max_local, 0);
+  m.counts_out.assign(m.num_local, 0);
+  const std::size_t out_rows = static_cast<std::size_t>(m.num_local) * R * m.capacity;
+  m.src_rank.assign(out_rows, -1);
+  m.src_idx.assign(out_rows, -1);
+  m.src_slot.assign(out_rows, -1);
+  m.peer_status.assign(R * 4, 0);
+  m.owner_dtype.assign(R, 0);
+  m.send_counts.assign(R * m.max_local, 0);
+  m.fill.assign(R * m.max_local, 0);
+  m.block_of.assign(R, 0);
+  m.rows_to.assign(R, 0);
+  m.requests.reserve(R);
+  m.acc.assign(c.hidden, 0.0f);
+  return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(impl)));
+}
+
+Status LowLatencyBuffer::Impl::validate_dispatch(const LowLatencyDispatchInputs& in) const {
+  if (in.topk_idx.ndim() != 2)
+    return invalid_argument("topk_idx must be 2-D [num_tokens, topk], got {}", in.topk_idx.describe());
+  const int64_t T = in.topk_idx.size(0), K = in.topk_idx.size(1);
+  if (T > config.max_tokens_per_rank)
+    return invalid_argument("num_tokens = {} is above max_tokens_per_rank = {}", T, config.max_tokens_per_rank);
+  if (K < 1 || K > config.max_topk) return invalid_argument("topk = {} is outside [1, max_topk = {}]", K, config.max_topk);
+  EPX_RETURN_IF_ERROR(check_matrix(in.topk_idx, "topk_idx", DType::kI32, T, K));
+  EPX_RETURN_IF_ERROR(check_matrix(in.x, "x", config.dtype, T, config.hidden));
+  if (in.topk_weights.defined()) EPX_RETURN_IF_ERROR(check_matrix(in.topk_weights, "topk_weights", DType::kF32, T, K));
+  const int E = config.num_experts;
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* row = in.topk_idx.row<int32_t>(t);
+    for (int64_t k = 0; k < K; ++k) {
+      if (row[k] < -1 || row[k] >= E)
+        return invalid_argument("topk_idx[{}][{}] = {} is outside [0, {}) (or -1 for none)", t, k, row[k], E);
+      for (int64_t j = 0; j < k; ++j)
+        if (row[k] >= 0 && row[j] == row[k])
+          return invalid_argument("topk_idx[{}] names expert {} twice (slots {} and {})", t, row[k], j, k);
+    }
+  }
+  return Status::ok();
+}
+
+Status LowLatencyBuffer::Impl::wait_signal(int64_t* word, int64_t want, const Deadline& deadline, std::string_view what,
+                                           int peer) const {
+  for (int polls = 0;; backoff(polls)) {
+    const int64_t got = load_acquire(word);
+    if (got == want) return Status::ok();
+    if (got > want)
+      return internal_error("rank {} published {} number {} while rank {} waits for {}: the ranks' calls are out of step",
+                            peer, what, got, rank, want);
+    const int64_t failed = load_acquire(local().poison);
+    if (failed != 0) return aborted("rank {} failed in a low-latency call, so rank {} stopped waiting for {} of rank {}",
+                                    failed - 1, rank, what, peer);
+    if (deadline.expired())
+      return deadline_exceeded("rank {} waited {} ms for {} number {} of rank {}", rank, config.timeout.count(), what,
+                               want, peer);
+  }
+}
+
+Status LowLatencyBuffer::Impl::fail(Status status, const Deadline& deadline) {
+  if (poisoned.is_ok())
+    poisoned = aborted("the low-latency buffer failed earlier on rank {}: {}", rank, status.to_string());
+  for (int r = 0; r < num_ranks; ++r)
+    if (same_node(r) && r != rank) store_release(regions[r].poison, rank + 1);
+  transport.abort(status);
+  for (Request& r : requests) r.wait(deadline).ignore();
+  requests.clear();
+  return status;
+}
+
+Status LowLatencyBuffer::Impl::peer_error(std::string_view op) const {
+  for (int r = 0; r < num_ranks; ++r) {
+    const int64_t* st = &peer_status[static_cast<std::size_t>(r) * 4];
+    if (st[0] == kSignalRejected)
+      return aborted("rank {} rejected its low-latency {} input, so the call failed on every rank", r, op);
+    if (st[0] == kSignalOverflow)
+      return resource_exhausted(
+          "expert {} would receive {} rows from rank {} but the low-latency capacity is {} rows per (expert, source "
+          "rank); rank {} sent nothing. Raise LowLatencyConfig::capacity",
+          st[1], st[2], r, st[3], r);
+  }
+  return Status::ok();
+}
+
+Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
+  Impl& m = *impl_;
+  if (!m.poisoned.is_ok()) return m.poisoned;
+  Stopwatch watch;
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  const int R = m.num_ranks, EL = m.max_local;
+  const int64_t cap = m.capacity;
+  const Status local_status = out ? m.validate_dispatch(in) : invalid_argument("dispatch needs an output");
+  const int64_t seq = ++m.dispatch_seq;
+  m.dispatch_ok = false;
+  m.combined = false;
+  if (m.last_call == Impl::LastCall::kDispatch) {
+    // No combine since the last dispatch: a peer may still read its recv_x.
+    Status st = m.transport.barrier(deadline);
+    if (!st.is_ok()) return m.fail(std::move(st), deadline);
+  }
+  m.last_call = Impl::LastCall::kDispatch;
+
+  // Rows per (destination, local expert), and the first expert over capacity.
+  const int T = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(0)) : 0;
+  const int K = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(1)) : 0;
+  std::fill(m.send_counts.begin(), m.send_counts.end(), 0);
+  for (int t = 0; t < T; ++t) {
+    const int32_t* row = in.topk_idx.row<int32_t>(t);
+    for (int k = 0; k < K; ++k)
+      if (row[k] >= 0) ++m.send_counts[static_cast<std::size_t>(m.placement.rank_of(row[k])) * EL + m.placement.local_id(row[k])];
+  }
+  int64_t status[4] = {local_status.is_ok() ? kSignalOk : kSignalRejected, 0, 0, 0};
+  for (int e = 0; e < m.config.num_experts && status[0] == kSignalOk; ++e) {
+    const int64_t n = m.send_counts[static_cast<std::size_t>(m.placement.rank_of(e)) * EL + m.placement.local_id(e)];
+    if (n > cap) {
+      status[0] = kSignalOverflow;
+      status[1] = e;
+      status[2] = n;
+      status[3] = cap;
+    }
+  }
+  const bool send_rows = status[0] == kSignalOk;
+  ExchangeStats stats;
+
+  // Where each remote destination's message sits in the send staging.
+  int64_t staged = 0;
+  for (int d = 0; d < R; ++d) {
+    if (m.same_node(d)) continue;
+    int64_t n = 0;
+    for (int e = 0; e < EL && send_rows; ++e) n += m.send_counts[static_cast<std::size_t>(d) * EL + e];
+    m.rows_to[d] = n;
+    m.block_of[d] = staged;
+    staged += static_cast<int64_t>(m.header_bytes + n * (8 + m.row_bytes));
+  }
+  EPX_CHECK(static_cast<std::size_t>(staged) <= m.send_staging.size());
+
+  // Rows: into same-node slots directly, into the staging for other nodes
+  // (grouped by local expert, token order inside a group).
+  std::fill(m.fill.begin(), m.fill.end(), 0);
+  if (send_rows) {
+    for (int d = 0; d < R; ++d) {
+      if (m.same_node(d)) continue;
+      int64_t first = 0;  // the fill counter starts at the group's first row in the message
+      for (int e = 0; e < EL; ++e) {
+        m.fill[static_cast<std::size_t>(d) * EL + e] = first;
+        first += m.send_counts[static_cast<std::size_t>(d) * EL + e];
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const int32_t* row = in.topk_idx.row<int32_t>(t);
+      const std::byte* src = in.x.row<std::byte>(t);
+      for (int k = 0; k < K; ++k) {
+        if (row[k] < 0) continue;
+        const int d = m.placement.rank_of(row[k]), e = m.placement.local_id(row[k]);
+        const int64_t i = m.fill[static_cast<std::size_t>(d) * EL + e]++;
+        ++stats.rows_sent;
+        if (m.same_node(d)) {
+          std::memcpy(m.slot_row(m.regions[d], e, m.rank, i), src, m.row_bytes);
+          int32_t* meta = m.slot_meta(m.regions[d], e, m.rank, i);
+          meta[0] = t;
+          meta[1] = k;
+          stats.intra_node_payload_bytes += static_cast<int64_t>(m.row_bytes);
+        } else {
+          std::byte* block = m.send_staging.data() + m.block_of[d];
+          auto* meta = reinterpret_cast<int32_t*>(block + m.header_bytes) + 2 * i;
+          meta[0] = t;
+          meta[1] = k;
+          std::memcpy(block + m.header_bytes + m.rows_to[d] * 8 + i * m.row_bytes, src, m.row_bytes);
+        }
+      }
+    }
+  }
+
+  // Signals: the counts and the status, then the sequence number.
+  for (int d = 0; d < R; ++d) {
+    const bool near = m.same_node(d);
+    int64_t* sig = near ? m.regions[d].dispatch_sig + static_cast<std::size_t>(m.rank) * m.sig_words
+                        : reinterpret_cast<int64_t*>(m.send_staging.data() + m.block_of[d]);
+    std::copy(status, status + 4, sig + kSigStatus);
+    for (int e = 0; e < EL; ++e) sig[kSigCounts + e] = send_rows ? m.send_counts[static_cast<std::size_t>(d) * EL + e] : 0;
+    if (near) {
+      store_release(sig + kSigSeq, seq);
+      continue;
+    }
+    sig[kSigSeq] = seq;
+    const std::size_t n = m.header_bytes + static_cast<std::size_t>(m.rows_to[d]) * (8 + m.row_bytes);
+    auto request = m.transport.send_async(d, kTagDispatch, {m.send_staging.data() + m.block_of[d], n});
+    if (!request.is_ok()) return m.fail(request.status(), deadline);
+    m.requests.push_back(std::move(*request));
+    stats.inter_node_payload_bytes += m.rows_to[d] * static_cast<int64_t>(m.row_bytes);
+    stats.inter_node_meta_bytes += static_cast<int64_t>(n) - m.rows_to[d] * static_cast<int64_t>(m.row_bytes);
+  }
+
+  // Hear from every rank; rows from other nodes go into their slot blocks
+  // like a same-node source's.
+  auto unpack = [&](int src, const int64_t* sig, std::size_t bytes) -> Status {
+    EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
+    int64_t n = 0;
+    for (int e = 0; e < EL; ++e) n += sig[kSigCounts + e];
+    const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + m.row_bytes);
+    if (bytes != expected)
+      return internal_error("low-latency dispatch message from rank {} was {} bytes for {} rows, expected {}", src,
+                            bytes, n, expected);
+    const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
+    const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
+    int64_t j = 0;
+    for (int e = 0; e < m.num_local; ++e) {
+      const int64_t count = sig[kSigCounts + e];
+      std::memcpy(m.slot_row(m.local(), e, src, 0), rows + j * m.row_bytes, count * m.row_bytes);
+      std::memcpy(m.slot_meta(m.local(), e, src, 0), meta + 2 * j, count * 8);
+      j += count;
+    }
+    return Status::ok();
+  };
+  auto record = [&](int src, const int64_t* sig) -> Status {
+    EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
+    std::copy(sig + kSigStatus, sig + kSigStatus + 4, &m.peer_status[static_cast<std::size_t>(src) * 4]);
+    for (int e = 0; e < EL; ++e) m.recv_counts[static_cast<std::size_t>(src) * EL + e] = sig[kSigCounts + e];
+    return Status::ok();
+  };
+  EPX_RETURN_IF_ERROR(
+      m.hear_from_all(m.local().dispatch_sig, kTagDispatch, seq, "a low-latency dispatch", deadline, unpack, record));
+  EPX_RETURN_IF_ERROR(m.finish_call(local_status, "dispatch", deadline));
+
+  // Pack each expert's blocks in ascending source rank (blocks only move
+  // down, so in place).
+  const int64_t rows_per_expert = static_cast<int64_t>(R) * cap;
+  int64_t received = 0;
+  for (int e = 0; e < m.num_local; ++e) {
+    int64_t next = 0;
+    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
+    for (int s = 0; s < R; ++s) {
+      const int64_t n = m.recv_counts[static_cast<std::size_t>(s) * EL + e];
+      const int32_t* meta = m.slot_meta(m.local(), e, s, 0);
+      for (int64_t i = 0; i < n; ++i) {
+        m.src_rank[base + next + i] = s;
+        m.src_idx[base + next + i] = meta[2 * i];
+        m.src_slot[base + next + i] = meta[2 * i + 1];
+      }
+      if (next != s * cap && n > 0)
+        std::memmove(m.slot_row(m.local(), e, 0, next), m.slot_row(m.local(), e, s, 0), n * m.row_bytes);
+      next += n;
+    }
+    std::fill(m.src_rank.begin() + base + next, m.src_rank.begin() + base + rows_per_expert, -1);
+    std::fill(m.src_idx.begin() + base + next, m.src_idx.begin() + base + rows_per_expert, -1);
+    std::fill(m.src_slot.begin() + base + next, m.src_slot.begin() + base + rows_per_expert, -1);
+    m.counts_out[e] = static_cast<int32_t>(next);
+    received += next;
+  }
+
+  // What combine needs of this rank's own tokens.
+  m.num_tokens = T;
+  m.topk = K;
+  const int MK = m.config.max_topk;
+  for (int t = 0; t < T; ++t) {
+    const int32_t* row = in.topk_idx.row<int32_t>(t);
+    const float* w = in.topk_weights.defined() ? in.topk_weights.row<float>(t) : nullptr;
+    for (int k = 0; k < K; ++k) {
+      m.topk_idx[static_cast<std::size_t>(t) * MK + k] = row[k];
+      m.weights[static_cast<std::size_t>(t) * MK + k] = w ? w[k] : 1.0f;
+    }
+  }
+  m.dispatch_ok = true;
+
+  const int64_t EN = m.num_local;
+  out->recv_x = TensorView::contiguous(m.local().recv_x, m.config.dtype, {EN, rows_per_expert, m.config.hidden});
+  out->num_recv_tokens_per_expert = TensorView::contiguous(m.counts_out.data(), DType::kI32, {EN});
+  out->recv_src_rank = TensorView::contiguous(m.src_rank.data(), DType::kI32, {EN, rows_per_expert});
+  out->recv_src_idx = TensorView::contiguous(m.src_idx.data(), DType::kI32, {EN, rows_per_expert});
+  out->recv_src_slot = TensorView::contiguous(m.src_slot.data(), DType::kI32, {EN, rows_per_expert});
+  out->handle = LowLatencyHandle{m.id, seq};
+  stats.rows_received = received;
+  stats.seconds = watch.seconds();
+  out->stats = stats;
+  return Status::ok();
+}
+
+Status LowLatencyBuffer::Impl::validate_combine(const TensorView& y, const LowLatencyHandle& handle,
+                                                const TensorView& out) const {
+  if (handle.buffer_id != id || handle.seq != dispatch_seq || !dispatch_ok)
+    return invalid_argument("the handle (dispatch {}) is not the latest successful dispatch ({}) of this buffer",
+                            handle.seq, dispatch_seq);
+  if (combined) return failed_precondition("dispatch {} was combined already; dispatch again first", handle.seq);
+  if (!is_payload_dtype(y.dtype()) || dtype_size(y.dtype()) > dtype_size(config.max_combine_dtype))
+    return invalid_argument("y is {}; combine takes bf16 or f32 up to max_combine_dtype = {}", dtype_name(y.dtype()),
+                            dtype_name(config.max_combine_dtype));
+  const int64_t rows = static_cast<int64_t>(num_ranks) * capacity;
+  if (y.ndim() != 3 || y.size(0) != num_local || y.size(1) != rows || y.size(2) != config.hidden || !y.is_contiguous() ||
+      y.device().kind != DeviceKind::kHost)
+    return invalid_argument("y must be a dense host [{}, {}, {}] array (local experts, ranks x capacity, hidden), got {}",
+                            num_local, rows, config.hidden, y.describe());
+  if (!is_payload_dtype(out.dtype())) return invalid_argument("out is {}; use bf16 or f32", dtype_name(out.dtype()));
+  return check_matrix(out, "out", out.dtype(), num_tokens, config.hidden);
+}
+
+Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
+  Impl& m = *impl_;
+  if (!m.poisoned.is_ok()) return m.poisoned;
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  const int R = m.num_ranks, EL = m.max_local, MK = m.config.max_topk;
+  const Status local_status = m.validate_combine(y, handle, out);
+  const int64_t seq = ++m.combine_seq;
+  if (m.last_call != Impl::LastCall::kDispatch) {
+    // A combine after a combine: a peer may still read this rank's last signal.
+    Status st = m.transport.barrier(deadline);
+    if (!st.is_ok()) return m.fail(std::move(st), deadline);
+  }
+  m.last_call = Impl::LastCall::kCombine;
+  const bool send_rows = local_status.is_ok();
+  if (send_rows) m.combined = true;
+  const std::size_t y_row = send_rows ? static_cast<std::size_t>(m.config.hidden) * dtype_size(y.dtype()) : 0;
+  const int64_t rows_per_expert = static_cast<int64_t>(R) * m.capacity;
+
+  // Messages to other nodes: one per source rank, rows in (expert, row) order.
+  int64_t staged = 0;
+  for (int s = 0; s < R; ++s) {
+    if (m.same_node(s)) continue;
+    int64_t n = 0;
+    for (int e = 0; e < m.num_local && send_rows; ++e) n += m.recv_counts[static_cast<std::size_t>(s) * EL + e];
+    m.rows_to[s] = n;
+    m.block_of[s] = staged;
+    m.fill[s] = 0;
+    staged += static_cast<int64_t>(m.header_bytes + n * (8 + y_row));
+  }
+  EPX_CHECK(static_cast<std::size_t>(staged) <= m.send_staging.size());
+
+  // Rows: into each source's combine slot (token, k), or staged.
+  for (int e = 0; e < m.num_local && send_rows; ++e) {
+    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
+    for (int64_t j = 0; j < m.counts_out[e]; ++j) {
+      const int s = m.src_rank[base + j], t = m.src_idx[base + j], k = m.src_slot[base + j];
+      const std::byte* src = y.data_as<std::byte>() + (base + j) * y_row;
+      if (m.same_node(s)) {
+        std::memcpy(m.regions[s].combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes, src, y_row);
+      } else {
+        std::byte* block = m.send_staging.data() + m.block_of[s];
+        const int64_t i = m.fill[s]++;
+        auto* meta = reinterpret_cast<int32_t*>(block + m.header_bytes) + 2 * i;
+        meta[0] = t;
+        meta[1] = k;
+        std::memcpy(block + m.header_bytes + m.rows_to[s] * 8 + i * y_row, src, y_row);
+      }
+    }
+  }
+  // Signals only after every read of y (y may be recv_x, which peers' next
+  // dispatch overwrites once they have heard from this rank).
+  for (int s = 0; s < R; ++s) {
+    const bool near = m.same_node(s);
+    int64_t* sig = near ? m.regions[s].combine_sig + static_cast<std::size_t>(m.rank) * m.sig_words
+                        : reinterpret_cast<int64_t*>(m.send_staging.data() + m.block_of[s]);
+    sig[kSigStatus] = send_rows ? kSignalOk : kSignalRejected;
+    sig[kSigA] = send_rows ? static_cast<int64_t>(y.dtype()) : 0;
+    sig[kSigB] = near ? 0 : m.rows_to[s];
+    if (near) {
+      store_release(sig + kSigSeq, seq);
+      continue;
+    }
+    sig[kSigSeq] = seq;
+    const std::size_t n = m.header_bytes + static_cast<std::size_t>(m.rows_to[s]) * (8 + y_row);
+    auto request = m.transport.send_async(s, kTagCombine, {m.send_staging.data() + m.block_of[s], n});
+    if (!request.is_ok()) return m.fail(request.status(), deadline);
+    m.requests.push_back(std::move(*request));
+  }
+
+  // Hear from every owner; rows from other nodes go into this rank's slots.
+  auto y_row_of = [&](const int64_t* sig) -> std::size_t {
+    return static_cast<std::size_t>(m.config.hidden) * dtype_size(static_cast<DType>(sig[kSigA]));
+  };
+  auto record = [&](int owner, const int64_t* sig) -> Status {
+    if (sig[kSigStatus] == kSignalOk && !is_payload_dtype(static_cast<DType>(sig[kSigA])))
+      return internal_error("rank {} announced combine rows of dtype #{}", owner, sig[kSigA]);
+    m.peer_status[static_cast<std::size_t>(owner) * 4] = sig[kSigStatus];
+    m.owner_dtype[owner] = sig[kSigA];
+    return Status::ok();
+  };
+  auto unpack = [&](int owner, const int64_t* sig, std::size_t bytes) -> Status {
+    EPX_RETURN_IF_ERROR(record(owner, sig));
+    const std::size_t row = sig[kSigStatus] == kSignalOk ? y_row_of(sig) : 0;
+    const int64_t n = sig[kSigB];
+    const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + row);
+    if (n < 0 || bytes != expected)
+      return internal_error("low-latency combine message from rank {} was {} bytes for {} rows, expected {}", owner,
+                            bytes, n, expected);
+    const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
+    const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
+    for (int64_t i = 0; i < n; ++i) {
+      const int t = meta[2 * i], k = meta[2 * i + 1];
+      if (t < 0 || t >= m.num_tokens || k < 0 || k >= m.topk)
+        return internal_error("rank {} sent a combine row for (token {}, slot {}) but rank {} has {} tokens of top-{}",
+                              owner, t, k, m.rank, m.num_tokens, m.topk);
+      std::memcpy(m.local().combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes, rows + i * row,
+                  row);
+    }
+    return Status::ok();
+  };
+  EPX_RETURN_IF_ERROR(
+      m.hear_from_all(m.local().combine_sig, kTagCombine, seq, "a low-latency combine", deadline, unpack, record));
+  EPX_RETURN_IF_ERROR(m.finish_call(local_status, "combine", deadline));
+
+  // out[t] = sum over k ascending of w[t][k] * y(t, k), in fp32.
+  const int H = m.config.hidden;
+  for (int t = 0; t < m.num_tokens; ++t) {
+    std::fill(m.acc.begin(), m.acc.end(), 0.0f);
+    for (int k = 0; k < m.topk; ++k) {
+      const int32_t e = m.topk_idx[static_cast<std::size_t>(t) * MK + k];
+      if (e < 0) continue;
+      const auto dtype = static_cast<DType>(m.owner_dtype[m.placement.rank_of(e)]);
+      detail::accumulate_weighted(m.acc.data(), m.weights[static_cast<std::size_t>(t) * MK + k],
+                                  m.local().combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes,
+                                  dtype, H);
+    }
+    detail::store(out.row<std::byte>(t), out.dtype(), m.acc.data(), H);
+  }
+  return Status::ok();
+}
+
+}  // namespace epx
