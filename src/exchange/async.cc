@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "epx/exchange/buffer.h"
+#include "epx/exchange/low_latency.h"
 #include "exchange/progress.h"
 #include "exchange/split.h"
 
@@ -26,18 +27,9 @@ Status PendingOp::wait(const Deadline& deadline) const {
 
 Status PendingOp::wait() const { return state_ ? wait(state_->bound) : Status::ok(); }
 
-Status Buffer::settle() {
-  if (!progress_) return Status::ok();
-  // An operation of this Buffer that calls a public form from the progress
-  // thread would wait for itself.
-  EPX_CHECK(!progress_->on_progress_thread());
-  return progress_->drain();
-}
+Status Buffer::settle() { return progress_->drain(); }
 
-PendingOp Buffer::submit(std::function<Status()> op) {
-  if (!progress_) progress_ = std::make_unique<detail::ProgressThread>(config().timeout);
-  return PendingOp(progress_->submit(std::move(op)));
-}
+PendingOp Buffer::submit(std::function<Status()> op) { return PendingOp(progress_->submit(std::move(op))); }
 
 // Blocking forms.
 
@@ -127,6 +119,26 @@ PendingOp Buffer::combine_expanded_backward_async(const TensorView& grad_out, co
   return submit([this, grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights] {
     return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   });
+}
+
+// The low-latency buffer's forms, the same way.
+
+Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {
+  EPX_RETURN_IF_ERROR(progress_->drain());
+  return dispatch_now(inputs, out);
+}
+
+Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
+  EPX_RETURN_IF_ERROR(progress_->drain());
+  return combine_now(y, handle, out);
+}
+
+PendingOp LowLatencyBuffer::dispatch_async(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {
+  return PendingOp(progress_->submit([this, inputs, out] { return dispatch_now(inputs, out); }));
+}
+
+PendingOp LowLatencyBuffer::combine_async(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
+  return PendingOp(progress_->submit([this, y, handle, out] { return combine_now(y, handle, out); }));
 }
 
 // Split forms.

@@ -216,7 +216,10 @@ struct Buffer::Impl {
                           std::string_view out_name = "out") const;
 };
 
-Buffer::Buffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)), split_(std::make_unique<Split>()) {}
+Buffer::Buffer(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)),
+      split_(std::make_unique<Split>()),
+      progress_(std::make_unique<detail::ProgressThread>(impl_->config.timeout)) {}
 Buffer::~Buffer() = default;
 
 const BufferConfig& Buffer::config() const { return impl_->config; }

@@ -7,6 +7,7 @@
 
 #include "epx/core/buffer.h"
 #include "exchange/config_check.h"
+#include "exchange/progress.h"
 #include "exchange/row_kernels.h"
 
 namespace epx {
@@ -197,7 +198,8 @@ struct LowLatencyBuffer::Impl {
   Status peer_error(std::string_view op) const;
 };
 
-LowLatencyBuffer::LowLatencyBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+LowLatencyBuffer::LowLatencyBuffer(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)), progress_(std::make_unique<detail::ProgressThread>(impl_->config.timeout)) {}
 LowLatencyBuffer::~LowLatencyBuffer() = default;
 
 const LowLatencyConfig& LowLatencyBuffer::config() const { return impl_->config; }
@@ -383,7 +385,7 @@ Status LowLatencyBuffer::Impl::peer_error(std::string_view op) const {
   return Status::ok();
 }
 
-Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
+Status LowLatencyBuffer::dispatch_now(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
   Impl& m = *impl_;
   if (!m.poisoned.is_ok()) return m.poisoned;
   Stopwatch watch;
@@ -594,7 +596,7 @@ Status LowLatencyBuffer::Impl::validate_combine(const TensorView& y, const LowLa
   return check_matrix(out, "out", out.dtype(), num_tokens, config.hidden);
 }
 
-Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
+Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
   Impl& m = *impl_;
   if (!m.poisoned.is_ok()) return m.poisoned;
   const Deadline deadline = Deadline::after(m.config.timeout);

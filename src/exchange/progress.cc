@@ -30,6 +30,7 @@ std::shared_ptr<PendingState> ProgressThread::submit(std::function<Status()> op)
 }
 
 Status ProgressThread::drain() {
+  EPX_CHECK(!on_progress_thread());
   std::unique_lock lock(mutex_);
   const Deadline bound = last_bound_;
   if (!cv_.wait_until(lock, bound.when(), [&] { return queue_.empty() && running_ == 0; }))

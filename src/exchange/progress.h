@@ -39,7 +39,8 @@ class ProgressThread {
   // Queues `op`; the returned state is completed with its status.
   std::shared_ptr<PendingState> submit(std::function<Status()> op);
   // Waits until every submitted operation has finished; DeadlineExceeded if
-  // that has not happened by the time the last one must have ended.
+  // that has not happened by the time the last one must have ended. Called
+  // from an operation itself it would wait for itself: checked.
   Status drain();
   // Whether the calling thread is the progress thread.
   [[nodiscard]] bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }

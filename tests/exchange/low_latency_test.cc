@@ -13,10 +13,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -47,11 +49,14 @@ struct LLCase {
   uint32_t seed = 1;
   int hidden = 16;
   std::vector<int32_t> expert_map;  // expert -> rank; empty: contiguous blocks
+  // dispatch_async / combine_async, waited for after a pause on one rank
+  // (which changes with the seed), instead of the blocking calls.
+  bool async = false;
 
   [[nodiscard]] std::string name() const {
-    return fmt::format("{} ranks as {} nodes, x {} y {} out {}, E={} K={} routing={} weights={} tight={} seed={}{}",
+    return fmt::format("{} ranks as {} nodes, x {} y {} out {}, E={} K={} routing={} weights={} tight={} async={} seed={}{}",
                        num_ranks, num_nodes, dtype_name(dtype), dtype_name(y_dtype), dtype_name(out_dtype),
-                       num_experts, topk, routing_name(routing), with_weights, tight_capacity, seed,
+                       num_experts, topk, routing_name(routing), with_weights, tight_capacity, async, seed,
                        expert_map.empty() ? "" : " uneven map, last rank holds no expert");
   }
   [[nodiscard]] Result<ExpertPlacement> placement() const {
@@ -156,8 +161,15 @@ Status with_context(const char* what, Status status) {
 Status dispatch_and_combine(LowLatencyBuffer& ll, const LLCase& c, int rank, const RankInputs& in, bool y_is_recv_x,
                             std::vector<Matrix>* recv, std::vector<std::vector<int32_t>>* src, Matrix* out,
                             const void** recv_data) {
+  // The asynchronous forms: one rank works (sleeps) between issuing and waiting.
+  const bool pauses = c.async && static_cast<int>(c.seed % c.num_ranks) == rank;
+  auto finish = [&](const PendingOp& op) {
+    if (pauses) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    return op.wait();
+  };
   LowLatencyDispatchResult d;
-  EPX_RETURN_IF_ERROR(with_context("dispatch", ll.dispatch(inputs_of(in), &d)));
+  EPX_RETURN_IF_ERROR(with_context(
+      "dispatch", c.async ? finish(ll.dispatch_async(inputs_of(in), &d)) : ll.dispatch(inputs_of(in), &d)));
   *recv_data = d.recv_x.data();
   const int EL = ll.num_local_experts();
   const int64_t rows = ll.rows_per_expert();
@@ -203,7 +215,8 @@ Status dispatch_and_combine(LowLatencyBuffer& ll, const LLCase& c, int rank, con
     y = TensorView::contiguous(y_own.row(0), c.y_dtype, {EL, rows, H});
   }
   *out = Matrix::filled(c.out_dtype, in.num_tokens(), H, kUnwritten);
-  return with_context("combine", ll.combine(y, d.handle, out->view()));
+  return with_context("combine", c.async ? finish(ll.combine_async(y, d.handle, out->view()))
+                                         : ll.combine(y, d.handle, out->view()));
 }
 
 Status run_rank(Transport& transport, const LLCase& c, int capacity, const RankInputs& in, Got* got) {
@@ -290,6 +303,7 @@ TEST_P(LowLatency, MatchesTheReference) {
           c.with_weights = index % 4 != 1;
           c.tight_capacity = index % 2 == 1;
           c.hidden = index % 2 == 0 ? 16 : 36;
+          c.async = index % 3 == 2;
           // Every fifth case: experts dealt over all ranks but the last, which holds none.
           if (index % 5 == 0 && shape.num_ranks > 1)
             for (int e = 0; e < experts; ++e) c.expert_map.push_back(e % (shape.num_ranks - 1));

@@ -125,6 +125,15 @@ class LowLatencyBuffer {
   // -> out [T, H] (f32 or bf16) of the latest dispatch's tokens.
   [[nodiscard]] Status combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out);
 
+  // Asynchronous forms, as Buffer's (buffer.h): queued on this buffer's
+  // progress thread, run in issue order, the blocking forms' bits and
+  // errors (from PendingOp::wait); a blocking call first waits for the
+  // queued ones. Send now, compute, receive with wait(): the peers' rows
+  // arrive whatever the caller does meanwhile. Keep the arguments alive and
+  // unchanged, and leave the transport alone, until wait() returns.
+  [[nodiscard]] PendingOp dispatch_async(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out);
+  [[nodiscard]] PendingOp combine_async(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out);
+
   // Bytes of peer-mapped memory and of private staging this rank holds.
   [[nodiscard]] std::size_t region_bytes() const;
   [[nodiscard]] std::size_t staging_bytes() const;
@@ -132,7 +141,11 @@ class LowLatencyBuffer {
  private:
   struct Impl;
   explicit LowLatencyBuffer(std::unique_ptr<Impl> impl);
+  Status dispatch_now(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out);
+  Status combine_now(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out);
   std::unique_ptr<Impl> impl_;
+  // Declared last, destroyed first: queued operations finish first.
+  std::unique_ptr<detail::ProgressThread> progress_;
 };
 
 }  // namespace epx
