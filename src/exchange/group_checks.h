@@ -17,6 +17,9 @@ namespace epx::detail {
 // One argument per rank: InvalidArgument unless got == num_ranks.
 Status check_per_rank(std::size_t got, int num_ranks, std::string_view what);
 
+// One rank's dispatch inputs (the messages name no rank).
+Status check_dispatch_inputs(const BufferConfig& config, const DispatchInputs& in, Device device);
+
 // Dispatch inputs of every rank: topk_idx i32 [T, K] and x [T, hidden] of
 // config.dtype on the rank's device, T <= max_tokens_per_rank, the same K in
 // [1, max_topk] on every rank, topk_weights f32 [T, K] on every rank or none.
@@ -34,6 +37,9 @@ struct CombineShape {
   int topk = 0;
   Device device;
 };
+// One rank's combine arguments (the messages name no rank).
+Status check_combine_inputs(const BufferConfig& config, const TensorView& y, const TensorView& out,
+                            const CombineOptions& options, const CombineShape& shape);
 // Combine arguments of every rank: y [num_recv, hidden] bf16 or f32, the same
 // dtype on every rank and no wider than max_combine_dtype; out [T, hidden]
 // bf16 or f32; bias f32 or out's dtype; weight gradients in pairs, on every

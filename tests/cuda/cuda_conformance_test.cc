@@ -327,9 +327,7 @@ INSTANTIATE_TEST_SUITE_P(Cuda, CudaConformance, ::testing::ValuesIn(all_shapes()
 // One hand-checkable scenario first: 2 ranks, 4 experts, hidden 8 (f32).
 TEST(CudaHand, TwoRanksFourExperts) {
   EPX_SKIP_WITHOUT_GPU();
-  const Topology topology = *Topology::create(2);
-  const BufferConfig config = tiny_config();
-  auto group = CudaGroup::create(topology, config);
+  auto group = CudaGroup::create(*Topology::create(2), tiny_config());
   ASSERT_TRUE(group.is_ok()) << group.status().message();
   // Rank 0: token 0 -> experts 0, 3 (ranks 0 and 1); token 1 -> expert 1 (rank 0).
   // Rank 1: token 0 -> expert 2 (rank 1).
@@ -366,9 +364,7 @@ TEST(CudaHand, TwoRanksFourExperts) {
 
 TEST(CudaErrors, BadExpertIdIsNamedAndNothingMoves) {
   EPX_SKIP_WITHOUT_GPU();
-  const Topology topology = *Topology::create(2);
-  const BufferConfig config = tiny_config();
-  auto group = CudaGroup::create(topology, config);
+  auto group = CudaGroup::create(*Topology::create(2), tiny_config());
   ASSERT_TRUE(group.is_ok()) << group.status().message();
   std::vector<DeviceMatrix> x, idx;
   x.push_back(upload(Matrix(DType::kF32, 2, 8)));

@@ -18,10 +18,10 @@
 // rank's device (there is no combine region); no tracer and no timeouts
 // (every call waits for its kernels).
 //
-// Not here yet (docs/design.md, "The CUDA backend"): ranks as processes
-// (CUDA IPC handles through the MPI transport) and NCCL between nodes; a
-// multi-node topology is emulated inside the group, so two-hop changes only
-// the combine order, not the bytes' path.
+// Ranks as processes are CudaBuffer's (cuda_buffer.h). Not built yet
+// (docs/design.md, "The CUDA backend"): NCCL between nodes; a multi-node
+// topology is emulated inside the group, so two-hop changes only the
+// combine order, not the bytes' path.
 //
 //   EPX_ASSIGN_OR_RETURN(auto group, epx::CudaGroup::create(topology, config));  // emulated on GPU 0
 //   std::vector<epx::DispatchResult> recv;

@@ -7,56 +7,17 @@
 
 #include "epx/core/buffer.h"
 #include "epx/core/clock.h"
+#include "exchange/cuda/cuda_util.h"
 #include "exchange/cuda/kernels.h"
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
-
-// Wraps a CUDA runtime call: a failure returns Internal with the call, file and line.
-#define EPX_CUDA_CHECK(expr)                                                                              \
-  do {                                                                                                    \
-    const cudaError_t epx_cuda_err_ = (expr);                                                             \
-    if (epx_cuda_err_ != cudaSuccess)                                                                     \
-      return ::epx::internal_error("{} failed at {}:{}: {} ({})", #expr, __FILE__, __LINE__,              \
-                                   cudaGetErrorName(epx_cuda_err_), cudaGetErrorString(epx_cuda_err_)); \
-  } while (0)
 
 namespace epx {
 namespace {
 
 // Group handles carry ids with the top bit set, so no CPU Buffer's id matches.
 std::atomic<uint64_t> g_next_group_id{(1ull << 63) + 1};
-
-// One cudaMalloc'd block, freed on its device.
-class DeviceMemory {
- public:
-  DeviceMemory() = default;
-  ~DeviceMemory() { reset(); }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-  Status allocate(int device, std::size_t bytes) {
-    if (bytes <= bytes_) return Status::ok();
-    reset();
-    EPX_CUDA_CHECK(cudaSetDevice(device));
-    EPX_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
-    EPX_CUDA_CHECK(cudaMemset(ptr_, 0, bytes));
-    device_ = device;
-    bytes_ = bytes;
-    return Status::ok();
-  }
-  void reset() {
-    if (ptr_ != nullptr && cudaSetDevice(device_) == cudaSuccess) cudaFree(ptr_);
-    ptr_ = nullptr;
-    bytes_ = 0;
-  }
-  template <typename T = std::byte>
-  [[nodiscard]] T* get() const { return static_cast<T*>(ptr_); }
-
- private:
-  void* ptr_ = nullptr;
-  int device_ = 0;
-  std::size_t bytes_ = 0;
-};
 
 // One rank's device memory: receive rows and metadata (written by peers),
 // then its own layout scratch and the placement tables.
@@ -99,7 +60,7 @@ struct Region {
 struct RankState {
   int device = 0;
   cudaStream_t stream = nullptr;
-  DeviceMemory memory;
+  detail::DeviceMemory memory;
   Region region;
   // The latest dispatch of this rank.
   int num_tokens = 0;
@@ -107,8 +68,8 @@ struct RankState {
   std::vector<int32_t> host_counts;  // [R + N + E] from the layout kernel
   bool expanded_ready = false;
   ExpandedLayout expanded;
-  DeviceMemory expanded_maps;  // row_of [num_recv, K] then recv_row [num_rows], int64
-  DeviceMemory partial;        // f32 [max_recv, H] for combine_expanded
+  detail::DeviceMemory expanded_maps;  // row_of [num_recv, K] then recv_row [num_rows], int64
+  detail::DeviceMemory partial;        // f32 [max_recv, H] for combine_expanded
 };
 
 }  // namespace
@@ -237,6 +198,12 @@ struct CudaGroup::Impl {
     for (int r = 0; r < R(); ++r) shapes[r] = {ranks[r].num_recv, ranks[r].num_tokens, topk, devices[r]};
     return shapes;
   }
+  // y_expanded of rank r: [layout rows, hidden], bf16 or f32, on its device.
+  Status check_expanded_y(int r, const TensorView& y, const ExpandedLayout& layout) const {
+    if (y.ndim() != 2 || (y.dtype() != DType::kF32 && y.dtype() != DType::kBF16))
+      return invalid_argument("rank {}: y_expanded must be a 2-D bf16 or f32 array, got {}", r, y.describe());
+    return check_matrix(y, "y_expanded", y.dtype(), layout.num_rows(), config.hidden, devices[r]);
+  }
   Status weights_of(int r, std::span<const TensorView> weights, const float** w) const {
     if (!weights.empty() && weights[r].defined()) {
       EPX_RETURN_IF_ERROR(check_matrix(weights[r], "weights", DType::kF32, ranks[r].num_recv, topk, devices[r]));
@@ -355,39 +322,17 @@ Status CudaGroup::get_layouts(std::span<const TensorView> topk_idx, std::vector<
       return invalid_argument("rank {}: topk = {} is outside [1, max_topk = {}]", r, idx.size(1), m.config.max_topk);
     EPX_RETURN_IF_ERROR(check_matrix(idx, "topk_idx", DType::kI32, idx.size(0), idx.size(1), m.devices[r]));
     RankState& s = m.ranks[r];
-    cuda::LayoutArgs a;
-    a.topk_idx = idx.data_as<const int32_t>();
-    a.topk_stride = idx.stride(0);
-    a.num_tokens = static_cast<int>(idx.size(0));
-    a.topk = static_cast<int>(idx.size(1));
-    a.num_experts = E;
-    a.num_ranks = R;
-    a.num_nodes = N;
-    a.ranks_per_node = m.topology.ranks_per_node();
-    a.expert_rank = s.region.expert_rank;
-    a.in_rank = s.region.in_rank;
-    a.counts = s.region.counts;
-    a.topk_rank = s.region.topk_rank;
-    a.error = s.region.error;
     s.host_counts.resize(R + N + E);
     EPX_CUDA_CHECK(cudaSetDevice(s.device));
-    EPX_CUDA_CHECK(cuda::launch_layout(a, s.stream));
-    EPX_CUDA_CHECK(cudaMemcpyAsync(s.host_counts.data(), s.region.counts, sizeof(int32_t) * (R + N + E),
-                                   cudaMemcpyDeviceToHost, s.stream));
-    EPX_CUDA_CHECK(cudaMemcpyAsync(&errors[r], s.region.error, sizeof(unsigned long long), cudaMemcpyDeviceToHost,
-                                   s.stream));
+    const detail::LayoutScratch scratch{s.region.expert_rank, s.region.in_rank, s.region.counts, s.region.topk_rank,
+                                        s.region.error};
+    EPX_RETURN_IF_ERROR(
+        detail::enqueue_layout(idx, E, m.topology, scratch, s.host_counts.data(), &errors[r], s.stream));
   }
   EPX_RETURN_IF_ERROR(m.sync_all());
   for (int r = 0; r < R; ++r) {
-    if (errors[r] == ~0ull) continue;
-    // Name the entry as the CPU check would: copy the flagged row back.
-    const TensorView& idx = topk_idx[r];
-    const int64_t K = idx.size(1), t = static_cast<int64_t>(errors[r] / 4) / K;
-    std::vector<int32_t> row(K);
-    EPX_CUDA_CHECK(cudaMemcpy(row.data(), idx.row<int32_t>(t), sizeof(int32_t) * K, cudaMemcpyDeviceToHost));
-    const Status bad = detail::check_topk_row(row.data(), K, t, E);
-    return bad.is_ok() ? internal_error("rank {}: the layout kernel flagged token {} but its row is good", r, t)
-                       : make_status(bad.code(), "rank {}: {}", r, bad.message());
+    const Status bad = detail::layout_error(topk_idx[r], errors[r], E);
+    if (!bad.is_ok()) return make_status(bad.code(), "rank {}: {}", r, bad.message());
   }
   if (out != nullptr) {
     out->assign(R, DispatchLayout{});
@@ -574,10 +519,7 @@ Status CudaGroup::combine_expanded(std::span<const TensorView> y_expanded, std::
   std::vector<const float*> w(R);
   for (int r = 0; r < R; ++r) {
     EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(r, handles[r]));
-    const TensorView& y = y_expanded[r];
-    if (y.ndim() != 2 || (y.dtype() != DType::kF32 && y.dtype() != DType::kBF16))
-      return invalid_argument("rank {}: y_expanded must be a 2-D bf16 or f32 array, got {}", r, y.describe());
-    EPX_RETURN_IF_ERROR(check_matrix(y, "y_expanded", y.dtype(), layout->num_rows(), H, m.devices[r]));
+    EPX_RETURN_IF_ERROR(m.check_expanded_y(r, y_expanded[r], *layout));
     EPX_RETURN_IF_ERROR(m.weights_of(r, weights, &w[r]));
     RankState& s = m.ranks[r];
     EPX_RETURN_IF_ERROR(s.partial.allocate(s.device, sizeof(float) * static_cast<std::size_t>(m.max_recv) * H + 16));
@@ -611,10 +553,7 @@ Status CudaGroup::combine_expanded_backward(std::span<const TensorView> grad_out
   std::vector<const float*> w(R);
   for (int r = 0; r < R; ++r) {
     EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(r, handles[r]));
-    const TensorView& y = y_expanded[r];
-    if (y.ndim() != 2 || (y.dtype() != DType::kF32 && y.dtype() != DType::kBF16))
-      return invalid_argument("rank {}: y_expanded must be a 2-D bf16 or f32 array, got {}", r, y.describe());
-    EPX_RETURN_IF_ERROR(check_matrix(y, "y_expanded", y.dtype(), layout->num_rows(), H, m.devices[r]));
+    EPX_RETURN_IF_ERROR(m.check_expanded_y(r, y_expanded[r], *layout));
     EPX_RETURN_IF_ERROR(
         check_matrix(grad_y_expanded[r], "grad_y_expanded", DType::kF32, layout->num_rows(), H, m.devices[r]));
     if (!grad_weights.empty() && grad_weights[r].defined()) {

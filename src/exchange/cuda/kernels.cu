@@ -119,35 +119,79 @@ __global__ void dispatch_kernel(DispatchArgs a) {
   }
 }
 
-// One block per token (grid-stride), one thread per column.
+// 8 consecutive elements (bf16 or f32) of a row, as floats: one 16-byte load
+// for bf16, two for f32 (the caller checked the alignment).
+__device__ __forceinline__ void load8(const std::byte* row, bool bf16, int64_t c, float v[8]) {
+  if (bf16) {
+    const uint4 u = *reinterpret_cast<const uint4*>(row + c * 2);
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&u);
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(p[i]);
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  } else {
+    const float4 lo = *reinterpret_cast<const float4*>(row + c * 4);
+    const float4 hi = *reinterpret_cast<const float4*>(row + c * 4 + 16);
+    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+  }
+}
+
+__device__ __forceinline__ void store8(std::byte* row, bool bf16, int64_t c, const float v[8]) {
+  if (bf16) {
+    uint4 u;
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&u);
+    for (int i = 0; i < 4; ++i) p[i] = __halves2bfloat162(__float2bfloat16_rn(v[2 * i]), __float2bfloat16_rn(v[2 * i + 1]));
+    *reinterpret_cast<uint4*>(row + c * 2) = u;
+  } else {
+    *reinterpret_cast<float4*>(row + c * 4) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(row + c * 4 + 16) = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+// One block per token (grid-stride); each thread sums W consecutive columns
+// (W = 8: 16-byte loads; W = 1: any alignment). The order of the adds per
+// element is the same either way, so the bits are too.
+template <int W>
 __global__ void combine_kernel(CombineArgs a) {
   __shared__ int32_t rows[kMaxRanks];
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
     for (int d = threadIdx.x; d < a.num_ranks; d += blockDim.x)
       rows[d] = a.send_row[static_cast<int64_t>(t) * a.num_ranks + d];
     __syncthreads();
-    for (int c = threadIdx.x; c < a.hidden; c += blockDim.x) {
-      float acc = 0.0f;
-      if (!a.hierarchical) {
-        for (int d = 0; d < a.num_ranks; ++d) {
+    for (int64_t c = static_cast<int64_t>(threadIdx.x) * W; c < a.hidden; c += static_cast<int64_t>(blockDim.x) * W) {
+      float acc[W], g[W], v[W];
+      for (int i = 0; i < W; ++i) acc[i] = 0.0f;
+      auto load = [&](const std::byte* row, bool bf16, float* out) {
+        if constexpr (W == 8) {
+          load8(row, bf16, c, out);
+        } else {
+          out[0] = load_f32(row, bf16, c);
+        }
+      };
+      const int group = a.hierarchical ? a.ranks_per_node : 1;
+      for (int first = 0; first < a.num_ranks; first += group) {
+        for (int i = 0; i < W; ++i) g[i] = 0.0f;
+        bool any = false;
+        for (int d = first; d < first + group; ++d) {
           if (rows[d] < 0) continue;
-          const float g = __fadd_rn(0.0f, load_f32(a.y[d] + rows[d] * a.y_stride_bytes[d], a.y_bf16, c));
-          acc = __fadd_rn(acc, g);
+          load(a.y[d] + rows[d] * a.y_stride_bytes[d], a.y_bf16, v);
+          for (int i = 0; i < W; ++i) g[i] = __fadd_rn(g[i], v[i]);
+          any = true;
         }
-      } else {
-        for (int first = 0; first < a.num_ranks; first += a.ranks_per_node) {
-          float g = 0.0f;
-          bool any = false;
-          for (int d = first; d < first + a.ranks_per_node; ++d) {
-            if (rows[d] < 0) continue;
-            g = __fadd_rn(g, load_f32(a.y[d] + rows[d] * a.y_stride_bytes[d], a.y_bf16, c));
-            any = true;
-          }
-          if (any) acc = __fadd_rn(acc, g);
-        }
+        if (any)
+          for (int i = 0; i < W; ++i) acc[i] = __fadd_rn(acc[i], g[i]);
       }
-      if (a.bias != nullptr) acc = __fadd_rn(acc, load_f32(a.bias + t * a.bias_stride_bytes, a.bias_bf16, c));
-      store_f32(a.out + t * a.out_stride_bytes, a.out_bf16, c, acc);
+      if (a.bias != nullptr) {
+        load(a.bias + t * a.bias_stride_bytes, a.bias_bf16, v);
+        for (int i = 0; i < W; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
+      }
+      std::byte* out = a.out + t * a.out_stride_bytes;
+      if constexpr (W == 8) {
+        store8(out, a.out_bf16, c, acc);
+      } else {
+        store_f32(out, a.out_bf16, c, acc[0]);
+      }
     }
     if (a.grad_topk_weights != nullptr)
       for (int k = threadIdx.x; k < a.topk; k += blockDim.x) {
@@ -247,7 +291,17 @@ cudaError_t launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
 
 cudaError_t launch_combine(const CombineArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return cudaSuccess;
-  combine_kernel<<<blocks_for(args.num_tokens, 1), kThreads, 0, stream>>>(args);
+  // Eight columns per thread when every row of y, bias and out starts on 16 bytes.
+  auto aligned = [](const void* p, std::size_t stride) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride % 16 == 0;
+  };
+  bool by8 = args.hidden % 8 == 0 && aligned(args.out, args.out_stride_bytes) &&
+             (args.bias == nullptr || aligned(args.bias, args.bias_stride_bytes));
+  for (int d = 0; d < args.num_ranks && by8; ++d) by8 = args.y[d] == nullptr || aligned(args.y[d], args.y_stride_bytes[d]);
+  if (by8)
+    combine_kernel<8><<<blocks_for(args.num_tokens, 1), kThreads, 0, stream>>>(args);
+  else
+    combine_kernel<1><<<blocks_for(args.num_tokens, 1), kThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 
