@@ -4,7 +4,8 @@
 #   1. configure build-gpu/ with EPX_WITH_CUDA=ON for sm_90, build the CUDA
 #      conformance tests and the CUDA benchmark;
 #   2. run the conformance table (R emulated ranks on the GPU against the
-#      reference the in-process backend matches bit for bit);
+#      reference the in-process backend matches bit for bit), and a few small
+#      cases under compute-sanitizer when it is there;
 #   3. run the benchmark (8 ranks x 4096 tokens, hidden 7168, top-8 of 256,
 #      bf16) and PyTorch's index_select / index_add_ doing the same job;
 #   4. print a short table last.
@@ -30,7 +31,7 @@ nvcc --version | tail -2 | tee -a "$LOGS/device.txt"
 
 section "configure + build ($BUILD, sm_90, $JOBS jobs)"
 start=$(date +%s)
-if ! timeout 300 bash -c "cmake -S . -B '$BUILD' -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+if ! timeout 270 bash -c "cmake -S . -B '$BUILD' -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DEPX_BUILD_APPS=OFF && cmake --build '$BUILD' -j$JOBS --target epx_cuda_tests epx_cuda_exchange_bench" \
       >"$LOGS/build.log" 2>&1; then
   tail -40 "$LOGS/build.log"
@@ -41,18 +42,29 @@ echo "built in $(( $(date +%s) - start )) s"
 
 section "CUDA conformance tests"
 start=$(date +%s)
-timeout 180 "$BUILD/tests/epx_cuda_tests" --gtest_brief=1 >"$LOGS/cuda_tests.log" 2>&1
+timeout 150 "$BUILD/tests/epx_cuda_tests" --gtest_brief=1 >"$LOGS/cuda_tests.log" 2>&1
 tests_rc=$?
 tail -25 "$LOGS/cuda_tests.log"
 echo "tests: exit $tests_rc in $(( $(date +%s) - start )) s"
 [[ $tests_rc -eq 0 ]] || status=1
 
+if command -v compute-sanitizer >/dev/null; then
+  section "compute-sanitizer memcheck (a few small cases)"
+  timeout 90 compute-sanitizer --tool memcheck --error-exitcode 3 "$BUILD/tests/epx_cuda_tests" --gtest_brief=1 \
+    --gtest_filter='CudaHand.*:CudaErrors.*:CudaPeerMemory.*:Cuda/CudaConformance.*/2ranks_2nodes_hierarchical_bf16' \
+    >"$LOGS/memcheck.log" 2>&1
+  memcheck_rc=$?
+  tail -5 "$LOGS/memcheck.log"
+  echo "memcheck: exit $memcheck_rc"
+  [[ $memcheck_rc -eq 0 ]] || status=1
+fi
+
 section "benchmark: epx CUDA backend vs device copy"
-timeout 120 "$BUILD/bin/epx_cuda_exchange_bench" --json "$LOGS/cuda_bench.json" $BENCH_ARGS 2>&1 | tee "$LOGS/bench.log"
+timeout 60 "$BUILD/bin/epx_cuda_exchange_bench" --json "$LOGS/cuda_bench.json" $BENCH_ARGS 2>&1 | tee "$LOGS/bench.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 section "benchmark: PyTorch index_select / index_add_"
-PYTHONUNBUFFERED=1 timeout 120 python3 bench/torch_exchange.py --json "$LOGS/torch_bench.json" $BENCH_ARGS 2>&1 | tee -a "$LOGS/bench.log"
+PYTHONUNBUFFERED=1 timeout 60 python3 bench/torch_exchange.py --json "$LOGS/torch_bench.json" $BENCH_ARGS 2>&1 | tee -a "$LOGS/bench.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 section "summary"

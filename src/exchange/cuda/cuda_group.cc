@@ -29,7 +29,8 @@ struct Region {
   float* topk_weights = nullptr;
   uint8_t* in_rank = nullptr;
   int32_t* send_row = nullptr;
-  int32_t* topk_rank = nullptr;
+  int32_t* topk_rank = nullptr;         // of the latest dispatch (combine's weight gradients)
+  int32_t* layout_topk_rank = nullptr;  // what get_layouts computes, so it leaves the dispatch's alone
   int32_t* counts = nullptr;
   unsigned long long* error = nullptr;
   int32_t* expert_rank = nullptr;
@@ -48,6 +49,7 @@ struct Region {
     r.in_rank = c.take<uint8_t>(tokens * num_ranks);
     r.send_row = c.take<int32_t>(tokens * num_ranks);
     r.topk_rank = c.take<int32_t>(tokens * max_topk);
+    r.layout_topk_rank = c.take<int32_t>(tokens * max_topk);
     r.counts = c.take<int32_t>(static_cast<std::size_t>(num_ranks + num_nodes + num_experts));
     r.error = c.take<unsigned long long>(1);
     r.expert_rank = c.take<int32_t>(num_experts);
@@ -204,6 +206,10 @@ struct CudaGroup::Impl {
       return invalid_argument("rank {}: y_expanded must be a 2-D bf16 or f32 array, got {}", r, y.describe());
     return check_matrix(y, "y_expanded", y.dtype(), layout.num_rows(), config.hidden, devices[r]);
   }
+  // The layout kernels of every rank, their counts in host_counts; `out`
+  // (optional) gets the layouts. for_dispatch: the slots' ranks go where
+  // combine reads them.
+  Status run_layouts(std::span<const TensorView> topk_idx, bool for_dispatch, std::vector<DispatchLayout>* out);
   Status weights_of(int r, std::span<const TensorView> weights, const float** w) const {
     if (!weights.empty() && weights[r].defined()) {
       EPX_RETURN_IF_ERROR(check_matrix(weights[r], "weights", DType::kF32, ranks[r].num_recv, topk, devices[r]));
@@ -308,7 +314,13 @@ Result<std::unique_ptr<CudaGroup>> CudaGroup::create(const Topology& topology, B
 }
 
 Status CudaGroup::get_layouts(std::span<const TensorView> topk_idx, std::vector<DispatchLayout>* out) {
-  Impl& m = *impl_;
+  if (out == nullptr) return invalid_argument("get_layouts needs an output");
+  return impl_->run_layouts(topk_idx, false, out);
+}
+
+Status CudaGroup::Impl::run_layouts(std::span<const TensorView> topk_idx, bool for_dispatch,
+                                    std::vector<DispatchLayout>* out) {
+  Impl& m = *this;
   const int R = m.R(), N = m.topology.num_nodes(), E = m.config.num_experts;
   EPX_RETURN_IF_ERROR(detail::check_per_rank(topk_idx.size(), R, "topk_idx"));
   std::vector<unsigned long long> errors(R);
@@ -324,8 +336,8 @@ Status CudaGroup::get_layouts(std::span<const TensorView> topk_idx, std::vector<
     RankState& s = m.ranks[r];
     s.host_counts.resize(R + N + E);
     EPX_CUDA_CHECK(cudaSetDevice(s.device));
-    const detail::LayoutScratch scratch{s.region.expert_rank, s.region.in_rank, s.region.counts, s.region.topk_rank,
-                                        s.region.error};
+    const detail::LayoutScratch scratch{s.region.expert_rank, s.region.in_rank, s.region.counts,
+                                        for_dispatch ? s.region.topk_rank : s.region.layout_topk_rank, s.region.error};
     EPX_RETURN_IF_ERROR(
         detail::enqueue_layout(idx, E, m.topology, scratch, s.host_counts.data(), &errors[r], s.stream));
   }
@@ -364,7 +376,7 @@ Status CudaGroup::dispatch(std::span<const DispatchInputs> inputs, std::vector<D
     x[r] = inputs[r].x;
   }
   // Layout and counts on every rank; nothing moves before all of them pass.
-  EPX_RETURN_IF_ERROR(get_layouts(idx, nullptr));
+  EPX_RETURN_IF_ERROR(m.run_layouts(idx, true, nullptr));
   std::vector<int32_t> counts(static_cast<std::size_t>(R) * R), node_counts(static_cast<std::size_t>(R) * N);
   std::vector<int64_t> expert_counts(static_cast<std::size_t>(R) * E);
   for (int s = 0; s < R; ++s) {
