@@ -22,11 +22,7 @@ std::atomic<uint64_t> g_next_cuda_buffer_id{(1ull << 62) + 1};
 // A rank's peer-mapped device region: what peers write (receive rows and
 // metadata) and read (combine rows and weight gradients).
 struct Region {
-  std::byte* recv_x = nullptr;
-  int32_t* src_idx = nullptr;
-  int32_t* src_rank = nullptr;
-  int32_t* topk_idx = nullptr;
-  float* topk_weights = nullptr;
+  detail::RecvRegion recv;
   std::byte* combine = nullptr;
   float* combine_slots = nullptr;
 
@@ -35,11 +31,7 @@ struct Region {
     Carver c(base);
     const auto rows = static_cast<std::size_t>(max_recv);
     Region r;
-    r.recv_x = c.take<std::byte>(rows * row_bytes, 256);
-    r.src_idx = c.take<int32_t>(rows);
-    r.src_rank = c.take<int32_t>(rows);
-    r.topk_idx = c.take<int32_t>(rows * max_topk);
-    r.topk_weights = c.take<float>(rows * max_topk);
+    r.recv.carve(c, max_recv, row_bytes, max_topk);
     r.combine = c.take<std::byte>(rows * combine_row_bytes, 256);
     r.combine_slots = c.take<float>(rows * max_topk);
     if (out) *out = r;
@@ -124,36 +116,12 @@ struct CudaBuffer::Impl {
   }
   // Payload (and metadata when topk_idx is given) along the latest routes, into the peers' regions.
   Status move_rows(const TensorView& x, const TensorView* topk_idx, const TensorView* topk_weights) {
-    cuda::DispatchArgs a;
-    a.x = static_cast<const std::byte*>(x.data());
-    a.x_stride_bytes = x.row_stride_bytes();
-    a.row_bytes = row_bytes;
-    std::vector<const void*> addresses{a.x, a.x + a.x_stride_bytes};
-    for (int d = 0; d < num_ranks; ++d) {
-      const Region& g = regions[d];
-      addresses.push_back(g.recv_x);
-      a.targets.recv_x[d] = g.recv_x;
-      a.targets.src_idx[d] = g.src_idx;
-      a.targets.src_rank[d] = g.src_rank;
-      a.targets.topk_idx[d] = g.topk_idx;
-      a.targets.topk_weights[d] = g.topk_weights;
-    }
-    a.unit = detail::row_copy_unit(row_bytes, addresses);
-    a.num_tokens = num_tokens;
-    a.num_ranks = num_ranks;
-    a.src_rank = rank;
-    a.send_row = scratch.send_row;
-    if (topk_idx != nullptr) {
-      a.topk_idx = topk_idx->data_as<const int32_t>();
-      a.topk_stride = topk_idx->stride(0);
-      if (topk_weights != nullptr) {
-        a.topk_weights = topk_weights->data_as<const float>();
-        a.weights_stride = topk_weights->stride(0);
-      }
-      a.topk = topk;
-      a.expert_rank = scratch.expert_rank;
-      a.local_id = scratch.local_id;
-    }
+    std::vector<detail::RecvRegion> recv;
+    for (const Region& g : regions) recv.push_back(g.recv);
+    cuda::DispatchArgs a = detail::make_dispatch_args(x, row_bytes, rank, num_tokens, scratch.send_row, recv);
+    if (topk_idx != nullptr)
+      detail::add_dispatch_meta(&a, *topk_idx, topk_weights ? *topk_weights : TensorView(), scratch.expert_rank,
+                                scratch.local_id);
     EPX_CUDA_CHECK(cudaSetDevice(device));
     EPX_CUDA_CHECK(cuda::launch_dispatch(a, stream));
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -288,34 +256,10 @@ Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
   // Every rank's rows have landed once every rank has synchronised its stream.
   EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
 
-  auto h = std::make_shared<detail::HandleData>();
-  h->buffer_id = m.id;
-  h->dispatch_seq = m.dispatch_seq;
-  h->rank = m.rank;
-  h->num_tokens = m.num_tokens;
-  h->topk = m.topk;
-  h->has_weights = header(0, 2) != 0;
-  h->counts = matrix;
-  h->node_counts = node_counts;
-  h->num_recv = m.num_recv;
-  h->num_local_experts = m.placement.num_local_experts(m.rank);
-  h->expert_alignment = m.config.expert_alignment;
-  h->num_recv_tokens_per_expert =
-      detail::aligned_recv_expert_counts(expert_counts, R, m.placement, m.rank, m.config.expert_alignment);
-  const Region& mine = m.regions[m.rank];
-  const int64_t n = m.num_recv;
-  *out = DispatchResult{};
-  out->recv_x = TensorView::contiguous(mine.recv_x, m.config.dtype, {n, m.config.hidden}, m.dev());
-  out->recv_topk_idx = TensorView::contiguous(mine.topk_idx, DType::kI32, {n, m.topk}, m.dev());
-  if (h->has_weights) out->recv_topk_weights = TensorView::contiguous(mine.topk_weights, DType::kF32, {n, m.topk}, m.dev());
-  out->recv_src_rank = TensorView::contiguous(mine.src_rank, DType::kI32, {n}, m.dev());
-  out->recv_src_idx = TensorView::contiguous(mine.src_idx, DType::kI32, {n}, m.dev());
-  out->num_recv_tokens_per_expert = h->num_recv_tokens_per_expert;
-  for (int d = 0; d < R; ++d) out->stats.rows_sent += matrix[static_cast<std::size_t>(m.rank) * R + d];
-  out->stats.intra_node_payload_bytes = out->stats.rows_sent * static_cast<int64_t>(m.row_bytes);
-  out->stats.rows_received = n;
+  const detail::DispatchFacts facts{m.id, m.dispatch_seq, m.rank, m.num_tokens, m.topk, header(0, 2) != 0, m.dev()};
+  detail::fill_dispatch_result(facts, m.config, m.placement, topo, matrix, node_counts, expert_counts,
+                               m.regions[m.rank].recv, out);
   out->stats.seconds = watch.seconds();
-  out->handle = Handle(std::move(h));
   return Status::ok();
 }
 
@@ -330,7 +274,7 @@ Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, Te
   EPX_RETURN_IF_ERROR(m.gather(local_status, {}, &all, "dispatch_cached", deadline));
   EPX_RETURN_IF_ERROR(m.move_rows(x, nullptr, nullptr));
   EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
-  *recv_x = TensorView::contiguous(m.regions[m.rank].recv_x, m.config.dtype, {m.num_recv, m.config.hidden}, m.dev());
+  *recv_x = TensorView::contiguous(m.regions[m.rank].recv.recv_x, m.config.dtype, {m.num_recv, m.config.hidden}, m.dev());
   return Status::ok();
 }
 

@@ -22,11 +22,7 @@ std::atomic<uint64_t> g_next_group_id{(1ull << 63) + 1};
 // One rank's device memory: receive rows and metadata (written by peers),
 // then its own layout scratch and the placement tables.
 struct Region {
-  std::byte* recv_x = nullptr;
-  int32_t* src_idx = nullptr;
-  int32_t* src_rank = nullptr;
-  int32_t* topk_idx = nullptr;
-  float* topk_weights = nullptr;
+  detail::RecvRegion recv;
   uint8_t* in_rank = nullptr;
   int32_t* send_row = nullptr;
   int32_t* topk_rank = nullptr;         // of the latest dispatch (combine's weight gradients)
@@ -39,13 +35,9 @@ struct Region {
   static std::size_t carve(std::byte* base, int64_t max_recv, std::size_t row_bytes, int max_topk, int max_tokens,
                            int num_ranks, int num_nodes, int num_experts, Region* out) {
     Carver c(base);
-    const auto rows = static_cast<std::size_t>(max_recv), tokens = static_cast<std::size_t>(max_tokens);
+    const auto tokens = static_cast<std::size_t>(max_tokens);
     Region r;
-    r.recv_x = c.take<std::byte>(rows * row_bytes, 256);
-    r.src_idx = c.take<int32_t>(rows);
-    r.src_rank = c.take<int32_t>(rows);
-    r.topk_idx = c.take<int32_t>(rows * max_topk);
-    r.topk_weights = c.take<float>(rows * max_topk);
+    r.recv.carve(c, max_recv, row_bytes, max_topk);
     r.in_rank = c.take<uint8_t>(tokens * num_ranks);
     r.send_row = c.take<int32_t>(tokens * num_ranks);
     r.topk_rank = c.take<int32_t>(tokens * max_topk);
@@ -115,46 +107,16 @@ struct CudaGroup::Impl {
     }
     return Status::ok();
   }
-  cuda::RecvTargets targets() const {
-    cuda::RecvTargets t;
-    for (int d = 0; d < R(); ++d) {
-      const Region& g = ranks[d].region;
-      t.recv_x[d] = g.recv_x;
-      t.src_idx[d] = g.src_idx;
-      t.src_rank[d] = g.src_rank;
-      t.topk_idx[d] = g.topk_idx;
-      t.topk_weights[d] = g.topk_weights;
-    }
-    return t;
-  }
   // Payload (and metadata when inputs is set) of every rank along the latest routes.
   Status move_rows(std::span<const TensorView> x, std::span<const DispatchInputs> inputs) {
-    const cuda::RecvTargets t = targets();
+    std::vector<detail::RecvRegion> regions;
+    for (const RankState& st : ranks) regions.push_back(st.region.recv);
     for (int s = 0; s < R(); ++s) {
       RankState& st = ranks[s];
-      cuda::DispatchArgs a;
-      a.x = static_cast<const std::byte*>(x[s].data());
-      a.x_stride_bytes = x[s].row_stride_bytes();
-      a.row_bytes = row_bytes;
-      std::vector<const void*> addresses{a.x, a.x + a.x_stride_bytes};  // rows 0 and 1
-      for (int d = 0; d < R(); ++d) addresses.push_back(ranks[d].region.recv_x);
-      a.unit = detail::row_copy_unit(row_bytes, addresses);
-      a.num_tokens = st.num_tokens;
-      a.num_ranks = R();
-      a.src_rank = s;
-      a.send_row = st.region.send_row;
-      if (!inputs.empty()) {
-        a.topk_idx = inputs[s].topk_idx.data_as<const int32_t>();
-        a.topk_stride = inputs[s].topk_idx.stride(0);
-        if (inputs[s].topk_weights.defined()) {
-          a.topk_weights = inputs[s].topk_weights.data_as<const float>();
-          a.weights_stride = inputs[s].topk_weights.stride(0);
-        }
-        a.topk = topk;
-        a.expert_rank = st.region.expert_rank;
-        a.local_id = st.region.local_id;
-      }
-      a.targets = t;
+      cuda::DispatchArgs a = detail::make_dispatch_args(x[s], row_bytes, s, st.num_tokens, st.region.send_row, regions);
+      if (!inputs.empty())
+        detail::add_dispatch_meta(&a, inputs[s].topk_idx, inputs[s].topk_weights, st.region.expert_rank,
+                                  st.region.local_id);
       EPX_CUDA_CHECK(cudaSetDevice(st.device));
       EPX_CUDA_CHECK(cuda::launch_dispatch(a, st.stream));
     }
@@ -217,7 +179,7 @@ struct CudaGroup::Impl {
         return invalid_argument("rank {}: weights must be dense, got {}", r, weights[r].describe());
       *w = weights[r].data_as<const float>();
     } else if (has_weights) {
-      *w = ranks[r].region.topk_weights;
+      *w = ranks[r].region.recv.topk_weights;
     } else {
       return invalid_argument("rank {}: combine_expanded needs weights: none were dispatched and none were passed", r);
     }
@@ -410,39 +372,10 @@ Status CudaGroup::dispatch(std::span<const DispatchInputs> inputs, std::vector<D
 
   out->assign(R, DispatchResult{});
   for (int r = 0; r < R; ++r) {
-    const RankState& st = m.ranks[r];
-    auto h = std::make_shared<detail::HandleData>();
-    h->buffer_id = m.id;
-    h->dispatch_seq = m.dispatch_seq;
-    h->rank = r;
-    h->num_tokens = st.num_tokens;
-    h->topk = m.topk;
-    h->has_weights = m.has_weights;
-    h->counts = counts;
-    h->node_counts = node_counts;
-    h->num_recv = st.num_recv;
-    h->num_local_experts = m.placement.num_local_experts(r);
-    h->expert_alignment = m.config.expert_alignment;
-    h->num_recv_tokens_per_expert =
-        detail::aligned_recv_expert_counts(expert_counts, R, m.placement, r, m.config.expert_alignment);
-    DispatchResult& o = (*out)[r];
-    const Device dev = m.devices[r];
-    const int64_t n = st.num_recv;
-    o.recv_x = TensorView::contiguous(st.region.recv_x, m.config.dtype, {n, m.config.hidden}, dev);
-    o.recv_topk_idx = TensorView::contiguous(st.region.topk_idx, DType::kI32, {n, m.topk}, dev);
-    if (m.has_weights) o.recv_topk_weights = TensorView::contiguous(st.region.topk_weights, DType::kF32, {n, m.topk}, dev);
-    o.recv_src_rank = TensorView::contiguous(st.region.src_rank, DType::kI32, {n}, dev);
-    o.recv_src_idx = TensorView::contiguous(st.region.src_idx, DType::kI32, {n}, dev);
-    o.num_recv_tokens_per_expert = h->num_recv_tokens_per_expert;
-    for (int d = 0; d < R; ++d) {
-      const int64_t rows = counts[static_cast<std::size_t>(r) * R + d];
-      o.stats.rows_sent += rows;
-      (m.topology.same_node(r, d) ? o.stats.intra_node_payload_bytes : o.stats.inter_node_payload_bytes) +=
-          rows * static_cast<int64_t>(m.row_bytes);
-    }
-    o.stats.rows_received = n;
-    o.stats.seconds = watch.seconds();
-    o.handle = Handle(std::move(h));
+    const detail::DispatchFacts facts{m.id, m.dispatch_seq, r, m.ranks[r].num_tokens, m.topk, m.has_weights, m.devices[r]};
+    detail::fill_dispatch_result(facts, m.config, m.placement, m.topology, counts, node_counts, expert_counts,
+                                 m.ranks[r].region.recv, &(*out)[r]);
+    (*out)[r].stats.seconds = watch.seconds();
   }
   return Status::ok();
 }
@@ -460,7 +393,7 @@ Status CudaGroup::dispatch_cached(std::span<const TensorView> x, std::span<const
   EPX_RETURN_IF_ERROR(m.move_rows(x, {}));
   recv_x->assign(m.R(), TensorView{});
   for (int r = 0; r < m.R(); ++r)
-    (*recv_x)[r] = TensorView::contiguous(m.ranks[r].region.recv_x, m.config.dtype, {m.ranks[r].num_recv, m.config.hidden},
+    (*recv_x)[r] = TensorView::contiguous(m.ranks[r].region.recv.recv_x, m.config.dtype, {m.ranks[r].num_recv, m.config.hidden},
                                           m.devices[r]);
   return Status::ok();
 }
@@ -485,7 +418,7 @@ Result<const ExpandedLayout*> CudaGroup::expanded_layout(int rank, const Handle&
     const int64_t K = m.topk;
     std::vector<int32_t> recv_topk(static_cast<std::size_t>(s.num_recv * K));
     EPX_CUDA_CHECK(cudaSetDevice(s.device));
-    EPX_CUDA_CHECK(cudaMemcpy(recv_topk.data(), s.region.topk_idx, sizeof(int32_t) * recv_topk.size(),
+    EPX_CUDA_CHECK(cudaMemcpy(recv_topk.data(), s.region.recv.topk_idx, sizeof(int32_t) * recv_topk.size(),
                               cudaMemcpyDeviceToHost));
     detail::build_expanded_layout(recv_topk, s.num_recv, m.topk, m.placement.num_local_experts(rank),
                                   m.config.expert_alignment, &s.expanded);

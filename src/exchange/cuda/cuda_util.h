@@ -5,10 +5,14 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <span>
 
 #include "epx/comm/topology.h"
+#include "epx/core/buffer.h"
 #include "epx/core/status.h"
 #include "epx/core/tensor.h"
+#include "epx/exchange/buffer.h"
+#include "exchange/cuda/kernels.h"
 
 // Wraps a CUDA runtime call: a failure returns Internal with the call, file and line.
 #define EPX_CUDA_CHECK(expr)                                                                              \
@@ -69,5 +73,44 @@ Status enqueue_layout(const TensorView& topk_idx, int num_experts, const Topolog
 // OK when the layout kernel found no bad entry (error == ~0), else the CPU's
 // message for the flagged row of topk_idx (copied back to name it).
 Status layout_error(const TensorView& topk_idx, unsigned long long error, int num_experts);
+
+// The part of a rank's device region that dispatch writes (its peers do):
+// receive rows (256-byte aligned) and their metadata.
+struct RecvRegion {
+  std::byte* recv_x = nullptr;
+  int32_t* src_idx = nullptr;
+  int32_t* src_rank = nullptr;
+  int32_t* topk_idx = nullptr;      // [max_recv, K] local ids
+  float* topk_weights = nullptr;    // [max_recv, K]
+  void carve(Carver& c, int64_t max_recv, std::size_t row_bytes, int max_topk);
+};
+
+// The dispatch kernel's arguments for source rank `src_rank`: the rows of x
+// along send_row into every rank's RecvRegion, in the widest copy unit that
+// fits; payload only until add_dispatch_meta.
+cuda::DispatchArgs make_dispatch_args(const TensorView& x, std::size_t row_bytes, int src_rank, int num_tokens,
+                                      const int32_t* send_row, std::span<const RecvRegion> regions);
+// The metadata too: source index and rank, local top-k ids, weights (when defined).
+void add_dispatch_meta(cuda::DispatchArgs* args, const TensorView& topk_idx, const TensorView& topk_weights,
+                       const int32_t* expert_rank, const int32_t* local_id);
+
+// What one rank's dispatch decided, for its DispatchResult.
+struct DispatchFacts {
+  uint64_t buffer_id = 0;
+  int64_t dispatch_seq = 0;
+  int rank = 0;
+  int num_tokens = 0;
+  int topk = 0;
+  bool has_weights = false;
+  Device device;
+};
+// Fills rank facts.rank's result: device views of its RecvRegion, the
+// handle's host data (counts [R, R], node_counts [R, N], expert_counts
+// [R, E]), aligned per-expert counts and the stats (rows to ranks of other
+// nodes count as inter-node bytes).
+void fill_dispatch_result(const DispatchFacts& facts, const BufferConfig& config, const ExpertPlacement& placement,
+                          const Topology& topology, std::span<const int32_t> counts,
+                          std::span<const int32_t> node_counts, std::span<const int64_t> expert_counts,
+                          const RecvRegion& mine, DispatchResult* out);
 
 }  // namespace epx::detail
