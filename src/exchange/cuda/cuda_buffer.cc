@@ -39,33 +39,6 @@ struct Region {
   }
 };
 
-// This rank's private device scratch.
-struct Scratch {
-  uint8_t* in_rank = nullptr;
-  int32_t* send_row = nullptr;
-  int32_t* topk_rank = nullptr;
-  int32_t* counts = nullptr;
-  unsigned long long* error = nullptr;
-  int32_t* expert_rank = nullptr;
-  int32_t* local_id = nullptr;
-
-  static std::size_t carve(std::byte* base, int max_tokens, int num_ranks, int num_nodes, int num_experts,
-                           int max_topk, Scratch* out) {
-    Carver c(base);
-    const auto tokens = static_cast<std::size_t>(max_tokens);
-    Scratch s;
-    s.in_rank = c.take<uint8_t>(tokens * num_ranks);
-    s.send_row = c.take<int32_t>(tokens * num_ranks);
-    s.topk_rank = c.take<int32_t>(tokens * max_topk);
-    s.counts = c.take<int32_t>(static_cast<std::size_t>(num_ranks + num_nodes + num_experts));
-    s.error = c.take<unsigned long long>(1);
-    s.expert_rank = c.take<int32_t>(num_experts);
-    s.local_id = c.take<int32_t>(num_experts);
-    if (out) *out = s;
-    return c.bytes();
-  }
-};
-
 }  // namespace
 
 struct CudaBuffer::Impl {
@@ -86,7 +59,7 @@ struct CudaBuffer::Impl {
   std::unique_ptr<PeerMemory> memory;
   std::vector<Region> regions;  // by rank (all on this node)
   detail::DeviceMemory scratch_memory;
-  Scratch scratch;
+  detail::RankScratch scratch;
   // The latest dispatch.
   int num_tokens = 0;
   int topk = 0;
@@ -175,19 +148,16 @@ Result<std::unique_ptr<CudaBuffer>> CudaBuffer::create(Transport& transport, Buf
   m.regions.resize(R);
   for (int r = 0; r < R; ++r)
     Region::carve(m.memory->peer(r), m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes, &m.regions[r]);
-  const int E = m.config.num_experts;
-  const std::size_t scratch_bytes =
-      Scratch::carve(nullptr, m.config.max_tokens_per_rank, R, topo.num_nodes(), E, m.config.max_topk, nullptr);
-  EPX_RETURN_IF_ERROR(m.scratch_memory.allocate(device, scratch_bytes));
-  Scratch::carve(m.scratch_memory.get(), m.config.max_tokens_per_rank, R, topo.num_nodes(), E, m.config.max_topk,
-                 &m.scratch);
-  std::vector<int32_t> local_id(E);
-  for (int e = 0; e < E; ++e) local_id[e] = m.placement.local_id(e);
+  const auto carve_scratch = [&](std::byte* base) {
+    Carver c(base);
+    m.scratch.carve(c, m.config.max_tokens_per_rank, R, topo.num_nodes(), m.config.num_experts, m.config.max_topk);
+    return c.bytes();
+  };
+  EPX_RETURN_IF_ERROR(m.scratch_memory.allocate(device, carve_scratch(nullptr)));
+  carve_scratch(m.scratch_memory.get());
   EPX_CUDA_CHECK(cudaSetDevice(device));
   EPX_CUDA_CHECK(cudaStreamCreate(&m.stream));
-  EPX_CUDA_CHECK(cudaMemcpy(m.scratch.expert_rank, m.placement.expert_rank().data(), sizeof(int32_t) * E,
-                            cudaMemcpyHostToDevice));
-  EPX_CUDA_CHECK(cudaMemcpy(m.scratch.local_id, local_id.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
+  EPX_RETURN_IF_ERROR(m.scratch.upload_placement(m.placement));
   return std::unique_ptr<CudaBuffer>(new CudaBuffer(std::move(impl)));
 }
 
@@ -202,9 +172,8 @@ Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
   unsigned long long error = ~0ull;
   if (local_status.is_ok()) {
     EPX_CUDA_CHECK(cudaSetDevice(m.device));
-    const detail::LayoutScratch scratch{m.scratch.expert_rank, m.scratch.in_rank, m.scratch.counts, m.scratch.topk_rank,
-                                        m.scratch.error};
-    local_status = detail::enqueue_layout(in.topk_idx, E, topo, scratch, counts.data(), &error, m.stream);
+    local_status = detail::enqueue_layout(in.topk_idx, E, topo, m.scratch.layout(m.scratch.topk_rank), counts.data(),
+                                          &error, m.stream);
     if (local_status.is_ok()) {
       const cudaError_t err = cudaStreamSynchronize(m.stream);
       local_status = err == cudaSuccess ? detail::layout_error(in.topk_idx, error, E)

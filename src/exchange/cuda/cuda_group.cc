@@ -23,29 +23,16 @@ std::atomic<uint64_t> g_next_group_id{(1ull << 63) + 1};
 // then its own layout scratch and the placement tables.
 struct Region {
   detail::RecvRegion recv;
-  uint8_t* in_rank = nullptr;
-  int32_t* send_row = nullptr;
-  int32_t* topk_rank = nullptr;         // of the latest dispatch (combine's weight gradients)
+  detail::RankScratch scratch;          // scratch.topk_rank: the latest dispatch's (combine's weight gradients)
   int32_t* layout_topk_rank = nullptr;  // what get_layouts computes, so it leaves the dispatch's alone
-  int32_t* counts = nullptr;
-  unsigned long long* error = nullptr;
-  int32_t* expert_rank = nullptr;
-  int32_t* local_id = nullptr;
 
   static std::size_t carve(std::byte* base, int64_t max_recv, std::size_t row_bytes, int max_topk, int max_tokens,
                            int num_ranks, int num_nodes, int num_experts, Region* out) {
     Carver c(base);
-    const auto tokens = static_cast<std::size_t>(max_tokens);
     Region r;
     r.recv.carve(c, max_recv, row_bytes, max_topk);
-    r.in_rank = c.take<uint8_t>(tokens * num_ranks);
-    r.send_row = c.take<int32_t>(tokens * num_ranks);
-    r.topk_rank = c.take<int32_t>(tokens * max_topk);
-    r.layout_topk_rank = c.take<int32_t>(tokens * max_topk);
-    r.counts = c.take<int32_t>(static_cast<std::size_t>(num_ranks + num_nodes + num_experts));
-    r.error = c.take<unsigned long long>(1);
-    r.expert_rank = c.take<int32_t>(num_experts);
-    r.local_id = c.take<int32_t>(num_experts);
+    r.scratch.carve(c, max_tokens, num_ranks, num_nodes, num_experts, max_topk);
+    r.layout_topk_rank = c.take<int32_t>(static_cast<std::size_t>(max_tokens) * max_topk);
     if (out) *out = r;
     return c.bytes();
   }
@@ -113,10 +100,10 @@ struct CudaGroup::Impl {
     for (const RankState& st : ranks) regions.push_back(st.region.recv);
     for (int s = 0; s < R(); ++s) {
       RankState& st = ranks[s];
-      cuda::DispatchArgs a = detail::make_dispatch_args(x[s], row_bytes, s, st.num_tokens, st.region.send_row, regions);
+      cuda::DispatchArgs a = detail::make_dispatch_args(x[s], row_bytes, s, st.num_tokens, st.region.scratch.send_row, regions);
       if (!inputs.empty())
-        detail::add_dispatch_meta(&a, inputs[s].topk_idx, inputs[s].topk_weights, st.region.expert_rank,
-                                  st.region.local_id);
+        detail::add_dispatch_meta(&a, inputs[s].topk_idx, inputs[s].topk_weights, st.region.scratch.expert_rank,
+                                  st.region.scratch.local_id);
       EPX_CUDA_CHECK(cudaSetDevice(st.device));
       EPX_CUDA_CHECK(cuda::launch_dispatch(a, st.stream));
     }
@@ -139,7 +126,7 @@ struct CudaGroup::Impl {
       a.num_ranks = R();
       a.ranks_per_node = topology.ranks_per_node();
       a.hierarchical = hierarchical;
-      a.send_row = st.region.send_row;
+      a.send_row = st.region.scratch.send_row;
       if (!options.empty() && options[s].bias.defined()) {
         a.bias = static_cast<const std::byte*>(options[s].bias.data());
         a.bias_stride_bytes = options[s].bias.row_stride_bytes();
@@ -148,7 +135,7 @@ struct CudaGroup::Impl {
       a.out = static_cast<std::byte*>(out[s].data());
       a.out_stride_bytes = out[s].row_stride_bytes();
       a.out_bf16 = out[s].dtype() == DType::kBF16;
-      a.topk_rank = st.region.topk_rank;
+      a.topk_rank = st.region.scratch.topk_rank;
       a.topk = topk;
       if (!options.empty() && options[s].grad_topk_weights.defined())
         a.grad_topk_weights = options[s].grad_topk_weights.data_as<float>();
@@ -257,8 +244,6 @@ Result<std::unique_ptr<CudaGroup>> CudaGroup::create(const Topology& topology, B
   const int N = topology.num_nodes(), E = m.config.num_experts;
   const std::size_t bytes = Region::carve(nullptr, m.max_recv, m.row_bytes, m.config.max_topk,
                                           m.config.max_tokens_per_rank, R, N, E, nullptr);
-  std::vector<int32_t> local_id(E);
-  for (int e = 0; e < E; ++e) local_id[e] = m.placement.local_id(e);
   for (int r = 0; r < R; ++r) {
     RankState& s = m.ranks[r];
     s.device = devices[r];
@@ -268,9 +253,7 @@ Result<std::unique_ptr<CudaGroup>> CudaGroup::create(const Topology& topology, B
                   &s.region);
     // Blocking streams: work on the legacy default stream (a caller's events) orders with them.
     EPX_CUDA_CHECK(cudaStreamCreate(&s.stream));
-    EPX_CUDA_CHECK(cudaMemcpy(s.region.expert_rank, m.placement.expert_rank().data(), sizeof(int32_t) * E,
-                              cudaMemcpyHostToDevice));
-    EPX_CUDA_CHECK(cudaMemcpy(s.region.local_id, local_id.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
+    EPX_RETURN_IF_ERROR(s.region.scratch.upload_placement(m.placement));
   }
   return std::unique_ptr<CudaGroup>(new CudaGroup(std::move(impl)));
 }
@@ -298,8 +281,8 @@ Status CudaGroup::Impl::run_layouts(std::span<const TensorView> topk_idx, bool f
     RankState& s = m.ranks[r];
     s.host_counts.resize(R + N + E);
     EPX_CUDA_CHECK(cudaSetDevice(s.device));
-    const detail::LayoutScratch scratch{s.region.expert_rank, s.region.in_rank, s.region.counts,
-                                        for_dispatch ? s.region.topk_rank : s.region.layout_topk_rank, s.region.error};
+    const detail::LayoutScratch scratch =
+        s.region.scratch.layout(for_dispatch ? s.region.scratch.topk_rank : s.region.layout_topk_rank);
     EPX_RETURN_IF_ERROR(
         detail::enqueue_layout(idx, E, m.topology, scratch, s.host_counts.data(), &errors[r], s.stream));
   }
@@ -319,7 +302,7 @@ Status CudaGroup::Impl::run_layouts(std::span<const TensorView> topk_idx, bool f
       l.num_tokens_per_node.assign(s.host_counts.begin() + R, s.host_counts.begin() + R + N);
       l.num_tokens_per_expert.assign(s.host_counts.begin() + R + N, s.host_counts.end());
       l.is_token_in_rank.resize(static_cast<std::size_t>(l.num_tokens) * R);
-      EPX_CUDA_CHECK(cudaMemcpy(l.is_token_in_rank.data(), s.region.in_rank, l.is_token_in_rank.size(),
+      EPX_CUDA_CHECK(cudaMemcpy(l.is_token_in_rank.data(), s.region.scratch.in_rank, l.is_token_in_rank.size(),
                                 cudaMemcpyDeviceToHost));
     }
   }
@@ -359,11 +342,11 @@ Status CudaGroup::dispatch(std::span<const DispatchInputs> inputs, std::vector<D
     st.num_recv = detail::num_recv_rows(counts, R, s);
     st.expanded_ready = false;
     cuda::SendRowArgs a;
-    a.in_rank = st.region.in_rank;
+    a.in_rank = st.region.scratch.in_rank;
     a.num_tokens = st.num_tokens;
     a.num_ranks = R;
     for (int d = 0; d < R; ++d) a.base[d] = offsets[static_cast<std::size_t>(s) * R + d];
-    a.send_row = st.region.send_row;
+    a.send_row = st.region.scratch.send_row;
     EPX_CUDA_CHECK(cudaSetDevice(st.device));
     EPX_CUDA_CHECK(cuda::launch_send_rows(a, st.stream));
   }

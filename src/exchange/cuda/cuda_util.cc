@@ -51,6 +51,26 @@ void RecvRegion::carve(Carver& c, int64_t max_recv, std::size_t row_bytes, int m
   topk_weights = c.take<float>(rows * max_topk);
 }
 
+void RankScratch::carve(Carver& c, int max_tokens, int num_ranks, int num_nodes, int num_experts, int max_topk) {
+  const auto tokens = static_cast<std::size_t>(max_tokens);
+  in_rank = c.take<uint8_t>(tokens * num_ranks);
+  send_row = c.take<int32_t>(tokens * num_ranks);
+  topk_rank = c.take<int32_t>(tokens * max_topk);
+  counts = c.take<int32_t>(static_cast<std::size_t>(num_ranks + num_nodes + num_experts));
+  error = c.take<unsigned long long>(1);
+  expert_rank = c.take<int32_t>(num_experts);
+  local_id = c.take<int32_t>(num_experts);
+}
+
+Status RankScratch::upload_placement(const ExpertPlacement& placement) const {
+  const int E = placement.num_experts();
+  std::vector<int32_t> local(E);
+  for (int e = 0; e < E; ++e) local[e] = placement.local_id(e);
+  EPX_CUDA_CHECK(cudaMemcpy(expert_rank, placement.expert_rank().data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
+  EPX_CUDA_CHECK(cudaMemcpy(local_id, local.data(), sizeof(int32_t) * E, cudaMemcpyHostToDevice));
+  return Status::ok();
+}
+
 cuda::DispatchArgs make_dispatch_args(const TensorView& x, std::size_t row_bytes, int src_rank, int num_tokens,
                                       const int32_t* send_row, std::span<const RecvRegion> regions) {
   cuda::DispatchArgs a;

@@ -64,6 +64,26 @@ struct LayoutScratch {
   int32_t* topk_rank = nullptr;
   unsigned long long* error = nullptr;
 };
+// A rank's private device scratch: its layout (in_rank [T, R], send_row
+// [T, R], the slots' ranks [T, K], counts, the error word) and the
+// placement's tables (expert -> rank, expert -> local id).
+struct RankScratch {
+  uint8_t* in_rank = nullptr;
+  int32_t* send_row = nullptr;
+  int32_t* topk_rank = nullptr;
+  int32_t* counts = nullptr;
+  unsigned long long* error = nullptr;
+  int32_t* expert_rank = nullptr;
+  int32_t* local_id = nullptr;
+  void carve(Carver& c, int max_tokens, int num_ranks, int num_nodes, int num_experts, int max_topk);
+  // Copies the placement's tables to the device (the current device must be the scratch's).
+  [[nodiscard]] Status upload_placement(const ExpertPlacement& placement) const;
+  // The layout kernel's view of it, writing the slots' ranks to `slot_ranks`.
+  [[nodiscard]] LayoutScratch layout(int32_t* slot_ranks) const {
+    return {expert_rank, in_rank, counts, slot_ranks, error};
+  }
+};
+
 // Enqueues the layout kernel of `topk_idx` (a valid i32 [T, K] device view)
 // on `stream`, then copies the counts into host_counts [R + N + E] and the
 // error word into *host_error; both are ready after the stream syncs.
