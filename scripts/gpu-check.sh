@@ -31,7 +31,7 @@ nvcc --version | tail -2 | tee -a "$LOGS/device.txt"
 
 section "configure + build ($BUILD, sm_90, $JOBS jobs)"
 start=$(date +%s)
-if ! timeout 270 bash -c "cmake -S . -B '$BUILD' -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+if ! timeout 270 bash -c "cmake -S . -B '$BUILD' -DCMAKE_BUILD_TYPE=Release -DEPX_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DEPX_WITH_MPI=OFF \
       -DEPX_BUILD_APPS=OFF && cmake --build '$BUILD' -j$JOBS --target epx_cuda_tests epx_cuda_exchange_bench" \
       >"$LOGS/build.log" 2>&1; then
   tail -40 "$LOGS/build.log"
