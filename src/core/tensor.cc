@@ -7,6 +7,10 @@
 
 namespace epx {
 
+std::string device_name(const Device& device) {
+  return device.kind == DeviceKind::kHost ? std::string("host") : fmt::format("cuda:{}", device.index);
+}
+
 TensorView::TensorView(const void* data, DType dtype, std::initializer_list<int64_t> sizes,
                        std::initializer_list<int64_t> strides, Device device)
     : data_(const_cast<void*>(data)), dtype_(dtype), device_(device), ndim_(static_cast<int>(sizes.size())) {
@@ -57,7 +61,9 @@ std::string TensorView::describe() const {
   return fmt::format("{}[{}] (strides {})", dtype_name(dtype_), fmt::join(sizes, ", "), fmt::join(strides, ", "));
 }
 
-Status check_matrix(const TensorView& view, std::string_view name, DType dtype, int64_t rows, int64_t cols) {
+namespace {
+
+Status check_matrix_shape(const TensorView& view, std::string_view name, DType dtype, int64_t rows, int64_t cols) {
   if (view.ndim() != 2) return invalid_argument("{} must be 2-D, got {}", name, view.describe());
   if (view.dtype() != dtype)
     return invalid_argument("{} must be {}, got {}", name, dtype_name(dtype), view.describe());
@@ -66,8 +72,24 @@ Status check_matrix(const TensorView& view, std::string_view name, DType dtype, 
   if (view.stride(1) != 1 || (rows > 1 && view.stride(0) < cols))
     return invalid_argument("{} must have unit column stride and rows at least {} apart, got {}", name, cols,
                             view.describe());
+  return Status::ok();
+}
+
+}  // namespace
+
+Status check_matrix(const TensorView& view, std::string_view name, DType dtype, int64_t rows, int64_t cols) {
+  EPX_RETURN_IF_ERROR(check_matrix_shape(view, name, dtype, rows, cols));
   if (view.device().kind != DeviceKind::kHost)
     return invalid_argument("{} lives on a GPU; this operation takes host memory", name);
+  if (rows * cols > 0 && view.data() == nullptr) return invalid_argument("{} has no data pointer", name);
+  return Status::ok();
+}
+
+Status check_matrix(const TensorView& view, std::string_view name, DType dtype, int64_t rows, int64_t cols,
+                    Device device) {
+  EPX_RETURN_IF_ERROR(check_matrix_shape(view, name, dtype, rows, cols));
+  if (view.device() != device)
+    return invalid_argument("{} must live on {} but lives on {}", name, device_name(device), device_name(view.device()));
   if (rows * cols > 0 && view.data() == nullptr) return invalid_argument("{} has no data pointer", name);
   return Status::ok();
 }

@@ -7,6 +7,8 @@
 
 #include "epx/core/buffer.h"
 #include "exchange/config_check.h"
+#include "exchange/exchange_plan.h"
+#include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
 #include "exchange/row_kernels.h"
 #include "exchange/split.h"
@@ -149,9 +151,7 @@ struct Buffer::Impl {
 
   // Row offset on rank d of the block that rank s sends it.
   static int64_t block_base(const detail::HandleData& h, int num_ranks, int s, int d) {
-    int64_t base = 0;
-    for (int q = 0; q < s; ++q) base += h.counts[static_cast<std::size_t>(q) * num_ranks + d];
-    return base;
+    return detail::block_base(h.counts, num_ranks, s, d);
   }
 
   // Exchanges one header per rank whose first word says whether that rank's
@@ -231,44 +231,13 @@ std::size_t Buffer::region_bytes() const { return impl_->memory ? impl_->memory-
 Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfig config) {
   const Topology& topo = transport.topology();
   const int num_ranks = topo.num_ranks();
-  auto check = [&]() -> Status {
-    if (config.num_experts < 1) return invalid_argument("num_experts = {} must be at least 1", config.num_experts);
-    if (config.hidden < 1) return invalid_argument("hidden = {} must be at least 1", config.hidden);
-    if (config.dtype == DType::kFP8E4M3)
-      return unimplemented("fp8 payloads are not built yet; use bf16 or f32");
-    if (!is_payload_dtype(config.dtype))
-      return invalid_argument("dtype = {} is not a payload type; use bf16 or f32", dtype_name(config.dtype));
-    if (!is_payload_dtype(config.max_combine_dtype))
-      return invalid_argument("max_combine_dtype = {} must be bf16 or f32", dtype_name(config.max_combine_dtype));
-    const std::size_t row_bytes = static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
-    if (row_bytes % 8 != 0)
-      return invalid_argument("hidden = {} gives rows of {} bytes; rows must be a multiple of 8 bytes", config.hidden,
-                              row_bytes);
-    if (config.max_topk < 1 || config.max_topk > config.num_experts)
-      return invalid_argument("max_topk = {} is outside [1, num_experts = {}]", config.max_topk, config.num_experts);
-    if (config.max_tokens_per_rank < 1)
-      return invalid_argument("max_tokens_per_rank = {} must be at least 1", config.max_tokens_per_rank);
-    if (config.max_recv_tokens < 0)
-      return invalid_argument("max_recv_tokens = {} must be 0 (the worst case) or positive", config.max_recv_tokens);
-    if (config.expert_alignment < 1)
-      return invalid_argument("expert_alignment = {} must be at least 1", config.expert_alignment);
-    if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
-    const int64_t max_recv = config.max_recv_tokens > 0
-                                 ? config.max_recv_tokens
-                                 : static_cast<int64_t>(num_ranks) * config.max_tokens_per_rank;
-    if (max_recv > INT32_MAX)
-      return invalid_argument("max_recv_tokens = {} is above the limit {} (rows are indexed with int32)", max_recv,
-                              INT32_MAX);
-    return detail::resolve_placement(&config.placement, config.num_experts, num_ranks);
-  };
-  const Status local_status = check();
+  const Status local_status = detail::validate_buffer_config(&config, num_ranks);
   const Deadline deadline = Deadline::after(config.timeout.count() > 0 ? config.timeout : Milliseconds(30000));
 
   // Every rank must describe the same exchange.
   std::vector<int64_t> fields;
   if (local_status.is_ok()) {
-    const int64_t max_recv = config.max_recv_tokens > 0 ? config.max_recv_tokens
-                                                        : static_cast<int64_t>(num_ranks) * config.max_tokens_per_rank;
+    const int64_t max_recv = detail::max_recv_rows(config, num_ranks);
     const bool hierarchical = topo.num_nodes() > 1 && config.algorithm != DispatchAlgorithm::kFlat;
     fields = {config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
               config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
@@ -291,8 +260,7 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
   m.node = topo.node_of(m.rank);
   m.local_rank = topo.local_rank_of(m.rank);
   m.hierarchical = m.num_nodes > 1 && m.config.algorithm != DispatchAlgorithm::kFlat;
-  m.max_recv = m.config.max_recv_tokens > 0 ? m.config.max_recv_tokens
-                                            : static_cast<int64_t>(num_ranks) * m.config.max_tokens_per_rank;
+  m.max_recv = detail::max_recv_rows(m.config, num_ranks);
   m.row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.dtype);
   m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
 
@@ -373,13 +341,11 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
       return invalid_argument("rank 0 {} topk_weights but rank {} {}; pass them on every rank or none",
                               header(0, 2) ? "passes" : "does not pass", r, header(r, 2) ? "does" : "does not");
   }
-  for (int d = 0; d < R; ++d) {
-    int64_t total = 0;
-    for (int s = 0; s < R; ++s) total += header(s, 3 + d);
-    if (total > m.max_recv)
-      return resource_exhausted(
-          "rank {} would receive {} rows but max_recv_tokens = {}; nothing was sent. Raise BufferConfig::max_recv_tokens",
-          d, total, m.max_recv);
+  {
+    std::vector<int32_t> counts(static_cast<std::size_t>(R) * R);
+    for (int s = 0; s < R; ++s)
+      for (int d = 0; d < R; ++d) counts[static_cast<std::size_t>(s) * R + d] = static_cast<int32_t>(header(s, 3 + d));
+    EPX_RETURN_IF_ERROR(detail::check_recv_capacity(counts, R, m.max_recv));
   }
   // Past every check that could fail on good input: the caller's previous
   // result is being replaced, so its handle storage may be reused.
@@ -425,14 +391,11 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   }
 
   // Per-local-expert counts come from the senders' layouts.
-  const int num_local = m.placement.num_local_experts(m.rank);
-  h->num_recv_tokens_per_expert.assign(num_local, 0);
-  for (int e = 0; e < num_local; ++e) {
-    int64_t n = 0;
-    for (int s = 0; s < R; ++s) n += header(s, 3 + R + N + m.placement.global_id(m.rank, e));
-    const int64_t a = m.config.expert_alignment;
-    h->num_recv_tokens_per_expert[e] = static_cast<int32_t>((n + a - 1) / a * a);
-  }
+  std::vector<int64_t> expert_counts(static_cast<std::size_t>(R) * E);
+  for (int s = 0; s < R; ++s)
+    for (int e = 0; e < E; ++e) expert_counts[static_cast<std::size_t>(s) * E + e] = header(s, 3 + R + N + e);
+  h->num_recv_tokens_per_expert =
+      detail::aligned_recv_expert_counts(expert_counts, R, m.placement, m.rank, m.config.expert_alignment);
   m.finish_receive(*h);
 
   const int64_t num_recv = h->num_recv;
@@ -647,26 +610,7 @@ void Buffer::Impl::finish_receive(detail::HandleData& h) {
 const ExpandedLayout& detail::HandleData::expanded() const {
   std::lock_guard<std::mutex> lock(expanded_mutex_);
   if (expanded_ready_) return expanded_;
-  // Group e holds the rows listing local expert e, in receive order.
-  const int K = topk;
-  const int64_t align = expert_alignment;
-  ExpandedLayout& x = expanded_;
-  x.num_tokens_per_expert.assign(num_local_experts, 0);
-  for (int64_t row = 0; row < num_recv * K; ++row)
-    if (recv_topk_idx[row] >= 0) ++x.num_tokens_per_expert[recv_topk_idx[row]];
-  x.expert_offsets.assign(num_local_experts + 1, 0);
-  for (int e = 0; e < num_local_experts; ++e)
-    x.expert_offsets[e + 1] = x.expert_offsets[e] + (x.num_tokens_per_expert[e] + align - 1) / align * align;
-  x.recv_row.assign(x.num_rows(), -1);
-  x.row_of.assign(num_recv * K, -1);
-  std::vector<int64_t> next(x.expert_offsets.begin(), x.expert_offsets.end() - 1);
-  for (int64_t row = 0; row < num_recv; ++row)
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = recv_topk_idx[row * K + k];
-      if (e < 0) continue;
-      x.row_of[row * K + k] = next[e];
-      x.recv_row[next[e]++] = row;
-    }
+  build_expanded_layout(recv_topk_idx, num_recv, topk, num_local_experts, expert_alignment, &expanded_);
   expanded_ready_ = true;
   return expanded_;
 }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "exchange/exchange_plan.h"
+
 namespace epx {
 
 Status validate_topk_idx(const TensorView& topk_idx, int num_experts) {
@@ -9,18 +11,8 @@ Status validate_topk_idx(const TensorView& topk_idx, int num_experts) {
   EPX_RETURN_IF_ERROR(check_matrix(topk_idx, "topk_idx", DType::kI32, topk_idx.size(0), topk_idx.size(1)));
   const int64_t num_tokens = topk_idx.size(0);
   const int64_t topk = topk_idx.size(1);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    const int32_t* row = topk_idx.row<int32_t>(t);
-    for (int64_t k = 0; k < topk; ++k) {
-      const int32_t e = row[k];
-      if (e == -1) continue;
-      if (e < 0 || e >= num_experts)
-        return invalid_argument("topk_idx[{}][{}] = {} is outside [0, {}) and is not -1", t, k, e, num_experts);
-      for (int64_t j = 0; j < k; ++j)
-        if (row[j] == e)
-          return invalid_argument("topk_idx[{}] lists expert {} twice (slots {} and {})", t, e, j, k);
-    }
-  }
+  for (int64_t t = 0; t < num_tokens; ++t)
+    EPX_RETURN_IF_ERROR(detail::check_topk_row(topk_idx.row<int32_t>(t), topk, t, num_experts));
   return Status::ok();
 }
 

@@ -26,6 +26,8 @@ struct Device {
   int index = 0;
   friend bool operator==(const Device&, const Device&) = default;
 };
+// "host" or "cuda:1".
+std::string device_name(const Device& device);
 
 class TensorView {
  public:
@@ -75,5 +77,8 @@ class TensorView {
 // `dtype`; `name` goes into the error message.
 [[nodiscard]] Status check_matrix(const TensorView& view, std::string_view name, DType dtype,
                                   int64_t rows, int64_t cols);
+// The same checks for a view that must live on `device` (a GPU backend's inputs).
+[[nodiscard]] Status check_matrix(const TensorView& view, std::string_view name, DType dtype,
+                                  int64_t rows, int64_t cols, Device device);
 
 }  // namespace epx

@@ -1,0 +1,320 @@
+#include "epx/exchange/cuda_buffer.h"
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+
+#include "epx/comm/cuda.h"
+#include "epx/exchange/cuda_group.h"
+#include "epx/core/buffer.h"
+#include "exchange/cuda/cuda_util.h"
+#include "exchange/cuda/kernels.h"
+#include "exchange/exchange_plan.h"
+#include "exchange/group_checks.h"
+#include "exchange/handle_data.h"
+
+namespace epx {
+namespace {
+
+// CudaBuffer handles carry ids with the two top bits 01, apart from Buffer's and CudaGroup's.
+std::atomic<uint64_t> g_next_cuda_buffer_id{(1ull << 62) + 1};
+
+// A rank's peer-mapped device region: what peers write (receive rows and
+// metadata) and read (combine rows and weight gradients).
+struct Region {
+  detail::RecvRegion recv;
+  std::byte* combine = nullptr;
+  float* combine_slots = nullptr;
+
+  static std::size_t carve(std::byte* base, int64_t max_recv, std::size_t row_bytes, int max_topk,
+                           std::size_t combine_row_bytes, Region* out) {
+    Carver c(base);
+    const auto rows = static_cast<std::size_t>(max_recv);
+    Region r;
+    r.recv.carve(c, max_recv, row_bytes, max_topk);
+    r.combine = c.take<std::byte>(rows * combine_row_bytes, 256);
+    r.combine_slots = c.take<float>(rows * max_topk);
+    if (out) *out = r;
+    return c.bytes();
+  }
+};
+
+}  // namespace
+
+struct CudaBuffer::Impl {
+  Impl(Transport& t, BufferConfig c, ExpertPlacement p, int d)
+      : transport(t), config(std::move(c)), placement(std::move(p)), device(d) {}
+  Transport& transport;
+  BufferConfig config;
+  ExpertPlacement placement;
+  int device;
+  uint64_t id = 0;
+  int64_t dispatch_seq = 0;
+  int rank = 0;
+  int num_ranks = 0;
+  int64_t max_recv = 0;
+  std::size_t row_bytes = 0;
+  std::size_t combine_row_bytes = 0;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<PeerMemory> memory;
+  std::vector<Region> regions;  // by rank (all on this node)
+  detail::DeviceMemory scratch_memory;
+  detail::RankScratch scratch;
+  // The latest dispatch.
+  int num_tokens = 0;
+  int topk = 0;
+  int64_t num_recv = 0;
+
+  Device dev() const { return Device{DeviceKind::kCuda, device}; }
+  // Exchanges a validity flag and `words`: a rank that failed returns its
+  // error, the others Aborted; nothing is sent by anyone.
+  Status gather(const Status& local_status, std::vector<int64_t> words, std::vector<int64_t>* all,
+                std::string_view op, const Deadline& deadline) {
+    words.insert(words.begin(), local_status.is_ok() ? 0 : 1);
+    all->assign(words.size() * num_ranks, 0);
+    EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(words), std::span<int64_t>(*all), deadline));
+    EPX_RETURN_IF_ERROR(local_status);
+    for (int r = 0; r < num_ranks; ++r)
+      if ((*all)[r * words.size()] != 0) return aborted("rank {} rejected its {} input, so no rank sent anything", r, op);
+    return Status::ok();
+  }
+  Status check_handle(const Handle& handle, std::string_view op) const {
+    if (!handle.valid()) return invalid_argument("{} needs the handle of a dispatch; this one is empty", op);
+    if (handle.data().buffer_id != id) return invalid_argument("{} got a handle made by another Buffer", op);
+    if (handle.data().dispatch_seq != dispatch_seq)
+      return failed_precondition("{} got the handle of dispatch #{} but this CudaBuffer's latest is #{}; it keeps the "
+                                 "routes of its latest dispatch only",
+                                 op, handle.data().dispatch_seq, dispatch_seq);
+    return Status::ok();
+  }
+  // Payload (and metadata when topk_idx is given) along the latest routes, into the peers' regions.
+  Status move_rows(const TensorView& x, const TensorView* topk_idx, const TensorView* topk_weights) {
+    std::vector<detail::RecvRegion> recv;
+    for (const Region& g : regions) recv.push_back(g.recv);
+    cuda::DispatchArgs a = detail::make_dispatch_args(x, row_bytes, rank, num_tokens, scratch.send_row, recv);
+    if (topk_idx != nullptr)
+      detail::add_dispatch_meta(&a, *topk_idx, topk_weights ? *topk_weights : TensorView(), scratch.expert_rank,
+                                scratch.local_id);
+    EPX_CUDA_CHECK(cudaSetDevice(device));
+    EPX_CUDA_CHECK(cuda::launch_dispatch(a, stream));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return Status::ok();
+  }
+};
+
+CudaBuffer::CudaBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaBuffer::~CudaBuffer() {
+  if (impl_->stream != nullptr && cudaSetDevice(impl_->device) == cudaSuccess) cudaStreamDestroy(impl_->stream);
+}
+
+Device CudaBuffer::device() const { return impl_->dev(); }
+const BufferConfig& CudaBuffer::config() const { return impl_->config; }
+
+Result<std::unique_ptr<CudaBuffer>> CudaBuffer::create(Transport& transport, BufferConfig config, int device) {
+  const Topology& topo = transport.topology();
+  const int R = topo.num_ranks();
+  Status local_status = detail::validate_buffer_config(&config, R);
+  if (local_status.is_ok() && R > cuda::kMaxRanks)
+    local_status = invalid_argument("num_ranks = {} is above the CUDA backend's limit {}", R, cuda::kMaxRanks);
+  if (local_status.is_ok() && topo.num_nodes() > 1)
+    local_status = unimplemented("CudaBuffer across {} nodes is not built yet (NCCL or host-staged messages between "
+                                 "nodes); use one node, or CudaGroup to emulate several",
+                                 topo.num_nodes());
+  if (local_status.is_ok()) {
+    const std::string why = cuda_unavailable_reason();
+    if (!why.empty()) local_status = failed_precondition("CudaBuffer needs a GPU: {}", why);
+  }
+  const Deadline deadline = Deadline::after(config.timeout.count() > 0 ? config.timeout : Milliseconds(30000));
+  // Every rank must agree that it can go on before anyone maps memory.
+  const int64_t mine = local_status.is_ok() ? 0 : 1;
+  std::vector<int64_t> all(R);
+  EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(&mine, 1), std::span<int64_t>(all), deadline));
+  EPX_RETURN_IF_ERROR(local_status);
+  for (int r = 0; r < R; ++r)
+    if (all[r] != 0) return aborted("rank {} rejected its CudaBuffer config, so none was made", r);
+
+  ExpertPlacement placement = *config.placement;
+  auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement), device);
+  Impl& m = *impl;
+  m.id = g_next_cuda_buffer_id.fetch_add(1);
+  m.rank = transport.rank();
+  m.num_ranks = R;
+  m.max_recv = detail::max_recv_rows(m.config, R);
+  m.row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.dtype);
+  m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
+  const std::size_t bytes =
+      Region::carve(nullptr, m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes, nullptr);
+  EPX_ASSIGN_OR_RETURN(m.memory, map_cuda_peer_memory(transport, device, bytes, deadline));
+  m.regions.resize(R);
+  for (int r = 0; r < R; ++r)
+    Region::carve(m.memory->peer(r), m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes, &m.regions[r]);
+  const auto carve_scratch = [&](std::byte* base) {
+    Carver c(base);
+    m.scratch.carve(c, m.config.max_tokens_per_rank, R, topo.num_nodes(), m.config.num_experts, m.config.max_topk);
+    return c.bytes();
+  };
+  EPX_RETURN_IF_ERROR(m.scratch_memory.allocate(device, carve_scratch(nullptr)));
+  carve_scratch(m.scratch_memory.get());
+  EPX_CUDA_CHECK(cudaSetDevice(device));
+  EPX_CUDA_CHECK(cudaStreamCreate(&m.stream));
+  EPX_RETURN_IF_ERROR(m.scratch.upload_placement(m.placement));
+  return std::unique_ptr<CudaBuffer>(new CudaBuffer(std::move(impl)));
+}
+
+Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
+  Impl& m = *impl_;
+  Stopwatch watch;
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  const Topology& topo = m.transport.topology();
+  const int R = m.num_ranks, N = topo.num_nodes(), E = m.config.num_experts;
+  Status local_status = out ? detail::check_dispatch_inputs(m.config, in, m.dev()) : invalid_argument("dispatch needs an output");
+  std::vector<int32_t> counts(R + N + E, 0);
+  unsigned long long error = ~0ull;
+  if (local_status.is_ok()) {
+    EPX_CUDA_CHECK(cudaSetDevice(m.device));
+    local_status = detail::enqueue_layout(in.topk_idx, E, topo, m.scratch.layout(m.scratch.topk_rank), counts.data(),
+                                          &error, m.stream);
+    if (local_status.is_ok()) {
+      const cudaError_t err = cudaStreamSynchronize(m.stream);
+      local_status = err == cudaSuccess ? detail::layout_error(in.topk_idx, error, E)
+                                        : internal_error("the layout kernel failed: {}", cudaGetErrorString(err));
+    }
+  }
+  // Header: tokens, topk, weights, then the counts per rank, node and expert.
+  std::vector<int64_t> words(3 + R + N + E, 0);
+  if (local_status.is_ok()) {
+    words[0] = in.topk_idx.size(0);
+    words[1] = in.topk_idx.size(1);
+    words[2] = in.topk_weights.defined() ? 1 : 0;
+    std::copy(counts.begin(), counts.end(), words.begin() + 3);
+  }
+  std::vector<int64_t> all;
+  EPX_RETURN_IF_ERROR(m.gather(local_status, words, &all, "dispatch", deadline));
+  const std::size_t stride = words.size() + 1;
+  auto header = [&](int r, std::size_t i) { return all[r * stride + 1 + i]; };
+  for (int r = 0; r < R; ++r) {
+    if (header(r, 1) != header(0, 1))
+      return invalid_argument("topk differs between ranks: rank 0 passes {} and rank {} passes {}", header(0, 1), r,
+                              header(r, 1));
+    if (header(r, 2) != header(0, 2))
+      return invalid_argument("rank 0 {} topk_weights but rank {} {}; pass them on every rank or none",
+                              header(0, 2) ? "passes" : "does not pass", r, header(r, 2) ? "does" : "does not");
+  }
+  std::vector<int32_t> matrix(static_cast<std::size_t>(R) * R), node_counts(static_cast<std::size_t>(R) * N);
+  std::vector<int64_t> expert_counts(static_cast<std::size_t>(R) * E);
+  for (int s = 0; s < R; ++s) {
+    for (int d = 0; d < R; ++d) matrix[s * R + d] = static_cast<int32_t>(header(s, 3 + d));
+    for (int n = 0; n < N; ++n) node_counts[s * N + n] = static_cast<int32_t>(header(s, 3 + R + n));
+    for (int e = 0; e < E; ++e) expert_counts[static_cast<std::size_t>(s) * E + e] = header(s, 3 + R + N + e);
+  }
+  EPX_RETURN_IF_ERROR(detail::check_recv_capacity(matrix, R, m.max_recv));
+
+  ++m.dispatch_seq;
+  m.num_tokens = static_cast<int>(in.topk_idx.size(0));
+  m.topk = static_cast<int>(in.topk_idx.size(1));
+  m.num_recv = detail::num_recv_rows(matrix, R, m.rank);
+  const std::vector<int64_t> offsets = detail::block_offsets(matrix, R);
+  cuda::SendRowArgs a;
+  a.in_rank = m.scratch.in_rank;
+  a.num_tokens = m.num_tokens;
+  a.num_ranks = R;
+  for (int d = 0; d < R; ++d) a.base[d] = offsets[static_cast<std::size_t>(m.rank) * R + d];
+  a.send_row = m.scratch.send_row;
+  EPX_CUDA_CHECK(cuda::launch_send_rows(a, m.stream));
+  EPX_RETURN_IF_ERROR(m.move_rows(in.x, &in.topk_idx, in.topk_weights.defined() ? &in.topk_weights : nullptr));
+  // Every rank's rows have landed once every rank has synchronised its stream.
+  EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
+
+  const detail::DispatchFacts facts{m.id, m.dispatch_seq, m.rank, m.num_tokens, m.topk, header(0, 2) != 0, m.dev()};
+  detail::fill_dispatch_result(facts, m.config, m.placement, topo, matrix, node_counts, expert_counts,
+                               m.regions[m.rank].recv, out);
+  out->stats.seconds = watch.seconds();
+  return Status::ok();
+}
+
+Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+  Impl& m = *impl_;
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  Status local_status = m.check_handle(handle, "dispatch_cached");
+  if (local_status.is_ok())
+    local_status = check_matrix(x, "x", m.config.dtype, m.num_tokens, m.config.hidden, m.dev());
+  if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("dispatch_cached needs an output");
+  std::vector<int64_t> all;
+  EPX_RETURN_IF_ERROR(m.gather(local_status, {}, &all, "dispatch_cached", deadline));
+  EPX_RETURN_IF_ERROR(m.move_rows(x, nullptr, nullptr));
+  EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
+  *recv_x = TensorView::contiguous(m.regions[m.rank].recv.recv_x, m.config.dtype, {m.num_recv, m.config.hidden}, m.dev());
+  return Status::ok();
+}
+
+Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) {
+  Impl& m = *impl_;
+  EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_input"));
+  if ((dtype != DType::kF32 && dtype != DType::kBF16) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
+    return invalid_argument("combine_input dtype {} must be bf16 or f32 and no wider than max_combine_dtype = {}",
+                            dtype_name(dtype), dtype_name(m.config.max_combine_dtype));
+  return TensorView::contiguous(m.regions[m.rank].combine, dtype, {m.num_recv, m.config.hidden}, m.dev());
+}
+
+Status CudaBuffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
+                           const CombineOptions& options) {
+  Impl& m = *impl_;
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  const int R = m.num_ranks, H = m.config.hidden;
+  Status local_status = m.check_handle(handle, "combine");
+  if (local_status.is_ok())
+    local_status = detail::check_combine_inputs(m.config, y, out, options,
+                                                {m.num_recv, m.num_tokens, m.topk, m.dev()});
+  const bool slots = local_status.is_ok() && options.grad_recv_topk_weights.defined();
+  const DType ydtype = local_status.is_ok() ? y.dtype() : DType::kF32;
+  const std::size_t yrow = static_cast<std::size_t>(H) * dtype_size(ydtype);
+  const Region& mine = m.regions[m.rank];
+  // y (and the weight gradients) into this rank's combine region, where peers read them.
+  if (local_status.is_ok()) {
+    EPX_CUDA_CHECK(cudaSetDevice(m.device));
+    if (y.data() != mine.combine && m.num_recv > 0)
+      EPX_CUDA_CHECK(cudaMemcpy2DAsync(mine.combine, yrow, y.data(), y.row_stride_bytes(), yrow, m.num_recv,
+                                       cudaMemcpyDeviceToDevice, m.stream));
+    if (slots && m.num_recv > 0)
+      EPX_CUDA_CHECK(cudaMemcpyAsync(mine.combine_slots, options.grad_recv_topk_weights.data(),
+                                     sizeof(float) * m.num_recv * m.topk, cudaMemcpyDeviceToDevice, m.stream));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  }
+  std::vector<int64_t> all;
+  EPX_RETURN_IF_ERROR(m.gather(local_status, {static_cast<int64_t>(ydtype), slots ? 1 : 0}, &all, "combine", deadline));
+  for (int r = 0; r < R; ++r)
+    if (all[r * 3 + 1] != static_cast<int64_t>(ydtype) || all[r * 3 + 2] != (slots ? 1 : 0))
+      return invalid_argument("combine inputs differ between ranks: rank {} has y {}{} and rank {} has y {}{}", m.rank,
+                              dtype_name(ydtype), slots ? " with weight gradients" : "", r,
+                              dtype_name(static_cast<DType>(all[r * 3 + 1])), all[r * 3 + 2] ? " with weight gradients" : "");
+  cuda::CombineArgs a;
+  for (int d = 0; d < R; ++d) {
+    a.y[d] = m.regions[d].combine;
+    a.y_stride_bytes[d] = yrow;
+    a.grad_recv_weights[d] = m.regions[d].combine_slots;
+  }
+  a.y_bf16 = ydtype == DType::kBF16;
+  a.num_tokens = m.num_tokens;
+  a.hidden = H;
+  a.num_ranks = R;
+  a.ranks_per_node = R;
+  a.hierarchical = false;
+  a.send_row = m.scratch.send_row;
+  if (options.bias.defined()) {
+    a.bias = static_cast<const std::byte*>(options.bias.data());
+    a.bias_stride_bytes = options.bias.row_stride_bytes();
+    a.bias_bf16 = options.bias.dtype() == DType::kBF16;
+  }
+  a.out = static_cast<std::byte*>(out.data());
+  a.out_stride_bytes = out.row_stride_bytes();
+  a.out_bf16 = out.dtype() == DType::kBF16;
+  a.topk_rank = m.scratch.topk_rank;
+  a.topk = m.topk;
+  if (slots) a.grad_topk_weights = options.grad_topk_weights.data_as<float>();
+  EPX_CUDA_CHECK(cuda::launch_combine(a, m.stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  // No rank may overwrite its combine region while a peer still reads it.
+  return m.transport.barrier(deadline);
+}
+
+}  // namespace epx
