@@ -31,16 +31,6 @@ const std::array<float, 256>& e4m3_table() {
   return table;
 }
 
-// A 2-D host view [rows, cols] of `dtype` whose columns are dense.
-Status check_rows(const TensorView& view, std::string_view name, DType dtype, int64_t rows, int64_t cols) {
-  if (view.ndim() != 2 || view.dtype() != dtype || view.size(0) != rows || view.size(1) != cols ||
-      (cols > 0 && view.stride(1) != 1) || (rows > 1 && view.stride(0) < cols))
-    return invalid_argument("{} must be {}[{}, {}] with dense columns, got {}", name, dtype_name(dtype), rows, cols,
-                            view.describe());
-  if (view.device().kind != DeviceKind::kHost) return invalid_argument("{} must be in host memory", name);
-  return Status::ok();
-}
-
 Status check_hidden(const TensorView& view, std::string_view name) {
   if (view.ndim() != 2) return invalid_argument("{} must be 2-D [rows, hidden], got {}", name, view.describe());
   if (view.size(1) % kFp8BlockSize != 0)
@@ -112,9 +102,9 @@ Result<Fp8ScaleFormat> parse_scale_format(std::string_view name) {
 Status quantize_fp8(const TensorView& x, Fp8ScaleFormat format, const TensorView& q, const TensorView& scales) {
   EPX_RETURN_IF_ERROR(check_hidden(x, "x"));
   const int64_t rows = x.size(0), H = x.size(1), blocks = H / kFp8BlockSize;
-  EPX_RETURN_IF_ERROR(check_rows(x, "x", x.dtype(), rows, H));
-  EPX_RETURN_IF_ERROR(check_rows(q, "q", DType::kFP8E4M3, rows, H));
-  EPX_RETURN_IF_ERROR(check_rows(scales, "scales", scale_dtype(format), rows, blocks));
+  EPX_RETURN_IF_ERROR(check_matrix(x, "x", x.dtype(), rows, H));
+  EPX_RETURN_IF_ERROR(check_matrix(q, "q", DType::kFP8E4M3, rows, H));
+  EPX_RETURN_IF_ERROR(check_matrix(scales, "scales", scale_dtype(format), rows, blocks));
   // Finite first, so nothing is written on an error.
   for (int64_t t = 0; t < rows; ++t) {
     const int64_t c = first_non_finite(x, t);
@@ -149,10 +139,10 @@ Status quantize_fp8(const TensorView& x, Fp8ScaleFormat format, const TensorView
 Status dequantize_fp8(const TensorView& q, const TensorView& scales, const TensorView& out) {
   EPX_RETURN_IF_ERROR(check_hidden(out, "out"));
   const int64_t rows = out.size(0), H = out.size(1), blocks = H / kFp8BlockSize;
-  EPX_RETURN_IF_ERROR(check_rows(out, "out", out.dtype(), rows, H));
-  EPX_RETURN_IF_ERROR(check_rows(q, "q", DType::kFP8E4M3, rows, H));
+  EPX_RETURN_IF_ERROR(check_matrix(out, "out", out.dtype(), rows, H));
+  EPX_RETURN_IF_ERROR(check_matrix(q, "q", DType::kFP8E4M3, rows, H));
   EPX_ASSIGN_OR_RETURN(const Fp8ScaleFormat format, format_of(scales.dtype()));
-  EPX_RETURN_IF_ERROR(check_rows(scales, "scales", scale_dtype(format), rows, blocks));
+  EPX_RETURN_IF_ERROR(check_matrix(scales, "scales", scale_dtype(format), rows, blocks));
   const std::array<float, 256>& table = e4m3_table();
   // Saturate at the largest finite output: x near FLT_MAX may round up to 2^128.
   const float limit = out.dtype() == DType::kF32 ? std::numeric_limits<float>::max() : bf16_to_f32(0x7f7f);
