@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace epx {
 namespace {
@@ -47,40 +48,45 @@ Result<Fp8ScaleFormat> format_of(DType dtype) {
   return invalid_argument("fp8 scales must be f32 or ue8m0, got {}", dtype_name(dtype));
 }
 
-// One block: its scale from amax, then the codes.
-template <Fp8ScaleFormat kFormat>
-void quantize_block(const float* x, uint8_t* q, std::byte* scale_out, float amax) {
+// A block's scale and its code (ue8m0) from its amax.
+struct BlockScale {
   float scale = 1.0f;  // a block of zeros
   uint8_t code = 127;  // 2^0
-  if (amax != 0.0f) {
-    scale = std::max(amax / kE4M3Max, kFp8MinScale);
-    if constexpr (kFormat == Fp8ScaleFormat::kUE8M0) {
-      code = f32_to_ue8m0_ceil(scale);
-      scale = ue8m0_to_f32(code);
-    }
+};
+
+BlockScale block_scale(float amax, Fp8ScaleFormat format) {
+  BlockScale s;
+  if (amax == 0.0f) return s;
+  s.scale = std::max(amax / kE4M3Max, kFp8MinScale);
+  if (format == Fp8ScaleFormat::kUE8M0) {
+    s.code = f32_to_ue8m0_ceil(s.scale);
+    s.scale = ue8m0_to_f32(s.code);
   }
-  if constexpr (kFormat == Fp8ScaleFormat::kF32)
-    std::memcpy(scale_out, &scale, sizeof(scale));
-  else
-    *reinterpret_cast<uint8_t*>(scale_out) = code;
-  for (int c = 0; c < kFp8BlockSize; ++c) q[c] = f32_to_e4m3(x[c] / scale);
+  return s;
 }
 
-// The first non-finite element of row t, or -1.
-int64_t first_non_finite(const TensorView& x, int64_t t) {
-  const int64_t H = x.size(1);
-  bool bad = false;
-  if (x.dtype() == DType::kF32) {
-    const auto* row = x.row<uint32_t>(t);
-    for (int64_t c = 0; c < H; ++c) bad |= (row[c] & 0x7f800000u) == 0x7f800000u;
-  } else {
-    const auto* row = x.row<uint16_t>(t);
-    for (int64_t c = 0; c < H; ++c) bad |= (row[c] & 0x7f80u) == 0x7f80u;
-  }
-  if (!bad) return -1;
-  for (int64_t c = 0; c < H; ++c)
-    if (!std::isfinite(load_as_f32(x.row<std::byte>(t), x.dtype(), static_cast<std::size_t>(c)))) return c;
-  return -1;
+// The row loops below come in AVX-512, AVX2 and baseline versions, picked at
+// load time; they divide and add in IEEE f32 without FMA, so all give the same bits.
+#define EPX_FP8_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// Largest |x| of n elements as f32 bits (finite values order like their
+// bits; anything at or above 0x7f800000 is an infinity or a NaN).
+EPX_FP8_CLONES uint32_t amax_bits_f32(const uint32_t* x, int n) {
+  uint32_t m = 0;
+  for (int c = 0; c < n; ++c) m = std::max(m, x[c] & 0x7fffffffu);
+  return m;
+}
+EPX_FP8_CLONES uint32_t amax_bits_bf16(const uint16_t* x, int n) {
+  uint32_t m = 0;
+  for (int c = 0; c < n; ++c) m = std::max(m, static_cast<uint32_t>(x[c] & 0x7fffu));
+  return m << 16;
+}
+
+EPX_FP8_CLONES void encode_f32(const float* x, float scale, uint8_t* q, int n) {
+  for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(x[c] / scale);
+}
+EPX_FP8_CLONES void encode_bf16(const uint16_t* x, float scale, uint8_t* q, int n) {
+  for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(bf16_to_f32(x[c]) / scale);
 }
 
 }  // namespace
@@ -105,32 +111,41 @@ Status quantize_fp8(const TensorView& x, Fp8ScaleFormat format, const TensorView
   EPX_RETURN_IF_ERROR(check_matrix(x, "x", x.dtype(), rows, H));
   EPX_RETURN_IF_ERROR(check_matrix(q, "q", DType::kFP8E4M3, rows, H));
   EPX_RETURN_IF_ERROR(check_matrix(scales, "scales", scale_dtype(format), rows, blocks));
-  // Finite first, so nothing is written on an error.
+  // Pass 1: every block's amax, which also finds non-finite values, so
+  // nothing is written on an error.
+  thread_local std::vector<uint32_t> amax;
+  amax.resize(static_cast<std::size_t>(rows * blocks));
+  const bool f32 = x.dtype() == DType::kF32;
   for (int64_t t = 0; t < rows; ++t) {
-    const int64_t c = first_non_finite(x, t);
-    if (c >= 0)
-      return invalid_argument("x[{}][{}] = {} is not finite; fp8 quantisation needs finite values", t, c,
-                              load_as_f32(x.row<std::byte>(t), x.dtype(), static_cast<std::size_t>(c)));
-  }
-  const std::size_t scale_size = dtype_size(scale_dtype(format));
-  float block[kFp8BlockSize];
-  for (int64_t t = 0; t < rows; ++t) {
-    const std::byte* row = x.row<std::byte>(t);
-    auto* q_row = q.row<uint8_t>(t);
-    auto* s_row = scales.row<std::byte>(t);
     for (int64_t b = 0; b < blocks; ++b) {
-      float amax = 0.0f;
-      if (x.dtype() == DType::kF32) {
-        std::memcpy(block, row + b * kFp8BlockSize * 4, sizeof(block));
-      } else {
-        const auto* src = reinterpret_cast<const uint16_t*>(row) + b * kFp8BlockSize;
-        for (int c = 0; c < kFp8BlockSize; ++c) block[c] = bf16_to_f32(src[c]);
+      const int64_t first = b * kFp8BlockSize;
+      const uint32_t m = f32 ? amax_bits_f32(x.row<uint32_t>(t) + first, kFp8BlockSize)
+                             : amax_bits_bf16(x.row<uint16_t>(t) + first, kFp8BlockSize);
+      amax[t * blocks + b] = m;
+      if (m < 0x7f800000u) continue;
+      for (int64_t c = first; c < first + kFp8BlockSize; ++c) {
+        const float v = load_as_f32(x.row<std::byte>(t), x.dtype(), static_cast<std::size_t>(c));
+        if (!std::isfinite(v))
+          return invalid_argument("x[{}][{}] = {} is not finite; fp8 quantisation needs finite values", t, c, v);
       }
-      for (int c = 0; c < kFp8BlockSize; ++c) amax = std::max(amax, std::fabs(block[c]));
+    }
+  }
+  // Pass 2: scales and codes.
+  for (int64_t t = 0; t < rows; ++t) {
+    auto* q_row = q.row<uint8_t>(t);
+    for (int64_t b = 0; b < blocks; ++b) {
+      float block_amax;
+      std::memcpy(&block_amax, &amax[t * blocks + b], sizeof(block_amax));
+      const BlockScale s = block_scale(block_amax, format);
       if (format == Fp8ScaleFormat::kF32)
-        quantize_block<Fp8ScaleFormat::kF32>(block, q_row + b * kFp8BlockSize, s_row + b * scale_size, amax);
+        scales.row<float>(t)[b] = s.scale;
       else
-        quantize_block<Fp8ScaleFormat::kUE8M0>(block, q_row + b * kFp8BlockSize, s_row + b * scale_size, amax);
+        scales.row<uint8_t>(t)[b] = s.code;
+      const int64_t first = b * kFp8BlockSize;
+      if (f32)
+        encode_f32(x.row<float>(t) + first, s.scale, q_row + first, kFp8BlockSize);
+      else
+        encode_bf16(x.row<uint16_t>(t) + first, s.scale, q_row + first, kFp8BlockSize);
     }
   }
   return Status::ok();

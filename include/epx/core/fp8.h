@@ -20,6 +20,7 @@
 //       TensorView::contiguous(s.data(), DType::kF32, {T, H / 128})));
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string_view>
@@ -44,32 +45,40 @@ enum class Fp8ScaleFormat : uint8_t {
 // Accepts "f32", "fp32", "ue8m0".
 [[nodiscard]] Result<Fp8ScaleFormat> parse_scale_format(std::string_view name);
 
-// f32 -> e4m3 code: round to nearest even, saturating to +-448 (see above).
-[[nodiscard]] inline uint8_t f32_to_e4m3(float value) {
+// f32 -> e4m3 code for a value that is not NaN: round to nearest even,
+// saturating to +-448. Branch-free, so loops over it vectorize.
+[[nodiscard]] inline uint8_t f32_to_e4m3_not_nan(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
-  const auto sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  bits &= 0x7fffffffu;
-  if (bits > 0x7f800000u) return sign | 0x7f;   // NaN
-  if (bits >= 0x43e00000u) return sign | 0x7e;  // >= 448, infinity included: saturate
-  if (bits < (121u << 23)) {
-    // Below 2^-6: subnormal codes m * 2^-9. Adding 2^14 leaves an f32 whose
-    // last mantissa bit is worth 2^-9, so the addition rounds to nearest even
-    // there; the low bits are then m (8 = the smallest normal, code 0x08).
-    constexpr uint32_t kMagic = 141u << 23;  // 2^14
-    float shifted;
-    std::memcpy(&shifted, &bits, sizeof(shifted));
-    float magic;
-    std::memcpy(&magic, &kMagic, sizeof(magic));
-    shifted += magic;
-    uint32_t out;
-    std::memcpy(&out, &shifted, sizeof(out));
-    return sign | static_cast<uint8_t>(out - kMagic);
-  }
-  // Normal: keep 3 mantissa bits, rounding to nearest even on the f32 bits
-  // (a carry moves into the exponent), then rebias 127 -> 7.
-  const uint32_t rounded = (bits + 0x7ffffu + ((bits >> 20) & 1u)) >> 20;
-  return sign | static_cast<uint8_t>(rounded - (120u << 3));
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  // Beyond 448 (infinity included) saturates: clamp on the bits, which order
+  // like the magnitudes.
+  uint32_t a = bits & 0x7fffffffu;
+  const uint32_t over = 0u - static_cast<uint32_t>(a > 0x43e00000u);  // all ones when saturating
+  a = (a & ~over) | (0x43e00000u & over);
+  // Normal (>= 2^-6): keep 3 mantissa bits, rounding to nearest even on the
+  // f32 bits (a carry moves into the exponent), then rebias 127 -> 7.
+  const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  // Subnormal (< 2^-6, codes m * 2^-9): adding 2^14 leaves an f32 whose last
+  // mantissa bit is worth 2^-9, so the addition rounds to nearest even there;
+  // the low bits are then m (8 = the smallest normal, code 0x08).
+  constexpr uint32_t kMagic = 141u << 23;  // 2^14
+  float magnitude, magic;
+  std::memcpy(&magnitude, &a, sizeof(magnitude));
+  std::memcpy(&magic, &kMagic, sizeof(magic));
+  const float shifted = magnitude + magic;
+  uint32_t sub;
+  std::memcpy(&sub, &shifted, sizeof(sub));
+  const uint32_t small = 0u - static_cast<uint32_t>(a < (121u << 23));  // masks instead of branches
+  const uint32_t code = ((sub - kMagic) & small) | (normal & ~small);
+  return static_cast<uint8_t>(sign | code);
+}
+
+// f32 -> e4m3 code: round to nearest even, saturating to +-448 (see above);
+// NaN -> NaN of the same sign.
+[[nodiscard]] inline uint8_t f32_to_e4m3(float value) {
+  if (value != value) return std::signbit(value) ? 0xff : 0x7f;
+  return f32_to_e4m3_not_nan(value);
 }
 
 // e4m3 code -> f32 (exact; 0x7f and 0xff are NaN).
