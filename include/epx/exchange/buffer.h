@@ -209,7 +209,8 @@ class Buffer {
   // handle: valid as long as the handle is. The handle must be valid.
   [[nodiscard]] const ExpandedLayout& expanded_layout(const Handle& handle) const;
   // Copies received rows into the expanded layout: out [layout.num_rows(), H]
-  // of recv_x's dtype, padding rows zero. Local; no communication.
+  // of recv_x's dtype (bf16 or f32: dequantise fp8 rows first), padding rows
+  // zero. Local; no communication.
   [[nodiscard]] Status expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) const;
   // Weighted combine over the expanded layout (collective): each rank first
   // sums w[row, k] * y[row_of(row, k)] over its local slots in top-k order in
