@@ -15,6 +15,9 @@
 
 namespace epx::app {
 
+// bench_fp8.cc: the --dtype fp8 comparison over the same shapes.
+int run_bench_fp8(const BenchExchangeOptions& o, const std::vector<bench::ExchangeBenchConfig>& configs);
+
 namespace {
 
 struct NodeShape {
@@ -165,6 +168,7 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
       configs.push_back(c);
     }
   }
+  if (o.dtype == "fp8") return run_bench_fp8(o, configs);
 
   const MachineInfo machine = machine_info();
   const std::string date = utc_now();

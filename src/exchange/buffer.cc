@@ -10,6 +10,7 @@
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
+#include "exchange/payload.h"
 #include "exchange/row_kernels.h"
 #include "exchange/split.h"
 
@@ -136,11 +137,13 @@ struct Buffer::Impl {
   int64_t max_recv = 0;
   std::size_t row_bytes = 0;
   std::size_t combine_row_bytes = 0;
+  detail::PayloadFormat payload;  // what a dispatch row holds (fp8: codes + scales)
   std::unique_ptr<PeerMemory> memory;
   std::vector<Region> regions;  // by rank; only this node's ranks are set
 
   // Private staging, grown as needed and kept between calls.
   AlignedBuffer send_payload, send_meta, recv_payload, recv_meta;
+  AlignedBuffer fp8_stage;  // fp8: this rank's rows, quantised before they are sent
   DispatchLayout layout_scratch;
   // The last dispatch's handle data: reused (its vectors keep their capacity)
   // once nobody else holds it, so steady-state dispatches allocate nothing.
@@ -241,11 +244,12 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
     const bool hierarchical = topo.num_nodes() > 1 && config.algorithm != DispatchAlgorithm::kFlat;
     fields = {config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
               config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
-              detail::placement_hash(*config.placement)};
+              detail::placement_hash(*config.placement), static_cast<int64_t>(config.fp8_scales)};
   }
   static constexpr const char* kNames[] = {"num_experts",      "hidden",           "dtype",
                                            "max_topk",         "max_recv_tokens",  "expert_alignment",
-                                           "max_combine_dtype", "algorithm",       "placement (hash)"};
+                                           "max_combine_dtype", "algorithm",       "placement (hash)",
+                                           "fp8_scales"};
   EPX_RETURN_IF_ERROR(
       detail::agree_on_config(transport, local_status, fields, kNames, "BufferConfig", "Buffer", deadline));
 
@@ -261,7 +265,8 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
   m.local_rank = topo.local_rank_of(m.rank);
   m.hierarchical = m.num_nodes > 1 && m.config.algorithm != DispatchAlgorithm::kFlat;
   m.max_recv = detail::max_recv_rows(m.config, num_ranks);
-  m.row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.dtype);
+  m.payload = *detail::PayloadFormat::of(m.config);
+  m.row_bytes = m.payload.row_bytes();
   m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
 
   const std::size_t bytes =
@@ -289,7 +294,7 @@ Status Buffer::Impl::validate_dispatch(const DispatchInputs& in, const DispatchL
                             config.max_tokens_per_rank);
   if (topk < 1 || topk > config.max_topk)
     return invalid_argument("topk = {} is outside [1, max_topk = {}]", topk, config.max_topk);
-  EPX_RETURN_IF_ERROR(check_matrix(in.x, "x", config.dtype, num_tokens, config.hidden));
+  EPX_RETURN_IF_ERROR(payload.check_input(in.x, "x", num_tokens));
   if (in.topk_weights.defined())
     EPX_RETURN_IF_ERROR(check_matrix(in.topk_weights, "topk_weights", DType::kF32, num_tokens, topk));
   EPX_RETURN_IF_ERROR(compute_layout(in.topk_idx, placement, topology, &layout_scratch));
@@ -313,6 +318,8 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   const int R = m.num_ranks, N = m.num_nodes, E = m.config.num_experts;
 
   Status local_status = out ? m.validate_dispatch(in, given) : invalid_argument("dispatch needs an output");
+  TensorView send_x;  // x, or its rows quantised (fp8)
+  if (local_status.is_ok()) local_status = m.payload.stage(in.x, &m.fp8_stage, &send_x);
   const DispatchLayout* layout = &m.layout_scratch;  // equal to `given`, when given
   const bool has_weights = in.topk_weights.defined();
   std::vector<int64_t> words(3 + R + N + E, 0);
@@ -382,7 +389,7 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   ExchangeStats stats;
   {
     ScopedSpan copy_span(m.config.tracer, m.rank, "dispatch:copy");
-    EPX_RETURN_IF_ERROR(m.move_rows(in.x, &in.topk_idx, has_weights ? &in.topk_weights : nullptr, *h, &h->forward,
+    EPX_RETURN_IF_ERROR(m.move_rows(send_x, &in.topk_idx, has_weights ? &in.topk_weights : nullptr, *h, &h->forward,
                                     deadline, &stats));
   }
   {
@@ -399,7 +406,8 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   m.finish_receive(*h);
 
   const int64_t num_recv = h->num_recv;
-  out->recv_x = TensorView::contiguous(m.local().recv_x, m.config.dtype, {num_recv, m.config.hidden});
+  out->recv_x = m.payload.values(m.local().recv_x, num_recv);
+  out->recv_scales = m.payload.scales(m.local().recv_x, num_recv);
   out->recv_topk_idx = TensorView::contiguous(h->recv_topk_idx.data(), DType::kI32, {num_recv, topk});
   out->recv_topk_weights = has_weights ? TensorView::contiguous(h->recv_topk_weights.data(), DType::kF32, {num_recv, topk})
                                        : TensorView();
@@ -641,18 +649,28 @@ Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView&
   ScopedSpan span(config.tracer, rank, std::string(op));
   const Deadline deadline = Deadline::after(config.timeout);
   if (local_status.is_ok()) local_status = check_handle(handle, op);
-  if (local_status.is_ok()) local_status = check_matrix(x, x_name, config.dtype, handle.num_tokens(), config.hidden);
+  if (local_status.is_ok()) local_status = payload.check_input(x, x_name, handle.num_tokens());
   if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("{} needs an output", op);
+  TensorView send_x;  // x, or its rows quantised (fp8)
+  if (local_status.is_ok()) local_status = payload.stage(x, &fp8_stage, &send_x);
   std::vector<int64_t> all;
   EPX_RETURN_IF_ERROR(
       gather_header(local_status, {local_status.is_ok() ? handle.data().dispatch_seq : 0}, &all, op, deadline));
   EPX_RETURN_IF_ERROR(check_same_dispatch(all, 2, 1, op));
   const detail::HandleData& h = handle.data();
   ExchangeStats stats;
-  EPX_RETURN_IF_ERROR(move_rows(x, nullptr, nullptr, h, nullptr, deadline, &stats));
+  EPX_RETURN_IF_ERROR(move_rows(send_x, nullptr, nullptr, h, nullptr, deadline, &stats));
   EPX_RETURN_IF_ERROR(transport.barrier(deadline));
-  *recv_x = TensorView::contiguous(local().recv_x, config.dtype, {h.num_recv, config.hidden});
+  *recv_x = payload.values(local().recv_x, h.num_recv);
   return Status::ok();
+}
+
+Result<TensorView> Buffer::recv_scales(const Handle& handle) const {
+  const Impl& m = *impl_;
+  EPX_RETURN_IF_ERROR(m.check_handle(handle, "recv_scales"));
+  if (!m.payload.fp8())
+    return failed_precondition("recv_scales: this Buffer's payload is {}, which has no scales", dtype_name(m.config.dtype));
+  return m.payload.scales(m.local().recv_x, handle.num_recv_tokens());
 }
 
 Result<TensorView> Buffer::combine_input_now(const Handle& handle, DType dtype) {
@@ -887,7 +905,8 @@ Status Buffer::dispatch_backward_now(const TensorView& grad_recv_x, const Handle
 }
 
 Status Buffer::combine_backward_now(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
-  return impl_->dispatch_cached_impl(Status::ok(), grad_out, handle, grad_y, "combine_backward", "grad_out");
+  return impl_->dispatch_cached_impl(impl_->payload.check_gradient_payload("combine_backward"), grad_out, handle, grad_y,
+                                     "combine_backward", "grad_out");
 }
 
 const ExpandedLayout& Buffer::expanded_layout(const Handle& handle) const {
@@ -972,6 +991,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   Impl& m = *impl_;
   constexpr std::string_view kOp = "combine_expanded_backward";
   Status local_status = m.check_handle(handle, kOp);
+  if (local_status.is_ok()) local_status = m.payload.check_gradient_payload(kOp);
   const float* w = nullptr;
   if (local_status.is_ok()) {
     const detail::HandleData& h = handle.data();

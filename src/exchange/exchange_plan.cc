@@ -1,6 +1,7 @@
 #include "exchange/exchange_plan.h"
 
 #include "exchange/config_check.h"
+#include "exchange/payload.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -11,15 +12,9 @@ Status validate_buffer_config(BufferConfig* config_ptr, int num_ranks) {
   BufferConfig& config = *config_ptr;
   if (config.num_experts < 1) return invalid_argument("num_experts = {} must be at least 1", config.num_experts);
   if (config.hidden < 1) return invalid_argument("hidden = {} must be at least 1", config.hidden);
-  if (config.dtype == DType::kFP8E4M3) return unimplemented("fp8 payloads are not built yet; use bf16 or f32");
-  if (config.dtype != DType::kF32 && config.dtype != DType::kBF16)
-    return invalid_argument("dtype = {} is not a payload type; use bf16 or f32", dtype_name(config.dtype));
+  EPX_RETURN_IF_ERROR(PayloadFormat::of(*config_ptr).status());  // dtype, fp8 scales, row size
   if (config.max_combine_dtype != DType::kF32 && config.max_combine_dtype != DType::kBF16)
     return invalid_argument("max_combine_dtype = {} must be bf16 or f32", dtype_name(config.max_combine_dtype));
-  const std::size_t row_bytes = static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
-  if (row_bytes % 8 != 0)
-    return invalid_argument("hidden = {} gives rows of {} bytes; rows must be a multiple of 8 bytes", config.hidden,
-                            row_bytes);
   if (config.max_topk < 1 || config.max_topk > config.num_experts)
     return invalid_argument("max_topk = {} is outside [1, num_experts = {}]", config.max_topk, config.num_experts);
   if (config.max_tokens_per_rank < 1)

@@ -1,8 +1,7 @@
 // Element types of payloads and their conversions.
 //
-// f32 and bf16 payloads are built; fp8 e4m3 with ue8m0 (power-of-two) scales
-// has its names here so buffers and configs can carry it, and is rejected with
-// Unimplemented by the operations until its issue lands.
+// f32 and bf16 payloads; fp8 e4m3 payloads with per-128-channel scales, f32
+// or ue8m0 (power-of-two), whose conversions live in epx/core/fp8.h.
 //
 //   uint16_t b = epx::f32_to_bf16(1.0f / 3.0f);   // round to nearest even
 //   float f = epx::bf16_to_f32(b);                 // 0.333984375
@@ -19,8 +18,8 @@ namespace epx {
 enum class DType : uint8_t {
   kF32,
   kBF16,
-  kFP8E4M3,  // reserved: fp8 payloads with per-128-channel scales
-  kUE8M0,    // reserved: power-of-two scale factors
+  kFP8E4M3,  // fp8 e4m3 (OCP E4M3FN) payloads, scaled per 128 channels (epx/core/fp8.h)
+  kUE8M0,    // power-of-two scale factors 2^(code - 127)
   kI32,
   kI64,
   kF64,

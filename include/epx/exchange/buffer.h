@@ -50,6 +50,7 @@
 
 #include "epx/comm/transport.h"
 #include "epx/core/clock.h"
+#include "epx/core/fp8.h"
 #include "epx/core/tensor.h"
 #include "epx/core/trace.h"
 #include "epx/exchange/layout.h"
@@ -66,7 +67,13 @@ enum class DispatchAlgorithm : uint8_t {
 struct BufferConfig {
   int num_experts = 0;
   int hidden = 0;                      // elements per row
-  DType dtype = DType::kBF16;          // dispatch payload: kF32 or kBF16
+  DType dtype = DType::kBF16;          // dispatch payload: kF32, kBF16 or kFP8E4M3 (see fp8 below)
+  // fp8 payloads (dtype = kFP8E4M3, hidden a multiple of 128): dispatch takes
+  // x in bf16 or f32 and quantises each row on send (epx/core/fp8.h), one scale
+  // per 128 channels of this format travelling in the row; recv_x is e4m3 and
+  // recv_scales its scales. Combine stays bf16/f32; the backward passes
+  // (combine_backward, combine_expanded_backward) need a bf16 or f32 Buffer.
+  Fp8ScaleFormat fp8_scales = Fp8ScaleFormat::kF32;
   int max_topk = 8;                    // widest topk_idx accepted
   int max_tokens_per_rank = 0;         // inputs with more tokens are rejected
   int64_t max_recv_tokens = 0;         // rows one rank can receive; 0: num_ranks * max_tokens_per_rank
@@ -113,15 +120,19 @@ class Handle {
 };
 
 struct DispatchInputs {
-  TensorView x;             // [T, H] of config.dtype
+  TensorView x;             // [T, H] of config.dtype (fp8 Buffers: bf16 or f32)
   TensorView topk_idx;      // [T, K] i32 global expert ids, -1 = none
   TensorView topk_weights;  // optional [T, K] f32
 };
 
 struct DispatchResult {
   // [num_recv, H], in this rank's receive region: valid until the next
-  // dispatch (cached or not) on this Buffer.
+  // dispatch (cached or not) on this Buffer. fp8: e4m3 codes, rows
+  // recv_x.stride(0) bytes apart, and recv_scales [num_recv, H / 128] (f32
+  // or ue8m0) in the same rows; dequantize_fp8(recv_x, recv_scales, out)
+  // turns them into bf16 or f32. Undefined recv_scales for bf16 / f32.
   TensorView recv_x;
+  TensorView recv_scales;
   // The rest lives in the handle and stays valid as long as it does.
   TensorView recv_topk_idx;      // [num_recv, K] i32 local ids, -1 where the expert is elsewhere
   TensorView recv_topk_weights;  // [num_recv, K] f32, 0 where -1; undefined without input weights
@@ -198,6 +209,10 @@ class Buffer {
   // Re-sends new rows along the routes of `handle` (same tokens, same routing):
   // no layout, no count exchange. `recv_x` gets a view like DispatchResult::recv_x.
   [[nodiscard]] Status dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x);
+  // fp8 Buffers: the scales of the rows in the receive region (those of the
+  // last dispatch or dispatch_cached), like DispatchResult::recv_scales.
+  // FailedPrecondition for bf16 / f32 Buffers.
+  [[nodiscard]] Result<TensorView> recv_scales(const Handle& handle) const;
 
   // A [num_recv, H] view of `dtype` in this rank's combine region. Experts
   // that write their output there save combine one copy.
@@ -219,7 +234,8 @@ class Buffer {
   // handle: valid as long as the handle is. The handle must be valid.
   [[nodiscard]] const ExpandedLayout& expanded_layout(const Handle& handle) const;
   // Copies received rows into the expanded layout: out [layout.num_rows(), H]
-  // of recv_x's dtype, padding rows zero. Local; no communication.
+  // of recv_x's dtype (bf16 or f32: dequantise fp8 rows first), padding rows
+  // zero. Local; no communication.
   [[nodiscard]] Status expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) const;
   // Weighted combine over the expanded layout (collective): each rank first
   // sums w[row, k] * y[row_of(row, k)] over its local slots in top-k order in
