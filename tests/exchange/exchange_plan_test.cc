@@ -147,7 +147,11 @@ TEST(ExchangePlan, BufferConfigChecks) {
             "hidden = 3 gives rows of 6 bytes; rows must be a multiple of 8 bytes");
   BufferConfig fp8 = config;
   fp8.dtype = DType::kFP8E4M3;
-  EXPECT_EQ(validate_buffer_config(&fp8, 4).code(), StatusCode::kUnimplemented);
+  fp8.hidden = 192;
+  EXPECT_EQ(validate_buffer_config(&fp8, 4).message(),
+            "hidden = 192 is not a multiple of 128, the channels per fp8 scale; fp8 payloads need it");
+  fp8.hidden = 256;
+  EXPECT_TRUE(validate_buffer_config(&fp8, 4).is_ok());
   BufferConfig wrong_ranks = config;
   EXPECT_EQ(validate_buffer_config(&wrong_ranks, 2).message(), "the placement is for 4 ranks but the transport has 2");
 }
