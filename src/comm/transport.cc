@@ -12,4 +12,11 @@ TransportCounters& TransportCounters::operator+=(const TransportCounters& other)
   return *this;
 }
 
+namespace {
+thread_local WaitStyle t_wait_style = WaitStyle::kEager;
+}  // namespace
+
+void set_thread_wait_style(WaitStyle style) { t_wait_style = style; }
+WaitStyle thread_wait_style() { return t_wait_style; }
+
 }  // namespace epx

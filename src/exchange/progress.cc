@@ -2,6 +2,8 @@
 
 #include <exception>
 
+#include "epx/comm/transport.h"
+
 namespace epx::detail {
 
 ProgressThread::~ProgressThread() {
@@ -39,6 +41,8 @@ Status ProgressThread::drain() {
 }
 
 void ProgressThread::run() {
+  // Beside the caller's compute: leave the cores to it while waiting.
+  set_thread_wait_style(WaitStyle::kBackground);
   std::unique_lock lock(mutex_);
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });

@@ -76,6 +76,15 @@ class Request {
 
 enum class ReduceOp : uint8_t { kSum, kMax, kMin };
 
+// How the calling thread waits inside transport calls that poll (MPI).
+// kEager (the default) spins, then yields for a while, then sleeps: the
+// lowest latency for a thread with nothing else to do. kBackground sleeps
+// almost at once: for threads that run beside compute on the same cores
+// (the exchange's progress threads), so their waits leave the cores to it.
+enum class WaitStyle : uint8_t { kEager, kBackground };
+void set_thread_wait_style(WaitStyle style);
+[[nodiscard]] WaitStyle thread_wait_style();
+
 class Transport {
  public:
   virtual ~Transport() = default;

@@ -87,6 +87,14 @@ bool process_gone(int64_t pid, uint64_t ticks) {
 // Spins, then yields, then sleeps: the caller waits for a peer that may need
 // this core (ranks are often more than cores on a test machine).
 void back_off(uint64_t polls, Clock::time_point start) {
+  if (thread_wait_style() == WaitStyle::kBackground) {
+    // 20 us doubling every 4 polls up to 500 us: a long transfer wakes the
+    // thread a few thousand times a second, not fifty thousand.
+    if (polls < 16) return;
+    const int64_t us = std::min<int64_t>(500, int64_t{20} << std::min<uint64_t>(5, (polls - 16) / 4));
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
+    return;
+  }
   if (polls < 256) return;
   if (Clock::now() - start < std::chrono::milliseconds(2)) {
     sched_yield();
