@@ -143,6 +143,20 @@ PendingOp LowLatencyBuffer::combine_async(const TensorView& y, const LowLatencyH
 
 // Split forms.
 
+namespace {
+
+// Waits for a split operation until `deadline`. Still running: the caller's
+// DeadlineExceeded, and it stays outstanding. Finished (even just after the
+// deadline passed): no longer outstanding, and its own status.
+Status receive_split(const PendingOp& op, const Deadline& deadline, bool* outstanding) {
+  Status status = op.wait(deadline);
+  if (!op.done()) return status;
+  *outstanding = false;
+  return op.wait();
+}
+
+}  // namespace
+
 Status Buffer::dispatch_send(const DispatchInputs& inputs, const DispatchLayout* layout) {
   Split& s = *split_;
   if (s.dispatch_outstanding)
@@ -156,10 +170,7 @@ Status Buffer::dispatch_recv(DispatchResult* out, const Deadline& deadline) {
   Split& s = *split_;
   if (!s.dispatch_outstanding) return failed_precondition("dispatch_recv without a dispatch_send before it");
   if (out == nullptr) return invalid_argument("dispatch_recv needs an output");
-  Status status = s.dispatch.wait(deadline);
-  if (status.code() == StatusCode::kDeadlineExceeded && !s.dispatch.done()) return status;
-  s.dispatch_outstanding = false;
-  EPX_RETURN_IF_ERROR(status);
+  EPX_RETURN_IF_ERROR(receive_split(s.dispatch, deadline, &s.dispatch_outstanding));
   // Moving keeps the handle storage shared with the Buffer, as a blocking
   // dispatch into `out` would.
   *out = std::move(s.result);
@@ -180,10 +191,7 @@ Status Buffer::combine_send(const TensorView& y, const Handle& handle, const Ten
 Status Buffer::combine_recv(const Deadline& deadline) {
   Split& s = *split_;
   if (!s.combine_outstanding) return failed_precondition("combine_recv without a combine_send before it");
-  Status status = s.combine.wait(deadline);
-  if (status.code() == StatusCode::kDeadlineExceeded && !s.combine.done()) return status;
-  s.combine_outstanding = false;
-  return status;
+  return receive_split(s.combine, deadline, &s.combine_outstanding);
 }
 
 }  // namespace epx

@@ -358,6 +358,10 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   // result is being replaced, so its handle storage may be reused.
   if (out->handle.valid() && &out->handle.data() == m.last_handle.get()) out->handle = Handle();
   if (!m.last_handle || m.last_handle.use_count() > 1) m.last_handle = std::make_shared<detail::HandleData>();
+  // The caller may have dropped its last copy on another thread (the
+  // asynchronous forms run here on the progress thread): order its reads
+  // before the writes that reuse the storage.
+  std::atomic_thread_fence(std::memory_order_acquire);
   std::shared_ptr<detail::HandleData> h = m.last_handle;
   h->buffer_id = m.id;
   h->dispatch_seq = ++m.dispatch_seq;

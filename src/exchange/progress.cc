@@ -56,6 +56,8 @@ void ProgressThread::run() {
       status = item.op();
     } catch (const std::exception& e) {
       status = internal_error("an asynchronous exchange operation threw: {}", e.what());
+    } catch (...) {
+      status = internal_error("an asynchronous exchange operation threw something that is not a std::exception");
     }
     {
       std::lock_guard done_lock(item.state->mutex);

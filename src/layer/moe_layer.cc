@@ -414,7 +414,10 @@ struct MoELayer::Impl {
   Status wait_chunks() {
     Status first;
     for (Chunk& c : chunks) {
+      // wait() gives up at the operation's bound; an operation that somehow
+      // runs past it still uses this layer's memory: wait until it ends.
       Status s = c.op.wait();
+      while (!c.op.done()) s = c.op.wait();
       c.op = PendingOp();
       if (first.is_ok() && !s.is_ok()) first = std::move(s);
     }

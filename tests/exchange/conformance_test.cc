@@ -120,7 +120,7 @@ std::vector<Case> make_cases(const Shape& shape) {
         c.combine_input_dtype = (bits & 32u) ? DType::kBF16 : DType::kF32;
         c.expanded_dtype = (bits & 64u) ? DType::kBF16 : DType::kF32;
         c.explicit_expand_weights = !c.with_weights || (bits & 128u) != 0;
-        c.form = static_cast<Form>(index % 3);
+        c.form = static_cast<Form>((index / 3) % 3);  // not index % 3: hidden follows that
         cases.push_back(c);
         ++index;
       }

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -21,6 +22,7 @@ struct Case {
   DType dtype;
   int64_t m, k, n;
   bool accumulate;
+  int64_t pad = 0;  // lda = k + pad, ldc = n + pad: rows with gaps between them
 };
 
 TEST(GemmRows, AnySplitOfTheRowsGivesTheWholeCallsBits) {
@@ -28,14 +30,16 @@ TEST(GemmRows, AnySplitOfTheRowsGivesTheWholeCallsBits) {
       {true, DType::kF32, 61, 64, 32, false},    {true, DType::kF32, 61, 32, 64, true},
       {false, DType::kF32, 300, 1024, 256, false}, {true, DType::kBF16, 77, 2048, 512, false},
       {false, DType::kBF16, 45, 256, 1024, true},  {true, DType::kF32, 40, 7168, 64, false},
+      {true, DType::kBF16, 37, 64, 48, true, 8},   {false, DType::kF32, 29, 96, 40, true, 3},
   };
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << "m=" << c.m << " k=" << c.k << " n=" << c.n << " trans_b=" << c.trans_b << " "
-                                    << dtype_name(c.dtype) << " accumulate=" << c.accumulate);
+                                    << dtype_name(c.dtype) << " accumulate=" << c.accumulate << " pad=" << c.pad);
     const std::size_t elem = dtype_size(c.dtype);
-    std::vector<float> af(c.m * c.k), bf(c.k * c.n), c0(c.m * c.n);
+    const int64_t lda = c.k + c.pad, ldc = c.n + c.pad;
+    std::vector<float> af(c.m * lda), bf(c.k * c.n), c0(c.m * ldc);
     for (float& v : af) v = normal(rng);
     for (float& v : bf) v = normal(rng);
     for (float& v : c0) v = normal(rng);
@@ -53,7 +57,7 @@ TEST(GemmRows, AnySplitOfTheRowsGivesTheWholeCallsBits) {
     store(af, a);
     store(bf, b);
     GemmArgs whole{.dtype = c.dtype, .trans_b = c.trans_b, .accumulate = c.accumulate, .m = c.m, .n = c.n, .k = c.k,
-                   .a = a.data(), .lda = c.k, .b = b.data(), .ldb = c.trans_b ? c.k : c.n, .ldc = c.n};
+                   .a = a.data(), .lda = lda, .b = b.data(), .ldb = c.trans_b ? c.k : c.n, .ldc = ldc};
     std::vector<float> expected = c0;
     whole.c = expected.data();
     ASSERT_TRUE(gemm(whole, 1).is_ok());
@@ -62,13 +66,31 @@ TEST(GemmRows, AnySplitOfTheRowsGivesTheWholeCallsBits) {
       for (int64_t r0 = 0; r0 < c.m; r0 += split) {
         GemmArgs part = whole;
         part.m = std::min(split, c.m - r0);
-        part.a = a.data() + static_cast<std::size_t>(r0 * c.k) * elem;
-        part.c = got.data() + r0 * c.n;
+        part.a = a.data() + static_cast<std::size_t>(r0 * lda) * elem;
+        part.c = got.data() + r0 * ldc;
         ASSERT_TRUE(gemm(part, 1).is_ok());
       }
+      // Every element, the gaps between rows too (nothing may write there).
       EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0)
           << "rows in chunks of " << split << " differ from one call";
     }
+    // And each row is the product: C = C0 (when accumulating) + A B, against a
+    // double-precision sum within float rounding.
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t j = 0; j < c.n; ++j) {
+        double ref = c.accumulate ? c0[i * ldc + j] : 0.0;
+        for (int64_t p = 0; p < c.k; ++p) {
+          auto get = [&](const std::vector<std::byte>& v, int64_t idx) {
+            return c.dtype == DType::kF32 ? *reinterpret_cast<const float*>(v.data() + idx * 4)
+                                          : bf16_to_f32(*reinterpret_cast<const uint16_t*>(v.data() + idx * 2));
+          };
+          ref += static_cast<double>(get(a, i * lda + p)) * get(b, c.trans_b ? j * c.k + p : p * c.n + j);
+        }
+        ASSERT_NEAR(expected[i * ldc + j], ref, 1e-3 * (1.0 + std::abs(ref))) << "C[" << i << "][" << j << "]";
+      }
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t j = c.n; j < ldc; ++j)
+        ASSERT_EQ(expected[i * ldc + j], c0[i * ldc + j]) << "the gap after row " << i << " was written";
   }
 }
 

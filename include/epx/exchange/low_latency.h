@@ -136,6 +136,7 @@ class LowLatencyBuffer {
 
   // Bytes of peer-mapped memory and of private staging this rank holds.
   [[nodiscard]] std::size_t region_bytes() const;
+  // Not while an asynchronous operation is queued (they resize the staging).
   [[nodiscard]] std::size_t staging_bytes() const;
 
  private:
