@@ -19,13 +19,13 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
-#include <mpi.h>
 
 #include "epx/comm/inproc.h"
 #include "epx/comm/mpi.h"
 #include "epx/core/clock.h"
 #include "epx/core/random.h"
 #include "epx/layer/moe_layer.h"
+#include "mpi_launch.h"
 
 namespace epx::bench {
 namespace {
@@ -185,24 +185,11 @@ int run(int argc, char** argv) {
     report(o, o.ranks, o.nodes, per_rank[0]);
     return 0;
   }
-  auto session = MpiSession::init(&argc, &argv);
-  if (!session.is_ok()) {
-    fmt::print(stderr, "{}\n", session.status().to_string());
-    return 1;
-  }
-  const int R = (*session)->world_size();
-  if (R % o.nodes != 0) {
-    fmt::print(stderr, "--nodes {} must divide the {} processes\n", o.nodes, R);
-    return 2;
-  }
-  MpiOptions mpi_options;
-  mpi_options.ranks_per_node = o.nodes > 1 ? R / o.nodes : 0;
-  auto connected = (*session)->connect(mpi_options);
-  if (!connected.is_ok()) {
-    fmt::print(stderr, "{}\n", connected.status().to_string());
-    return 1;
-  }
-  Transport& t = **connected;
+  std::unique_ptr<MpiSession> session;
+  std::unique_ptr<Transport> connected;
+  if (const int code = connect_mpi_rank(&argc, &argv, o.nodes, &session, &connected); code != 0) return code;
+  const int R = session->world_size();
+  Transport& t = *connected;
   const Status s = bench_rank(t, o, &samples);
   if (!s.is_ok()) {
     fmt::print(stderr, "rank {}: {}\n", t.rank(), s.to_string());

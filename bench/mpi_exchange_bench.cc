@@ -35,6 +35,7 @@
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/layout.h"
 #include "exchange_bench.h"
+#include "mpi_launch.h"
 #include "synthetic_routing.h"
 
 namespace epx::bench {
@@ -93,26 +94,13 @@ int run(int argc, char** argv) {
   app.add_flag("--phases", o.phases, "Print rank 0's time per exchange phase (tracer spans of the timed reps)");
   CLI11_PARSE(app, argc, argv);
 
-  auto session = MpiSession::init(&argc, &argv);
-  if (!session.is_ok()) {
-    fmt::print(stderr, "{}\n", session.status().to_string());
-    return 1;
-  }
-  const int R = (*session)->world_size();
-  if (o.nodes < 1 || R % o.nodes != 0) {
-    fmt::print(stderr, "--nodes {} must divide the {} processes\n", o.nodes, R);
-    return 2;
-  }
-  MpiOptions mpi_options;
-  mpi_options.ranks_per_node = o.nodes > 1 ? R / o.nodes : 0;
-  auto connected = (*session)->connect(mpi_options);
-  if (!connected.is_ok()) {
-    fmt::print(stderr, "{}\n", connected.status().to_string());
-    return 1;
-  }
+  std::unique_ptr<MpiSession> session;
+  std::unique_ptr<Transport> connected;
+  if (const int code = connect_mpi_rank(&argc, &argv, o.nodes, &session, &connected); code != 0) return code;
+  const int R = session->world_size();
   int exit_code = 0;
   {
-    Transport& t = **connected;
+    Transport& t = *connected;
     const int rank = t.rank();
     const DType dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16;
     const std::size_t row = static_cast<std::size_t>(o.hidden) * dtype_size(dtype);
@@ -432,7 +420,7 @@ int run(int argc, char** argv) {
     if (rank == 0) {
       fmt::print("MPI backend, {} processes ({}), {} tokens/rank, hidden {}, top-{} of {} experts, {}; {} ({} reps, "
                  "medians; logical bytes/rank {:.1f} MB)\n",
-                 R, t.topology().describe(), T, o.hidden, K, E, o.dtype, (*session)->library_version(), o.reps,
+                 R, t.topology().describe(), T, o.hidden, K, E, o.dtype, session->library_version(), o.reps,
                  logical / 1e6);
       fmt::print("{:<28} {:>10} {:>10} {:>16}\n", "method", "ms", "GB/s", "inter-node MB");
       std::string json = fmt::format("{{\"ranks\":{},\"nodes\":{},\"tokens\":{},\"hidden\":{},\"topk\":{},\"experts\":{}",
