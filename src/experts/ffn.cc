@@ -181,6 +181,13 @@ Status check_grad_y(const Problem& p, const TensorView& grad_y) {
   return check_matrix(grad_y, "grad_y", DType::kF32, p.rows, p.hidden);
 }
 
+Status check_grads(const ExpertFfnConfig& config, const ExpertGrads& grads) {
+  const int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w1, "grads.w1", DType::kF32, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(grads.w3, "grads.w3", DType::kF32, E * H, F));
+  return check_matrix(grads.w2, "grads.w2", DType::kF32, E * F, H);
+}
+
 }  // namespace
 
 Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
@@ -243,11 +250,9 @@ Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWe
                                    const ExpertFfnGradState& state, const ExpertGrads& grads) {
   Problem p;
   EPX_RETURN_IF_ERROR(check_common(config, weights, x, offsets, &p));
-  const int64_t E = config.num_experts, H = p.hidden, F = p.ffn;
+  const int64_t H = p.hidden, F = p.ffn;
   EPX_RETURN_IF_ERROR(check_grad_y(p, grad_y));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w1, "grads.w1", DType::kF32, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w3, "grads.w3", DType::kF32, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w2, "grads.w2", DType::kF32, E * F, H));
+  EPX_RETURN_IF_ERROR(check_grads(config, grads));
   const std::size_t state_bytes = static_cast<std::size_t>(p.rows * F) * p.elem;
   if (state.rows != p.rows || state.a.size() != state_bytes || state.grad_h1.size() != state_bytes ||
       state.grad_h3.size() != state_bytes)
@@ -279,10 +284,7 @@ Status expert_ffn_backward(const ExpertFfnConfig& config, const ExpertWeights& w
                            std::span<const int64_t> offsets, const ExpertFfnCache& cache, const TensorView& grad_y,
                            const TensorView& grad_x, const ExpertGrads& grads) {
   // Checked before the data pass writes grad_x: nothing is written on bad input.
-  const int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w1, "grads.w1", DType::kF32, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w3, "grads.w3", DType::kF32, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(grads.w2, "grads.w2", DType::kF32, E * F, H));
+  EPX_RETURN_IF_ERROR(check_grads(config, grads));
   ExpertFfnGradState state;
   EPX_RETURN_IF_ERROR(expert_ffn_backward_data(config, weights, x, offsets, cache, grad_y, grad_x, &state));
   return expert_ffn_backward_weights(config, weights, x, offsets, grad_y, state, grads);
