@@ -5,13 +5,35 @@ namespace {
 
 bool is_payload(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
 
-// Prefixes a failed status with the rank it is about.
+// An optional dense f32 [num_recv, topk] (weights of the received rows' slots).
+Status check_slots(const TensorView& v, std::string_view name, const CombineShape& s) {
+  if (!v.defined()) return Status::ok();
+  EPX_RETURN_IF_ERROR(check_matrix(v, name, DType::kF32, s.num_recv, s.topk, s.device));
+  if (s.num_recv > 1 && v.stride(0) != s.topk) return invalid_argument("{} must be dense, got {}", name, v.describe());
+  return Status::ok();
+}
+
+}  // namespace
+
 Status on_rank(int rank, Status status) {
   if (status.is_ok()) return status;
   return make_status(status.code(), "rank {}: {}", rank, status.message());
 }
 
-}  // namespace
+Status check_expanded_inputs(const BufferConfig& config, bool backward, const TensorView& y, const TensorView& weights,
+                             const TensorView& grad_y, const TensorView& grad_weights, int64_t rows,
+                             const CombineShape& s) {
+  if (!backward && config.max_combine_dtype != DType::kF32)
+    return failed_precondition("combine_expanded sums in fp32 and needs max_combine_dtype = f32, not {}",
+                               dtype_name(config.max_combine_dtype));
+  if (y.ndim() != 2 || !is_payload(y.dtype()))
+    return invalid_argument("y_expanded must be a 2-D bf16 or f32 array, got {}", y.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(y, "y_expanded", y.dtype(), rows, config.hidden, s.device));
+  EPX_RETURN_IF_ERROR(check_slots(weights, "weights", s));
+  if (!backward) return Status::ok();
+  EPX_RETURN_IF_ERROR(check_matrix(grad_y, "grad_y_expanded", DType::kF32, rows, config.hidden, s.device));
+  return check_slots(grad_weights, "grad_weights", s);
+}
 
 Status check_dispatch_inputs(const BufferConfig& config, const DispatchInputs& in, Device device) {
   if (in.topk_idx.ndim() != 2)

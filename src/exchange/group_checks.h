@@ -40,6 +40,19 @@ struct CombineShape {
 // One rank's combine arguments (the messages name no rank).
 Status check_combine_inputs(const BufferConfig& config, const TensorView& y, const TensorView& out,
                             const CombineOptions& options, const CombineShape& shape);
+// One rank's arguments of combine_expanded (backward = false: no gradients)
+// or of its backward, against `rows` expanded rows (the messages name no
+// rank): y_expanded [rows, hidden] bf16 or f32; grad_y_expanded [rows,
+// hidden] f32; weights and grad_weights, when given, dense f32 [num_recv,
+// topk]; every view on shape.device. combine_expanded sums in f32, so it
+// needs max_combine_dtype = f32.
+Status check_expanded_inputs(const BufferConfig& config, bool backward, const TensorView& y_expanded,
+                             const TensorView& weights, const TensorView& grad_y_expanded,
+                             const TensorView& grad_weights, int64_t rows, const CombineShape& shape);
+
+// Prefixes a failed status with the rank it is about ("rank 3: ...").
+Status on_rank(int rank, Status status);
+
 // Combine arguments of every rank: y [num_recv, hidden] bf16 or f32, the same
 // dtype on every rank and no wider than max_combine_dtype; out [T, hidden]
 // bf16 or f32; bias f32 or out's dtype; weight gradients in pairs, on every

@@ -2,7 +2,9 @@
 // reference: R rank threads of the in-process transport on GPU 0, their
 // regions shared through map_cuda_peer_memory. Dispatch rows and metadata
 // bit for bit, combine (f32 and bf16 y, with bias and weight gradients) in
-// the flat order, the cached dispatch. Skipped, with the reason, without a GPU.
+// the flat order, the cached dispatch; then every operation against a host
+// Buffer on one node and across nodes (host-staged). Skipped, with the
+// reason, without a GPU.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -12,6 +14,7 @@
 #include "device_memory.h"
 #include "epx/comm/inproc.h"
 #include "epx/exchange/cuda_buffer.h"
+#include "exchange/device_buffer_checks.h"
 #include "exchange/harness.h"
 #include "exchange/reference.h"
 
@@ -110,6 +113,31 @@ TEST(CudaBuffer, RankThreadsMatchTheReference) {
           EXPECT_TRUE(exchange_test::same_vector(outs[r].grad_w, grad_w[r], K)) << "weight gradients";
           EXPECT_TRUE(exchange_test::same_matrix(outs[r].recv_again, recv_again[r], &x2)) << "dispatch_cached";
         }
+        if (::testing::Test::HasFailure()) return;
+      }
+}
+
+struct CudaBackend {
+  using Exchange = CudaBuffer;
+  static Result<std::unique_ptr<Exchange>> make(Transport& t, const BufferConfig& config) {
+    return CudaBuffer::create(t, config, 0);
+  }
+  using Array = DeviceMatrix;
+  static Array upload(const Matrix& m) { return cuda_test::upload(m); }
+  static Matrix download(const TensorView& v) { return cuda_test::download(v); }
+  static Device device() { return kGpu0; }
+};
+
+// Every operation, the expanded ones too, against a host Buffer on the same
+// transport: peer-memory kernels inside one node, host staging across nodes.
+TEST(CudaBuffer, MatchesTheHostBufferOnOneAndSeveralNodes) {
+  EPX_SKIP_WITHOUT_GPU();
+  const std::pair<int, int> shapes[] = {{1, 1}, {2, 1}, {4, 1}, {8, 1}, {4, 2}, {8, 2}, {8, 4}};
+  for (const auto& [R, N] : shapes)
+    for (DType dtype : {DType::kF32, DType::kBF16})
+      for (exchange_test::Routing routing : exchange_test::kAllRoutings) {
+        exchange_test::check_device_exchange_like_host<CudaBackend>(
+            *Topology::create(R, N), dtype, routing, 100u * R + 10u * N + static_cast<uint32_t>(routing));
         if (::testing::Test::HasFailure()) return;
       }
 }

@@ -1,4 +1,4 @@
-// The argument checks of CudaGroup's calls (exchange/group_checks.h): plain
+// The argument checks of CudaGroup's and CudaBuffer's calls (exchange/group_checks.h): plain
 // host code, tested here with device views that are never dereferenced, so
 // they run in every build, with or without a GPU.
 #include "exchange/group_checks.h"
@@ -109,6 +109,36 @@ TEST(GroupChecks, CombineArguments) {
   config.max_combine_dtype = DType::kBF16;
   EXPECT_EQ(validate_group_combine(config, y, out, {}, shapes).message(),
             "rank 0: y is f32 but max_combine_dtype = bf16; raise BufferConfig::max_combine_dtype");
+}
+
+TEST(GroupChecks, ExpandedInputs) {
+  const BufferConfig config = small_config();  // max_combine_dtype f32
+  const CombineShape shape{5, 3, 2, kGpu0};     // 5 received rows, 3 tokens, topk 2
+  const TensorView y = device_matrix(DType::kBF16, 7, 16), w = device_matrix(DType::kF32, 5, 2);
+  const TensorView gy = device_matrix(DType::kF32, 7, 16), gw = device_matrix(DType::kF32, 5, 2);
+  EXPECT_TRUE(check_expanded_inputs(config, false, y, w, {}, {}, 7, shape).is_ok());
+  EXPECT_TRUE(check_expanded_inputs(config, false, y, {}, {}, {}, 7, shape).is_ok());
+  EXPECT_TRUE(check_expanded_inputs(config, true, y, w, gy, gw, 7, shape).is_ok());
+  EXPECT_TRUE(check_expanded_inputs(config, true, y, {}, gy, {}, 7, shape).is_ok());
+  EXPECT_EQ(check_expanded_inputs(config, false, device_matrix(DType::kI32, 7, 16), w, {}, {}, 7, shape).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_NE(check_expanded_inputs(config, false, device_matrix(DType::kBF16, 6, 16), w, {}, {}, 7, shape)
+                .message()
+                .find("y_expanded"),
+            std::string::npos);
+  const TensorView strided(g_fake, DType::kF32, {5, 2}, {3, 1}, kGpu0);
+  EXPECT_EQ(check_expanded_inputs(config, false, y, strided, {}, {}, 7, shape).message(),
+            "weights must be dense, got f32[5, 2] (strides 3, 1)");
+  EXPECT_NE(check_expanded_inputs(config, true, y, w, {}, gw, 7, shape).message().find("grad_y_expanded"),
+            std::string::npos);
+  EXPECT_NE(check_expanded_inputs(config, true, y, w, gy, device_matrix(DType::kF32, 5, 2, kGpu1), 7, shape)
+                .message()
+                .find("grad_weights"),
+            std::string::npos);
+  BufferConfig narrow = config;
+  narrow.max_combine_dtype = DType::kBF16;
+  EXPECT_EQ(check_expanded_inputs(narrow, false, y, w, {}, {}, 7, shape).code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(check_expanded_inputs(narrow, true, y, w, gy, gw, 7, shape).is_ok());  // the backward sums nothing
 }
 
 }  // namespace

@@ -10,11 +10,15 @@
 // the same order; a rank that rejects its input makes the others return
 // Aborted; waits are bounded by the transport's deadlines.
 //
-// Built so far: one node (a topology of several nodes gets Unimplemented:
-// NCCL or host-staged messages between nodes are not built yet); dispatch,
-// cached dispatch, combine (with bias and weight gradients) and their
-// backward uses. The expanded layout and its weighted combine are
-// CudaGroup's only, for now. Handles are valid until the next dispatch.
+// Across nodes (a topology of several nodes) the bytes are host-staged: each
+// call copies its device views to host memory, runs a host Buffer on the
+// transport (two-hop, deduplicated per node) and copies the results back.
+// Correct, bit for bit the host Buffer's, but it crosses PCIe twice; GPU
+// memory registered with the network (NCCL, GPUDirect RDMA) is not built.
+// Inside one node: dispatch, cached dispatch, combine (with bias and weight
+// gradients), the expanded layout, its weighted combine and the backward
+// uses, all as kernels on peer memory. Handles are valid until the next
+// dispatch; fp8 payloads are not built (Unimplemented).
 //
 //   EPX_ASSIGN_OR_RETURN(auto buffer, epx::CudaBuffer::create(transport, config, /*device=*/local_rank));
 //   epx::DispatchResult recv;
@@ -54,6 +58,20 @@ class CudaBuffer {
   [[nodiscard]] Status combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
     return dispatch_cached(grad_out, handle, grad_y);
   }
+
+  // The expanded per-expert layout (buffer.h), as Buffer's: a host copy,
+  // built on first use and valid until the next dispatch.
+  [[nodiscard]] Result<const ExpandedLayout*> expanded_layout(const Handle& handle);
+  // Local: received rows into the expanded layout (device views).
+  [[nodiscard]] Status expand(const TensorView& recv_x, const Handle& handle, const TensorView& out);
+  // Collective, as Buffer::combine_expanded (needs max_combine_dtype = f32).
+  [[nodiscard]] Status combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                        const TensorView& weights = {}, const CombineOptions& options = {});
+  // Collective, as Buffer::combine_expanded_backward.
+  [[nodiscard]] Status combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
+                                                 const TensorView& y_expanded, const TensorView& weights,
+                                                 const TensorView& grad_y_expanded,
+                                                 const TensorView& grad_weights = {});
 
  private:
   struct Impl;

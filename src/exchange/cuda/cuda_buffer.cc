@@ -12,6 +12,7 @@
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
+#include "exchange/staged.h"
 
 namespace epx {
 namespace {
@@ -39,6 +40,50 @@ struct Region {
   }
 };
 
+// Host <-> device copies on one device, on a stream of their own, for the
+// host-staged path between nodes. A stream that could not be made fails
+// every call (allocation first, so StagedExchange::create reports it to all).
+class CudaCopier final : public detail::DeviceCopier {
+ public:
+  explicit CudaCopier(int device) : device_(device) {
+    cudaError_t err = cudaSetDevice(device);
+    if (err == cudaSuccess) err = cudaStreamCreate(&stream_);
+    if (err != cudaSuccess)
+      status_ = internal_error("could not make a CUDA stream on device {}: {}", device, cudaGetErrorString(err));
+  }
+  ~CudaCopier() override {
+    if (stream_ != nullptr && cudaSetDevice(device_) == cudaSuccess) cudaStreamDestroy(stream_);
+  }
+  [[nodiscard]] Device device() const override { return Device{DeviceKind::kCuda, device_}; }
+  [[nodiscard]] Status copy_rows(void* dst, std::size_t dst_stride, const void* src, std::size_t src_stride,
+                                 std::size_t row_bytes, int64_t rows) override {
+    EPX_RETURN_IF_ERROR(status_);
+    if (rows == 0 || row_bytes == 0) return Status::ok();
+    EPX_CUDA_CHECK(cudaSetDevice(device_));
+    EPX_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, static_cast<std::size_t>(rows),
+                                     cudaMemcpyDefault, stream_));
+    return Status::ok();
+  }
+  [[nodiscard]] Status sync() override {
+    EPX_RETURN_IF_ERROR(status_);
+    EPX_CUDA_CHECK(cudaSetDevice(device_));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return Status::ok();
+  }
+  [[nodiscard]] Result<std::byte*> allocate(std::size_t bytes) override {
+    EPX_RETURN_IF_ERROR(status_);
+    blocks_.push_back(std::make_unique<detail::DeviceMemory>());
+    EPX_RETURN_IF_ERROR(blocks_.back()->allocate(device_, bytes));
+    return blocks_.back()->get();
+  }
+
+ private:
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  Status status_ = Status::ok();
+  std::vector<std::unique_ptr<detail::DeviceMemory>> blocks_;
+};
+
 }  // namespace
 
 struct CudaBuffer::Impl {
@@ -60,12 +105,19 @@ struct CudaBuffer::Impl {
   std::vector<Region> regions;  // by rank (all on this node)
   detail::DeviceMemory scratch_memory;
   detail::RankScratch scratch;
+  // Across nodes: everything goes through host memory (and the members above stay unused).
+  std::unique_ptr<detail::StagedExchange> staged;
   // The latest dispatch.
   int num_tokens = 0;
   int topk = 0;
   int64_t num_recv = 0;
+  bool has_weights = false;
+  // Its expanded layout, built on first use: host copy and device row maps
+  // (row_of [num_recv, K], then recv_row [num_rows], int64).
+  detail::DeviceExpandedLayout expanded;
 
   Device dev() const { return Device{DeviceKind::kCuda, device}; }
+  detail::CombineShape shape() const { return {num_recv, num_tokens, topk, dev()}; }
   // Exchanges a validity flag and `words`: a rank that failed returns its
   // error, the others Aborted; nothing is sent by anyone.
   Status gather(const Status& local_status, std::vector<int64_t> words, std::vector<int64_t>* all,
@@ -100,6 +152,22 @@ struct CudaBuffer::Impl {
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
     return Status::ok();
   }
+  // The cached dispatch and the combine, for a caller that may already have
+  // failed (local_status): it still takes part, so its peers return Aborted.
+  Status cached_rows(Status local_status, const TensorView& x, const Handle& handle, TensorView* recv_x);
+  Status combine_rows(Status local_status, const TensorView& y, const Handle& handle, const TensorView& out,
+                      const CombineOptions& options);
+  // The weights of combine_expanded: `weights` when given, else the dispatched ones.
+  Status expanded_weights(const TensorView& weights, const float** w) const {
+    if (weights.defined()) {
+      *w = weights.data_as<const float>();
+    } else if (has_weights) {
+      *w = regions[rank].recv.topk_weights;
+    } else {
+      return invalid_argument("combine_expanded needs weights: none were dispatched and none were passed");
+    }
+    return Status::ok();
+  }
 };
 
 CudaBuffer::CudaBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -116,12 +184,10 @@ Result<std::unique_ptr<CudaBuffer>> CudaBuffer::create(Transport& transport, Buf
   Status local_status = detail::validate_buffer_config(&config, R);
   if (local_status.is_ok() && config.dtype == DType::kFP8E4M3)
     local_status = unimplemented("fp8 payloads are not built on the CUDA backend yet; use bf16 or f32");
-  if (local_status.is_ok() && R > cuda::kMaxRanks)
-    local_status = invalid_argument("num_ranks = {} is above the CUDA backend's limit {}", R, cuda::kMaxRanks);
-  if (local_status.is_ok() && topo.num_nodes() > 1)
-    local_status = unimplemented("CudaBuffer across {} nodes is not built yet (NCCL or host-staged messages between "
-                                 "nodes); use one node, or CudaGroup to emulate several",
-                                 topo.num_nodes());
+  const bool staged = topo.num_nodes() > 1;
+  if (local_status.is_ok() && !staged && R > cuda::kMaxRanks)
+    local_status = invalid_argument("num_ranks = {} is above the CUDA backend's limit {} for one node", R,
+                                    cuda::kMaxRanks);
   if (local_status.is_ok()) {
     const std::string why = cuda_unavailable_reason();
     if (!why.empty()) local_status = failed_precondition("CudaBuffer needs a GPU: {}", why);
@@ -136,11 +202,16 @@ Result<std::unique_ptr<CudaBuffer>> CudaBuffer::create(Transport& transport, Buf
     if (all[r] != 0) return aborted("rank {} rejected its CudaBuffer config, so none was made", r);
 
   ExpertPlacement placement = *config.placement;
-  auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement), device);
+  auto impl = std::make_unique<Impl>(transport, config, std::move(placement), device);
   Impl& m = *impl;
   m.id = g_next_cuda_buffer_id.fetch_add(1);
   m.rank = transport.rank();
   m.num_ranks = R;
+  if (staged) {
+    EPX_ASSIGN_OR_RETURN(m.staged,
+                         detail::StagedExchange::create(transport, std::move(config), std::make_unique<CudaCopier>(device)));
+    return std::unique_ptr<CudaBuffer>(new CudaBuffer(std::move(impl)));
+  }
   m.max_recv = detail::max_recv_rows(m.config, R);
   m.row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.dtype);
   m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
@@ -165,6 +236,7 @@ Result<std::unique_ptr<CudaBuffer>> CudaBuffer::create(Transport& transport, Buf
 
 Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
   Impl& m = *impl_;
+  if (m.staged) return m.staged->dispatch(in, out);
   Stopwatch watch;
   const Deadline deadline = Deadline::after(m.config.timeout);
   const Topology& topo = m.transport.topology();
@@ -214,6 +286,8 @@ Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
   ++m.dispatch_seq;
   m.num_tokens = static_cast<int>(in.topk_idx.size(0));
   m.topk = static_cast<int>(in.topk_idx.size(1));
+  m.has_weights = header(0, 2) != 0;
+  m.expanded.ready = false;
   m.num_recv = detail::num_recv_rows(matrix, R, m.rank);
   const std::vector<int64_t> offsets = detail::block_offsets(matrix, R);
   cuda::SendRowArgs a;
@@ -236,8 +310,15 @@ Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
 
 Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   Impl& m = *impl_;
+  if (m.staged) return m.staged->dispatch_cached(x, handle, recv_x);
+  return m.cached_rows(Status::ok(), x, handle, recv_x);
+}
+
+Status CudaBuffer::Impl::cached_rows(Status local_status, const TensorView& x, const Handle& handle,
+                                     TensorView* recv_x) {
+  Impl& m = *this;
   const Deadline deadline = Deadline::after(m.config.timeout);
-  Status local_status = m.check_handle(handle, "dispatch_cached");
+  if (local_status.is_ok()) local_status = m.check_handle(handle, "dispatch_cached");
   if (local_status.is_ok())
     local_status = check_matrix(x, "x", m.config.dtype, m.num_tokens, m.config.hidden, m.dev());
   if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("dispatch_cached needs an output");
@@ -251,6 +332,7 @@ Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, Te
 
 Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) {
   Impl& m = *impl_;
+  if (m.staged) return m.staged->combine_input(handle, dtype);
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_input"));
   if ((dtype != DType::kF32 && dtype != DType::kBF16) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
     return invalid_argument("combine_input dtype {} must be bf16 or f32 and no wider than max_combine_dtype = {}",
@@ -261,12 +343,17 @@ Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) 
 Status CudaBuffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
                            const CombineOptions& options) {
   Impl& m = *impl_;
+  if (m.staged) return m.staged->combine(y, handle, out, options);
+  return m.combine_rows(Status::ok(), y, handle, out, options);
+}
+
+Status CudaBuffer::Impl::combine_rows(Status local_status, const TensorView& y, const Handle& handle,
+                                      const TensorView& out, const CombineOptions& options) {
+  Impl& m = *this;
   const Deadline deadline = Deadline::after(m.config.timeout);
   const int R = m.num_ranks, H = m.config.hidden;
-  Status local_status = m.check_handle(handle, "combine");
-  if (local_status.is_ok())
-    local_status = detail::check_combine_inputs(m.config, y, out, options,
-                                                {m.num_recv, m.num_tokens, m.topk, m.dev()});
+  if (local_status.is_ok()) local_status = m.check_handle(handle, "combine");
+  if (local_status.is_ok()) local_status = detail::check_combine_inputs(m.config, y, out, options, m.shape());
   const bool slots = local_status.is_ok() && options.grad_recv_topk_weights.defined();
   const DType ydtype = local_status.is_ok() ? y.dtype() : DType::kF32;
   const std::size_t yrow = static_cast<std::size_t>(H) * dtype_size(ydtype);
@@ -317,6 +404,72 @@ Status CudaBuffer::combine(const TensorView& y, const Handle& handle, const Tens
   EPX_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   // No rank may overwrite its combine region while a peer still reads it.
   return m.transport.barrier(deadline);
+}
+
+Result<const ExpandedLayout*> CudaBuffer::expanded_layout(const Handle& handle) {
+  Impl& m = *impl_;
+  if (m.staged) return m.staged->expanded_layout(handle);
+  EPX_RETURN_IF_ERROR(m.check_handle(handle, "expanded_layout"));
+  EPX_RETURN_IF_ERROR(m.expanded.build(m.device, m.regions[m.rank].recv.topk_idx, m.num_recv, m.topk,
+                                       m.placement.num_local_experts(m.rank), m.config.expert_alignment));
+  return &m.expanded.host;
+}
+
+Status CudaBuffer::expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
+  Impl& m = *impl_;
+  if (m.staged) return m.staged->expand(recv_x, handle, out);
+  EPX_RETURN_IF_ERROR(expanded_layout(handle).status());
+  return detail::expand_rows(m.expanded, recv_x, out, m.num_recv, m.config.hidden, m.dev(), m.stream);
+}
+
+Status CudaBuffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                    const TensorView& weights, const CombineOptions& options) {
+  Impl& m = *impl_;
+  if (m.staged) return m.staged->combine_expanded(y_expanded, handle, out, weights, options);
+  // The weighted sum of each received row's local slots goes into this
+  // rank's combine region (f32, dense), where combine reads it.
+  const Status local_status = [&]() -> Status {
+    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(handle));
+    EPX_RETURN_IF_ERROR(
+        detail::check_expanded_inputs(m.config, false, y_expanded, weights, {}, {}, layout->num_rows(), m.shape()));
+    const float* w = nullptr;
+    EPX_RETURN_IF_ERROR(m.expanded_weights(weights, &w));
+    EPX_CUDA_CHECK(cudaSetDevice(m.device));
+    EPX_CUDA_CHECK(cuda::launch_expanded_partial(
+        static_cast<const std::byte*>(y_expanded.data()), y_expanded.row_stride_bytes(),
+        y_expanded.dtype() == DType::kBF16, m.expanded.row_of(), w, m.num_recv, m.topk, m.config.hidden,
+        reinterpret_cast<float*>(m.regions[m.rank].combine), m.stream));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    return Status::ok();
+  }();
+  const TensorView partial =
+      TensorView::contiguous(m.regions[m.rank].combine, DType::kF32, {m.num_recv, m.config.hidden}, m.dev());
+  return m.combine_rows(local_status, partial, handle, out, options);
+}
+
+Status CudaBuffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
+                                             const TensorView& y_expanded, const TensorView& weights,
+                                             const TensorView& grad_y_expanded, const TensorView& grad_weights) {
+  Impl& m = *impl_;
+  if (m.staged)
+    return m.staged->combine_expanded_backward(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  const float* w = nullptr;
+  const Status local_status = [&]() -> Status {
+    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(handle));
+    EPX_RETURN_IF_ERROR(detail::check_expanded_inputs(m.config, true, y_expanded, weights, grad_y_expanded,
+                                                      grad_weights, layout->num_rows(), m.shape()));
+    return m.expanded_weights(weights, &w);
+  }();
+  // The gradient of each partial row is grad_out of its token, along the dispatch routes.
+  TensorView grad_partial;
+  EPX_RETURN_IF_ERROR(m.cached_rows(local_status, grad_out, handle, &grad_partial));
+  const cuda::ExpandedBackwardArgs a =
+      detail::expanded_backward_args(m.expanded, grad_partial, y_expanded, w, m.num_recv, m.topk, m.config.hidden,
+                                     grad_y_expanded, grad_weights);
+  EPX_CUDA_CHECK(cudaSetDevice(m.device));
+  EPX_CUDA_CHECK(cuda::launch_expanded_backward(a, m.stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  return Status::ok();
 }
 
 }  // namespace epx

@@ -47,9 +47,7 @@ struct RankState {
   int num_tokens = 0;
   int64_t num_recv = 0;
   std::vector<int32_t> host_counts;  // [R + N + E] from the layout kernel
-  bool expanded_ready = false;
-  ExpandedLayout expanded;
-  detail::DeviceMemory expanded_maps;  // row_of [num_recv, K] then recv_row [num_rows], int64
+  detail::DeviceExpandedLayout expanded;
   detail::DeviceMemory partial;        // f32 [max_recv, H] for combine_expanded
 };
 
@@ -149,21 +147,13 @@ struct CudaGroup::Impl {
     for (int r = 0; r < R(); ++r) shapes[r] = {ranks[r].num_recv, ranks[r].num_tokens, topk, devices[r]};
     return shapes;
   }
-  // y_expanded of rank r: [layout rows, hidden], bf16 or f32, on its device.
-  Status check_expanded_y(int r, const TensorView& y, const ExpandedLayout& layout) const {
-    if (y.ndim() != 2 || (y.dtype() != DType::kF32 && y.dtype() != DType::kBF16))
-      return invalid_argument("rank {}: y_expanded must be a 2-D bf16 or f32 array, got {}", r, y.describe());
-    return check_matrix(y, "y_expanded", y.dtype(), layout.num_rows(), config.hidden, devices[r]);
-  }
   // The layout kernels of every rank, their counts in host_counts; `out`
   // (optional) gets the layouts. for_dispatch: the slots' ranks go where
   // combine reads them.
   Status run_layouts(std::span<const TensorView> topk_idx, bool for_dispatch, std::vector<DispatchLayout>* out);
+  // The weights rank r's expanded combine uses (checked by check_expanded_inputs).
   Status weights_of(int r, std::span<const TensorView> weights, const float** w) const {
     if (!weights.empty() && weights[r].defined()) {
-      EPX_RETURN_IF_ERROR(check_matrix(weights[r], "weights", DType::kF32, ranks[r].num_recv, topk, devices[r]));
-      if (ranks[r].num_recv > 1 && weights[r].stride(0) != topk)
-        return invalid_argument("rank {}: weights must be dense, got {}", r, weights[r].describe());
       *w = weights[r].data_as<const float>();
     } else if (has_weights) {
       *w = ranks[r].region.recv.topk_weights;
@@ -342,7 +332,7 @@ Status CudaGroup::dispatch(std::span<const DispatchInputs> inputs, std::vector<D
     RankState& st = m.ranks[s];
     st.num_tokens = static_cast<int>(inputs[s].topk_idx.size(0));
     st.num_recv = detail::num_recv_rows(counts, R, s);
-    st.expanded_ready = false;
+    st.expanded.ready = false;
     cuda::SendRowArgs a;
     a.in_rank = st.region.scratch.in_rank;
     a.num_tokens = st.num_tokens;
@@ -399,40 +389,16 @@ Result<const ExpandedLayout*> CudaGroup::expanded_layout(int rank, const Handle&
   if (handle.data().buffer_id != m.id || handle.data().dispatch_seq != m.dispatch_seq)
     return failed_precondition("expanded_layout: the handle is not of this group's latest dispatch");
   RankState& s = m.ranks[rank];
-  if (!s.expanded_ready) {
-    const int64_t K = m.topk;
-    std::vector<int32_t> recv_topk(static_cast<std::size_t>(s.num_recv * K));
-    EPX_CUDA_CHECK(cudaSetDevice(s.device));
-    EPX_CUDA_CHECK(cudaMemcpy(recv_topk.data(), s.region.recv.topk_idx, sizeof(int32_t) * recv_topk.size(),
-                              cudaMemcpyDeviceToHost));
-    detail::build_expanded_layout(recv_topk, s.num_recv, m.topk, m.placement.num_local_experts(rank),
-                                  m.config.expert_alignment, &s.expanded);
-    const std::size_t a = s.expanded.row_of.size(), b = s.expanded.recv_row.size();
-    EPX_RETURN_IF_ERROR(s.expanded_maps.allocate(s.device, sizeof(int64_t) * (a + b + 1)));
-    EPX_CUDA_CHECK(cudaMemcpy(s.expanded_maps.get<int64_t>(), s.expanded.row_of.data(), sizeof(int64_t) * a,
-                              cudaMemcpyHostToDevice));
-    EPX_CUDA_CHECK(cudaMemcpy(s.expanded_maps.get<int64_t>() + a, s.expanded.recv_row.data(), sizeof(int64_t) * b,
-                              cudaMemcpyHostToDevice));
-    s.expanded_ready = true;
-  }
-  return &s.expanded;
+  EPX_RETURN_IF_ERROR(s.expanded.build(s.device, s.region.recv.topk_idx, s.num_recv, m.topk,
+                                       m.placement.num_local_experts(rank), m.config.expert_alignment));
+  return &s.expanded.host;
 }
 
 Status CudaGroup::expand(int rank, const TensorView& recv_x, const Handle& handle, const TensorView& out) {
   Impl& m = *impl_;
-  EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(rank, handle));
-  RankState& s = m.ranks[rank];
-  if (recv_x.ndim() != 2 || (recv_x.dtype() != DType::kF32 && recv_x.dtype() != DType::kBF16))
-    return invalid_argument("recv_x must be a 2-D bf16 or f32 array, got {}", recv_x.describe());
-  EPX_RETURN_IF_ERROR(check_matrix(recv_x, "recv_x", recv_x.dtype(), s.num_recv, m.config.hidden, m.devices[rank]));
-  EPX_RETURN_IF_ERROR(check_matrix(out, "out", recv_x.dtype(), layout->num_rows(), m.config.hidden, m.devices[rank]));
-  EPX_CUDA_CHECK(cudaSetDevice(s.device));
-  EPX_CUDA_CHECK(cuda::launch_expand(static_cast<const std::byte*>(recv_x.data()), recv_x.row_stride_bytes(),
-                                     s.expanded_maps.get<int64_t>() + layout->row_of.size(), layout->num_rows(),
-                                     static_cast<std::size_t>(m.config.hidden) * recv_x.element_size(),
-                                     static_cast<std::byte*>(out.data()), out.row_stride_bytes(), s.stream));
-  EPX_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-  return Status::ok();
+  EPX_RETURN_IF_ERROR(expanded_layout(rank, handle).status());
+  const RankState& s = m.ranks[rank];
+  return detail::expand_rows(s.expanded, recv_x, out, s.num_recv, m.config.hidden, m.devices[rank], s.stream);
 }
 
 Status CudaGroup::combine_expanded(std::span<const TensorView> y_expanded, std::span<const Handle> handles,
@@ -442,26 +408,26 @@ Status CudaGroup::combine_expanded(std::span<const TensorView> y_expanded, std::
   EPX_RETURN_IF_ERROR(m.check_handles(handles, "combine_expanded"));
   EPX_RETURN_IF_ERROR(detail::check_per_rank(y_expanded.size(), R, "y_expanded"));
   if (!weights.empty()) EPX_RETURN_IF_ERROR(detail::check_per_rank(weights.size(), R, "weights"));
-  if (m.config.max_combine_dtype != DType::kF32)
-    return failed_precondition("combine_expanded sums in fp32 and needs max_combine_dtype = f32, not {}",
-                               dtype_name(m.config.max_combine_dtype));
+  const std::vector<detail::CombineShape> shapes = m.combine_shapes();
   std::vector<TensorView> partial(R);
   std::vector<const float*> w(R);
   for (int r = 0; r < R; ++r) {
     EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(r, handles[r]));
-    EPX_RETURN_IF_ERROR(m.check_expanded_y(r, y_expanded[r], *layout));
+    EPX_RETURN_IF_ERROR(detail::on_rank(
+        r, detail::check_expanded_inputs(m.config, false, y_expanded[r], weights.empty() ? TensorView() : weights[r],
+                                         {}, {}, layout->num_rows(), shapes[r])));
     EPX_RETURN_IF_ERROR(m.weights_of(r, weights, &w[r]));
     RankState& s = m.ranks[r];
     EPX_RETURN_IF_ERROR(s.partial.allocate(s.device, sizeof(float) * static_cast<std::size_t>(m.max_recv) * H + 16));
     partial[r] = TensorView::contiguous(s.partial.get(), DType::kF32, {s.num_recv, H}, m.devices[r]);
   }
-  EPX_RETURN_IF_ERROR(detail::validate_group_combine(m.config, partial, out, {}, m.combine_shapes()));
+  EPX_RETURN_IF_ERROR(detail::validate_group_combine(m.config, partial, out, {}, shapes));
   for (int r = 0; r < R; ++r) {
     RankState& s = m.ranks[r];
     EPX_CUDA_CHECK(cudaSetDevice(s.device));
     EPX_CUDA_CHECK(cuda::launch_expanded_partial(static_cast<const std::byte*>(y_expanded[r].data()),
                                                  y_expanded[r].row_stride_bytes(), y_expanded[r].dtype() == DType::kBF16,
-                                                 s.expanded_maps.get<int64_t>(), w[r], s.num_recv, m.topk, H,
+                                                 s.expanded.row_of(), w[r], s.num_recv, m.topk, H,
                                                  s.partial.get<float>(), s.stream));
   }
   EPX_RETURN_IF_ERROR(m.sync_all());
@@ -480,18 +446,14 @@ Status CudaGroup::combine_expanded_backward(std::span<const TensorView> grad_out
   EPX_RETURN_IF_ERROR(detail::check_per_rank(grad_y_expanded.size(), R, "grad_y_expanded"));
   if (!weights.empty()) EPX_RETURN_IF_ERROR(detail::check_per_rank(weights.size(), R, "weights"));
   if (!grad_weights.empty()) EPX_RETURN_IF_ERROR(detail::check_per_rank(grad_weights.size(), R, "grad_weights"));
+  const std::vector<detail::CombineShape> shapes = m.combine_shapes();
   std::vector<const float*> w(R);
   for (int r = 0; r < R; ++r) {
     EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(r, handles[r]));
-    EPX_RETURN_IF_ERROR(m.check_expanded_y(r, y_expanded[r], *layout));
-    EPX_RETURN_IF_ERROR(
-        check_matrix(grad_y_expanded[r], "grad_y_expanded", DType::kF32, layout->num_rows(), H, m.devices[r]));
-    if (!grad_weights.empty() && grad_weights[r].defined()) {
-      EPX_RETURN_IF_ERROR(
-          check_matrix(grad_weights[r], "grad_weights", DType::kF32, m.ranks[r].num_recv, m.topk, m.devices[r]));
-      if (m.ranks[r].num_recv > 1 && grad_weights[r].stride(0) != m.topk)
-        return invalid_argument("rank {}: grad_weights must be dense, got {}", r, grad_weights[r].describe());
-    }
+    EPX_RETURN_IF_ERROR(detail::on_rank(
+        r, detail::check_expanded_inputs(m.config, true, y_expanded[r], weights.empty() ? TensorView() : weights[r],
+                                         grad_y_expanded[r], grad_weights.empty() ? TensorView() : grad_weights[r],
+                                         layout->num_rows(), shapes[r])));
     EPX_RETURN_IF_ERROR(m.weights_of(r, weights, &w[r]));
   }
   // grad of each partial row = grad_out of its token, along the dispatch routes.
@@ -499,22 +461,9 @@ Status CudaGroup::combine_expanded_backward(std::span<const TensorView> grad_out
   EPX_RETURN_IF_ERROR(dispatch_cached(grad_out, handles, &grad_partial));
   for (int r = 0; r < R; ++r) {
     RankState& s = m.ranks[r];
-    cuda::ExpandedBackwardArgs a;
-    a.grad_partial = static_cast<const std::byte*>(grad_partial[r].data());
-    a.grad_bf16 = m.config.dtype == DType::kBF16;
-    a.y = static_cast<const std::byte*>(y_expanded[r].data());
-    a.y_stride_bytes = y_expanded[r].row_stride_bytes();
-    a.y_bf16 = y_expanded[r].dtype() == DType::kBF16;
-    a.row_of = s.expanded_maps.get<int64_t>();
-    a.recv_row = a.row_of + s.expanded.row_of.size();
-    a.weights = w[r];
-    a.num_recv = s.num_recv;
-    a.num_rows = s.expanded.num_rows();
-    a.topk = m.topk;
-    a.hidden = H;
-    a.grad_y = grad_y_expanded[r].data_as<float>();
-    a.grad_y_stride_bytes = grad_y_expanded[r].row_stride_bytes();
-    if (!grad_weights.empty() && grad_weights[r].defined()) a.grad_weights = grad_weights[r].data_as<float>();
+    const cuda::ExpandedBackwardArgs a =
+        detail::expanded_backward_args(s.expanded, grad_partial[r], y_expanded[r], w[r], s.num_recv, m.topk, H,
+                                       grad_y_expanded[r], grad_weights.empty() ? TensorView() : grad_weights[r]);
     EPX_CUDA_CHECK(cudaSetDevice(s.device));
     EPX_CUDA_CHECK(cuda::launch_expanded_backward(a, s.stream));
   }

@@ -147,4 +147,62 @@ void fill_dispatch_result(const DispatchFacts& f, const BufferConfig& config, co
   o.handle = Handle(std::move(h));
 }
 
+Status DeviceExpandedLayout::build(int device, const int32_t* recv_topk_idx, int64_t num_recv, int topk,
+                                   int num_local_experts, int alignment) {
+  if (ready) return Status::ok();
+  std::vector<int32_t> recv_topk(static_cast<std::size_t>(num_recv * topk));
+  EPX_CUDA_CHECK(cudaSetDevice(device));
+  if (!recv_topk.empty())
+    EPX_CUDA_CHECK(cudaMemcpy(recv_topk.data(), recv_topk_idx, sizeof(int32_t) * recv_topk.size(),
+                              cudaMemcpyDeviceToHost));
+  build_expanded_layout(recv_topk, num_recv, topk, num_local_experts, alignment, &host);
+  const std::size_t a = host.row_of.size(), b = host.recv_row.size();
+  EPX_RETURN_IF_ERROR(maps.allocate(device, sizeof(int64_t) * (a + b + 1)));
+  if (a > 0)
+    EPX_CUDA_CHECK(cudaMemcpy(maps.get<int64_t>(), host.row_of.data(), sizeof(int64_t) * a, cudaMemcpyHostToDevice));
+  if (b > 0)
+    EPX_CUDA_CHECK(
+        cudaMemcpy(maps.get<int64_t>() + a, host.recv_row.data(), sizeof(int64_t) * b, cudaMemcpyHostToDevice));
+  ready = true;
+  return Status::ok();
+}
+
+Status expand_rows(const DeviceExpandedLayout& layout, const TensorView& recv_x, const TensorView& out,
+                   int64_t num_recv, int hidden, Device device, cudaStream_t stream) {
+  if (recv_x.ndim() != 2 || (recv_x.dtype() != DType::kF32 && recv_x.dtype() != DType::kBF16))
+    return invalid_argument("recv_x must be a 2-D bf16 or f32 array, got {}", recv_x.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(recv_x, "recv_x", recv_x.dtype(), num_recv, hidden, device));
+  EPX_RETURN_IF_ERROR(check_matrix(out, "out", recv_x.dtype(), layout.host.num_rows(), hidden, device));
+  EPX_CUDA_CHECK(cudaSetDevice(device.index));
+  EPX_CUDA_CHECK(cuda::launch_expand(static_cast<const std::byte*>(recv_x.data()), recv_x.row_stride_bytes(),
+                                     layout.recv_row(), layout.host.num_rows(),
+                                     static_cast<std::size_t>(hidden) * recv_x.element_size(),
+                                     static_cast<std::byte*>(out.data()), out.row_stride_bytes(), stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return Status::ok();
+}
+
+cuda::ExpandedBackwardArgs expanded_backward_args(const DeviceExpandedLayout& layout, const TensorView& grad_partial,
+                                                  const TensorView& y_expanded, const float* weights, int64_t num_recv,
+                                                  int topk, int hidden, const TensorView& grad_y_expanded,
+                                                  const TensorView& grad_weights) {
+  cuda::ExpandedBackwardArgs a;
+  a.grad_partial = static_cast<const std::byte*>(grad_partial.data());
+  a.grad_bf16 = grad_partial.dtype() == DType::kBF16;
+  a.y = static_cast<const std::byte*>(y_expanded.data());
+  a.y_stride_bytes = y_expanded.row_stride_bytes();
+  a.y_bf16 = y_expanded.dtype() == DType::kBF16;
+  a.row_of = layout.row_of();
+  a.recv_row = layout.recv_row();
+  a.weights = weights;
+  a.num_recv = num_recv;
+  a.num_rows = layout.host.num_rows();
+  a.topk = topk;
+  a.hidden = hidden;
+  a.grad_y = grad_y_expanded.data_as<float>();
+  a.grad_y_stride_bytes = grad_y_expanded.row_stride_bytes();
+  if (grad_weights.defined()) a.grad_weights = grad_weights.data_as<float>();
+  return a;
+}
+
 }  // namespace epx::detail

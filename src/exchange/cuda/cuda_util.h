@@ -133,4 +133,30 @@ void fill_dispatch_result(const DispatchFacts& facts, const BufferConfig& config
                           std::span<const int32_t> node_counts, std::span<const int64_t> expert_counts,
                           const RecvRegion& mine, DispatchResult* out);
 
+// A rank's expanded layout (buffer.h): the host copy, built from the
+// received local top-k ids in device memory, and its row maps on the device
+// (row_of [num_recv, K], then recv_row [num_rows], int64). Forget it at each
+// dispatch (ready = false); build() does the work once per dispatch.
+struct DeviceExpandedLayout {
+  bool ready = false;
+  ExpandedLayout host;
+  DeviceMemory maps;
+  [[nodiscard]] Status build(int device, const int32_t* recv_topk_idx, int64_t num_recv, int topk,
+                             int num_local_experts, int alignment);
+  [[nodiscard]] const int64_t* row_of() const { return maps.get<int64_t>(); }
+  [[nodiscard]] const int64_t* recv_row() const { return maps.get<int64_t>() + host.row_of.size(); }
+};
+
+// expand: recv_x [num_recv, hidden] (bf16 or f32, on `device`) into out
+// [layout rows, hidden] of the same dtype, padding rows zero; waits for it.
+Status expand_rows(const DeviceExpandedLayout& layout, const TensorView& recv_x, const TensorView& out,
+                   int64_t num_recv, int hidden, Device device, cudaStream_t stream);
+
+// The local part of combine_expanded_backward for one rank, from the cached
+// dispatch of grad_out (grad_partial: dense rows of the payload dtype).
+cuda::ExpandedBackwardArgs expanded_backward_args(const DeviceExpandedLayout& layout, const TensorView& grad_partial,
+                                                  const TensorView& y_expanded, const float* weights, int64_t num_recv,
+                                                  int topk, int hidden, const TensorView& grad_y_expanded,
+                                                  const TensorView& grad_weights);
+
 }  // namespace epx::detail

@@ -1,0 +1,194 @@
+// The host-staged exchange (CudaBuffer's path between nodes) on the CPU: its
+// "device" is host memory tagged cuda:7, copied with memcpy, so the staging
+// logic (shapes, strides, which results are copied back, collective errors)
+// runs in every build. Results must equal a host Buffer's bit for bit, on
+// one node and on two-hop topologies, with ranks as threads and (in
+// epx_mpi_tests) as MPI processes; the error cases run on threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "epx/comm/inproc.h"
+#include "exchange/device_buffer_checks.h"
+#include "exchange/staged.h"
+
+namespace epx::exchange_test {
+namespace {
+
+constexpr Device kFakeDevice{DeviceKind::kCuda, 7};
+
+// Faults a copier injects: a failed allocation, or failed copies from the nth on.
+struct Faults {
+  bool fail_allocation = false;
+  int fail_copies_from = -1;
+};
+
+class HostAsDeviceCopier final : public detail::DeviceCopier {
+ public:
+  explicit HostAsDeviceCopier(Faults faults = {}) : faults_(faults) {}
+  [[nodiscard]] Device device() const override { return kFakeDevice; }
+  [[nodiscard]] Status copy_rows(void* dst, std::size_t dst_stride, const void* src, std::size_t src_stride,
+                                 std::size_t row_bytes, int64_t rows) override {
+    if (faults_.fail_copies_from >= 0 && copies_++ >= faults_.fail_copies_from)
+      return internal_error("injected copy failure");
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(static_cast<std::byte*>(dst) + r * dst_stride, static_cast<const std::byte*>(src) + r * src_stride,
+                  row_bytes);
+    return Status::ok();
+  }
+  [[nodiscard]] Status sync() override { return Status::ok(); }
+  [[nodiscard]] Result<std::byte*> allocate(std::size_t bytes) override {
+    if (faults_.fail_allocation) return resource_exhausted("injected: no {} bytes of device memory", bytes);
+    blocks_.push_back(std::make_unique<std::byte[]>(bytes));  // value-initialised: zero
+    return blocks_.back().get();
+  }
+
+ private:
+  Faults faults_;
+  int copies_ = 0;
+  std::vector<std::unique_ptr<std::byte[]>> blocks_;
+};
+
+// Host memory tagged as kFakeDevice.
+TensorView on_fake_device(const TensorView& v) {
+  return v.ndim() == 2 ? TensorView(v.data(), v.dtype(), {v.size(0), v.size(1)}, {v.stride(0), v.stride(1)}, kFakeDevice)
+                       : TensorView(v.data(), v.dtype(), {v.size(0)}, {v.stride(0)}, kFakeDevice);
+}
+
+struct FakeDeviceBackend {
+  using Exchange = detail::StagedExchange;
+  static Result<std::unique_ptr<Exchange>> make(Transport& t, const BufferConfig& config) {
+    return Exchange::create(t, config, std::make_unique<HostAsDeviceCopier>());
+  }
+  struct Array {
+    Matrix memory;
+    TensorView view;
+  };
+  static Array upload(const Matrix& m) {
+    Array a{m, {}};
+    a.view = on_fake_device(a.memory.view());
+    return a;
+  }
+  static Matrix download(const TensorView& v) { return Matrix::copy_of(v); }
+  static Device device() { return kFakeDevice; }
+};
+
+TEST(StagedExchange, MatchesTheHostBuffer) {
+  const std::pair<int, int> shapes[] = {{1, 1}, {2, 1}, {4, 2}, {8, 2}, {8, 4}};
+  for (const auto& [R, N] : shapes)
+    for (DType dtype : {DType::kF32, DType::kBF16})
+      for (Routing routing : kAllRoutings) {
+        check_device_exchange_like_host<FakeDeviceBackend>(*Topology::create(R, N), dtype, routing,
+                                                           100u * R + 10u * N + static_cast<uint32_t>(routing));
+        if (::testing::Test::HasFailure()) return;
+      }
+}
+
+BufferConfig small_config(int num_ranks) {
+  BufferConfig config;
+  config.num_experts = 2 * num_ranks;
+  config.hidden = 16;
+  config.dtype = DType::kF32;
+  config.max_topk = 2;
+  config.max_tokens_per_rank = 4;
+  config.timeout = Milliseconds(20000);
+  return config;
+}
+
+// Rank r's inputs: 4 tokens, slot k of token t on expert (t + k + r) % E.
+struct SmallInputs {
+  Matrix x, idx;
+  SmallInputs(int r, const BufferConfig& c) : x(DType::kF32, 4, c.hidden), idx(DType::kI32, 4, 2) {
+    for (int t = 0; t < 4; ++t) {
+      for (int h = 0; h < c.hidden; ++h) x.set(t, h, static_cast<float>(100 * r + t));
+      for (int k = 0; k < 2; ++k) {
+        const int32_t e = (t + k + r) % c.num_experts;
+        std::memcpy(idx.row(t) + k * sizeof(int32_t), &e, sizeof(e));
+      }
+    }
+  }
+  DispatchInputs inputs() const { return {on_fake_device(x.view()), on_fake_device(idx.view()), {}}; }
+};
+
+TEST(StagedExchange, AHostViewIsRejectedAndThePeersAbort) {
+  const Topology topology = *Topology::create(4, 2);
+  const BufferConfig config = small_config(4);
+  std::vector<Status> first(4);
+  const std::vector<Status> statuses = run_ranks(topology, [&](Transport& t) -> Status {
+    EPX_ASSIGN_OR_RETURN(auto ex, FakeDeviceBackend::make(t, config));
+    const SmallInputs in(t.rank(), config);
+    DispatchInputs inputs = in.inputs();
+    if (t.rank() == 1) inputs.x = in.x.view();  // a host view, not the device's
+    DispatchResult res;
+    first[t.rank()] = ex->dispatch(inputs, &res);
+    // Nothing was half done: the next dispatch works everywhere.
+    return ex->dispatch(in.inputs(), &res);
+  });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(statuses[r].is_ok()) << statuses[r].message();
+    if (r == 1) {
+      EXPECT_EQ(first[r].code(), StatusCode::kInvalidArgument) << first[r].message();
+      EXPECT_NE(first[r].message().find("cuda:7"), std::string::npos) << first[r].message();
+    } else {
+      EXPECT_EQ(first[r].code(), StatusCode::kAborted) << first[r].message();
+      EXPECT_NE(first[r].message().find("rank 1"), std::string::npos) << first[r].message();
+    }
+  }
+}
+
+TEST(StagedExchange, AFailedCopyAbortsThePeers) {
+  const Topology topology = *Topology::create(4, 2);
+  const BufferConfig config = small_config(4);
+  std::vector<Status> first(4);
+  const std::vector<Status> statuses = run_ranks(topology, [&](Transport& t) -> Status {
+    Faults faults;
+    if (t.rank() == 2) faults.fail_copies_from = 1;  // x is staged, topk_idx is not
+    EPX_ASSIGN_OR_RETURN(auto ex, detail::StagedExchange::create(t, config, std::make_unique<HostAsDeviceCopier>(faults)));
+    const SmallInputs in(t.rank(), config);
+    DispatchResult res;
+    first[t.rank()] = ex->dispatch(in.inputs(), &res);
+    return Status::ok();
+  });
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(statuses[r].is_ok()) << statuses[r].message();
+    EXPECT_EQ(first[r].code(), r == 2 ? StatusCode::kInternal : StatusCode::kAborted) << first[r].message();
+  }
+}
+
+TEST(StagedExchange, AFailedAllocationMakesNone) {
+  const Topology topology = *Topology::create(2, 2);
+  const BufferConfig config = small_config(2);
+  const std::vector<Status> statuses = run_ranks(topology, [&](Transport& t) -> Status {
+    Faults faults;
+    faults.fail_allocation = t.rank() == 0;
+    return detail::StagedExchange::create(t, config, std::make_unique<HostAsDeviceCopier>(faults)).status();
+  });
+  EXPECT_EQ(statuses[0].code(), StatusCode::kResourceExhausted) << statuses[0].message();
+  EXPECT_EQ(statuses[1].code(), StatusCode::kAborted) << statuses[1].message();
+}
+
+TEST(StagedExchange, HandlesAreChecked) {
+  const Topology topology = *Topology::create(2, 2);
+  const BufferConfig config = small_config(2);
+  std::vector<Status> combine(2), layout(2);
+  const std::vector<Status> statuses = run_ranks(topology, [&](Transport& t) -> Status {
+    EPX_ASSIGN_OR_RETURN(auto ex, FakeDeviceBackend::make(t, config));
+    const SmallInputs in(t.rank(), config);
+    DispatchResult res;
+    EPX_RETURN_IF_ERROR(ex->dispatch(in.inputs(), &res));
+    Matrix y(DType::kF32, res.handle.num_recv_tokens(), config.hidden), out(DType::kF32, 4, config.hidden);
+    // Rank 0 passes an empty handle: it says so, and rank 1 is told.
+    combine[t.rank()] = ex->combine(on_fake_device(y.view()), t.rank() == 0 ? Handle() : res.handle,
+                                    on_fake_device(out.view()));
+    layout[t.rank()] = ex->expanded_layout(Handle()).status();
+    return Status::ok();
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(statuses[r].is_ok()) << statuses[r].message();
+  EXPECT_EQ(combine[0].code(), StatusCode::kInvalidArgument) << combine[0].message();
+  EXPECT_EQ(combine[1].code(), StatusCode::kAborted) << combine[1].message();
+  EXPECT_EQ(layout[0].code(), StatusCode::kInvalidArgument) << layout[0].message();
+}
+
+}  // namespace
+}  // namespace epx::exchange_test
