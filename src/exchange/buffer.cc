@@ -953,13 +953,8 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
         return invalid_argument("y_expanded must be a 2-D bf16 or f32 array, got {}", y_expanded.describe());
       EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), h.expanded().num_rows(), H));
       // The partial sums are written into the combine region: y must not live there.
-      const std::byte* region_begin = m.local().combine;
-      const std::byte* region_end = region_begin + m.max_recv * m.combine_row_bytes;
-      const auto* y_begin = static_cast<const std::byte*>(y_expanded.data());
-      const std::byte* y_end = y_begin + y_expanded.size(0) * y_expanded.row_stride_bytes();
-      if (y_begin < region_end && region_begin < y_end)
-        return invalid_argument("y_expanded lies in this Buffer's combine region, where combine_expanded writes its "
-                                "partial sums; keep the expanded rows elsewhere");
+      EPX_RETURN_IF_ERROR(detail::check_outside_combine_region(y_expanded, m.local().combine,
+                                                               m.max_recv * m.combine_row_bytes));
       if (weights.defined()) {
         EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_recv, K));
         if (weights.stride(0) != K) return invalid_argument("weights must be dense, got {}", weights.describe());

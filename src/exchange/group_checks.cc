@@ -15,6 +15,15 @@ Status check_slots(const TensorView& v, std::string_view name, const CombineShap
 
 }  // namespace
 
+Status check_outside_combine_region(const TensorView& y_expanded, const std::byte* region, std::size_t bytes) {
+  const auto* y_begin = static_cast<const std::byte*>(y_expanded.data());
+  const std::byte* y_end = y_begin + y_expanded.size(0) * y_expanded.row_stride_bytes();
+  if (y_begin < region + bytes && region < y_end)
+    return invalid_argument("y_expanded lies in this Buffer's combine region, where combine_expanded writes its "
+                            "partial sums; keep the expanded rows elsewhere");
+  return Status::ok();
+}
+
 Status on_rank(int rank, Status status) {
   if (status.is_ok()) return status;
   return make_status(status.code(), "rank {}: {}", rank, status.message());

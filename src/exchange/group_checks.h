@@ -50,6 +50,10 @@ Status check_expanded_inputs(const BufferConfig& config, bool backward, const Te
                              const TensorView& weights, const TensorView& grad_y_expanded,
                              const TensorView& grad_weights, int64_t rows, const CombineShape& shape);
 
+// combine_expanded writes its partial sums into the rank's combine region
+// [region, region + bytes): InvalidArgument when y_expanded lies there.
+Status check_outside_combine_region(const TensorView& y_expanded, const std::byte* region, std::size_t bytes);
+
 // Prefixes a failed status with the rank it is about ("rank 3: ...").
 Status on_rank(int rank, Status status);
 

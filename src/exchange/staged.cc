@@ -83,16 +83,24 @@ struct StagedExchange::Impl {
   }
   Status finish_combine(const CombineOptions& o, const TensorView& out, const CombineOptions& ho,
                         const TensorView& hout) {
-    EPX_RETURN_IF_ERROR(copy_back(hout, out));
-    EPX_RETURN_IF_ERROR(copy_back(ho.grad_topk_weights, o.grad_topk_weights));
-    return copier->sync();
+    return stage([&] { return copy_back(hout, out); },
+                 [&] { return copy_back(ho.grad_topk_weights, o.grad_topk_weights); });
   }
-  // Runs the staging steps in order until one fails, then waits for the copies.
+  // Runs the copy steps in order until one fails, then waits for the copies
+  // already started (also after a failure: none is left in flight).
   template <typename... Steps>
   Status stage(Steps&&... steps) {
     Status status = Status::ok();
     ((status = status.is_ok() ? steps() : status), ...);
-    return status.is_ok() ? copier->sync() : status;
+    const Status synced = copier->sync();
+    return status.is_ok() ? synced : status;
+  }
+  // A step that copies host view `h` to `dst` and points `*view` at it.
+  auto to_device_step(const TensorView& h, std::byte* dst, TensorView* view) {
+    return [this, &h, dst, view]() -> Status {
+      EPX_ASSIGN_OR_RETURN(*view, to_device(h, dst));
+      return Status::ok();
+    };
   }
 };
 
@@ -151,12 +159,11 @@ Status StagedExchange::dispatch(const DispatchInputs& in, DispatchResult* out) {
   EPX_RETURN_IF_ERROR(status);
   m.buffer_id = r.handle.data().buffer_id;
   *out = r;
-  EPX_ASSIGN_OR_RETURN(out->recv_x, m.to_device(r.recv_x, m.recv_x));
-  EPX_ASSIGN_OR_RETURN(out->recv_topk_idx, m.to_device(r.recv_topk_idx, m.recv_topk_idx));
-  EPX_ASSIGN_OR_RETURN(out->recv_topk_weights, m.to_device(r.recv_topk_weights, m.recv_topk_weights));
-  EPX_ASSIGN_OR_RETURN(out->recv_src_rank, m.to_device(r.recv_src_rank, m.recv_src_rank));
-  EPX_ASSIGN_OR_RETURN(out->recv_src_idx, m.to_device(r.recv_src_idx, m.recv_src_idx));
-  EPX_RETURN_IF_ERROR(m.copier->sync());
+  EPX_RETURN_IF_ERROR(m.stage(m.to_device_step(r.recv_x, m.recv_x, &out->recv_x),
+                              m.to_device_step(r.recv_topk_idx, m.recv_topk_idx, &out->recv_topk_idx),
+                              m.to_device_step(r.recv_topk_weights, m.recv_topk_weights, &out->recv_topk_weights),
+                              m.to_device_step(r.recv_src_rank, m.recv_src_rank, &out->recv_src_rank),
+                              m.to_device_step(r.recv_src_idx, m.recv_src_idx, &out->recv_src_idx)));
   out->stats.seconds = watch.seconds();
   return Status::ok();
 }
@@ -171,8 +178,7 @@ Status StagedExchange::dispatch_cached(const TensorView& x, const Handle& handle
   const Status status = m.buffer->dispatch_cached(go ? hx : TensorView(), handle, go ? &hr : nullptr);
   EPX_RETURN_IF_ERROR(local_status);
   EPX_RETURN_IF_ERROR(status);
-  EPX_ASSIGN_OR_RETURN(*recv_x, m.to_device(hr, m.recv_x));
-  return m.copier->sync();
+  return m.stage(m.to_device_step(hr, m.recv_x, recv_x));
 }
 
 Result<TensorView> StagedExchange::combine_input(const Handle& handle, DType dtype) {
@@ -224,8 +230,7 @@ Status StagedExchange::expand(const TensorView& recv_x, const Handle& handle, co
   EPX_RETURN_IF_ERROR(m.stage([&] { return m.stage_in(kX, recv_x, "recv_x", handle.num_recv_tokens(), H, &hx); },
                               [&] { return m.stage_out(kOut, out, "out", layout->num_rows(), H, &hout); }));
   EPX_RETURN_IF_ERROR(m.buffer->expand(hx, handle, hout));
-  EPX_RETURN_IF_ERROR(m.copy_back(hout, out));
-  return m.copier->sync();
+  return m.stage([&] { return m.copy_back(hout, out); });
 }
 
 Status StagedExchange::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
@@ -275,9 +280,7 @@ Status StagedExchange::combine_expanded_backward(const TensorView& grad_out, con
                                                             go ? hgw : TensorView());
   EPX_RETURN_IF_ERROR(local_status);
   EPX_RETURN_IF_ERROR(status);
-  EPX_RETURN_IF_ERROR(m.copy_back(hgy, grad_y_expanded));
-  EPX_RETURN_IF_ERROR(m.copy_back(hgw, grad_weights));
-  return m.copier->sync();
+  return m.stage([&] { return m.copy_back(hgy, grad_y_expanded); }, [&] { return m.copy_back(hgw, grad_weights); });
 }
 
 }  // namespace epx::detail

@@ -125,6 +125,11 @@ struct CudaBackend {
   using Array = DeviceMatrix;
   static Array upload(const Matrix& m) { return cuda_test::upload(m); }
   static Matrix download(const TensorView& v) { return cuda_test::download(v); }
+  static void write(const TensorView& dst, const Matrix& m) {
+    EPX_CHECK(m.rows() <= 1 || dst.row_stride_bytes() == m.row_bytes());
+    if (!m.bytes().empty())
+      EPX_CHECK(cudaMemcpy(dst.data(), m.bytes().data(), m.bytes().size(), cudaMemcpyHostToDevice) == cudaSuccess);
+  }
   static Device device() { return kGpu0; }
 };
 
@@ -140,6 +145,54 @@ TEST(CudaBuffer, MatchesTheHostBufferOnOneAndSeveralNodes) {
             *Topology::create(R, N), dtype, routing, 100u * R + 10u * N + static_cast<uint32_t>(routing));
         if (::testing::Test::HasFailure()) return;
       }
+}
+
+// dispatch_async and combine_async (queued on the progress thread, with this
+// thread free in between) give the blocking forms' bits, on one node and
+// host-staged across two.
+TEST(CudaBuffer, AsyncFormsMatchTheBlockingOnes) {
+  EPX_SKIP_WITHOUT_GPU();
+  for (const auto& [R, N] : {std::pair{4, 1}, std::pair{4, 2}}) {
+    SCOPED_TRACE(fmt::format("{} ranks on {} nodes", R, N));
+    const int E = 4 * R, K = 4, H = 64, T = 24;
+    const exchange_test::ExchangeSpec spec{*Topology::create(R, N), *ExpertPlacement::contiguous(E, R), DType::kBF16,
+                                           H, 1};
+    const auto inputs = exchange_test::make_inputs(spec, exchange_test::Routing::kSkewed, K, T, true, 41u + N);
+    BufferConfig config;
+    config.num_experts = E;
+    config.hidden = H;
+    config.dtype = DType::kBF16;
+    config.max_topk = K;
+    config.max_tokens_per_rank = T;
+    std::vector<Matrix> recv_blocking(R), recv_async(R), out_blocking(R), out_async(R);
+    const std::vector<Status> statuses = run_ranks(spec.topology, [&](Transport& t) -> Status {
+      const int r = t.rank();
+      const exchange_test::RankInputs& in = inputs[r];
+      EPX_ASSIGN_OR_RETURN(auto buffer, CudaBuffer::create(t, config, 0));
+      DeviceMatrix x = upload(in.x), idx = upload(in.topk_idx, DType::kI32, in.num_tokens(), K),
+                   w = upload(in.topk_weights, DType::kF32, in.num_tokens(), K);
+      DeviceMatrix out = filled(DType::kF32, in.num_tokens(), H, exchange_test::kUnwritten);
+      DispatchResult res;
+      EPX_RETURN_IF_ERROR(buffer->dispatch({x.view, idx.view, w.view}, &res));
+      recv_blocking[r] = download(res.recv_x);
+      DeviceMatrix y = upload(exchange_test::expert_output(recv_blocking[r], r, DType::kF32));
+      EPX_RETURN_IF_ERROR(buffer->combine(y.view, res.handle, out.view));
+      out_blocking[r] = download(out.view);
+      DispatchResult res2;
+      const PendingOp dispatched = buffer->dispatch_async({x.view, idx.view, w.view}, &res2);
+      EPX_RETURN_IF_ERROR(dispatched.wait());
+      recv_async[r] = download(res2.recv_x);
+      DeviceMatrix out2 = filled(DType::kF32, in.num_tokens(), H, exchange_test::kUnwritten);
+      EPX_RETURN_IF_ERROR(buffer->combine_async(y.view, res2.handle, out2.view).wait());
+      out_async[r] = download(out2.view);
+      return t.barrier(Deadline::after(Milliseconds(20000)));
+    });
+    for (int r = 0; r < R; ++r) {
+      ASSERT_TRUE(statuses[r].is_ok()) << statuses[r].message();
+      EXPECT_TRUE(recv_async[r].same_bits(recv_blocking[r])) << "rank " << r << " recv_x";
+      EXPECT_TRUE(out_async[r].same_bits(out_blocking[r])) << "rank " << r << " combine";
+    }
+  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 //   using Array;                                      // owns device memory; .view
 //   static Array upload(const exchange_test::Matrix&);
 //   static exchange_test::Matrix download(const TensorView&);
+//   static void write(const TensorView& dense_device_view, const exchange_test::Matrix&);
 //   static Device device();
 #pragma once
 
@@ -120,7 +121,17 @@ void check_device_exchange_like_host(const Topology& topology, DType dtype, Rout
       if (extras) keep("grad_topk_weights", dgw.view, hgw.view());
     }
 
-    // expanded layout, expand, combine_expanded (explicit weights) and its backward.
+    // combine with y written straight into the combine region (combine_input).
+    EPX_ASSIGN_OR_RETURN(const TensorView din, dev->combine_input(dres.handle, DType::kF32));
+    Backend::write(din, y32);
+    auto dci = Backend::upload(Matrix::filled(DType::kF32, Tr, H, kUnwritten));
+    Matrix hci = Matrix::filled(DType::kF32, Tr, H, kUnwritten);
+    EPX_RETURN_IF_ERROR(dev->combine(din, dres.handle, dci.view));
+    EPX_RETURN_IF_ERROR(host->combine(y32.view(), hres.handle, hci.view()));
+    keep("combine from combine_input", dci.view, hci.view());
+
+    // expanded layout, expand, combine_expanded (explicit weights, f32 y; dispatched weights,
+    // bf16 y) and its backward (dispatched weights, then explicit ones).
     EPX_ASSIGN_OR_RETURN(const ExpandedLayout* dlayout, dev->expanded_layout(dres.handle));
     const ExpandedLayout& hlayout = host->expanded_layout(hres.handle);
     keep_vectors("expanded row_of", dlayout->row_of, hlayout.row_of, DType::kI64);
@@ -141,6 +152,13 @@ void check_device_exchange_like_host(const Topology& topology, DType dtype, Rout
     EPX_RETURN_IF_ERROR(dev->combine_expanded(dye.view, dres.handle, dce.view, dew.view));
     EPX_RETURN_IF_ERROR(host->combine_expanded(y_e.view(), hres.handle, hce.view(), ew.view()));
     keep("combine_expanded", dce.view, hce.view());
+    const Matrix y_e16 = expert_output(hex, r, DType::kBF16);
+    auto dye16 = Backend::upload(y_e16);
+    auto dce16 = Backend::upload(Matrix::filled(DType::kBF16, Tr, H, kUnwritten));
+    Matrix hce16 = Matrix::filled(DType::kBF16, Tr, H, kUnwritten);
+    EPX_RETURN_IF_ERROR(dev->combine_expanded(dye16.view, dres.handle, dce16.view));
+    EPX_RETURN_IF_ERROR(host->combine_expanded(y_e16.view(), hres.handle, hce16.view()));
+    keep("combine_expanded bf16, dispatched weights", dce16.view, hce16.view());
     const Matrix grad_out = make_random_matrix(seed + 19 + r, Tr, H, dtype);
     auto dgo = Backend::upload(grad_out);
     auto dgy = Backend::upload(Matrix::filled(DType::kF32, rows, H, kUnwritten));
@@ -151,6 +169,10 @@ void check_device_exchange_like_host(const Topology& topology, DType dtype, Rout
                                                         hgew.view()));
     keep("combine_expanded_backward grad_y", dgy.view, hgy.view());
     keep("combine_expanded_backward grad_weights", dgew.view, hgew.view());
+    EPX_RETURN_IF_ERROR(dev->combine_expanded_backward(dgo.view, dres.handle, dye16.view, dew.view, dgy.view));
+    EPX_RETURN_IF_ERROR(
+        host->combine_expanded_backward(grad_out.view(), hres.handle, y_e16.view(), ew.view(), hgy.view()));
+    keep("combine_expanded_backward bf16 y, explicit weights", dgy.view, hgy.view());
 
     // the cached dispatch of new rows (after the backward, which overwrote recv_x).
     const Matrix x2 = make_payload(5, r, static_cast<int>(Tr), H, dtype);

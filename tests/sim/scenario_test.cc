@@ -5,12 +5,16 @@
 #include <gtest/gtest.h>
 
 #include "epx/sim/scenario.h"
+#include "observe/temp_dir.h"
 
 namespace epx::sim {
 namespace {
 
+// A folder of this process's own: ctest runs these tests as concurrent
+// processes, and a shared one let one test truncate another's profile.
 std::string write_file(const std::string& name, const std::string& text) {
-  const std::string path = ::testing::TempDir() + "/" + name;
+  static const epx::testing::TempDir dir;
+  const std::string path = dir.file(name);
   std::ofstream(path) << text;
   return path;
 }

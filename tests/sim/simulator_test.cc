@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "epx/sim/simulator.h"
+#include "observe/temp_dir.h"
 
 namespace epx::sim {
 namespace {
@@ -153,7 +154,8 @@ TEST(Simulator, TraceHasEveryGpuAndPercentilesAreNearestRank) {
 TEST(Simulator, ReplaysATraceInTheFormatEpxTrainWrites) {
   // Two steps of `epx train --metrics` lines (other fields trimmed): step 0
   // sends almost everything to expert 5, step 1 is even. max_vio follows.
-  const std::string path = ::testing::TempDir() + "/sim_trace.jsonl";
+  const epx::testing::TempDir dir;
+  const std::string path = dir.file("sim_trace.jsonl");
   {
     std::ofstream out(path);
     std::string hot = "0", even = "100";

@@ -17,8 +17,12 @@
 // memory registered with the network (NCCL, GPUDirect RDMA) is not built.
 // Inside one node: dispatch, cached dispatch, combine (with bias and weight
 // gradients), the expanded layout, its weighted combine and the backward
-// uses, all as kernels on peer memory. Handles are valid until the next
-// dispatch; fp8 payloads are not built (Unimplemented).
+// uses, all as kernels on peer memory. Each operation has an *_async form
+// (a PendingOp, run on a progress thread as Buffer's). Handles are valid
+// until the next dispatch; fp8 payloads are not built (Unimplemented); the
+// [rows, topk] f32 arrays (weights, weight gradients) must be dense. Inputs
+// must be complete when a call is made: the buffer's stream does not wait
+// for the caller's streams.
 //
 //   EPX_ASSIGN_OR_RETURN(auto buffer, epx::CudaBuffer::create(transport, config, /*device=*/local_rank));
 //   epx::DispatchResult recv;
@@ -26,6 +30,7 @@
 //   EPX_RETURN_IF_ERROR(buffer->combine(y, recv.handle, out));
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "epx/comm/transport.h"
@@ -73,10 +78,55 @@ class CudaBuffer {
                                                  const TensorView& grad_y_expanded,
                                                  const TensorView& grad_weights = {});
 
+  // Asynchronous forms, as Buffer's (buffer.h): each queues the operation on
+  // this CudaBuffer's progress thread and returns at once; the operations run
+  // one at a time in the order issued, and a blocking call first waits for
+  // the queued ones. The calling thread is free meanwhile, e.g. to launch its
+  // own kernels on its own stream; the exchange's kernels run on the buffer's
+  // stream and have finished when wait() returns OK. Inputs and outputs must
+  // stay valid and untouched, and the transport unused, until then.
+  [[nodiscard]] PendingOp dispatch_async(const DispatchInputs& inputs, DispatchResult* out);
+  [[nodiscard]] PendingOp dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x);
+  [[nodiscard]] PendingOp combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
+                                        const CombineOptions& options = {});
+  [[nodiscard]] PendingOp dispatch_backward_async(const TensorView& grad_recv_x, const Handle& handle,
+                                                  const TensorView& grad_x, const CombineOptions& options = {}) {
+    return combine_async(grad_recv_x, handle, grad_x, options);
+  }
+  [[nodiscard]] PendingOp combine_backward_async(const TensorView& grad_out, const Handle& handle,
+                                                 TensorView* grad_y) {
+    return dispatch_cached_async(grad_out, handle, grad_y);
+  }
+  [[nodiscard]] PendingOp combine_expanded_async(const TensorView& y_expanded, const Handle& handle,
+                                                 const TensorView& out, const TensorView& weights = {},
+                                                 const CombineOptions& options = {});
+  [[nodiscard]] PendingOp combine_expanded_backward_async(const TensorView& grad_out, const Handle& handle,
+                                                          const TensorView& y_expanded, const TensorView& weights,
+                                                          const TensorView& grad_y_expanded,
+                                                          const TensorView& grad_weights = {});
+
  private:
   struct Impl;
   explicit CudaBuffer(std::unique_ptr<Impl> impl);
+  // The operations themselves (the public forms first wait for the queued ones).
+  Status dispatch_now(const DispatchInputs& inputs, DispatchResult* out);
+  Status dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x);
+  Result<TensorView> combine_input_now(const Handle& handle, DType dtype);
+  Status combine_now(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options);
+  Result<const ExpandedLayout*> expanded_layout_now(const Handle& handle);
+  Status expand_now(const TensorView& recv_x, const Handle& handle, const TensorView& out);
+  Status combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                              const TensorView& weights, const CombineOptions& options);
+  Status combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
+                                       const TensorView& weights, const TensorView& grad_y_expanded,
+                                       const TensorView& grad_weights);
+  Status settle();
+  PendingOp submit(std::function<Status()> op);
+
   std::unique_ptr<Impl> impl_;
+  // Declared last, destroyed first: queued operations finish before the
+  // memory they use goes away.
+  std::unique_ptr<detail::ProgressThread> progress_;
 };
 
 }  // namespace epx

@@ -12,6 +12,7 @@
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
+#include "exchange/progress.h"
 #include "exchange/staged.h"
 
 namespace epx {
@@ -58,10 +59,8 @@ class CudaCopier final : public detail::DeviceCopier {
   [[nodiscard]] Status copy_rows(void* dst, std::size_t dst_stride, const void* src, std::size_t src_stride,
                                  std::size_t row_bytes, int64_t rows) override {
     EPX_RETURN_IF_ERROR(status_);
-    if (rows == 0 || row_bytes == 0) return Status::ok();
     EPX_CUDA_CHECK(cudaSetDevice(device_));
-    EPX_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, static_cast<std::size_t>(rows),
-                                     cudaMemcpyDefault, stream_));
+    EPX_CUDA_CHECK(detail::copy_rows_async(dst, dst_stride, src, src_stride, row_bytes, rows, stream_));
     return Status::ok();
   }
   [[nodiscard]] Status sync() override {
@@ -170,7 +169,8 @@ struct CudaBuffer::Impl {
   }
 };
 
-CudaBuffer::CudaBuffer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CudaBuffer::CudaBuffer(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)), progress_(std::make_unique<detail::ProgressThread>(impl_->config.timeout)) {}
 CudaBuffer::~CudaBuffer() {
   if (impl_->stream != nullptr && cudaSetDevice(impl_->device) == cudaSuccess) cudaStreamDestroy(impl_->stream);
 }
@@ -234,7 +234,7 @@ Result<std::unique_ptr<CudaBuffer>> CudaBuffer::create(Transport& transport, Buf
   return std::unique_ptr<CudaBuffer>(new CudaBuffer(std::move(impl)));
 }
 
-Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
+Status CudaBuffer::dispatch_now(const DispatchInputs& in, DispatchResult* out) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->dispatch(in, out);
   Stopwatch watch;
@@ -245,9 +245,12 @@ Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
   std::vector<int32_t> counts(R + N + E, 0);
   unsigned long long error = ~0ull;
   if (local_status.is_ok()) {
-    EPX_CUDA_CHECK(cudaSetDevice(m.device));
-    local_status = detail::enqueue_layout(in.topk_idx, E, topo, m.scratch.layout(m.scratch.topk_rank), counts.data(),
-                                          &error, m.stream);
+    // A CUDA failure here is this rank's error: it still takes part below, so the peers return Aborted.
+    const cudaError_t err = cudaSetDevice(m.device);
+    local_status = err == cudaSuccess ? detail::enqueue_layout(in.topk_idx, E, topo,
+                                                               m.scratch.layout(m.scratch.topk_rank), counts.data(),
+                                                               &error, m.stream)
+                                      : internal_error("cudaSetDevice({}) failed: {}", m.device, cudaGetErrorString(err));
     if (local_status.is_ok()) {
       const cudaError_t err = cudaStreamSynchronize(m.stream);
       local_status = err == cudaSuccess ? detail::layout_error(in.topk_idx, error, E)
@@ -308,7 +311,7 @@ Status CudaBuffer::dispatch(const DispatchInputs& in, DispatchResult* out) {
   return Status::ok();
 }
 
-Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+Status CudaBuffer::dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->dispatch_cached(x, handle, recv_x);
   return m.cached_rows(Status::ok(), x, handle, recv_x);
@@ -330,7 +333,7 @@ Status CudaBuffer::Impl::cached_rows(Status local_status, const TensorView& x, c
   return Status::ok();
 }
 
-Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) {
+Result<TensorView> CudaBuffer::combine_input_now(const Handle& handle, DType dtype) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->combine_input(handle, dtype);
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_input"));
@@ -340,8 +343,8 @@ Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) 
   return TensorView::contiguous(m.regions[m.rank].combine, dtype, {m.num_recv, m.config.hidden}, m.dev());
 }
 
-Status CudaBuffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
-                           const CombineOptions& options) {
+Status CudaBuffer::combine_now(const TensorView& y, const Handle& handle, const TensorView& out,
+                               const CombineOptions& options) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->combine(y, handle, out, options);
   return m.combine_rows(Status::ok(), y, handle, out, options);
@@ -358,17 +361,20 @@ Status CudaBuffer::Impl::combine_rows(Status local_status, const TensorView& y, 
   const DType ydtype = local_status.is_ok() ? y.dtype() : DType::kF32;
   const std::size_t yrow = static_cast<std::size_t>(H) * dtype_size(ydtype);
   const Region& mine = m.regions[m.rank];
-  // y (and the weight gradients) into this rank's combine region, where peers read them.
-  if (local_status.is_ok()) {
+  // y (and the weight gradients) into this rank's combine region, where
+  // peers read them. A CUDA failure is this rank's error: it still takes
+  // part below, so the peers return Aborted.
+  if (local_status.is_ok()) local_status = [&]() -> Status {
     EPX_CUDA_CHECK(cudaSetDevice(m.device));
-    if (y.data() != mine.combine && m.num_recv > 0)
-      EPX_CUDA_CHECK(cudaMemcpy2DAsync(mine.combine, yrow, y.data(), y.row_stride_bytes(), yrow, m.num_recv,
-                                       cudaMemcpyDeviceToDevice, m.stream));
+    if (y.data() != mine.combine)
+      EPX_CUDA_CHECK(detail::copy_rows_async(mine.combine, yrow, y.data(), y.row_stride_bytes(), yrow, m.num_recv,
+                                             m.stream));
     if (slots && m.num_recv > 0)
       EPX_CUDA_CHECK(cudaMemcpyAsync(mine.combine_slots, options.grad_recv_topk_weights.data(),
                                      sizeof(float) * m.num_recv * m.topk, cudaMemcpyDeviceToDevice, m.stream));
     EPX_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-  }
+    return Status::ok();
+  }();
   std::vector<int64_t> all;
   EPX_RETURN_IF_ERROR(m.gather(local_status, {static_cast<int64_t>(ydtype), slots ? 1 : 0}, &all, "combine", deadline));
   for (int r = 0; r < R; ++r)
@@ -406,7 +412,7 @@ Status CudaBuffer::Impl::combine_rows(Status local_status, const TensorView& y, 
   return m.transport.barrier(deadline);
 }
 
-Result<const ExpandedLayout*> CudaBuffer::expanded_layout(const Handle& handle) {
+Result<const ExpandedLayout*> CudaBuffer::expanded_layout_now(const Handle& handle) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->expanded_layout(handle);
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "expanded_layout"));
@@ -415,23 +421,25 @@ Result<const ExpandedLayout*> CudaBuffer::expanded_layout(const Handle& handle) 
   return &m.expanded.host;
 }
 
-Status CudaBuffer::expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
+Status CudaBuffer::expand_now(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->expand(recv_x, handle, out);
-  EPX_RETURN_IF_ERROR(expanded_layout(handle).status());
+  EPX_RETURN_IF_ERROR(expanded_layout_now(handle).status());
   return detail::expand_rows(m.expanded, recv_x, out, m.num_recv, m.config.hidden, m.dev(), m.stream);
 }
 
-Status CudaBuffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
-                                    const TensorView& weights, const CombineOptions& options) {
+Status CudaBuffer::combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                        const TensorView& weights, const CombineOptions& options) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->combine_expanded(y_expanded, handle, out, weights, options);
   // The weighted sum of each received row's local slots goes into this
   // rank's combine region (f32, dense), where combine reads it.
   const Status local_status = [&]() -> Status {
-    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(handle));
+    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout_now(handle));
     EPX_RETURN_IF_ERROR(
         detail::check_expanded_inputs(m.config, false, y_expanded, weights, {}, {}, layout->num_rows(), m.shape()));
+    EPX_RETURN_IF_ERROR(detail::check_outside_combine_region(
+        y_expanded, m.regions[m.rank].combine, static_cast<std::size_t>(m.max_recv) * m.combine_row_bytes));
     const float* w = nullptr;
     EPX_RETURN_IF_ERROR(m.expanded_weights(weights, &w));
     EPX_CUDA_CHECK(cudaSetDevice(m.device));
@@ -447,15 +455,15 @@ Status CudaBuffer::combine_expanded(const TensorView& y_expanded, const Handle& 
   return m.combine_rows(local_status, partial, handle, out, options);
 }
 
-Status CudaBuffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
-                                             const TensorView& y_expanded, const TensorView& weights,
-                                             const TensorView& grad_y_expanded, const TensorView& grad_weights) {
+Status CudaBuffer::combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle,
+                                                 const TensorView& y_expanded, const TensorView& weights,
+                                                 const TensorView& grad_y_expanded, const TensorView& grad_weights) {
   Impl& m = *impl_;
   if (m.staged)
     return m.staged->combine_expanded_backward(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   const float* w = nullptr;
   const Status local_status = [&]() -> Status {
-    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout(handle));
+    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout_now(handle));
     EPX_RETURN_IF_ERROR(detail::check_expanded_inputs(m.config, true, y_expanded, weights, grad_y_expanded,
                                                       grad_weights, layout->num_rows(), m.shape()));
     return m.expanded_weights(weights, &w);
@@ -470,6 +478,86 @@ Status CudaBuffer::combine_expanded_backward(const TensorView& grad_out, const H
   EPX_CUDA_CHECK(cuda::launch_expanded_backward(a, m.stream));
   EPX_CUDA_CHECK(cudaStreamSynchronize(m.stream));
   return Status::ok();
+}
+
+// The public forms: blocking ones after the queued asynchronous ones, and
+// the asynchronous ones on the progress thread (as Buffer's, async.cc).
+
+Status CudaBuffer::settle() { return progress_->drain(); }
+
+PendingOp CudaBuffer::submit(std::function<Status()> op) { return PendingOp(progress_->submit(std::move(op))); }
+
+Status CudaBuffer::dispatch(const DispatchInputs& inputs, DispatchResult* out) {
+  EPX_RETURN_IF_ERROR(settle());
+  return dispatch_now(inputs, out);
+}
+
+Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+  EPX_RETURN_IF_ERROR(settle());
+  return dispatch_cached_now(x, handle, recv_x);
+}
+
+Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) {
+  EPX_RETURN_IF_ERROR(settle());  // a queued combine may still use the region
+  return combine_input_now(handle, dtype);
+}
+
+Status CudaBuffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
+                           const CombineOptions& options) {
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_now(y, handle, out, options);
+}
+
+Result<const ExpandedLayout*> CudaBuffer::expanded_layout(const Handle& handle) {
+  EPX_RETURN_IF_ERROR(settle());  // a queued dispatch would replace it
+  return expanded_layout_now(handle);
+}
+
+Status CudaBuffer::expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
+  EPX_RETURN_IF_ERROR(settle());
+  return expand_now(recv_x, handle, out);
+}
+
+Status CudaBuffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                    const TensorView& weights, const CombineOptions& options) {
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_expanded_now(y_expanded, handle, out, weights, options);
+}
+
+Status CudaBuffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
+                                             const TensorView& y_expanded, const TensorView& weights,
+                                             const TensorView& grad_y_expanded, const TensorView& grad_weights) {
+  EPX_RETURN_IF_ERROR(settle());
+  return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+}
+
+PendingOp CudaBuffer::dispatch_async(const DispatchInputs& inputs, DispatchResult* out) {
+  return submit([this, inputs, out] { return dispatch_now(inputs, out); });
+}
+
+PendingOp CudaBuffer::dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+  return submit([this, x, handle, recv_x] { return dispatch_cached_now(x, handle, recv_x); });
+}
+
+PendingOp CudaBuffer::combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
+                                    const CombineOptions& options) {
+  return submit([this, y, handle, out, options] { return combine_now(y, handle, out, options); });
+}
+
+PendingOp CudaBuffer::combine_expanded_async(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+                                             const TensorView& weights, const CombineOptions& options) {
+  return submit([this, y_expanded, handle, out, weights, options] {
+    return combine_expanded_now(y_expanded, handle, out, weights, options);
+  });
+}
+
+PendingOp CudaBuffer::combine_expanded_backward_async(const TensorView& grad_out, const Handle& handle,
+                                                      const TensorView& y_expanded, const TensorView& weights,
+                                                      const TensorView& grad_y_expanded,
+                                                      const TensorView& grad_weights) {
+  return submit([this, grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights] {
+    return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  });
 }
 
 }  // namespace epx

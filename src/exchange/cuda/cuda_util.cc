@@ -147,6 +147,15 @@ void fill_dispatch_result(const DispatchFacts& f, const BufferConfig& config, co
   o.handle = Handle(std::move(h));
 }
 
+cudaError_t copy_rows_async(void* dst, std::size_t dst_stride, const void* src, std::size_t src_stride,
+                            std::size_t row_bytes, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0 || row_bytes == 0) return cudaSuccess;
+  if (rows == 1 || (dst_stride == row_bytes && src_stride == row_bytes))
+    return cudaMemcpyAsync(dst, src, row_bytes * static_cast<std::size_t>(rows), cudaMemcpyDefault, stream);
+  return cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, static_cast<std::size_t>(rows),
+                           cudaMemcpyDefault, stream);
+}
+
 Status DeviceExpandedLayout::build(int device, const int32_t* recv_topk_idx, int64_t num_recv, int topk,
                                    int num_local_experts, int alignment) {
   if (ready) return Status::ok();

@@ -133,6 +133,13 @@ void fill_dispatch_result(const DispatchFacts& facts, const BufferConfig& config
                           std::span<const int32_t> node_counts, std::span<const int64_t> expert_counts,
                           const RecvRegion& mine, DispatchResult* out);
 
+// Copies `rows` rows of `row_bytes` (strides in bytes; host or device, either
+// way) on `stream`: one plain copy when both sides are dense or there is one
+// row (whose stride may be anything, as check_matrix allows), else a 2-D copy
+// (its pitches are at least row_bytes for checked views of several rows).
+cudaError_t copy_rows_async(void* dst, std::size_t dst_stride, const void* src, std::size_t src_stride,
+                            std::size_t row_bytes, int64_t rows, cudaStream_t stream);
+
 // A rank's expanded layout (buffer.h): the host copy, built from the
 // received local top-k ids in device memory, and its row maps on the device
 // (row_of [num_recv, K], then recv_row [num_rows], int64). Forget it at each
