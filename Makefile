@@ -6,6 +6,7 @@
 #                install into a scratch prefix and build examples/consumer against it
 #   make build   set up and build (Release, build/)
 #   make bench   build, then `epx bench exchange`
+#   make test-tsan  ThreadSanitizer build + the in-process tests (not in `make test`)
 #   make clean   remove every build folder
 #
 # JOBS, BUILD_DIR, ASAN_DIR, INSTALL_CHECK_DIR and CTEST_TIMEOUT can be set on
@@ -36,7 +37,7 @@ CONSUMER_BUILD := $(INSTALL_CHECK_DIR)/consumer
 
 section = @printf '\n==== %s ====\n' $(1)
 
-.PHONY: run demo test build bench clean setup configure test-readme test-release test-asan test-install
+.PHONY: run demo test build bench clean setup configure test-readme test-release test-asan test-install test-tsan
 
 setup:
 	@bash scripts/setup.sh
@@ -74,6 +75,20 @@ test-asan: setup
 	$(call section,"ctest ASan+UBSan ($(ASAN_DIR))")
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 $(CTEST) --test-dir $(ASAN_DIR) $(CTEST_FLAGS)
 
+# ThreadSanitizer (not part of `make test`: another full build): the
+# in-process tests, where ranks are threads. MPI, Slurm and two-host tests are
+# left out (Open MPI's own threads are not instrumented).
+TSAN_DIR ?= build-tsan
+test-tsan: setup
+	$(call section,"configure ThreadSanitizer ($(TSAN_DIR))")
+	$(CMAKE) -S . -B $(TSAN_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_BENCH=OFF -DEPX_WITH_CUDA=OFF \
+	  -DEPX_WITH_MPI=OFF -DCMAKE_CXX_FLAGS="-fsanitize=thread" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(ASAN_OPT_FLAGS)"
+	$(call section,"build ThreadSanitizer ($(TSAN_DIR))")
+	$(CMAKE) --build $(TSAN_DIR) -j$(JOBS)
+	$(call section,"ctest ThreadSanitizer ($(TSAN_DIR))")
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 $(CTEST) --test-dir $(TSAN_DIR) $(CTEST_FLAGS) \
+	  --label-exclude 'mpi|two_hosts|slurm'
+
 # Installs the Release build into a fresh prefix and builds the standalone
 # examples/consumer project against it, as a user of the package would.
 test-install: build
@@ -99,4 +114,4 @@ test: test-readme test-release test-asan test-install
 	$(call section,"make test: all passed")
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(INSTALL_CHECK_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(INSTALL_CHECK_DIR)

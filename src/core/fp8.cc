@@ -6,6 +6,8 @@
 #include <limits>
 #include <vector>
 
+#include "core/simd_clones.h"
+
 namespace epx {
 namespace {
 
@@ -66,26 +68,26 @@ BlockScale block_scale(float amax, Fp8ScaleFormat format) {
 }
 
 // The row loops below come in AVX-512, AVX2 and baseline versions, picked at
-// load time; they divide and add in IEEE f32 without FMA, so all give the same bits.
-#define EPX_FP8_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// load time (core/simd_clones.h); they divide and add in IEEE f32 without
+// FMA, so all give the same bits.
 
 // Largest |x| of n elements as f32 bits (finite values order like their
 // bits; anything at or above 0x7f800000 is an infinity or a NaN).
-EPX_FP8_CLONES uint32_t amax_bits_f32(const uint32_t* x, int n) {
+EPX_SIMD_CLONES uint32_t amax_bits_f32(const uint32_t* x, int n) {
   uint32_t m = 0;
   for (int c = 0; c < n; ++c) m = std::max(m, x[c] & 0x7fffffffu);
   return m;
 }
-EPX_FP8_CLONES uint32_t amax_bits_bf16(const uint16_t* x, int n) {
+EPX_SIMD_CLONES uint32_t amax_bits_bf16(const uint16_t* x, int n) {
   uint32_t m = 0;
   for (int c = 0; c < n; ++c) m = std::max(m, static_cast<uint32_t>(x[c] & 0x7fffu));
   return m << 16;
 }
 
-EPX_FP8_CLONES void encode_f32(const float* x, float scale, uint8_t* q, int n) {
+EPX_SIMD_CLONES void encode_f32(const float* x, float scale, uint8_t* q, int n) {
   for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(x[c] / scale);
 }
-EPX_FP8_CLONES void encode_bf16(const uint16_t* x, float scale, uint8_t* q, int n) {
+EPX_SIMD_CLONES void encode_bf16(const uint16_t* x, float scale, uint8_t* q, int n) {
   for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(bf16_to_f32(x[c]) / scale);
 }
 

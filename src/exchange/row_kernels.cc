@@ -4,10 +4,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/simd_clones.h"
+
 namespace epx::detail {
 namespace {
-
-#define EPX_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 EPX_SIMD_CLONES void add_f32(float* acc, const float* src, int n) {
   for (int c = 0; c < n; ++c) acc[c] += src[c];

@@ -1,6 +1,7 @@
 #include "experts/swiglu.h"
 
 #include "core/fast_exp.h"
+#include "core/simd_clones.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,19 +9,17 @@
 namespace epx::detail {
 namespace {
 
-#define EPX_EXPERTS_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-
 // sigmoid(z) = 1 / (1 + exp(-z)), vectorizable (exp_in_range). -z is
 // clamped to [-87, 88]: for z above 87 the result is 1 - 2^-126 rounded,
 // i.e. 1; for z below -88 it is below 1e-38.
 inline float sigmoid(float z) { return 1.0f / (1.0f + exp_in_range(std::min(std::max(-z, -87.0f), 88.0f))); }
 
-EPX_EXPERTS_SIMD_CLONES void forward_f32(const float* h1, const float* h3, int64_t n, float* a) {
+EPX_SIMD_CLONES void forward_f32(const float* h1, const float* h3, int64_t n, float* a) {
   for (int64_t i = 0; i < n; ++i) a[i] = h1[i] * sigmoid(h1[i]) * h3[i];
 }
 
 // d silu(z) / dz = s (1 + z (1 - s)) with s = sigmoid(z).
-EPX_EXPERTS_SIMD_CLONES void backward_f32(const float* h1, const float* h3, const float* grad_a, int64_t n, float* a,
+EPX_SIMD_CLONES void backward_f32(const float* h1, const float* h3, const float* grad_a, int64_t n, float* a,
                                           float* grad_h1, float* grad_h3) {
   for (int64_t i = 0; i < n; ++i) {
     const float z = h1[i];
@@ -33,7 +32,7 @@ EPX_EXPERTS_SIMD_CLONES void backward_f32(const float* h1, const float* h3, cons
   }
 }
 
-EPX_EXPERTS_SIMD_CLONES void to_bf16_impl(const float* in, int64_t n, uint16_t* out) {
+EPX_SIMD_CLONES void to_bf16_impl(const float* in, int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t bits;
     std::memcpy(&bits, &in[i], sizeof(bits));

@@ -1,6 +1,7 @@
 #include "routing/scores.h"
 
 #include "core/fast_exp.h"
+#include "core/simd_clones.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,12 +29,10 @@ Status check_logits(const TensorView& logits, int num_experts) {
 
 namespace {
 
-#define EPX_ROUTING_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-
 // exp(x) for a whole row (exp_in_range, vectorized). Below -87.3 the result
 // is 0 and above 88.7 it is infinity, as exp's own underflow and overflow
 // give (no subnormal outputs).
-EPX_ROUTING_SIMD_CLONES void exp_row(const float* x, float* out, int n, float shift, float sign) {
+EPX_SIMD_CLONES void exp_row(const float* x, float* out, int n, float shift, float sign) {
   for (int i = 0; i < n; ++i) {
     const float v = sign * (x[i] - shift);
     const float e = exp_in_range(std::min(std::max(v, -87.3f), 88.7f));
@@ -41,7 +40,7 @@ EPX_ROUTING_SIMD_CLONES void exp_row(const float* x, float* out, int n, float sh
   }
 }
 
-EPX_ROUTING_SIMD_CLONES void sigmoid_from_exp(float* p, int n) {
+EPX_SIMD_CLONES void sigmoid_from_exp(float* p, int n) {
   for (int i = 0; i < n; ++i) p[i] = 1.0f / (1.0f + p[i]);
 }
 
