@@ -107,8 +107,6 @@ struct StagedExchange::Impl {
 StagedExchange::StagedExchange(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 StagedExchange::~StagedExchange() = default;
 
-const Buffer& StagedExchange::host_buffer() const { return *impl_->buffer; }
-
 Result<std::unique_ptr<StagedExchange>> StagedExchange::create(Transport& transport, BufferConfig config,
                                                                std::unique_ptr<DeviceCopier> copier) {
   auto impl = std::make_unique<Impl>();

@@ -47,8 +47,6 @@ class StagedExchange {
   StagedExchange(const StagedExchange&) = delete;
   StagedExchange& operator=(const StagedExchange&) = delete;
 
-  [[nodiscard]] const Buffer& host_buffer() const;
-
   // As Buffer's, with device views in and out.
   [[nodiscard]] Status dispatch(const DispatchInputs& inputs, DispatchResult* out);
   [[nodiscard]] Status dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x);
