@@ -2,10 +2,13 @@
 #include "train.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
+#include <thread>
 #include <type_traits>
 
 #include <fmt/format.h>
@@ -66,6 +69,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"run.steps", bind(o.steps)},
       {"run.batch_tokens", bind(o.batch_tokens)},
       {"run.seed", bind(o.seed)},
+      {"run.timeout", bind(o.timeout_s)},
       {"data.source", bind(o.data)},
       {"data.input_dim", bind(o.input_dim)},
       {"data.output_dim", bind(o.output_dim)},
@@ -139,6 +143,10 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.steps = o.steps;
   c.batch_tokens = o.batch_tokens;
   ModelConfig& m = c.model;
+  // At most a week (so the milliseconds fit any clock); 1 ms at least.
+  if (!(o.timeout_s >= 0.001 && o.timeout_s <= 604800))
+    return invalid_argument("timeout = {} s is outside [0.001, 604800] seconds", o.timeout_s);
+  m.timeout = Milliseconds(std::llround(o.timeout_s * 1000));
   if (o.data == "synthetic") {
     m.task = TaskKind::kRegression;
   } else if (o.data.rfind("text:", 0) == 0 && o.data.size() > 5) {
@@ -206,6 +214,31 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   if (m.task == TaskKind::kNextByte) EPX_RETURN_IF_ERROR(TextTask::create(c.text).status());
   EPX_RETURN_IF_ERROR(check_resume(c));
   return c;
+}
+
+// The test hook EPX_TEST_FAULT (docs/errors.md, fault table): "stall:RANK:STEP:SECONDS"
+// makes RANK sleep that long before STEP; "fail:RANK:STEP" makes it fail
+// there, as a crashed rank would. For the fault tests only.
+Status set_test_fault(TrainConfig* config) {
+  const char* text = std::getenv("EPX_TEST_FAULT");
+  if (text == nullptr || *text == '\0') return Status::ok();
+  char kind[8] = {};
+  int rank = -1;
+  long long step = -1;
+  double seconds = 0;
+  const int fields = std::sscanf(text, "%7[a-z]:%d:%lld:%lf", kind, &rank, &step, &seconds);
+  const bool stall = std::strcmp(kind, "stall") == 0 && fields == 4 && seconds >= 0;
+  const bool fail = std::strcmp(kind, "fail") == 0 && fields == 3;
+  if ((!stall && !fail) || rank < 0 || step < 0)
+    return invalid_argument("EPX_TEST_FAULT = '{}' is not stall:RANK:STEP:SECONDS or fail:RANK:STEP", text);
+  config->before_step = [=](int r, int64_t s) -> Status {
+    if (r != rank || s != step) return Status::ok();
+    if (fail) return internal_error("rank {} failed at step {} (EPX_TEST_FAULT)", r, s);
+    fmt::print(stderr, "epx train: rank {} stalls for {} s before step {} (EPX_TEST_FAULT)\n", r, seconds, s);
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    return Status::ok();
+  };
+  return Status::ok();
 }
 
 std::string fixed(double v, int digits) { return fmt::format("{:.{}f}", v, digits); }
@@ -300,6 +333,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--batch-tokens", o.batch_tokens, "Tokens per step over all ranks")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
       ->capture_default_str();
+  cmd->add_option("--timeout", o.timeout_s,
+                  "Seconds any rank waits for the others in one operation (a dispatch, a combine, a barrier, an "
+                  "all-reduce); past it every rank stops, naming the ranks that never arrived")
+      ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed of the data and the initialisation")->capture_default_str();
   cmd->add_option("--data", o.data,
                   "synthetic (clustered inputs, Zipf-skewed cluster sizes, one random function per cluster) or "
@@ -376,6 +413,7 @@ int run_train(const TrainOptions& options) {
   TrainOptions o = options;
   auto config = make_config(o);
   if (!config.is_ok()) return fail_usage(config.status());
+  if (Status s = set_test_fault(&*config); !s.is_ok()) return fail_usage(s);
 
   // Under MPI this process runs one rank; rank 0 prints and writes the files.
   std::unique_ptr<MpiSession> session;

@@ -20,6 +20,7 @@ struct TrainOptions {
   int64_t steps = 300;
   int64_t batch_tokens = 512;
   uint64_t seed = 1;
+  double timeout_s = 60;  // bound on every wait for the other ranks (ModelConfig::timeout)
   // [data]
   std::string data = "synthetic";  // or text:FILE
   int input_dim = 32;

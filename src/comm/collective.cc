@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -164,6 +165,35 @@ void AtomicCounters::reset() {
   for (std::atomic<uint64_t>* c : {&inter_node_bytes_, &inter_node_messages_, &intra_node_bytes_,
                                    &intra_node_messages_, &collective_calls_, &collective_bytes_})
     c->store(0, std::memory_order_relaxed);
+}
+
+std::string rank_list(std::span<const int> ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+std::string arrival_report(std::span<const Arrival> arrivals) {
+  std::vector<int> by_kind[4];
+  for (int r = 0; r < static_cast<int>(arrivals.size()); ++r) by_kind[static_cast<int>(arrivals[r])].push_back(r);
+  const std::vector<int>& arrived = by_kind[static_cast<int>(Arrival::kArrived)];
+  const std::vector<int>& missing = by_kind[static_cast<int>(Arrival::kMissing)];
+  const std::vector<int>& behind = by_kind[static_cast<int>(Arrival::kBehind)];
+  const std::vector<int>& unknown = by_kind[static_cast<int>(Arrival::kUnknown)];
+  std::string out;
+  if (!missing.empty()) {
+    out = fmt::format("{} did not arrive", rank_list(missing));
+  } else {
+    out = "every rank visible from here had arrived (one stalled inside the collective, or on another host)";
+  }
+  std::string waited;
+  if (!arrived.empty()) waited = fmt::format("{} waited", rank_list(arrived));
+  if (!behind.empty())
+    waited += fmt::format("{}{} {} still waiting in an earlier collective", waited.empty() ? "" : "; ",
+                          rank_list(behind), behind.size() == 1 ? "was" : "were");
+  if (!waited.empty()) out += fmt::format(" ({})", waited);
+  if (!unknown.empty()) out += fmt::format("; {} not seen from this host", rank_list(unknown));
+  return out;
 }
 
 Status check_peer_and_tag(int peer, int tag, int num_ranks) {

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "epx/comm/transport.h"
@@ -72,6 +73,19 @@ class AtomicCounters {
   std::atomic<uint64_t> collective_calls_{0};
   std::atomic<uint64_t> collective_bytes_{0};
 };
+
+// Whether a rank had arrived at a collective when another gave up waiting:
+// arrived, missing, still waiting in an earlier collective (held up by a
+// missing rank itself), or not visible from here (MPI: another host).
+enum class Arrival : uint8_t { kArrived, kMissing, kBehind, kUnknown };
+
+// For deadline messages, from every rank's arrival: "rank 2 did not arrive
+// (ranks 1, 3 waited; rank 0 was still waiting in an earlier collective)";
+// ranks whose arrival this rank cannot see are listed as not seen from here.
+std::string arrival_report(std::span<const Arrival> arrivals);
+
+// "rank 2", "ranks 0, 1, 3".
+std::string rank_list(std::span<const int> ranks);
 
 // InvalidArgument unless 0 <= peer < num_ranks and tag >= 0.
 Status check_peer_and_tag(int peer, int tag, int num_ranks);

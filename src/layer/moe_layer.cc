@@ -105,6 +105,7 @@ struct MoELayer::Impl {
   Transport& transport;
   Buffer& buffer;
   int layer_index = 0;
+  const char* phase_name = "";  // the phase entered last (router, dispatch, ...), for error messages
   int num_local = 0;
 
   // Logical experts -> physical slots (identity without redundant experts).
@@ -173,7 +174,9 @@ struct MoELayer::Impl {
   class Phase {
    public:
     Phase(Impl& impl, double& slot, const char* name)
-        : slot_(slot), span_(impl.tracer, impl.transport.rank(), name) {}
+        : slot_(slot), span_(impl.tracer, impl.transport.rank(), name) {
+      impl.phase_name = name;
+    }
     ~Phase() { slot_ += watch_.seconds(); }
     Phase(const Phase&) = delete;
     Phase& operator=(const Phase&) = delete;
@@ -939,9 +942,26 @@ const std::vector<int32_t>& MoELayer::slot_expert() const { return impl_->slot_e
 int MoELayer::local_logical_expert(int local) const { return impl_->local_logical(local); }
 Status MoELayer::sum_replica_gradients() { return impl_->sum_replica_gradients(); }
 double MoELayer::duplicate_grad_sq() const { return impl_->duplicate_grad_sq(); }
-Status MoELayer::forward(const TensorView& x, const TensorView& out) { return impl_->forward(x, out); }
+namespace {
+
+// "layer 1, dispatch: <status>": where a failure (e.g. a peer that never
+// arrived) happened, for the trainer's message.
+Status in_phase(Status status, int layer_index, std::string_view phase) {
+  if (status.is_ok()) return status;
+  return Status(status.code(), fmt::format("layer {}, {}: {}", layer_index, phase, status.message()));
+}
+
+}  // namespace
+
+Status MoELayer::forward(const TensorView& x, const TensorView& out) {
+  impl_->phase_name = "forward";
+  Status status = impl_->forward(x, out);
+  return in_phase(std::move(status), impl_->layer_index, impl_->phase_name);
+}
 Status MoELayer::backward(const TensorView& grad_out, const TensorView& grad_x) {
-  return impl_->backward(grad_out, grad_x);
+  impl_->phase_name = "backward";
+  Status status = impl_->backward(grad_out, grad_x);
+  return in_phase(std::move(status), impl_->layer_index, impl_->phase_name);
 }
 double MoELayer::aux_loss() const { return impl_->aux_loss; }
 const LoadStats& MoELayer::load_stats() const { return impl_->stats; }

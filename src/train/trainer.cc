@@ -69,6 +69,17 @@ class DataSource {
 
 constexpr int kTimeFields = 8;
 
+// Where a rank is in the run, so a failure says it: "step 12, layer 1,
+// dispatch: rank 2 did not arrive ..." (the layer adds its part).
+struct StepContext {
+  int64_t step = -1;  // -1: setting up (model, buffers, resume): no prefix
+  const char* phase = "";
+  [[nodiscard]] Status annotate(Status status) const {
+    if (status.is_ok() || step < 0) return status;
+    return Status(status.code(), fmt::format("step {}, {}: {}", step, phase, status.message()));
+  }
+};
+
 // EPLB: what re-placing the experts needs, the same on every rank.
 struct Eplb {
   PlacementConfig placement;
@@ -366,7 +377,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
   double run_seconds = 0, comm_seconds = 0, total_seconds = 0;
   int64_t timed_tokens = 0;
 
-  auto rank_main = [&](Transport& transport) -> Status {
+  auto rank_steps = [&](Transport& transport, StepContext& where) -> Status {
     const int rank = transport.rank(), R = transport.num_ranks();
     auto deadline = [&] { return Deadline::after(model_config.timeout); };
     EPX_ASSIGN_OR_RETURN(DataSource data, DataSource::create(config));
@@ -412,6 +423,8 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       const bool tracing = config.tracer && step >= config.trace_first && step < config.trace_first + config.trace_steps;
       for (MoELayer* layer : layers) layer->set_tracer(tracing ? config.tracer : nullptr);
       Tracer* tracer = tracing ? config.tracer : nullptr;
+      where = {step, "before the step"};
+      if (config.before_step) EPX_RETURN_IF_ERROR(config.before_step(rank, step));
       Stopwatch step_watch;
       const auto [first, count] = share(config.batch_tokens, R, rank);
       data.fill(step * config.batch_tokens + first, count, model_config, &batch);
@@ -419,11 +432,13 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       double loss = 0;
       {
         ScopedSpan span(tracer, rank, "forward_backward");
+        where.phase = "forward/backward";
         EPX_ASSIGN_OR_RETURN(loss, model->forward_backward(batch, config.batch_tokens));
       }
       Stopwatch wait_watch;
       {
         ScopedSpan span(tracer, rank, "wait");
+        where.phase = "barrier after forward/backward";
         EPX_RETURN_IF_ERROR(transport.barrier(deadline()));
       }
       const double wait = wait_watch.seconds();
@@ -432,6 +447,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       double grad_norm = 0;
       {
         ScopedSpan span(tracer, rank, "sync");
+        where.phase = "gradient all_reduce";
         std::size_t at = 0;
         for (Parameter* p : dense) {
           std::copy(p->grad.begin(), p->grad.end(), packed.begin() + static_cast<std::ptrdiff_t>(at));
@@ -449,6 +465,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
           EPX_RETURN_IF_ERROR(layer->sum_replica_gradients());
           duplicate_sq += layer->duplicate_grad_sq();
         }
+        where.phase = "gradient norm";
         EPX_ASSIGN_OR_RETURN(grad_norm, clip_grad_norm(params, config.clip_norm, transport, deadline(), duplicate_sq));
       }
       const double lr = learning_rate(config.schedule, step);
@@ -466,6 +483,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
             eplb.window[l][e] += step_stats[l].tokens_per_expert[e];
         if ((step + 1) % config.balancing.eplb_every == 0 && step + 1 < config.steps) {
           ScopedSpan span(tracer, rank, "eplb");
+          where.phase = "eplb re-placement";
           eplb_report.emplace();
           EPX_RETURN_IF_ERROR(replace_experts(*model, adam, transport, eplb, &*eplb_report, deadline()));
           collect();
@@ -478,6 +496,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       double aux = 0;
       for (MoELayer* layer : layers) aux += layer->aux_loss();
       double losses[2] = {loss, loss - aux};
+      where.phase = "step report (all_reduce, all_gather)";
       EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, deadline()));
       const StepTimes& st = model->times();
       const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
@@ -516,10 +535,12 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
         if (recent.size() > 10) recent.erase(recent.begin());
         if (on_step) on_step(report);
       }
+      where.phase = "checkpoint";
       if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
         EPX_RETURN_IF_ERROR(save(step + 1));
     }
     for (MoELayer* layer : layers) layer->set_tracer(nullptr);
+    where = {config.steps, "final checkpoint"};
     if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save(config.steps));
     if (keep_parameters) {
       std::lock_guard lock(mu);
@@ -544,6 +565,11 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       for (MoELayer* layer : layers) summary.layer_slots.push_back(layer->slot_expert());
     }
     return Status::ok();
+  };
+
+  auto rank_main = [&](Transport& transport) -> Status {
+    StepContext where;
+    return where.annotate(rank_steps(transport, where));
   };
 
   if (config.transport != nullptr) {

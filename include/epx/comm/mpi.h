@@ -52,8 +52,9 @@ class MpiSession {
   // library gives less). One per process; Unimplemented when epx was built
   // without MPI (EPX_WITH_MPI=OFF).
   static Result<std::unique_ptr<MpiSession>> init(int* argc, char*** argv);
-  // MPI_Finalize once every process has reached its own session end (a
-  // polled barrier: 120 s, or 3 s after a failure of this process). When one
+  // MPI_Finalize once every process has reached its own session end (two
+  // polled barriers: 120 s, or 3 s after a failure of this process, then
+  // 3 s). When one
   // never does (it died), finalizing would hang, so it is skipped and the
   // process exits without it (the launcher reports that).
   ~MpiSession();

@@ -88,6 +88,11 @@ struct TrainConfig {
   // it must have num_ranks ranks on num_nodes nodes. The summary and
   // on_step are then filled on rank 0 only.
   Transport* transport = nullptr;
+  // A test hook for fault injection: when set, every rank calls it before
+  // each step (from the rank's own thread). Sleeping in it stalls the rank;
+  // a non-OK status makes the rank fail as a crashed one would. The other
+  // ranks then fail within model.timeout naming it (docs/errors.md).
+  std::function<Status(int rank, int64_t step)> before_step;
 
   // Applies balancing to the model's layer config and sizes the buffers.
   [[nodiscard]] Result<ModelConfig> resolved_model() const;

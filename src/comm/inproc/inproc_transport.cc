@@ -59,8 +59,9 @@ Status InprocState::aborted_locked(std::string_view what, int rank) const {
 Status InprocState::interrupted_locked(std::string_view what, int rank, int64_t waited_ms,
                                        std::string_view waiting_for) const {
   if (failure.code() != StatusCode::kDeadlineExceeded) return aborted_locked(what, rank);
-  return deadline_exceeded("rank {} waited {} ms in {}{}, until another deadline passed: {}", rank, waited_ms, what,
-                           waiting_for, failure.message());
+  return deadline_exceeded("rank {} waited {} ms in {}{}; the deadline of another rank passed first: {}", rank,
+                           waited_ms, what, waiting_for.empty() ? "" : fmt::format(" ({})", waiting_for),
+                           failure.message());
 }
 
 
@@ -202,15 +203,12 @@ Status InprocTransport::rendezvous(const Contribution& mine, const Deadline& dea
       if (r != rank_) state.ranks[r].cv.notify_all();
     }
   } else {
-    // " for ranks {1, 2}": the ranks that have not arrived.
+    // "rank 2 did not arrive (ranks 0, 1, 3 waited)".
     auto waiting_for = [&] {
-      std::string missing;
-      for (int r = 0; r < num_ranks; ++r) {
-        if (slot.entries[r].seq == seq) continue;
-        if (!missing.empty()) missing += ", ";
-        missing += std::to_string(r);
-      }
-      return fmt::format(" for ranks {{{}}}", missing);
+      std::vector<detail::Arrival> arrivals(static_cast<std::size_t>(num_ranks));
+      for (int r = 0; r < num_ranks; ++r)
+        arrivals[r] = slot.entries[r].seq == seq ? detail::Arrival::kArrived : detail::Arrival::kMissing;
+      return detail::arrival_report(arrivals);
     };
     // slot.seq stays `seq` until this rank arrives at seq + 1.
     for (;;) {
@@ -218,7 +216,7 @@ Status InprocTransport::rendezvous(const Contribution& mine, const Deadline& dea
       if (slot.num_arrived == num_ranks) break;
       if (passed(deadline)) {
         Status status =
-            deadline_exceeded("rank {} waited {} ms in {}{}", rank_, elapsed_ms(start), what(), waiting_for());
+            deadline_exceeded("rank {} waited {} ms in {}: {}", rank_, elapsed_ms(start), what(), waiting_for());
         state.poison_locked(status);
         state.notify_all_ranks();
         return status;

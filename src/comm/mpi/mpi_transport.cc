@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -200,8 +201,8 @@ Status MpiState::check_world(std::string_view what, int64_t waited_ms, bool forc
     // As in-process: a rank stalled by the same absent peer whose deadline
     // passed first reports a timeout too.
     Status cause = static_cast<StatusCode>(code) == StatusCode::kDeadlineExceeded
-                       ? deadline_exceeded("rank {} waited {} ms in {}, until another deadline passed: {}", rank,
-                                           waited_ms, what, message)
+                       ? deadline_exceeded("rank {} waited {} ms in {}; the deadline of another rank passed first: {}",
+                                           rank, waited_ms, what, message)
                        : aborted("{} on rank {} aborted: {}", what, rank, message);
     {
       std::lock_guard lock(mutex);
@@ -230,8 +231,63 @@ Status MpiState::check_host_peers(std::string_view what, int64_t waited_ms, bool
   return Status::ok();
 }
 
+uint64_t MpiState::enter_round() {
+  const uint64_t round = next_round++;
+  if (!arrivals.empty() && arrivals[rank] != nullptr)
+    std::atomic_ref<uint64_t>(arrivals[rank][0]).store(round, std::memory_order_release);
+  beat();
+  return round;
+}
+
+namespace {
+
+// Milliseconds on the host's monotonic clock (the same in every process).
+uint64_t host_clock_ms() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<Milliseconds>(Clock::now().time_since_epoch()).count());
+}
+
+}  // namespace
+
+void MpiState::beat() {
+  if (!arrivals.empty() && arrivals[rank] != nullptr)
+    std::atomic_ref<uint64_t>(arrivals[rank][1]).store(host_clock_ms(), std::memory_order_relaxed);
+}
+
+std::string MpiState::arrival_report(uint64_t round) const {
+  std::vector<detail::Arrival> seen(static_cast<std::size_t>(topology.num_ranks()), detail::Arrival::kUnknown);
+  for (int r = 0; r < topology.num_ranks(); ++r) {
+    if (r == rank) {
+      seen[r] = detail::Arrival::kArrived;
+    } else if (r < static_cast<int>(arrivals.size()) && arrivals[r] != nullptr) {
+      const uint64_t entered = std::atomic_ref<uint64_t>(arrivals[r][0]).load(std::memory_order_acquire);
+      const uint64_t beat_ms = std::atomic_ref<uint64_t>(arrivals[r][1]).load(std::memory_order_relaxed);
+      // Polling a wait in an earlier round within the last few liveness
+      // intervals: held up by the missing rank too, not missing itself.
+      const uint64_t recent_ms = 4 * static_cast<uint64_t>(std::max<int64_t>(options.liveness_interval.count(), 50));
+      const bool waiting = beat_ms + recent_ms >= host_clock_ms();
+      seen[r] = entered >= round ? detail::Arrival::kArrived
+                : waiting        ? detail::Arrival::kBehind
+                                 : detail::Arrival::kMissing;
+    }
+  }
+  // A process that entered the round but is stopped (SIGSTOP, a debugger)
+  // holds it up as much as one that never came.
+  std::vector<int> stopped;
+  for (int r : host_ranks) {
+    char state = 0;
+    uint64_t ticks = 0;
+    if (read_proc_stat(pids[r], &state, &ticks) && (state == 'T' || state == 't')) {
+      seen[r] = detail::Arrival::kMissing;
+      stopped.push_back(r);
+    }
+  }
+  std::string report = detail::arrival_report(seen);
+  if (!stopped.empty()) report += fmt::format("; {} stopped (process state T: SIGSTOP or a debugger)", detail::rank_list(stopped));
+  return report;
+}
+
 Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std::function<std::string()>& what,
-                      int peer, MPI_Status* status_out, bool cancel) {
+                      int peer, MPI_Status* status_out, bool cancel, uint64_t round) {
   const auto start = Clock::now();
   auto give_up = [&](Status status) {
     if (cancel && *request != MPI_REQUEST_NULL) {
@@ -265,12 +321,15 @@ Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std:
     }
     if (polls % 64 == 63) {
       const int64_t waited = elapsed_ms(start);
+      beat();
       if (Status s = check_world(what(), waited, false); !s.is_ok()) return give_up(s);
       if (deadline.expired()) {
         // Last look: a peer that died explains the wait better than the deadline.
         if (Status s = check_world(what(), waited, true); !s.is_ok()) return give_up(s);
-        Status late = peer >= 0 ? deadline_exceeded("rank {} waited {} ms in {}; rank {} did not answer", rank, waited,
-                                                    what(), peer)
+        Status late = peer >= 0  ? deadline_exceeded("rank {} waited {} ms in {}; rank {} did not answer", rank,
+                                                     waited, what(), peer)
+                      : round > 0 ? deadline_exceeded("rank {} waited {} ms in {}: {}", rank, waited, what(),
+                                                      arrival_report(round))
                                 : deadline_exceeded("rank {} waited {} ms in {}", rank, waited, what());
         fail(late);
         return give_up(late);
@@ -345,10 +404,19 @@ class MpiPeerMemory final : public PeerMemory {
     // ranks of the node decide together from the same (id, failed) pairs.
     int node_size = 0;
     MPI_Comm_size(s.node, &node_size);
-    const uint64_t mine[2] = {id_, s.failed() ? uint64_t{1} : uint64_t{0}};
-    auto* all = new std::vector<uint64_t>(2 * static_cast<std::size_t>(node_size));
+    // Every rank's (id, failed) pair, then this rank's own (the send buffer):
+    // on the heap, as MPI may still use both after an early return.
+    const std::size_t n = 2 * static_cast<std::size_t>(node_size);
+    auto* all = new std::vector<uint64_t>(n + 2);
+    uint64_t* mine = all->data() + n;
+    mine[0] = id_;
+    mine[1] = s.failed() ? 1 : 0;
     MPI_Request request = MPI_REQUEST_NULL;
     if (MPI_Iallgather(mine, 2, MPI_UINT64_T, all->data(), 2, MPI_UINT64_T, s.node, &request) != MPI_SUCCESS) return;
+    // A rank that failed before the gate says so in it, so every rank that
+    // sees the gate complete leaks the window: it need not wait (a stalled
+    // peer would keep it here for setup_timeout).
+    if (mine[1] != 0) return;  // `all` stays MPI's
     if (!s.wait_gate(&request, fmt::format("freeing peer memory #{}", id_)).is_ok()) return;  // `all` stays MPI's
     std::unique_ptr<std::vector<uint64_t>> owned(all);
     for (int i = 0; i < node_size; ++i) {
@@ -441,11 +509,12 @@ Status MpiTransport::agree(CollectiveDescriptor mine, std::span<const std::byte>
   // sizes still make matching MPI calls; validation then fails on every rank.
   s.sync_windows();
   MPI_Request request = MPI_REQUEST_NULL;
+  const uint64_t round = s.enter_round();
   EPX_RETURN_IF_ERROR(fail_on_error(s,
                                     MPI_Iallgather(s.send_slot.data(), static_cast<int>(slot), MPI_BYTE, s.slots.data(),
                                                    static_cast<int>(slot), MPI_BYTE, s.coll, &request),
                                     what()));
-  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1, nullptr, false, round));
   s.sync_windows();
   for (std::size_t r = 0; r < R; ++r) std::memcpy(&s.descriptors[r], s.slots.data() + r * slot, sizeof(mine));
   *seq_out = seq;
@@ -493,11 +562,12 @@ Status MpiTransport::all_gather_bytes(std::span<const std::byte> in, std::span<s
   s.scratch.resize(out.size());
   MPI_Request request = MPI_REQUEST_NULL;
   auto what = [&] { return fmt::format("all_gather_bytes #{} ({} bytes per rank)", seq, in.size()); };
+  const uint64_t round = s.enter_round();
   EPX_RETURN_IF_ERROR(fail_on_error(s,
                                     MPI_Iallgather(in.data(), static_cast<int>(in.size()), MPI_BYTE, s.scratch.data(),
                                                    static_cast<int>(in.size()), MPI_BYTE, s.coll, &request),
                                     what()));
-  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1, nullptr, false, round));
   std::memcpy(out.data(), s.scratch.data(), out.size());
   return Status::ok();
 }
@@ -525,11 +595,12 @@ Status MpiTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<s
   s.scratch.resize(out.size());
   MPI_Request request = MPI_REQUEST_NULL;
   auto what = [&] { return fmt::format("all_to_all_bytes #{} ({} bytes per block)", seq, block); };
+  const uint64_t round = s.enter_round();
   EPX_RETURN_IF_ERROR(fail_on_error(s,
                                     MPI_Ialltoall(in.data(), static_cast<int>(block), MPI_BYTE, s.scratch.data(),
                                                   static_cast<int>(block), MPI_BYTE, s.coll, &request),
                                     what()));
-  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1, nullptr, false, round));
   std::memcpy(out.data(), s.scratch.data(), out.size());
   return Status::ok();
 }
@@ -560,11 +631,12 @@ Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, 
     s.scratch.resize(bytes * static_cast<std::size_t>(num_ranks()));
     MPI_Request request = MPI_REQUEST_NULL;
     auto what = [&] { return fmt::format("all_reduce_raw #{} ({} x {})", seq, count, dtype_name(dtype)); };
+    const uint64_t round = s.enter_round();
     EPX_RETURN_IF_ERROR(fail_on_error(s,
                                       MPI_Iallgather(data, static_cast<int>(bytes), MPI_BYTE, s.scratch.data(),
                                                      static_cast<int>(bytes), MPI_BYTE, s.coll, &request),
                                       what()));
-    EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1));
+    EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1, nullptr, false, round));
     for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.scratch.data() + static_cast<std::size_t>(r) * bytes;
   }
   detail::reduce_in_rank_order(contributions, count, dtype, op, data);
@@ -677,6 +749,52 @@ Result<std::size_t> MpiTransport::recv(int peer, int tag, std::span<std::byte> o
   return static_cast<std::size_t>(got);
 }
 
+namespace {
+
+// MpiState::arrivals: two words per rank of this host (round entered, last
+// poll) in a shared window of the host, zeroed by their owner. Blocking calls: every rank has arrived.
+Status map_arrivals(MpiState& state) {
+  MPI_Comm host = MPI_COMM_NULL;
+  EPX_RETURN_IF_ERROR(mpi_call(
+      MPI_Comm_split_type(state.comm, MPI_COMM_TYPE_SHARED, state.rank, MPI_INFO_NULL, &host), "MPI_Comm_split_type"));
+  void* base = nullptr;
+  MPI_Win win = MPI_WIN_NULL;
+  const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(kWindowAlignment), 1, MPI_INFO_NULL, host, &base, &win);
+  if (rc != MPI_SUCCESS) {
+    MPI_Comm_free(&host);
+    return mpi_call(rc, "MPI_Win_allocate_shared (arrivals)");
+  }
+  int host_size = 0;
+  MPI_Comm_size(host, &host_size);
+  MPI_Group host_group = MPI_GROUP_NULL, comm_group = MPI_GROUP_NULL;
+  MPI_Comm_group(host, &host_group);
+  MPI_Comm_group(state.comm, &comm_group);
+  std::vector<int> host_ranks(static_cast<std::size_t>(host_size)), ranks(static_cast<std::size_t>(host_size));
+  for (int i = 0; i < host_size; ++i) host_ranks[i] = i;
+  MPI_Group_translate_ranks(host_group, host_size, host_ranks.data(), comm_group, ranks.data());
+  MPI_Group_free(&host_group);
+  MPI_Group_free(&comm_group);
+  state.arrivals.assign(static_cast<std::size_t>(state.topology.num_ranks()), nullptr);
+  for (int i = 0; i < host_size; ++i) {
+    MPI_Aint size = 0;
+    int disp_unit = 0;
+    void* ptr = nullptr;
+    if (MPI_Win_shared_query(win, i, &size, &disp_unit, &ptr) != MPI_SUCCESS || ptr == nullptr ||
+        reinterpret_cast<std::uintptr_t>(ptr) % alignof(uint64_t) != 0)
+      continue;  // not seen: reported as such
+    state.arrivals[ranks[i]] = static_cast<uint64_t*>(ptr);
+  }
+  if (state.arrivals[state.rank] != nullptr) state.arrivals[state.rank][0] = state.arrivals[state.rank][1] = 0;
+  MPI_Win_lock_all(MPI_MODE_NOCHECK, win);
+  MPI_Win_sync(win);
+  MPI_Barrier(host);
+  MPI_Win_sync(win);
+  MPI_Comm_free(&host);
+  return Status::ok();
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------------------
 // MpiSession
 
@@ -737,8 +855,13 @@ MpiSession::~MpiSession() {
   // After a failure a peer is likely gone, so wait less.
   const bool failed = g_failed.load(std::memory_order_acquire);
   const auto deadline = Deadline::after(failed ? std::chrono::seconds(3) : std::chrono::seconds(120));
-  // Otherwise exit without MPI_Finalize: the launcher reports it.
-  if (poll_world_barrier(deadline).is_ok()) MPI_Finalize();
+  // Otherwise exit without MPI_Finalize: the launcher reports it. Two
+  // rounds: the first completes on a process that arrives late (a stopped
+  // one that resumed) once the others had posted it, even if they have
+  // given up and exited since; only those that completed the first post the
+  // second, so completing both means every process is still here.
+  if (!poll_world_barrier(deadline).is_ok()) return;
+  if (poll_world_barrier(Deadline::after(std::chrono::seconds(3))).is_ok()) MPI_Finalize();
 }
 
 std::string MpiSession::library_version() const {
@@ -817,6 +940,7 @@ Result<std::unique_ptr<Transport>> MpiSession::connect(const MpiOptions& options
   EPX_RETURN_IF_ERROR(
       mpi_call(MPI_Comm_split(state->comm, topology.node_of(rank), rank, &state->node), "MPI_Comm_split(node)"));
   for (MPI_Comm c : {state->comm, state->coll, state->ctrl, state->node}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  EPX_RETURN_IF_ERROR(map_arrivals(*state));
   int check = -1;
   MPI_Comm_rank(state->comm, &check);
   EPX_CHECK_EQ(check, rank);

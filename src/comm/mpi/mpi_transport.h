@@ -15,6 +15,14 @@
 // oversubscribed ranks (8 processes on 2 cores) leave the cores to the ranks
 // that have work.
 //
+// Arrivals: every rank writes the number of each collective round it enters,
+// and the time of its latest poll, into its words of a small shared window
+// of its host; a rank whose deadline passes reads its host's words and names
+// the ranks that never arrived, telling them from ranks still polling an
+// earlier round (held up by the same rank; libnbc's collectives complete on
+// some ranks before others) and from stopped processes (state T). Ranks of
+// other hosts: the notice from a rank of their host names them.
+//
 // Failures poison the state as in-process: the first failure is kept, later
 // calls return Aborted naming it, and the failure is sent to every other
 // rank as a notice (status code + message), so their waits end at once.
@@ -83,8 +91,20 @@ struct MpiState {
   // fails: an MPI error, the deadline, a notice, a dead process on this host.
   // `what` names the call for messages; `peer` (or -1) is the rank it waits
   // for. A receive is cancelled on failure (`cancel`).
+  // `round` (or 0): the collective round waited for (enter_round), whose
+  // missing ranks a DeadlineExceeded names (arrival_report).
   Status wait(MPI_Request* request, const Deadline& deadline, const std::function<std::string()>& what, int peer,
-              MPI_Status* status = nullptr, bool cancel = false);
+              MPI_Status* status = nullptr, bool cancel = false, uint64_t round = 0);
+  // Numbers the next round of a collective over every rank (the descriptor
+  // round of each collective, and its data round when the data does not fit
+  // the slot: every rank makes the same rounds) and records in this rank's
+  // arrival word that it entered it.
+  uint64_t enter_round();
+  // Records in this rank's arrival words that it is polling a wait now.
+  void beat();
+  // "rank 2 did not arrive (ranks 0, 1, 3 waited)" for round `round`, from
+  // the arrival words of this host's ranks.
+  [[nodiscard]] std::string arrival_report(uint64_t round) const;
   // Polls a request of a "gate" round: the polled round that lets a blocking
   // MPI call (window allocation or free) start only once every rank of the
   // node has arrived. Unlike wait() it ignores notices and an earlier
@@ -121,6 +141,11 @@ struct MpiState {
   std::vector<int64_t> pids;       // by rank
   std::vector<uint64_t> start_ticks;  // by rank: /proc/PID/stat start time (same host; 0 unknown), against pid reuse
   std::vector<std::string> hosts;  // by rank
+  // By rank: two words in a shared window of this host (null for ranks of
+  // other hosts): the last collective round the rank entered, and when it
+  // last polled a wait (ms on the host's monotonic clock). The window is
+  // never freed: freeing blocks until every rank of the host frees it.
+  std::vector<uint64_t*> arrivals;  // read and written through std::atomic_ref
 
   mutable std::mutex mutex;
   Status failure;                     // guarded by mutex
@@ -134,6 +159,7 @@ struct MpiState {
   std::vector<MPI_Win> windows;
 
   uint64_t next_seq = 1;
+  uint64_t next_round = 1;                        // enter_round
   std::size_t slot_bytes = 0;                     // collective_slot_bytes(R)
   std::vector<std::byte> send_slot;               // this rank's slot (outlives a failed wait)
   std::vector<std::byte> slots;                   // every rank's slot: the first round
