@@ -11,9 +11,11 @@
 # on train-tiny), the poll interval of a waiting rank and mpirun forwarding
 # the line on a loaded 2-core machine. --enable-recovery keeps mpirun from
 # killing the job when the first rank exits, so each process is seen on its
-# own. Usage: stall.sh EPX MPIEXEC CONFIG
+# own. Usage: stall.sh EPX MPIEXEC CONFIG [MORE EPX TRAIN OPTIONS]
 set -uo pipefail
 epx=$1 mpiexec=$2 config=$3
+shift 3
+more=("$@")
 work=$(mktemp -d)
 job=
 cleanup() {
@@ -39,7 +41,7 @@ now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
 start_job() {
   rm -f "$work/out.txt" "$work/m.jsonl" "$work"/exit.*
   ( timeout 120 "$mpiexec" --oversubscribe --bind-to none --enable-recovery -n 4 "$work/wrap.sh" train \
-      --config "$config" --ranks 4 --steps 1000000 --backend mpi -q --timeout $timeout_s --metrics "$work/m.jsonl" 2>&1 |
+      --config "$config" --ranks 4 --steps 1000000 --backend mpi -q --timeout $timeout_s --metrics "$work/m.jsonl" "${more[@]}" 2>&1 |
       while IFS= read -r line; do echo "$(now_ms) $line"; done > "$work/out.txt" ) &
   job=$!
   for _ in $(seq 600); do

@@ -272,18 +272,24 @@ std::string MpiState::arrival_report(uint64_t round) const {
   }
   // A process that entered the round but is stopped (SIGSTOP, a debugger)
   // holds it up as much as one that never came.
+  const std::vector<int> stopped = stopped_host_ranks();
+  for (int r : stopped) seen[r] = detail::Arrival::kMissing;
+  return detail::arrival_report(seen) + stopped_note(stopped);
+}
+
+std::vector<int> MpiState::stopped_host_ranks() const {
   std::vector<int> stopped;
   for (int r : host_ranks) {
     char state = 0;
     uint64_t ticks = 0;
-    if (read_proc_stat(pids[r], &state, &ticks) && (state == 'T' || state == 't')) {
-      seen[r] = detail::Arrival::kMissing;
-      stopped.push_back(r);
-    }
+    if (read_proc_stat(pids[r], &state, &ticks) && (state == 'T' || state == 't')) stopped.push_back(r);
   }
-  std::string report = detail::arrival_report(seen);
-  if (!stopped.empty()) report += fmt::format("; {} stopped (process state T: SIGSTOP or a debugger)", detail::rank_list(stopped));
-  return report;
+  return stopped;
+}
+
+std::string MpiState::stopped_note(const std::vector<int>& stopped) {
+  if (stopped.empty()) return "";
+  return fmt::format("; {} stopped (process state T: SIGSTOP or a debugger)", detail::rank_list(stopped));
 }
 
 Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std::function<std::string()>& what,
@@ -326,8 +332,8 @@ Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std:
       if (deadline.expired()) {
         // Last look: a peer that died explains the wait better than the deadline.
         if (Status s = check_world(what(), waited, true); !s.is_ok()) return give_up(s);
-        Status late = peer >= 0  ? deadline_exceeded("rank {} waited {} ms in {}; rank {} did not answer", rank,
-                                                     waited, what(), peer)
+        Status late = peer >= 0  ? deadline_exceeded("rank {} waited {} ms in {}; rank {} did not answer{}", rank,
+                                                     waited, what(), peer, stopped_note(stopped_host_ranks()))
                       : round > 0 ? deadline_exceeded("rank {} waited {} ms in {}: {}", rank, waited, what(),
                                                       arrival_report(round))
                                 : deadline_exceeded("rank {} waited {} ms in {}", rank, waited, what());

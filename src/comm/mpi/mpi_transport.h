@@ -105,6 +105,10 @@ struct MpiState {
   // "rank 2 did not arrive (ranks 0, 1, 3 waited)" for round `round`, from
   // the arrival words of this host's ranks.
   [[nodiscard]] std::string arrival_report(uint64_t round) const;
+  // The other ranks of this host whose process is stopped (state T), and
+  // "; rank 2 stopped (...)" naming them ("" when none).
+  [[nodiscard]] std::vector<int> stopped_host_ranks() const;
+  static std::string stopped_note(const std::vector<int>& stopped);
   // Polls a request of a "gate" round: the polled round that lets a blocking
   // MPI call (window allocation or free) start only once every rank of the
   // node has arrived. Unlike wait() it ignores notices and an earlier
