@@ -372,9 +372,15 @@ Status parse_meta_files(const Json& j, const std::string& name, CheckpointMeta* 
 }  // namespace
 
 Status parse_checkpoint_meta(std::string_view text, const std::string& name, CheckpointMeta* meta) {
-  Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  // Values nested deeper than meta.json's own are dropped while parsing (the
+  // checksum then fails), so that nothing below recurses deeply.
+  const Json::parser_callback_t shallow = [](int depth, Json::parse_event_t, Json&) { return depth <= 8; };
+  Json j = Json::parse(text.begin(), text.end(), shallow, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object())
     return invalid_argument("{} is not JSON: not an epx checkpoint meta file", name);
+  if (j.contains("format") && j["format"] == "epx-checkpoint-1")
+    return invalid_argument("{} is of checkpoint format 1 (epx before verified checkpoints); this epx reads format {}",
+                            name, kCheckpointFormatVersion);
   uint64_t stored = 0;
   if (!j.contains("format") || j["format"] != "epx-checkpoint" || !get_hex(j, "meta_xxh3", &stored))
     return invalid_argument("{} is not an epx checkpoint meta file (format epx-checkpoint with a meta_xxh3)", name);
@@ -424,7 +430,9 @@ Status check_save_dir(const std::string& dir) {
   if (fs::exists(path / kCheckpointMarker, ec)) return Status::ok();
   fs::directory_iterator it(path, ec);
   if (ec) return invalid_argument("--save {}: cannot list the folder: {}", dir, ec.message());
-  if (it == fs::directory_iterator()) return Status::ok();
+  // Another process's probe file (every MPI process probes) does not count.
+  while (it != fs::directory_iterator() && it->path().filename().string().rfind(".epx-probe-", 0) == 0) it.increment(ec);
+  if (ec || it == fs::directory_iterator()) return Status::ok();
   return invalid_argument("--save {} is a folder that holds other files (e.g. '{}') and no {} marker; epx writes "
                           "checkpoints only into a new or empty folder, or one it created",
                           dir, it->path().filename().string(), kCheckpointMarker);
@@ -435,7 +443,9 @@ Result<SaveSpace> probe_save_dir(const std::string& dir) {
   SaveSpace space;
   const fs::path base = existing_ancestor(dir);
   space.probed = base.string();
-  const fs::path probe = base / fmt::format(".epx-probe-{}", ::getpid());
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const fs::path probe = base / fmt::format(".epx-probe-{}-{}", host, ::getpid());
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return invalid_argument("--save {}: cannot create a file in {}: {}", dir, space.probed, errno_text());
   ::close(fd);

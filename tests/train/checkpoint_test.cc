@@ -123,6 +123,29 @@ TEST(CheckpointFormat, AbsurdLengthsAreRefusedWithValidChecksums) {
   }
 }
 
+// A short, deterministic mutation run (random bytes overwritten, inserted or
+// cut): the parser never crashes and never accepts a changed file.
+TEST(CheckpointFormat, RandomMutationsNeverCrashOrPass) {
+  const std::vector<uint8_t> good = detail::serialize_rank_file(small_header(), small_state());
+  uint64_t seed = 12345;
+  auto next = [&] { return (seed = seed * 6364136223846793005u + 1442695040888963407u) >> 33; };
+  for (int i = 0; i < 3000; ++i) {
+    std::vector<uint8_t> bytes = good;
+    for (int edits = 1 + static_cast<int>(next() % 4); edits > 0; --edits) {
+      const std::size_t at = next() % (bytes.size() + 1);
+      switch (next() % 3) {
+        case 0: if (at < bytes.size()) bytes[at] = static_cast<uint8_t>(next()); break;
+        case 1: bytes.insert(bytes.begin() + static_cast<std::ptrdiff_t>(at), static_cast<uint8_t>(next())); break;
+        default: if (at < bytes.size()) bytes.erase(bytes.begin() + static_cast<std::ptrdiff_t>(at)); break;
+      }
+    }
+    if (bytes == good) continue;
+    RankFileHeader h;
+    RankState s;
+    EXPECT_FALSE(detail::parse_rank_file(bytes, "f", &h, &s).is_ok()) << "mutation " << i;
+  }
+}
+
 CheckpointMeta small_meta() {
   CheckpointMeta m;
   m.step = 12;
@@ -154,6 +177,13 @@ TEST(CheckpointFormat, MetaRoundTripsAndAnyEditIsCaught) {
     EXPECT_FALSE(detail::parse_checkpoint_meta(text.substr(0, n), "meta.json", &m).is_ok()) << n;
   for (const char* junk : {"", "[]", "null", "{\"format\":\"epx-checkpoint\"}", "{\"format\":1}", "\xff\xfe"})
     EXPECT_FALSE(detail::parse_checkpoint_meta(junk, "meta.json", &m).is_ok()) << junk;
+  // Deep nesting (a stack overflow for a recursive reader) is an error.
+  std::string deep = text;
+  deep.insert(deep.find("\"files\""), "\"x\": " + std::string(200000, '[') + std::string(200000, ']') + ", ");
+  s = detail::parse_checkpoint_meta(deep, "meta.json", &m);
+  EXPECT_NE(s.message().find("edited or damaged"), std::string::npos) << s.to_string();
+  s = detail::parse_checkpoint_meta(R"({"format": "epx-checkpoint-1", "step": 3})", "meta.json", &m);
+  EXPECT_NE(s.message().find("checkpoint format 1"), std::string::npos) << s.to_string();
 }
 
 // ---- through train() ----------------------------------------------------------
