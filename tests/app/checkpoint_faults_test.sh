@@ -26,6 +26,7 @@ cleanup() {
 }
 trap cleanup EXIT
 failures=0
+last_out=
 fail() { echo "FAIL $*"; failures=$((failures + 1)); }
 small=(--batch-tokens 64 --hidden 32 --ffn-hidden 32 --experts 8 -q)
 
@@ -56,9 +57,12 @@ expect "--save onto a foreign folder" 2 "holds other files (e.g. 'thesis.tex')" 
   { [[ "$(ls -A "$work/project")" == thesis.tex && "$(cat "$work/project/thesis.tex")" == thesis ]] ||
       fail "--save onto a foreign folder touched it: $(ls -A "$work/project")"; }
 expect "--save under a file" 2 "notes.txt exists and is not a folder" --steps 1 --save "$work/notes.txt/ck"
-( cd "$work/project" && expect "--save . in a foreign folder" 2 "--save . is a folder that holds other files" --steps 1 --save . )
+cd "$work/project" || exit 1
+expect "--save . in a foreign folder" 2 "--save . is a folder that holds other files" --steps 1 --save .
 mkdir "$work/dot"
-( cd "$work/dot" && expect "--save . in an empty folder" 0 "final loss" --steps 1 --save . )
+cd "$work/dot" || exit 1
+expect "--save . in an empty folder" 0 "final loss" --steps 1 --save .
+cd "$work" || exit 1
 [[ "$(ls -A "$work/dot")" == $'.epx-checkpoints\nlatest\nstep-000001' ]] ||
   fail "--save . left: $(ls -A "$work/dot")"
 [[ -z "$(ls -A "$work" | grep tmp)" ]] || fail "a temporary folder was left in $work: $(ls -A "$work")"
@@ -107,7 +111,7 @@ expect "resume of nothing" 2 "no checkpoint at $work/none" --steps 8 --resume "$
 
 # ---- kill -9 during a save, then resume: the losses of an uninterrupted run
 "$epx" train "${small[@]}" --steps 8 --metrics "$work/ref.jsonl" > /dev/null 2>&1 || fail "the reference run"
-EPX_TEST_CHECKPOINT_DELAY_MS=1000 "$epx" train "${small[@]}" --steps 8 --save-every 2 --save "$work/k" \
+EPX_TEST_CHECKPOINT_DELAY_MS=600 "$epx" train "${small[@]}" --steps 8 --save-every 2 --save "$work/k" \
   --metrics "$work/k.jsonl" > "$work/k.out" 2>&1 &
 job=$!
 for _ in $(seq 400); do [[ -f "$work/k/.step-000004.tmp/meta.json" ]] && break; sleep 0.025; done
