@@ -318,8 +318,9 @@ bool get_hex(const Json& j, const char* key, uint64_t* out) {
   const auto it = j.find(key);
   if (it == j.end() || !it->is_string()) return false;
   const std::string& s = it->get_ref<const std::string&>();
+  if (s.size() != 16 || s.find_first_not_of("0123456789abcdef") != std::string::npos) return false;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out, 16);
-  return s.size() == 16 && ec == std::errc() && p == s.data() + s.size();
+  return ec == std::errc() && p == s.data() + s.size();
 }
 
 // An integer JSON value in [lo, hi].
@@ -362,7 +363,8 @@ Status parse_meta_files(const Json& j, const std::string& name, CheckpointMeta* 
     CheckpointFile file;
     if (!f.is_object() || !f.contains("name") || !f["name"].is_string() ||
         !get_int(f, "bytes", 0, static_cast<int64_t>(kMaxRankFileBytes), &file.bytes) || !get_hex(f, "xxh3", &file.xxh3))
-      return invalid_argument("{}: files[{}] must hold a name, bytes and a 16-digit xxh3", name, meta->files.size());
+      return invalid_argument("{}: files[{}] must hold a name, bytes and an xxh3 of 16 lowercase hex digits", name,
+                              meta->files.size());
     file.name = f["name"].get<std::string>();
     meta->files.push_back(std::move(file));
   }
