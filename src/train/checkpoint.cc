@@ -547,8 +547,10 @@ Status read_rank_file(const std::string& where, const CheckpointMeta& meta, int 
 
 }  // namespace
 
-Status read_checkpoint_meta(const std::string& path, CheckpointMeta* expected) {
-  EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
+namespace {
+
+// read_checkpoint_meta of the step folder `where`.
+Status read_meta_at(const std::string& where, CheckpointMeta* expected) {
   const fs::path meta_path = fs::path(where) / "meta.json";
   std::vector<uint8_t> bytes;
   EPX_RETURN_IF_ERROR(read_file(meta_path, kMaxMetaBytes, &bytes));
@@ -560,9 +562,16 @@ Status read_checkpoint_meta(const std::string& path, CheckpointMeta* expected) {
   return Status::ok();
 }
 
-Status verify_checkpoint(const std::string& path, CheckpointMeta* expected) {
-  EPX_RETURN_IF_ERROR(read_checkpoint_meta(path, expected));
+}  // namespace
+
+Status read_checkpoint_meta(const std::string& path, CheckpointMeta* expected) {
   EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
+  return read_meta_at(where, expected);
+}
+
+Status verify_checkpoint(const std::string& path, CheckpointMeta* expected) {
+  EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
+  EPX_RETURN_IF_ERROR(read_meta_at(where, expected));
   for (int r = 0; r < expected->num_ranks; ++r) {
     RankState state;
     EPX_RETURN_IF_ERROR(read_rank_file(where, *expected, r, &state));
@@ -592,6 +601,20 @@ Status agree(Transport& transport, const Status& mine, const Deadline& deadline)
   return Status::ok();
 }
 
+// A save stopped by a crash leaves `.step-N.tmp` (never published: removed)
+// or, rewriting step N, `.step-N.old` (put back when step-N is missing).
+void tidy_leftover(const fs::path& dir, const std::string& name) {
+  if (name.rfind(".step-", 0) != 0) return;
+  std::error_code ec;
+  if (name.ends_with(".tmp")) fs::remove_all(dir / name, ec);
+  if (!name.ends_with(".old")) return;
+  const fs::path original = dir / name.substr(1, name.size() - 5);
+  if (fs::exists(original, ec))
+    fs::remove_all(dir / name, ec);
+  else
+    fs::rename(dir / name, original, ec);
+}
+
 // Rank 0: DIR exists, is ours (marker), holds no stale temporary folder, and
 // has a fresh empty `tmp`.
 Status prepare_save(const fs::path& dir, const fs::path& tmp) {
@@ -603,11 +626,7 @@ Status prepare_save(const fs::path& dir, const fs::path& tmp) {
     EPX_RETURN_IF_ERROR(write_file_durably(dir / kCheckpointMarker, as_bytes("epx checkpoint folder\n")));
     EPX_RETURN_IF_ERROR(fsync_dir(dir));
   }
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind(".step-", 0) == 0 && name.size() > 4 && name.ends_with(".tmp")) fs::remove_all(e.path(), ec);
-    if (name.rfind(".step-", 0) == 0 && name.ends_with(".old")) fs::remove_all(e.path(), ec);
-  }
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) tidy_leftover(dir, e.path().filename().string());
   fs::create_directory(tmp, ec);
   if (ec) return internal_error("cannot create {}: {}", tmp.string(), ec.message());
   return Status::ok();
@@ -640,7 +659,11 @@ Status publish(const fs::path& dir, const fs::path& tmp, const CheckpointMeta& m
     if (ec) return internal_error("cannot move {} aside: {}", final_path.string(), ec.message());
   }
   fs::rename(tmp, final_path, ec);
-  if (ec) return internal_error("cannot rename {} to {}: {}", tmp.string(), final_path.string(), ec.message());
+  if (ec) {
+    const Status s = internal_error("cannot rename {} to {}: {}", tmp.string(), final_path.string(), ec.message());
+    if (fs::exists(old, ec)) fs::rename(old, final_path, ec);  // `latest` names it: put it back
+    return s;
+  }
   EPX_RETURN_IF_ERROR(fsync_dir(dir));
   EPX_RETURN_IF_ERROR(write_file_durably(dir / "latest.tmp", as_bytes(name + "\n")));
   fs::rename(dir / "latest.tmp", dir / "latest", ec);
@@ -737,8 +760,8 @@ Status check_fit(const std::string& name, const RankState& state, std::span<Para
 // meta.json, this rank's file and its fit to the model; nothing is loaded.
 Status verify_rank_part(const std::string& path, CheckpointMeta* expected, int rank, std::span<Parameter* const> params,
                         std::span<MoELayer* const> layers, RankState* state) {
-  EPX_RETURN_IF_ERROR(read_checkpoint_meta(path, expected));
   EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
+  EPX_RETURN_IF_ERROR(read_meta_at(where, expected));
   EPX_RETURN_IF_ERROR(read_rank_file(where, *expected, rank, state));
   return check_fit((fs::path(where) / rank_file_name(rank)).string(), *state, params, layers);
 }

@@ -235,6 +235,30 @@ TEST(Checkpoint, SavesStepFoldersKeepsTheNewestAndResumesFromLatestOrAStep) {
   EXPECT_EQ(steps, (std::vector<int64_t>{4, 5}));
 }
 
+// A resume that runs no step saves the same step again; a crash in that
+// rewrite (the old folder moved aside) is repaired by the next save, and a
+// stale temporary folder is removed.
+TEST(Checkpoint, RewritesTheSameStepAndRepairsAnInterruptedSave) {
+  testing::TempDir tmp;
+  TrainConfig c = tiny(2, 2);
+  c.save_dir = (tmp.path() / "ck").string();
+  ASSERT_TRUE(train(c).is_ok());
+  c.resume_dir = c.save_dir;
+  ASSERT_TRUE(train(c).is_ok());
+  EXPECT_EQ(entries(c.save_dir), (std::vector<std::string>{".epx-checkpoints", "latest", "step-000002"}));
+  EXPECT_TRUE(check_resume(c).is_ok());
+
+  const fs::path dir(c.save_dir);
+  fs::rename(dir / "step-000002", dir / ".step-000002.old");  // as if killed inside the rewrite
+  fs::create_directory(dir / ".step-000003.tmp");
+  c.resume_dir.clear();
+  c.steps = 1;
+  c.schedule.total_steps = 1;
+  ASSERT_TRUE(train(c).is_ok());
+  EXPECT_EQ(entries(c.save_dir),
+            (std::vector<std::string>{".epx-checkpoints", "latest", "step-000001", "step-000002"}));
+}
+
 TEST(Checkpoint, RefusesAFileAndAForeignFolderAndTouchesNothing) {
   testing::TempDir tmp;
   TrainConfig c = tiny(2, 1);
