@@ -775,6 +775,11 @@ Status load_checkpoint(const std::string& path, CheckpointMeta* expected, Transp
   RankState state;
   Status s = verify_rank_part(path, expected, rank, params, layers, &state);
   EPX_RETURN_IF_ERROR(agree(transport, s, deadline));
+  int64_t steps[2] = {expected->step, -expected->step};  // every rank found the same step
+  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<int64_t>(steps, 2), ReduceOp::kMax, deadline));
+  if (steps[0] != -steps[1])
+    return aborted("the ranks found checkpoint {} at steps {} to {}: was its 'latest' replaced meanwhile?", path,
+                   -steps[1], steps[0]);
   for (std::size_t i = 0; i < params.size(); ++i) {
     AdamW::Moments& m = adam.moments()[params[i]->name];
     params[i]->value = std::move(state.params[i].value);

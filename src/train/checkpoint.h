@@ -117,7 +117,8 @@ struct SaveSpace {
                                      std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);
 // Collective. Reads meta.json and this rank's file, verifies them and their
-// fit to the model, agrees with every rank, and only then loads (step is set).
+// fit to the model, agrees with every rank (all verified, all at the same
+// step), and only then loads (step is set).
 [[nodiscard]] Status load_checkpoint(const std::string& path, CheckpointMeta* expected, Transport& transport,
                                      std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);
