@@ -107,6 +107,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"output.trace_steps", bind(o.trace_steps)},
       {"output.save", bind(o.save_dir)},
       {"output.save_every", bind(o.save_every)},
+      {"output.keep", bind(o.keep)},
   };
 }
 
@@ -208,6 +209,7 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.clip_norm = o.clip;
   c.save_dir = o.save_dir;
   c.save_every = o.save_every;
+  c.keep_checkpoints = o.keep;
   c.resume_dir = o.resume_dir;
   if (o.trace_steps < 0) return invalid_argument("trace_steps = {} is below 0", o.trace_steps);
   EPX_RETURN_IF_ERROR(c.validate());
@@ -387,9 +389,18 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--metrics", o.metrics_path, "Write one JSON line per step to this file ('-' = stdout)");
   cmd->add_option("--trace", o.trace_path, "Write Chrome trace events of a few steps to this file (Perfetto)");
   cmd->add_option("--trace-steps", o.trace_steps, "Steps traced (from step 1)")->capture_default_str();
-  cmd->add_option("--save", o.save_dir, "Write a checkpoint to this folder at the end");
+  cmd->add_option("--save", o.save_dir,
+                  "Checkpoint folder that epx owns: new, empty, or written by epx before (anything else is refused, "
+                  "nothing touched). Each save adds a verified step-NNNNNN folder and updates 'latest'; checked "
+                  "writable and for free space before step 1");
   cmd->add_option("--save-every", o.save_every, "Also checkpoint every N steps (0 = only at the end)")->capture_default_str();
-  cmd->add_option("--resume", o.resume_dir, "Continue from this checkpoint (same ranks and model)");
+  cmd->add_option("--keep", o.keep, "Step folders kept in the --save folder (older ones are removed after a new one is "
+                  "complete)")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  cmd->add_option("--resume", o.resume_dir,
+                  "Continue from a checkpoint: a --save folder (its 'latest') or one of its step-NNNNNN folders; same "
+                  "ranks, nodes and model; every file is verified first");
   cmd->add_option("--compare-balancing", o.compare,
                   "Run the same training once per strategy (comma-separated; empty = none,aux,bias,capacity,"
                   "bias+capacity,eplb,bias+eplb) and print a table side by side")
@@ -414,6 +425,8 @@ int run_train(const TrainOptions& options) {
   auto config = make_config(o);
   if (!config.is_ok()) return fail_usage(config.status());
   if (Status s = set_test_fault(&*config); !s.is_ok()) return fail_usage(s);
+  auto save_plan = check_save(*config);  // --save: owned, writable, room for a checkpoint
+  if (!save_plan.is_ok()) return fail_usage(save_plan.status());
 
   // Under MPI this process runs one rank; rank 0 prints and writes the files.
   std::unique_ptr<MpiSession> session;
@@ -455,6 +468,8 @@ int run_train(const TrainOptions& options) {
                config->num_ranks, transport ? "MPI" : "in-process", config->num_nodes, m.num_layers, m.layer.router.num_experts, m.layer.router.topk,
                m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype), config->batch_tokens,
                config->balancing.name(), o.data);
+  if (!o.quiet && !o.save_dir.empty()) fmt::print(stderr, "epx train: {}\n", save_plan->describe());
+  if (o.quiet && save_plan->tight && root) fmt::print(stderr, "epx train: {}\n", save_plan->describe());
   ProgressBar progress(config->steps, "train");
   Status write_error = Status::ok();
   Stopwatch wall;

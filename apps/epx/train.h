@@ -63,6 +63,7 @@ struct TrainOptions {
   int64_t trace_steps = 3;
   std::string save_dir;
   int64_t save_every = 0;
+  int keep = 2;
   std::string resume_dir;
   std::string compare;  // --compare-balancing LIST
   bool compare_given = false;

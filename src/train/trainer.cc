@@ -248,22 +248,89 @@ Result<ModelConfig> TrainConfig::resolved_model() const {
   return m;
 }
 
-Status check_resume(const TrainConfig& config) {
-  if (config.resume_dir.empty()) return Status::ok();
+namespace {
+
+// The model check_resume and check_save see: with eplb the fingerprint counts
+// the slots (their map comes from the checkpoint).
+Result<ModelConfig> checkpoint_model(const TrainConfig& config) {
   EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  if (config.balancing.eplb)  // the fingerprint counts the slots; their map comes from the checkpoint
+  if (config.balancing.eplb)
     m.layer_slots.assign(static_cast<std::size_t>(m.num_layers),
                          std::vector<int32_t>(static_cast<std::size_t>(
                              config.balancing.slots(m.layer.router.num_experts, config.num_ranks))));
+  return m;
+}
+
+// Bytes of one checkpoint (every rank's file and meta.json), from the shapes:
+// each parameter's values and two AdamW moments in f32 with its name and
+// counts, the expert biases, the headers. An upper bound within a few percent.
+int64_t checkpoint_bytes(const TrainConfig& config, const ModelConfig& m) {
+  const int64_t H = m.layer.hidden, F = m.layer.ffn_hidden, E = m.layer.router.num_experts, L = m.num_layers;
+  const int64_t R = config.num_ranks, S = int64_t{m.layer.num_shared_experts} * F;
+  const int64_t slots = config.balancing.eplb ? config.balancing.slots(static_cast<int>(E), config.num_ranks) : E;
+  const int64_t dense = int64_t{m.num_inputs()} * H + H + H * m.num_outputs() + L * (H + H * E + 3 * H * S);
+  const int64_t experts = L * 3 * (slots / R) * H * F;
+  const int64_t num_params = 3 + L * (2 + (S > 0 ? 3 : 0) + 3);
+  constexpr int64_t kPerParam = 4 + 40 + 3 * 8;  // name length, a name of up to 40 bytes, three counts
+  const int64_t per_rank = 128 + num_params * kPerParam + 12 * (dense + experts) + L * (8 + 4 * E);
+  const int64_t meta = 1024 + R * 80 + (config.balancing.eplb ? L * (slots * 12 + E * 21) : 0);
+  return R * per_rank + meta;
+}
+
+std::string bytes_text(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 5) {
+    bytes /= 1024;
+    ++u;
+  }
+  return fmt::format("{:.{}f} {}", bytes, u == 0 ? 0 : 1, units[u]);
+}
+
+}  // namespace
+
+Status check_resume(const TrainConfig& config) {
+  if (config.resume_dir.empty()) return Status::ok();
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, checkpoint_model(config));
   detail::CheckpointMeta meta;
   meta.num_ranks = config.num_ranks;
   meta.num_nodes = config.num_nodes;
   meta.fingerprint = fingerprint(m);
-  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &meta));
+  EPX_RETURN_IF_ERROR(detail::verify_checkpoint(config.resume_dir, &meta));
   if (meta.step > config.steps)
     return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
                             meta.step, config.steps);
   return Status::ok();
+}
+
+std::string SavePlan::describe() const {
+  std::string text = fmt::format("checkpoints to {}: about {} each, keeping {}; {} free in {}", folder,
+                                 bytes_text(static_cast<double>(checkpoint_bytes)), keep,
+                                 bytes_text(static_cast<double>(free_bytes)), probed);
+  if (tight)
+    text += fmt::format(" (warning: below the {} that {} kept checkpoints and one being written need; a later save "
+                        "may fail)",
+                        bytes_text(static_cast<double>(checkpoint_bytes) * (keep + 1)), keep);
+  return text;
+}
+
+Result<SavePlan> check_save(const TrainConfig& config) {
+  SavePlan plan;
+  if (config.save_dir.empty()) return plan;
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, checkpoint_model(config));
+  EPX_ASSIGN_OR_RETURN(detail::SaveSpace space, detail::probe_save_dir(config.save_dir));
+  plan.folder = config.save_dir;
+  plan.probed = space.probed;
+  plan.keep = config.keep_checkpoints;
+  plan.checkpoint_bytes = checkpoint_bytes(config, m);
+  plan.free_bytes = space.free_bytes;
+  if (plan.free_bytes < static_cast<uint64_t>(plan.checkpoint_bytes))
+    return invalid_argument("--save {}: one checkpoint needs about {} ({} bytes) but {} has {} ({} bytes) free",
+                            config.save_dir, bytes_text(static_cast<double>(plan.checkpoint_bytes)),
+                            plan.checkpoint_bytes, space.probed, bytes_text(static_cast<double>(plan.free_bytes)),
+                            plan.free_bytes);
+  plan.tight = plan.free_bytes / static_cast<uint64_t>(plan.keep + 1) < static_cast<uint64_t>(plan.checkpoint_bytes);
+  return plan;
 }
 
 Status TrainConfig::validate() const {
@@ -273,6 +340,7 @@ Status TrainConfig::validate() const {
   if (!(clip_norm >= 0) || !std::isfinite(clip_norm)) return invalid_argument("clip_norm = {} must be >= 0", clip_norm);
   if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
   if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
+  if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
   EPX_RETURN_IF_ERROR(schedule.validate());
   EPX_RETURN_IF_ERROR(adamw.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig m, resolved_model());
@@ -370,6 +438,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
   // fails before any rank starts.
   EPX_RETURN_IF_ERROR(DataSource::create(config).status());
   EPX_RETURN_IF_ERROR(check_resume(config));
+  EPX_RETURN_IF_ERROR(check_save(config).status());
 
   TrainSummary summary;
   std::mutex mu;
@@ -411,10 +480,11 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
         for (MoELayer* layer : layers) meta.layer_slots.push_back(layer->slot_expert());
         meta.eplb_window = eplb.window;
       }
-      return detail::save_checkpoint(config.save_dir, meta, transport, params, adam, layers, deadline());
+      return detail::save_checkpoint(config.save_dir, config.keep_checkpoints, meta, transport, params, adam, layers,
+                                     deadline());
     };
     if (!config.resume_dir.empty())
-      EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &meta, rank, params, adam, layers));
+      EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &meta, transport, params, adam, layers, deadline()));
     const int64_t first_step = meta.step;
 
     Batch batch;

@@ -51,7 +51,8 @@ else
   grep -q '"max_vio"' "$work/m.jsonl" || { echo "FAIL metrics lack max_vio"; failures=$((failures + 1)); }
   grep -q '"traceEvents"' "$work/t.json" || { echo "FAIL trace has no traceEvents"; failures=$((failures + 1)); }
   grep -q '"dispatch"' "$work/t.json" || { echo "FAIL trace has no dispatch span"; failures=$((failures + 1)); }
-  [[ -f "$work/ck/meta.json" && -f "$work/ck/rank-3.bin" ]] || { echo "FAIL checkpoint incomplete"; failures=$((failures + 1)); }
+  [[ "$(cat "$work/ck/latest")" == step-000006 && -f "$work/ck/step-000006/meta.json" && -f "$work/ck/step-000006/rank-3.bin" ]] ||
+    { echo "FAIL checkpoint incomplete"; failures=$((failures + 1)); }
   grep -q "final loss" "$work/out.txt" || { echo "FAIL no summary table"; failures=$((failures + 1)); }
   echo "ok   small run: 6 metrics lines, trace, checkpoint, summary"
   if ! "$epx" train "${small[@]}" --steps 8 --resume "$work/ck" --metrics "$work/m.jsonl" > "$work/out2.txt" 2>&1; then

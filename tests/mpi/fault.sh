@@ -31,10 +31,10 @@ timeout 300 "${mpi[@]}" "$work/epx" "${args[@]}" --metrics "$work/ref.jsonl" > /
   > "$work/out.txt" 2>&1 &
 job=$!
 for _ in $(seq 600); do
-  [[ -f "$work/ckpt/meta.json" ]] && break
+  [[ -f "$work/ckpt/latest" ]] && break
   sleep 0.05
 done
-[[ -f "$work/ckpt/meta.json" ]] || { echo "FAIL: no checkpoint after 30 s"; cat "$work/out.txt"; exit 1; }
+[[ -f "$work/ckpt/latest" ]] || { echo "FAIL: no checkpoint after 30 s"; cat "$work/out.txt"; exit 1; }
 victim=
 for pid in $(pgrep -f "^$work/epx train"); do
   if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx 'OMPI_COMM_WORLD_RANK=2'; then victim=$pid; fi
@@ -60,8 +60,9 @@ if [[ $named -ne 3 ]]; then
 fi
 echo "all 3 other ranks exited naming rank 2, ${elapsed_ms} ms after the kill"
 
-# Resume from the last checkpoint written before the fault.
-step=$(grep -o '"step": *[0-9]*' "$work/ckpt/meta.json" | grep -o '[0-9]*$')
+# Resume from the last checkpoint written before the fault (DIR/latest names it).
+latest=$(cat "$work/ckpt/latest")
+step=$((10#${latest#step-}))
 timeout 300 "${mpi[@]}" "$work/epx" "${args[@]}" --resume "$work/ckpt" --metrics "$work/resumed.jsonl" > /dev/null
 losses() { grep -o '"step":[0-9]*,"loss":[^,]*' "$1"; }
 resumed=$(losses "$work/resumed.jsonl" | wc -l)

@@ -108,7 +108,7 @@ std::pair<Curve, Curve> expect_resume_gives_the_same_bits(const TrainConfig& str
   first.schedule.total_steps = straight.steps;  // the same schedule as the straight run
   first.save_dir = (dir.path() / "ckpt").string();
   const Curve a = run(first);
-  EXPECT_TRUE(std::filesystem::exists(dir.path() / "ckpt" / "meta.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "ckpt" / fmt::format("step-{:06}", stop) / "meta.json"));
   TrainConfig second = straight;
   second.resume_dir = first.save_dir;
   Curve b = run(second);

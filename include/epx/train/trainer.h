@@ -20,7 +20,15 @@
 // Checkpoints (save_dir / resume_dir) hold every rank's parameters, AdamW
 // moments, expert biases, the step and (eplb) each layer's placement and the
 // current window's loads; a resumed run continues with the same bits as an
-// uninterrupted one.
+// uninterrupted one. save_dir is a folder epx owns: it must be new, empty or
+// already hold epx's marker `.epx-checkpoints` (nothing else is ever deleted
+// or overwritten). Each save is a step folder (step-000120/) written under a
+// temporary name, fsynced and renamed, then recorded in `latest` (replaced
+// atomically); the newest keep_checkpoints step folders stay. A failed save
+// removes its temporary folder, keeps the earlier checkpoints and stops the
+// run with the error. Every file carries a header and XXH3-64 checksums that
+// meta.json lists (itself checksummed); a resume verifies all of it on every
+// rank before anything is loaded. See docs/design.md, Checkpoints.
 //
 //   epx::TrainConfig config;  // defaults: the tiny synthetic task
 //   EPX_ASSIGN_OR_RETURN(epx::TrainSummary summary,
@@ -80,7 +88,8 @@ struct TrainConfig {
   double clip_norm = 1.0;  // 0 = no clipping
   std::string save_dir;    // write a checkpoint at the end (and every save_every steps)
   int64_t save_every = 0;
-  std::string resume_dir;  // start from this checkpoint
+  int keep_checkpoints = 2;  // step folders kept in save_dir (>= 1)
+  std::string resume_dir;    // start from this checkpoint: a save_dir (its `latest`) or one step folder
   Tracer* tracer = nullptr;  // records spans of steps [trace_first, trace_first + trace_steps)
   int64_t trace_first = 1;
   int64_t trace_steps = 0;
@@ -152,9 +161,29 @@ struct TrainSummary {
 };
 
 // With a resume folder: its meta file matches this configuration (ranks,
-// nodes, model shape), every rank's file is there and its step is at most
-// config.steps. NotFound / InvalidArgument naming the folder otherwise.
+// nodes, model shape; another layout is refused until resharding exists),
+// every rank's file is there, whole and of this checkpoint (sizes, headers,
+// checksums), and its step is at most config.steps. Reads every file once.
+// NotFound / InvalidArgument naming the file and what differs otherwise.
 [[nodiscard]] Status check_resume(const TrainConfig& config);
+
+// What --save needs, found before step 1 by check_save.
+struct SavePlan {
+  std::string folder;            // save_dir; empty when there is none
+  std::string probed;            // save_dir or, before the first save, its nearest existing parent
+  int keep = 0;
+  int64_t checkpoint_bytes = 0;  // one checkpoint, all ranks: an estimate from the shapes (an upper bound)
+  uint64_t free_bytes = 0;       // statvfs of `probed`
+  bool tight = false;            // free < (keep + 1) x checkpoint_bytes: a later save may fail
+  [[nodiscard]] std::string describe() const;  // one line for people
+};
+
+// With a save folder: it is epx's to write (check above), a probe file can be
+// created and removed in it (or in its nearest existing parent), and its
+// filesystem has room for one checkpoint (InvalidArgument with the numbers
+// otherwise); `tight` warns when it lacks room for keep + 1. Touches no file
+// but the probe.
+[[nodiscard]] Result<SavePlan> check_save(const TrainConfig& config);
 
 using StepCallback = std::function<void(const StepReport&)>;
 
