@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 
+#include "core/guard.h"
 #include "routing/scores.h"
 
 namespace epx {
@@ -519,11 +520,20 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
   constexpr int64_t kMinWorkPerThread = 1 << 17;  // (token, expert) pairs
   const int64_t max_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
   const int64_t num_threads = std::clamp<int64_t>(T * E / kMinWorkPerThread, 1, max_threads);
+  // A worker that cannot start (the process is out of threads) leaves its
+  // range to the caller's thread: the same output, later.
   std::vector<std::thread> workers;
+  std::vector<int64_t> on_caller = {0};
   std::vector<uint8_t> bad_logits(num_threads, 0);  // one flag per range
-  for (int64_t i = 1; i < num_threads; ++i)
-    workers.emplace_back(route_tokens, T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
-  route_tokens(0, T / num_threads, &bad_logits[0]);
+  workers.reserve(num_threads);
+  on_caller.reserve(num_threads);
+  for (int64_t i = 1; i < num_threads; ++i) {
+    Result<std::thread> worker = detail::start_thread("a router worker thread", route_tokens, T * i / num_threads,
+                                                      T * (i + 1) / num_threads, &bad_logits[i]);
+    if (worker.is_ok()) workers.push_back(std::move(worker).value());
+    else on_caller.push_back(i);
+  }
+  for (int64_t i : on_caller) route_tokens(T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
   for (std::thread& w : workers) w.join();
   if (std::find(bad_logits.begin(), bad_logits.end(), 1) != bad_logits.end()) {
     EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
