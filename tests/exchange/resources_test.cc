@@ -2,6 +2,10 @@
 // rank, never an exception (failures injected through core/guard.h's hooks).
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -114,6 +118,27 @@ TEST(Resources, ARankThreadThatCannotStartFailsTheRunNamingIt) {
   EXPECT_EQ(statuses[1].code(), StatusCode::kResourceExhausted) << statuses[1].to_string();
   EXPECT_EQ(statuses[1].message(), "could not start the thread of rank 1: Resource temporarily unavailable");
   for (int r : {0, 2}) EXPECT_EQ(statuses[r].code(), StatusCode::kAborted) << statuses[r].to_string();
+}
+
+// For real: a child process allowed no more threads (RLIMIT_NPROC = 1, as
+// user nobody when root, whom the limit does not bind) runs a world of ranks.
+TEST(Resources, UnderRlimitNprocTheRanksFailAsStatuses) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (getuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(20);
+    const rlimit limit{1, 1};
+    if (setrlimit(RLIMIT_NPROC, &limit) != 0) _exit(21);
+    std::vector<Status> statuses =
+        run_ranks(*Topology::create(2, 1), [](Transport& t) { return t.barrier(Deadline::after(Milliseconds(5000))); });
+    if (statuses[0].code() != StatusCode::kResourceExhausted) _exit(22);
+    if (statuses[0].message() != "could not start the thread of rank 0: Resource temporarily unavailable") _exit(23);
+    if (statuses[1].is_ok()) _exit(24);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's check number " << WEXITSTATUS(status) << " failed";
 }
 
 }  // namespace
