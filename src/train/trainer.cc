@@ -249,7 +249,9 @@ Status check_resume(const TrainConfig& config) {
   meta.num_ranks = config.num_ranks;
   meta.num_nodes = config.num_nodes;
   meta.fingerprint = fingerprint(m);
-  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &meta));
+  // (A JSON type error in meta.json escaped as an exception once: guarded.)
+  EPX_RETURN_IF_ERROR(detail::guard(fmt::format("reading {}/meta.json", config.resume_dir),
+                                    [&] { return detail::read_checkpoint_meta(config.resume_dir, &meta); }));
   if (meta.step > config.steps)
     return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
                             meta.step, config.steps);
