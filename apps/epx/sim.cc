@@ -108,6 +108,13 @@ Result<sim::Scenario> scenario_from(const SimOptions& o) {
   return s;
 }
 
+// A simulation that fails on its input (a malformed trace, a missing file) is a
+// usage error: exit 2, nothing written; anything else is a failed run.
+int exit_code_of(const Status& status) {
+  const StatusCode code = status.code();
+  return code == StatusCode::kInvalidArgument || code == StatusCode::kNotFound ? kExitUsage : kExitFailed;
+}
+
 int run_scenario(const SimOptions& o) {
   auto loaded = scenario_from(o);
   if (!loaded.is_ok()) {
@@ -147,7 +154,7 @@ int run_scenario(const SimOptions& o) {
       auto r = sim::simulate(scenarios[i]);
       if (!r.is_ok()) {
         fmt::print(stderr, "epx sim: {}={}: {}\n", key, values[i], r.status().message());
-        return kExitFailed;
+        return exit_code_of(r.status());
       }
       const sim::Summary& s = r->summary;
       rows.push_back({values[i], ms(s.step_s.p50), ms(s.step_s.p99), pct(s.worst_idle.p50), pct(s.exposed_comm.p50),
@@ -171,7 +178,7 @@ int run_scenario(const SimOptions& o) {
   auto result = sim::simulate(base, so);
   if (!result.is_ok()) {
     fmt::print(stderr, "epx sim: {}\n", result.status().message());
-    return kExitFailed;
+    return exit_code_of(result.status());
   }
   const sim::SimResult& r = *result;
   if (!o.trace_path.empty()) {

@@ -5,6 +5,7 @@
 
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/low_latency.h"
+#include "core/guard.h"
 #include "exchange/progress.h"
 #include "exchange/split.h"
 
@@ -34,48 +35,64 @@ PendingOp Buffer::submit(std::function<Status()> op) { return PendingOp(progress
 // Blocking forms.
 
 Status Buffer::dispatch(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout) {
-  EPX_RETURN_IF_ERROR(settle());
-  return dispatch_now(inputs, out, layout);
+  return detail::guard("dispatch", [&] {
+    EPX_RETURN_IF_ERROR(settle());
+    return dispatch_now(inputs, out, layout);
+  });
 }
 
 Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  EPX_RETURN_IF_ERROR(settle());
-  return dispatch_cached_now(x, handle, recv_x);
+  return detail::guard("dispatch_cached", [&] {
+    EPX_RETURN_IF_ERROR(settle());
+    return dispatch_cached_now(x, handle, recv_x);
+  });
 }
 
 Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
   // The view is of the combine region, which a queued combine may still use.
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_input_now(handle, dtype);
+  return detail::guard("combine_input", [&]() -> Result<TensorView> {
+    EPX_RETURN_IF_ERROR(settle());
+    return combine_input_now(handle, dtype);
+  });
 }
 
 Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options) {
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_now(y, handle, out, options);
+  return detail::guard("combine", [&] {
+    EPX_RETURN_IF_ERROR(settle());
+    return combine_now(y, handle, out, options);
+  });
 }
 
 Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
                                  const CombineOptions& options) {
-  EPX_RETURN_IF_ERROR(settle());
-  return dispatch_backward_now(grad_recv_x, handle, grad_x, options);
+  return detail::guard("dispatch_backward", [&] {
+    EPX_RETURN_IF_ERROR(settle());
+    return dispatch_backward_now(grad_recv_x, handle, grad_x, options);
+  });
 }
 
 Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_backward_now(grad_out, handle, grad_y);
+  return detail::guard("combine_backward", [&] {
+    EPX_RETURN_IF_ERROR(settle());
+    return combine_backward_now(grad_out, handle, grad_y);
+  });
 }
 
 Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                 const TensorView& weights, const CombineOptions& options) {
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_expanded_now(y_expanded, handle, out, weights, options);
+  return detail::guard("combine_expanded", [&] {
+    EPX_RETURN_IF_ERROR(settle());
+    return combine_expanded_now(y_expanded, handle, out, weights, options);
+  });
 }
 
 Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
                                          const TensorView& y_expanded, const TensorView& weights,
                                          const TensorView& grad_y_expanded, const TensorView& grad_weights) {
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  return detail::guard("combine_expanded_backward", [&] {
+    EPX_RETURN_IF_ERROR(settle());
+    return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  });
 }
 
 // Asynchronous forms: the arguments are captured by value (views and
@@ -124,13 +141,17 @@ PendingOp Buffer::combine_expanded_backward_async(const TensorView& grad_out, co
 // The low-latency buffer's forms, the same way.
 
 Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {
-  EPX_RETURN_IF_ERROR(progress_->drain());
-  return dispatch_now(inputs, out);
+  return detail::guard("low-latency dispatch", [&] {
+    EPX_RETURN_IF_ERROR(progress_->drain());
+    return dispatch_now(inputs, out);
+  });
 }
 
 Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
-  EPX_RETURN_IF_ERROR(progress_->drain());
-  return combine_now(y, handle, out);
+  return detail::guard("low-latency combine", [&] {
+    EPX_RETURN_IF_ERROR(progress_->drain());
+    return combine_now(y, handle, out);
+  });
 }
 
 PendingOp LowLatencyBuffer::dispatch_async(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {

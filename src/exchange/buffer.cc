@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "epx/core/buffer.h"
+#include "core/guard.h"
 #include "exchange/config_check.h"
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
@@ -232,6 +233,10 @@ bool Buffer::hierarchical() const { return impl_->hierarchical; }
 std::size_t Buffer::region_bytes() const { return impl_->memory ? impl_->memory->size() : 0; }
 
 Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfig config) {
+  return detail::guard("Buffer::create", [&] { return create_now(transport, std::move(config)); });
+}
+
+Result<std::unique_ptr<Buffer>> Buffer::create_now(Transport& transport, BufferConfig config) {
   const Topology& topo = transport.topology();
   const int num_ranks = topo.num_ranks();
   const Status local_status = detail::validate_buffer_config(&config, num_ranks);
@@ -281,7 +286,7 @@ Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfi
 }
 
 Result<DispatchLayout> Buffer::get_layout(const TensorView& topk_idx) const {
-  return compute_layout(topk_idx, impl_->placement, impl_->topology);
+  return detail::guard("get_layout", [&] { return compute_layout(topk_idx, impl_->placement, impl_->topology); });
 }
 
 Status Buffer::Impl::validate_dispatch(const DispatchInputs& in, const DispatchLayout* given) {
@@ -471,8 +476,8 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
     tg.first_row = staged;
     staged += tg.num_rows;
   }
-  send_payload.reserve(static_cast<std::size_t>(staged) * row_bytes);
-  send_meta.reserve(static_cast<std::size_t>(staged) * meta_bytes);
+  EPX_RETURN_IF_ERROR(send_payload.reserve(static_cast<std::size_t>(staged) * row_bytes, "the rows to other nodes"));
+  EPX_RETURN_IF_ERROR(send_meta.reserve(static_cast<std::size_t>(staged) * meta_bytes, "the metadata to other nodes"));
   std::vector<int64_t> fill(targets.size(), 0);
   std::vector<int> last_token(targets.size(), -1);
   for (int t = 0; t < T && !targets.empty(); ++t) {
@@ -517,7 +522,7 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
                                                             {local().recv_x + base * row_bytes, n * row_bytes}, deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a dispatch payload"));
       if (!with_meta) continue;
-      recv_meta.reserve(n * meta_bytes);
+      EPX_RETURN_IF_ERROR(recv_meta.reserve(n * meta_bytes, "the dispatch metadata from another node"));
       EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "dispatch metadata"));
       for (int64_t j = 0; j < n; ++j) {
@@ -540,12 +545,12 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       const int s = topology.rank_of(src_node, local_rank);
       const int64_t n = h.node_counts[static_cast<std::size_t>(s) * num_nodes + node];
       if (n == 0) continue;
-      recv_payload.reserve(n * row_bytes);
+      EPX_RETURN_IF_ERROR(recv_payload.reserve(n * row_bytes, "the rows forwarded from another node"));
       EPX_ASSIGN_OR_RETURN(std::size_t got,
                            transport.recv(s, kTagPayload, {recv_payload.data(), n * row_bytes}, deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a forwarded dispatch payload"));
       if (plan) {
-        recv_meta.reserve(n * meta_bytes);
+        EPX_RETURN_IF_ERROR(recv_meta.reserve(n * meta_bytes, "the metadata forwarded from another node"));
         EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
         EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "forwarded dispatch metadata"));
         // Decide each row's destinations: ascending local rank, rows in source order.
@@ -777,8 +782,8 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
       fwd_first[n] = fwd_rows;
       if (n != node) fwd_rows += h.node_counts[static_cast<std::size_t>(topology.rank_of(n, local_rank)) * num_nodes + node];
     }
-    send_payload.reserve(fwd_rows * prow);
-    send_meta.reserve(fwd_rows * K * sizeof(float));
+    EPX_RETURN_IF_ERROR(send_payload.reserve(fwd_rows * prow, "the combine rows reduced for other nodes"));
+    EPX_RETURN_IF_ERROR(send_meta.reserve(fwd_rows * K * sizeof(float), "the combine slots reduced for other nodes"));
     for (int n = 0; n < num_nodes; ++n) {
       if (n == node) continue;
       const int s = topology.rank_of(n, local_rank);
@@ -819,8 +824,8 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
     }
   }
   // Receive the remote contributions to this rank's tokens.
-  recv_payload.reserve(stage_rows * prow);
-  recv_meta.reserve(stage_rows * K * sizeof(float));
+  EPX_RETURN_IF_ERROR(recv_payload.reserve(stage_rows * prow, "the combine rows from other nodes"));
+  EPX_RETURN_IF_ERROR(recv_meta.reserve(stage_rows * K * sizeof(float), "the combine slots from other nodes"));
   for (std::size_t i = 0; i < stage_first.size(); ++i) {
     if (stage_first[i] < 0) continue;
     const int peer = hierarchical ? topology.rank_of(static_cast<int>(i), local_rank) : static_cast<int>(i);

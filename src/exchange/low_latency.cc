@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "epx/core/buffer.h"
+#include "core/guard.h"
 #include "exchange/config_check.h"
 #include "exchange/progress.h"
 #include "exchange/row_kernels.h"
@@ -211,7 +212,22 @@ std::size_t LowLatencyBuffer::staging_bytes() const {
   return impl_->send_staging.size() + impl_->recv_staging.size();
 }
 
+namespace {
+
+// The private staging of messages to and from other nodes.
+Status allocate_staging(std::size_t send_bytes, std::size_t recv_bytes, AlignedBuffer* send, AlignedBuffer* recv) {
+  EPX_ASSIGN_OR_RETURN(*send, AlignedBuffer::allocate(send_bytes, "the low-latency send staging"));
+  EPX_ASSIGN_OR_RETURN(*recv, AlignedBuffer::allocate(recv_bytes, "the low-latency receive staging"));
+  return Status::ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(Transport& transport, LowLatencyConfig config) {
+  return detail::guard("LowLatencyBuffer::create", [&] { return create_now(transport, std::move(config)); });
+}
+
+Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport& transport, LowLatencyConfig config) {
   const Topology& topo = transport.topology();
   const int num_ranks = topo.num_ranks();
   auto check = [&]() -> Status {
@@ -296,8 +312,10 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(Transport& tr
     recv_bytes = m.header_bytes + std::max(static_cast<std::size_t>(rows_per_peer) * dispatch_row,
                                            static_cast<std::size_t>(rows_per_peer) * combine_row);
   }
-  m.send_staging = AlignedBuffer(send_bytes);
-  m.recv_staging = AlignedBuffer(recv_bytes);
+  // Every rank learns whether every other got its staging.
+  const Status staged = allocate_staging(send_bytes, recv_bytes, &m.send_staging, &m.recv_staging);
+  EPX_RETURN_IF_ERROR(
+      detail::agree_on_config(transport, staged, {}, {}, "staging memory", "LowLatencyBuffer", deadline));
 
   const std::size_t R = num_ranks;
   m.topk_idx.assign(combine_slots, -1);

@@ -48,7 +48,7 @@ Status PayloadFormat::stage(const TensorView& x, AlignedBuffer* stage, TensorVie
     return Status::ok();
   }
   const int64_t n = x.size(0);
-  stage->reserve(static_cast<std::size_t>(n) * row_bytes_);
+  EPX_RETURN_IF_ERROR(stage->reserve(static_cast<std::size_t>(n) * row_bytes_, "the fp8 rows to send"));
   // Padding bytes travel too: keep them zero, so every run sends the same bytes.
   const std::size_t used = static_cast<std::size_t>(hidden_) +
                            static_cast<std::size_t>(hidden_ / kFp8BlockSize) * dtype_size(scale_dtype(scale_format_));

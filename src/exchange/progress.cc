@@ -2,6 +2,7 @@
 
 #include <exception>
 
+#include "core/guard.h"
 #include "epx/comm/transport.h"
 
 namespace epx::detail {
@@ -24,8 +25,17 @@ std::shared_ptr<PendingState> ProgressThread::submit(std::function<Status()> op)
     const Clock::time_point start = std::max(Clock::now(), last_bound_.when());
     last_bound_ = Deadline::at(start + op_timeout_ + std::chrono::seconds(5));
     state->bound = last_bound_;
+    if (!thread_.joinable()) {
+      // Started on first use; without it the operation fails before it runs.
+      Result<std::thread> thread = start_thread("the progress thread of an exchange buffer", [this] { run(); });
+      if (!thread.is_ok()) {
+        state->status = thread.status();
+        state->done = true;
+        return state;
+      }
+      thread_ = std::move(thread).value();
+    }
     queue_.push_back({std::move(op), state});
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
   }
   cv_.notify_all();
   return state;

@@ -142,7 +142,7 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
     };
     Carver sizer(nullptr);
     carve(sizer);
-    workspace.reserve(sizer.bytes());
+    EPX_RETURN_IF_ERROR(workspace.reserve(sizer.bytes(), "an expert's workspace"));
     Carver carver(workspace.data());
     carve(carver);
     if (cache != nullptr) {
@@ -221,7 +221,7 @@ Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeigh
     };
     Carver sizer(nullptr);
     carve(sizer);
-    workspace.reserve(sizer.bytes());
+    EPX_RETURN_IF_ERROR(workspace.reserve(sizer.bytes(), "an expert's workspace"));
     Carver carver(workspace.data());
     carve(carver);
     const void* gy = nullptr;
@@ -262,7 +262,8 @@ Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWe
   const Plan plan = make_plan(p);
   return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
     const int64_t first = offsets[e], m = offsets[e + 1] - first;
-    if (config.dtype == DType::kBF16) workspace.reserve(static_cast<std::size_t>(m * H) * sizeof(uint16_t));
+    if (config.dtype == DType::kBF16)
+      EPX_RETURN_IF_ERROR(workspace.reserve(static_cast<std::size_t>(m * H) * sizeof(uint16_t), "an expert's workspace"));
     const void* gy = nullptr;
     const int64_t ldgy = backward_grad_y(config, grad_y, first, m, workspace.data(), &gy);
     const std::byte* a = state.a.data() + first * F * p.elem;

@@ -10,6 +10,7 @@
 #include "epx/core/random.h"
 #include "epx/experts/ffn.h"
 #include "epx/routing/aux_loss.h"
+#include "core/guard.h"
 #include "layer/dense.h"
 
 namespace epx {
@@ -244,28 +245,28 @@ struct MoELayer::Impl {
     return TensorView::contiguous(idx, DType::kI32, {T, config.router.topk});
   }
 
-  void init_parameters() {
+  Status init_parameters() {
     const int H = config.hidden, F = config.ffn_hidden, E = config.router.num_experts;
     const std::string prefix = "layer" + std::to_string(layer_index) + ".";
     auto std_for = [&](int fan_in) {
       return config.init_std > 0 ? config.init_std : static_cast<float>(1.0 / std::sqrt(fan_in));
     };
-    norm = Parameter(prefix + "norm", ParamKind::kDense, 1, H);
+    EPX_ASSIGN_OR_RETURN(norm, Parameter::make(prefix + "norm", ParamKind::kDense, 1, H));
     std::fill(norm.value.begin(), norm.value.end(), 1.0f);
-    router = Parameter(prefix + "router", ParamKind::kDense, H, E);
+    EPX_ASSIGN_OR_RETURN(router, Parameter::make(prefix + "router", ParamKind::kDense, H, E));
     init_normal(router.value, config.seed, stream_id(layer_index, kRouterStream, 0), std_for(H));
     if (config.num_shared_experts > 0) {
       const int S = shared_width();
-      shared_w1 = Parameter(prefix + "shared.w1", ParamKind::kDense, H, S);
-      shared_w3 = Parameter(prefix + "shared.w3", ParamKind::kDense, H, S);
-      shared_w2 = Parameter(prefix + "shared.w2", ParamKind::kDense, S, H);
+      EPX_ASSIGN_OR_RETURN(shared_w1, Parameter::make(prefix + "shared.w1", ParamKind::kDense, H, S));
+      EPX_ASSIGN_OR_RETURN(shared_w3, Parameter::make(prefix + "shared.w3", ParamKind::kDense, H, S));
+      EPX_ASSIGN_OR_RETURN(shared_w2, Parameter::make(prefix + "shared.w2", ParamKind::kDense, S, H));
       init_normal(shared_w1.value, config.seed, stream_id(layer_index, kSharedStream, 1), std_for(H));
       init_normal(shared_w3.value, config.seed, stream_id(layer_index, kSharedStream, 3), std_for(H));
       init_normal(shared_w2.value, config.seed, stream_id(layer_index, kSharedStream, 2), std_for(S));
     }
-    w1 = Parameter(prefix + "experts.w1", ParamKind::kExpert, int64_t{num_local} * H, F);
-    w3 = Parameter(prefix + "experts.w3", ParamKind::kExpert, int64_t{num_local} * H, F);
-    w2 = Parameter(prefix + "experts.w2", ParamKind::kExpert, int64_t{num_local} * F, H);
+    EPX_ASSIGN_OR_RETURN(w1, Parameter::make(prefix + "experts.w1", ParamKind::kExpert, int64_t{num_local} * H, F));
+    EPX_ASSIGN_OR_RETURN(w3, Parameter::make(prefix + "experts.w3", ParamKind::kExpert, int64_t{num_local} * H, F));
+    EPX_ASSIGN_OR_RETURN(w2, Parameter::make(prefix + "experts.w2", ParamKind::kExpert, int64_t{num_local} * F, H));
     // Each logical expert draws from its own streams, wherever (and however
     // often) it lives; an empty slot stays zero.
     for (int l = 0; l < num_local; ++l) {
@@ -279,6 +280,7 @@ struct MoELayer::Impl {
       init_normal(std::span(w2.value).subspan(l * hf, hf), config.seed, stream_id(layer_index, kExpertStream, 4 * g + 2),
                   std_for(F));
     }
+    return Status::ok();
   }
 
   void refresh_weights() {
@@ -907,6 +909,14 @@ struct MoELayer::Impl {
 
 Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config, Transport& transport, Buffer& buffer,
                                                    int layer_index, std::vector<int32_t> slot_expert) {
+  return detail::guard("MoELayer::create", [&] {
+    return create_now(config, transport, buffer, layer_index, std::move(slot_expert));
+  });
+}
+
+Result<std::unique_ptr<MoELayer>> MoELayer::create_now(const MoELayerConfig& config, Transport& transport,
+                                                       Buffer& buffer, int layer_index,
+                                                       std::vector<int32_t> slot_expert) {
   EPX_RETURN_IF_ERROR(config.validate());
   const BufferConfig& bc = buffer.config();
   if (bc.hidden != config.hidden)
@@ -926,7 +936,7 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config,
     return invalid_argument("overlap two-micro-batches routes each half on its own, but redundant experts choose "
                             "replicas by token index over the whole batch; use overlap chunked");
   impl->num_local = buffer.num_local_experts();
-  impl->init_parameters();
+  EPX_RETURN_IF_ERROR(impl->init_parameters());
   if (impl->num_local > 0) EPX_RETURN_IF_ERROR(impl->expert_config().validate());
   if (config.num_shared_experts > 0) EPX_RETURN_IF_ERROR(impl->shared_config().validate());
   return std::unique_ptr<MoELayer>(new MoELayer(std::move(impl)));
@@ -940,7 +950,9 @@ int MoELayer::num_local_experts() const { return impl_->num_local; }
 Buffer& MoELayer::buffer() { return impl_->buffer; }
 const std::vector<int32_t>& MoELayer::slot_expert() const { return impl_->slot_expert; }
 int MoELayer::local_logical_expert(int local) const { return impl_->local_logical(local); }
-Status MoELayer::sum_replica_gradients() { return impl_->sum_replica_gradients(); }
+Status MoELayer::sum_replica_gradients() {
+  return detail::guard("MoELayer::sum_replica_gradients", [&] { return impl_->sum_replica_gradients(); });
+}
 double MoELayer::duplicate_grad_sq() const { return impl_->duplicate_grad_sq(); }
 namespace {
 
@@ -955,12 +967,12 @@ Status in_phase(Status status, int layer_index, std::string_view phase) {
 
 Status MoELayer::forward(const TensorView& x, const TensorView& out) {
   impl_->phase_name = "forward";
-  Status status = impl_->forward(x, out);
+  Status status = detail::guard("MoELayer::forward", [&] { return impl_->forward(x, out); });
   return in_phase(std::move(status), impl_->layer_index, impl_->phase_name);
 }
 Status MoELayer::backward(const TensorView& grad_out, const TensorView& grad_x) {
   impl_->phase_name = "backward";
-  Status status = impl_->backward(grad_out, grad_x);
+  Status status = detail::guard("MoELayer::backward", [&] { return impl_->backward(grad_out, grad_x); });
   return in_phase(std::move(status), impl_->layer_index, impl_->phase_name);
 }
 double MoELayer::aux_loss() const { return impl_->aux_loss; }

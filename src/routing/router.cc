@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 
+#include "core/guard.h"
 #include "routing/scores.h"
 
 namespace epx {
@@ -313,9 +314,7 @@ void apply_capacity(const RouterConfig& config, RouterOutput& out) {
   }
 }
 
-}  // namespace
-
-Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
+Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
   EPX_RETURN_IF_ERROR(config.validate());
   // The logits' values are checked row by row while routing (below); a bad
   // shape is reported here, and a bad value before a bad bias, as always.
@@ -519,12 +518,21 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
   constexpr int64_t kMinWorkPerThread = 1 << 17;  // (token, expert) pairs
   const int64_t max_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
   const int64_t num_threads = std::clamp<int64_t>(T * E / kMinWorkPerThread, 1, max_threads);
-  std::vector<std::thread> workers;
+  // A worker that cannot start (the process is out of threads) leaves its
+  // range to the caller's thread: the same output, later.
   std::vector<uint8_t> bad_logits(num_threads, 0);  // one flag per range
-  for (int64_t i = 1; i < num_threads; ++i)
-    workers.emplace_back(route_tokens, T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
-  route_tokens(0, T / num_threads, &bad_logits[0]);
-  for (std::thread& w : workers) w.join();
+  std::vector<int64_t> on_caller = {0};
+  on_caller.reserve(num_threads);
+  std::vector<std::jthread> workers;  // declared last: joined first, however this scope ends
+  workers.reserve(num_threads);
+  for (int64_t i = 1; i < num_threads; ++i) {
+    Result<std::jthread> worker = detail::start_thread<std::jthread>(
+        "a router worker thread", route_tokens, T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
+    if (worker.is_ok()) workers.push_back(std::move(worker).value());
+    else on_caller.push_back(i);
+  }
+  for (int64_t i : on_caller) route_tokens(T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
+  for (std::jthread& w : workers) w.join();
   if (std::find(bad_logits.begin(), bad_logits.end(), 1) != bad_logits.end()) {
     EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
     return internal_error("a logits row was not finite, yet check_logits found no bad value");
@@ -537,6 +545,12 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
   out.rows_per_expert = out.tokens_per_expert;
   if (config.pad_to_capacity) std::fill(out.rows_per_expert.begin(), out.rows_per_expert.end(), out.capacity);
   return out;
+}
+
+}  // namespace
+
+Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
+  return detail::guard("route", [&] { return route_now(config, logits, expert_bias); });
 }
 
 Result<std::vector<float>> route_backward(const RouterConfig& config, const RouterOutput& forward,

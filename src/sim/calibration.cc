@@ -11,6 +11,7 @@
 #include "epx/exchange/placement.h"
 #include "epx/sim/cost.h"
 #include "epx/sim/traffic.h"
+#include "core/guard.h"
 
 namespace epx::sim {
 
@@ -92,8 +93,10 @@ double bisect(const Prepared& p, HardwareProfile h, double HardwareProfile::*eff
 }  // namespace
 
 Result<ExchangeEstimate> estimate_exchange(const Scenario& s) {
-  EPX_ASSIGN_OR_RETURN(Prepared p, prepare(s));
-  return estimate(p, s.hardware);
+  return detail::guard("estimate_exchange", [&]() -> Result<ExchangeEstimate> {
+    EPX_ASSIGN_OR_RETURN(Prepared p, prepare(s));
+    return estimate(p, s.hardware);
+  });
 }
 
 Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens) {

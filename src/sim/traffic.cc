@@ -8,6 +8,7 @@
 #include "epx/core/random.h"
 #include "epx/exchange/layout.h"
 #include "epx/routing/replicas.h"
+#include "core/guard.h"
 
 namespace epx::sim {
 namespace {
@@ -135,8 +136,17 @@ Status route_group(const RouteRequest& q, GroupTraffic* out) {
   if (threads == 1) {
     work(0);
   } else {
+    // A thread that cannot start leaves its share to this one: the same result.
+    std::vector<int> on_caller;
+    on_caller.reserve(threads);
     std::vector<std::jthread> pool;
-    for (int i = 0; i < threads; ++i) pool.emplace_back(work, i);
+    pool.reserve(threads);
+    for (int i = 0; i < threads; ++i) {
+      Result<std::jthread> thread = detail::start_thread<std::jthread>("a simulator routing thread", work, i);
+      if (thread.is_ok()) pool.push_back(std::move(thread).value());
+      else on_caller.push_back(i);
+    }
+    for (int i : on_caller) work(i);
   }
   for (const Status& s : status) EPX_RETURN_IF_ERROR(s);
   reset(out, R, q.topology->num_nodes(), q.placement->num_experts(), E);

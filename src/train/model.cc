@@ -214,12 +214,12 @@ Result<std::unique_ptr<MoEModel>> MoEModel::create(const ModelConfig& config, Tr
     }
   }
   const int h = lc.hidden, D = config.num_outputs();
-  impl->embed = Parameter("embed", ParamKind::kDense, config.num_inputs(), h);
+  EPX_ASSIGN_OR_RETURN(impl->embed, Parameter::make("embed", ParamKind::kDense, config.num_inputs(), h));
   const double embed_fan_in = config.task == TaskKind::kRegression ? config.input_dim : config.window;
   init_normal(impl->embed.value, lc.seed, kEmbedStream, static_cast<float>(1.0 / std::sqrt(embed_fan_in)));
-  impl->final_norm = Parameter("final_norm", ParamKind::kDense, 1, h);
+  EPX_ASSIGN_OR_RETURN(impl->final_norm, Parameter::make("final_norm", ParamKind::kDense, 1, h));
   std::fill(impl->final_norm.value.begin(), impl->final_norm.value.end(), 1.0f);
-  impl->head = Parameter("head", ParamKind::kDense, h, D);
+  EPX_ASSIGN_OR_RETURN(impl->head, Parameter::make("head", ParamKind::kDense, h, D));
   init_normal(impl->head.value, lc.seed, kHeadStream, static_cast<float>(1.0 / std::sqrt(h)));
   return std::unique_ptr<MoEModel>(new MoEModel(std::move(impl)));
 }

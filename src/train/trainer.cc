@@ -12,6 +12,7 @@
 #include "epx/balance/placement.h"
 #include "epx/comm/inproc.h"
 #include "epx/core/clock.h"
+#include "core/guard.h"
 #include "train/checkpoint.h"
 
 namespace epx {
@@ -296,7 +297,8 @@ Status check_resume(const TrainConfig& config) {
   meta.num_ranks = config.num_ranks;
   meta.num_nodes = config.num_nodes;
   meta.fingerprint = fingerprint(m);
-  EPX_RETURN_IF_ERROR(detail::verify_checkpoint(config.resume_dir, &meta));
+  EPX_RETURN_IF_ERROR(detail::guard(fmt::format("verifying checkpoint {}", config.resume_dir),
+                                    [&] { return detail::verify_checkpoint(config.resume_dir, &meta); }));
   if (meta.step > config.steps)
     return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
                             meta.step, config.steps);
@@ -358,12 +360,14 @@ Status TrainConfig::validate() const {
   return Status::ok();
 }
 
+// Every number in its shortest form that reads back to the same double, so
+// equal text is equal bits (the same-loss tests compare these lines).
 std::string StepReport::to_json() const {
   std::string layers_json;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const LoadStats& s = layers[l];
-    layers_json += fmt::format("{}{{\"layer\":{},\"max_vio\":{:.6g},\"cv\":{:.6g},\"dropped\":{},\"worst_rank\":{},"
-                               "\"worst_rank_share\":{:.6g},\"idle_fraction\":{:.6g},\"tokens_per_expert\":[{}],"
+    layers_json += fmt::format("{}{{\"layer\":{},\"max_vio\":{},\"cv\":{},\"dropped\":{},\"worst_rank\":{},"
+                               "\"worst_rank_share\":{},\"idle_fraction\":{},\"tokens_per_expert\":[{}],"
                                "\"tokens_per_rank\":[{}]}}",
                                l ? "," : "", l, s.max_vio, s.cv, s.num_dropped, s.worst_rank, s.worst_rank_share,
                                s.idle_fraction, fmt::join(s.tokens_per_expert, ","), fmt::join(s.tokens_per_rank, ","));
@@ -371,19 +375,19 @@ std::string StepReport::to_json() const {
   std::string ranks_json;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankTimes& t = ranks[r];
-    ranks_json += fmt::format("{}{{\"rank\":{},\"router\":{:.6g},\"dispatch\":{:.6g},\"experts\":{:.6g},\"combine\":{:.6g},"
-                              "\"dense\":{:.6g},\"wait\":{:.6g},\"sync\":{:.6g},\"total\":{:.6g}}}",
+    ranks_json += fmt::format("{}{{\"rank\":{},\"router\":{},\"dispatch\":{},\"experts\":{},\"combine\":{},"
+                              "\"dense\":{},\"wait\":{},\"sync\":{},\"total\":{}}}",
                               r ? "," : "", r, t.router, t.dispatch, t.experts, t.combine, t.dense, t.wait, t.sync,
                               t.total);
   }
   std::string eplb_json;
   if (eplb)
-    eplb_json = fmt::format(",\"eplb\":{{\"balance_before\":[{:.6g}],\"balance_after\":[{:.6g}],\"moved_slots\":{},"
+    eplb_json = fmt::format(",\"eplb\":{{\"balance_before\":[{}],\"balance_after\":[{}],\"moved_slots\":{},"
                             "\"moved_bytes\":{}}}",
                             fmt::join(eplb->balance_before, ","), fmt::join(eplb->balance_after, ","),
                             eplb->num_moved_slots, eplb->moved_bytes);
-  return fmt::format("{{\"step\":{},\"loss\":{:.8g},\"main_loss\":{:.8g},\"lr\":{:.6g},\"grad_norm\":{:.6g},"
-                     "\"seconds\":{:.6g},\"tokens_per_s\":{:.6g},\"layers\":[{}],\"ranks\":[{}]{}}}",
+  return fmt::format("{{\"step\":{},\"loss\":{},\"main_loss\":{},\"lr\":{},\"grad_norm\":{},"
+                     "\"seconds\":{},\"tokens_per_s\":{},\"layers\":[{}],\"ranks\":[{}]{}}}",
                      step, loss, main_loss, learning_rate, grad_norm, seconds, tokens_per_second, layers_json,
                      ranks_json, eplb_json);
 }
@@ -393,7 +397,8 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
 }  // namespace
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
-  Result<TrainSummary> result = train_ranks(config, on_step, keep_parameters);
+  Result<TrainSummary> result =
+      detail::guard("train", [&] { return train_ranks(config, on_step, keep_parameters); });
   // On an external transport (MPI) an error on this process alone (a file,
   // a config) must end the other ranks' waits too: they hear of it at once.
   if (!result.is_ok() && config.transport != nullptr)

@@ -19,9 +19,9 @@ TEST(AlignedBuffer, AlignedAndZeroed) {
   AlignedBuffer moved = std::move(buf);
   EXPECT_EQ(buf.data(), nullptr);
   EXPECT_EQ(moved.size(), 1000u);
-  moved.reserve(10);
+  ASSERT_TRUE(moved.reserve(10, "a test").is_ok());
   EXPECT_EQ(moved.size(), 1000u);
-  moved.reserve(5000);
+  ASSERT_TRUE(moved.reserve(5000, "a test").is_ok());
   EXPECT_EQ(moved.size(), 5000u);
 }
 

@@ -26,8 +26,17 @@ args=(train --config "$config" --ranks 4 --steps 200 --backend mpi -q)
 # The uninterrupted run, for the losses after the resume.
 timeout 300 "${mpi[@]}" "$work/epx" "${args[@]}" --metrics "$work/ref.jsonl" > /dev/null
 
-# The run that loses a rank: checkpoints every 10 steps.
-"${mpi[@]}" --enable-recovery "$work/epx" "${args[@]}" --save "$work/ckpt" --save-every 10 \
+# The run that loses a rank: checkpoints every 10 steps. With --enable-recovery
+# mpirun exits 0 whatever its processes do, so each rank writes its own exit code.
+cat > "$work/rank.sh" <<'RANK'
+#!/usr/bin/env bash
+"$@"
+code=$?
+echo "rank $OMPI_COMM_WORLD_RANK exit $code" >> "$(dirname "$1")/codes.txt"
+exit $code
+RANK
+chmod +x "$work/rank.sh"
+"${mpi[@]}" --enable-recovery "$work/rank.sh" "$work/epx" "${args[@]}" --save "$work/ckpt" --save-every 10 \
   > "$work/out.txt" 2>&1 &
 job=$!
 for _ in $(seq 600); do
@@ -48,7 +57,12 @@ if kill -0 "$job" 2>/dev/null; then
   cat "$work/out.txt"
   exit 1
 fi
+wait "$job" || true
 job=
+for r in 0 1 3; do
+  grep -qx "rank $r exit 1" "$work/codes.txt" ||
+    { echo "FAIL: rank $r did not exit 1 after rank 2 was lost:"; cat "$work/codes.txt"; exit 1; }
+done
 elapsed_ms=$(( ($(date +%s%N) - killed_at) / 1000000 ))
 echo "--- what the ranks printed after rank 2 (pid $victim) was killed:"
 grep "epx train" "$work/out.txt" || true
@@ -64,7 +78,8 @@ echo "all 3 other ranks exited naming rank 2, ${elapsed_ms} ms after the kill"
 latest=$(cat "$work/ckpt/latest")
 step=$((10#${latest#step-}))
 timeout 300 "${mpi[@]}" "$work/epx" "${args[@]}" --resume "$work/ckpt" --metrics "$work/resumed.jsonl" > /dev/null
-losses() { grep -o '"step":[0-9]*,"loss":[^,]*' "$1"; }
+# Whole metrics lines minus the timings, shortest round-trip numbers: equal text = equal bits.
+losses() { "$(dirname "${BASH_SOURCE[0]}")/../app/metrics_values.sh" "$1"; }
 resumed=$(losses "$work/resumed.jsonl" | wc -l)
 if [[ $resumed -ne $((200 - step)) ]]; then
   echo "FAIL: the resumed run reported $resumed steps; from step $step it should run $((200 - step))"

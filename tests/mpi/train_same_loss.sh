@@ -17,17 +17,22 @@ timeout 300 "$mpiexec" --oversubscribe --bind-to none -n "$np" "$epx" "${args[@]
   --metrics "$work/mpi.jsonl" > "$work/mpi.out"
 timeout 300 "$epx" "${args[@]}" --backend inproc --metrics "$work/inproc.jsonl" > "$work/inproc.out"
 
-losses() { grep -o '"\(main_\)\?loss":[^,]*' "$1"; }
-n_mpi=$(losses "$work/mpi.jsonl" | wc -l)
-n_in=$(losses "$work/inproc.jsonl" | wc -l)
-if [[ $n_mpi -ne 80 || $n_in -ne 80 ]]; then
-  echo "FAIL: expected 40 steps x (loss, main_loss) from both runs, got $n_mpi (MPI) and $n_in (in-process)"
+# Whole metrics lines minus the timings: losses, gradient norm, loads, each in
+# its shortest round-trip form (equal text = equal bits).
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+values() { "$here/../app/metrics_values.sh" "$1"; }
+values "$work/mpi.jsonl" > "$work/mpi.values"
+values "$work/inproc.jsonl" > "$work/inproc.values"
+n_mpi=$(wc -l < "$work/mpi.values")
+n_in=$(wc -l < "$work/inproc.values")
+if [[ $n_mpi -ne 40 || $n_in -ne 40 ]]; then
+  echo "FAIL: expected 40 steps from both runs, got $n_mpi (MPI) and $n_in (in-process)"
   exit 1
 fi
-if ! diff <(losses "$work/mpi.jsonl") <(losses "$work/inproc.jsonl") > "$work/diff"; then
-  echo "FAIL: the MPI run's losses differ from the in-process run's:"
+if ! diff "$work/mpi.values" "$work/inproc.values" > "$work/diff"; then
+  echo "FAIL: the MPI run's metrics differ from the in-process run's:"
   head -20 "$work/diff"
   exit 1
 fi
 echo "same loss curve: $np MPI processes ($nodes node(s)${mpi_extra[*]:+, ${mpi_extra[*]}}) and $np in-process ranks agree on all 40 steps"
-losses "$work/mpi.jsonl" | sed -n '1p;$p'
+grep -o '"step":[0-9]*,"loss":[^,]*' "$work/mpi.jsonl" | sed -n '1p;$p'

@@ -2,9 +2,12 @@
 
 #include <cmath>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "core/guard.h"
 
 namespace epx {
 namespace {
@@ -302,6 +305,27 @@ TEST(Router, ThreadSplitDoesNotChangeABit) {
       EXPECT_EQ(one->topk_weights[k], all->topk_weights[t * 8 + k]) << "token " << t;
     }
   }
+}
+
+// A worker thread that cannot start leaves its tokens to the caller's thread:
+// the same output, no exception, no thread left running.
+TEST(Router, WorkersThatCannotStartGiveTheSameOutput) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one core: the router starts no worker threads";
+  const int64_t T = 8192;
+  const int E = 64;
+  const std::vector<float> logits = random_logits(T * E, 11);
+  RouterConfig config{.num_experts = E, .topk = 4};
+  auto plain = route(config, matrix(logits, T, E));
+  ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+  detail::fail_thread_starts(0, 1);  // T x E = 2^19 pairs: at least one worker, and it is refused
+  auto fallback = route(config, matrix(logits, T, E));
+  const bool unused = detail::take_injected_thread_failure();
+  detail::fail_thread_starts(0, 0);
+  EXPECT_FALSE(unused) << "the router started no worker thread";
+  ASSERT_TRUE(fallback.is_ok()) << fallback.status().to_string();
+  EXPECT_EQ(fallback->topk_idx, plain->topk_idx);
+  EXPECT_EQ(fallback->topk_weights, plain->topk_weights);
+  EXPECT_EQ(fallback->scores, plain->scores);
 }
 
 }  // namespace

@@ -10,13 +10,16 @@
 //     idx  = c.take<int32_t>(num_rows);
 //   };
 //   epx::Carver sizer(nullptr); carve(sizer);                 // count
-//   epx::AlignedBuffer mem(sizer.bytes());
+//   EPX_ASSIGN_OR_RETURN(epx::AlignedBuffer mem, epx::AlignedBuffer::allocate(sizer.bytes(), "the rows"));
 //   epx::Carver carver(mem.data()); carve(carver);            // point
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 #include <utility>
+
+#include "epx/core/status.h"
 
 namespace epx {
 
@@ -26,7 +29,12 @@ class AlignedBuffer {
  public:
   AlignedBuffer() = default;
   // Allocates `bytes` aligned to `alignment` (a power of two); zero-filled
-  // when `zero` is set. Aborts on allocation failure like operator new.
+  // when `zero` is set. ResourceExhausted where the memory is not there:
+  // "could not allocate 1099511627776 bytes for <what>: out of memory".
+  static Result<AlignedBuffer> allocate(std::size_t bytes, std::string_view what, std::size_t alignment = kCacheLine,
+                                        bool zero = false);
+  // The same, throwing std::bad_alloc on failure like operator new: for tests
+  // and benchmarks; epx's own code uses allocate().
   explicit AlignedBuffer(std::size_t bytes, std::size_t alignment = kCacheLine, bool zero = false);
   ~AlignedBuffer();
   AlignedBuffer(AlignedBuffer&& other) noexcept { swap(other); }
@@ -42,7 +50,9 @@ class AlignedBuffer {
   [[nodiscard]] T* as() const { return reinterpret_cast<T*>(data_); }
   [[nodiscard]] std::size_t size() const { return size_; }
   // Grows to at least `bytes` (contents are not kept); never shrinks.
-  void reserve(std::size_t bytes);
+  // ResourceExhausted naming `bytes` and `what` if that memory is not there
+  // (the buffer is then unchanged).
+  [[nodiscard]] Status reserve(std::size_t bytes, std::string_view what);
 
   void swap(AlignedBuffer& other) noexcept {
     std::swap(data_, other.data_);
@@ -51,6 +61,9 @@ class AlignedBuffer {
   }
 
  private:
+  struct Adopt {};
+  AlignedBuffer(Adopt, std::byte* data, std::size_t size, std::size_t alignment)
+      : data_(data), size_(size), alignment_(alignment) {}
   std::byte* data_ = nullptr;
   std::size_t size_ = 0;
   std::size_t alignment_ = kCacheLine;

@@ -303,6 +303,7 @@ class Buffer {
   struct Impl;
   struct Split;
   explicit Buffer(std::unique_ptr<Impl> impl);
+  static Result<std::unique_ptr<Buffer>> create_now(Transport& transport, BufferConfig config);
   // The blocking operations themselves (the public forms first wait for the
   // queued asynchronous ones).
   Status dispatch_now(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout);

@@ -142,6 +142,7 @@ class LowLatencyBuffer {
  private:
   struct Impl;
   explicit LowLatencyBuffer(std::unique_ptr<Impl> impl);
+  static Result<std::unique_ptr<LowLatencyBuffer>> create_now(Transport& transport, LowLatencyConfig config);
   Status dispatch_now(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out);
   Status combine_now(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out);
   std::unique_ptr<Impl> impl_;

@@ -175,6 +175,8 @@ class MoELayer {
  private:
   struct Impl;
   explicit MoELayer(std::unique_ptr<Impl> impl);
+  static Result<std::unique_ptr<MoELayer>> create_now(const MoELayerConfig& config, Transport& transport,
+                                                      Buffer& buffer, int layer_index, std::vector<int32_t> slot_expert);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/core/status.h"
 #include "epx/core/tensor.h"
 
 namespace epx {
@@ -32,6 +33,10 @@ struct Parameter {
       : name(std::move(name_in)), kind(kind_in), rows(rows_in), cols(cols_in),
         value(static_cast<std::size_t>(rows_in * cols_in), 0.0f),
         grad(static_cast<std::size_t>(rows_in * cols_in), 0.0f) {}
+
+  // The constructor's allocation as a Result: ResourceExhausted naming the
+  // bytes (value and gradient) and the parameter where memory is short.
+  static Result<Parameter> make(std::string name, ParamKind kind, int64_t rows, int64_t cols);
 
   [[nodiscard]] int64_t numel() const { return rows * cols; }
   [[nodiscard]] TensorView view() const {

@@ -12,6 +12,8 @@
 
 #include <fmt/format.h>
 
+#include "core/guard.h"
+
 namespace epx {
 namespace {
 
@@ -423,21 +425,18 @@ std::vector<Status> InprocWorld::run(const std::function<Status(Transport&)>& fn
     try {
       InprocTransport transport(state_, rank);
       status = fn(transport);
-    } catch (const std::exception& e) {
-      status = internal_error("rank {} threw an exception: {}", rank, e.what());
     } catch (...) {
-      status = internal_error("rank {} threw an exception that is not a std::exception", rank);
+      status = detail::status_of_current_exception(fmt::format("rank {}", rank));
     }
     if (!status.is_ok()) fail(rank, std::move(status));
   };
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(num_ranks));
+  // A rank whose thread cannot start fails, which aborts the others' waits.
   for (int rank = 0; rank < num_ranks; ++rank) {
-    try {
-      threads.emplace_back(body, rank);
-    } catch (const std::system_error& e) {
-      fail(rank, internal_error("could not start the thread of rank {}: {}", rank, e.what()));
-    }
+    Result<std::thread> thread = detail::start_thread(fmt::format("the thread of rank {}", rank), body, rank);
+    if (thread.is_ok()) threads.push_back(std::move(thread).value());
+    else fail(rank, thread.status());
   }
   for (std::thread& thread : threads) thread.join();
   return statuses;
