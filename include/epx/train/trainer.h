@@ -160,7 +160,7 @@ class StepCallback {
  public:
   StepCallback() = default;
   template <typename F>
-    requires std::is_invocable_v<F&, const StepReport&>
+    requires(std::is_invocable_v<F&, const StepReport&> && !std::is_same_v<std::decay_t<F>, StepCallback>)
   StepCallback(F fn) {  // NOLINT(google-explicit-constructor): lambdas convert
     if constexpr (std::is_void_v<std::invoke_result_t<F&, const StepReport&>>)
       fn_ = [fn = std::move(fn)](const StepReport& r) mutable {
