@@ -354,7 +354,8 @@ void print_dry_run(const TrainOptions& o, const TrainConfig& c, const MemoryEsti
 // file is created and removed there).
 Status check_output_paths(const TrainOptions& o) {
   if (!o.metrics_path.empty()) EPX_RETURN_IF_ERROR(check_output_writable(o.metrics_path, "--metrics"));
-  if (!o.trace_path.empty()) EPX_RETURN_IF_ERROR(check_output_writable(o.trace_path, "--trace"));
+  if (!o.trace_path.empty())
+    EPX_RETURN_IF_ERROR(check_output_writable(o.trace_path, "--trace", /*renamed_into_place=*/true));
   return Status::ok();
 }
 

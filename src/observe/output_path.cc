@@ -49,7 +49,7 @@ Status probe_folder(const std::string& folder, std::string_view what, const std:
 
 }  // namespace
 
-Status check_output_writable(const std::string& path, std::string_view what) {
+Status check_output_writable(const std::string& path, std::string_view what, bool renamed_into_place) {
   if (path == "-") return Status::ok();
   if (path.empty()) return invalid_argument("{}: the path is empty", what);
   struct stat st {};
@@ -58,9 +58,9 @@ Status check_output_writable(const std::string& path, std::string_view what) {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return path_error(errno, what, path, "open for writing", path);
     ::close(fd);
-    // The file is replaced or appended to; its folder must take new files too
-    // (the trace is renamed into place).
-    return probe_folder(folder_of(path), what, path);
+    // A file replaced by a rename needs its folder to take a new file too.
+    if (renamed_into_place && S_ISREG(st.st_mode)) return probe_folder(folder_of(path), what, path);
+    return Status::ok();
   }
   if (errno != ENOENT) return path_error(errno, what, path, "reach", path);
   return probe_folder(folder_of(path), what, path);
