@@ -1,6 +1,6 @@
 # epx: the everyday commands.
 #
-#   make run     set up, build (Release, build/) and train the tiny MoE model (`epx train`)
+#   make run     set up, build the epx binary (Release, build/) and train the tiny MoE model (`epx train`)
 #   make demo    build, then `epx demo` (one dispatch + combine, shown and checked)
 #   make test    set up, then: Release build + ctest; ASan/UBSan build + ctest;
 #                install into a scratch prefix and build examples/consumer against it
@@ -37,7 +37,7 @@ CONSUMER_BUILD := $(INSTALL_CHECK_DIR)/consumer
 
 section = @printf '\n==== %s ====\n' $(1)
 
-.PHONY: run demo test build bench clean setup configure test-readme test-release test-asan test-install test-tsan
+.PHONY: run demo test build build-app bench clean setup configure test-readme test-release test-asan test-install test-tsan
 
 setup:
 	@bash scripts/setup.sh
@@ -50,15 +50,21 @@ build: configure
 	$(call section,"build Release ($(BUILD_DIR))")
 	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS)
 
-run: build
+# `make run` builds the epx binary only (not the tests and benchmarks), so a
+# first run compiles about a third of what `make build` does.
+build-app: configure
+	$(call section,"build the epx binary ($(BUILD_DIR))")
+	$(CMAKE) --build $(BUILD_DIR) -j$(JOBS) --target epx_app
+
+run: build-app
 	$(call section,"epx train --config configs/train-tiny.toml")
 	$(call epx,train --config configs/train-tiny.toml --metrics $(BUILD_DIR)/train-metrics.jsonl)
 
-demo: build
+demo: build-app
 	$(call section,"epx demo")
 	$(call epx,demo)
 
-bench: build
+bench: build-app
 	$(call section,"epx bench exchange")
 	$(call epx,bench exchange)
 

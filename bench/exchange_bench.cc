@@ -125,6 +125,19 @@ Result<ShapePlan> plan_shape(const ExchangeBenchConfig& config, const Topology& 
   return plan;
 }
 
+// The shape of the Buffer a shape's ranks create (RankBench), without its
+// placement and receive rows.
+BufferConfig bench_buffer_config(const ExchangeBenchConfig& c) {
+  BufferConfig b;
+  b.num_experts = c.num_experts;
+  b.hidden = c.hidden;
+  b.dtype = c.dtype;
+  b.max_topk = c.topk;
+  b.max_tokens_per_rank = c.num_tokens;
+  b.max_combine_dtype = c.dtype;
+  return b;
+}
+
 MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan) {
   const std::size_t row_bytes = static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
   const std::size_t num_ranks = static_cast<std::size_t>(config.num_ranks);
@@ -135,7 +148,10 @@ MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan)
   // across nodes also the private staging the Buffer keeps between calls:
   // rows for and from the other nodes, fp32 partials on the two-hop combine.
   const std::size_t staged_row = config.num_nodes > 1 ? static_cast<std::size_t>(config.hidden) * 4 : 0;
-  m.epx = num_ranks * (2 * static_cast<std::size_t>(plan.max_recv_rows) * row_bytes + 2 * tokens * staged_row);
+  BufferConfig buffer = bench_buffer_config(config);
+  buffer.max_recv_tokens = plan.max_recv_rows;
+  m.epx = num_ranks * (static_cast<std::size_t>(Buffer::estimate_region_bytes(buffer, config.num_ranks)) +
+                       2 * tokens * staged_row);
   const NaiveConfig naive{.num_experts = config.num_experts, .hidden = config.hidden, .dtype = config.dtype,
                           .max_topk = config.topk, .max_rows = plan.naive_max_rows};
   m.naive = num_ranks * NaiveAllToAll::bytes_needed(naive);  // inproc messages are not copied
@@ -544,15 +560,24 @@ double other_cpu_share(const CpuSnapshot& before, const CpuSnapshot& after) {
 }
 
 std::size_t available_memory_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  std::size_t value = 0;
-  std::string unit;
-  while (in >> key >> value) {
-    std::getline(in, unit);
-    if (key == "MemAvailable:") return value * 1024;
-  }
-  return 0;
+  const MemoryAvailable available = available_memory();
+  return available.bytes == kMemoryUnbounded ? 0 : static_cast<std::size_t>(available.bytes);
+}
+
+MemoryEstimate estimate_exchange_bench_memory(const ExchangeBenchConfig& c) {
+  const int64_t T = c.num_tokens, K = c.topk, R = c.num_ranks;
+  const int64_t row_bytes = saturating_product({c.hidden, static_cast<int64_t>(dtype_size(c.dtype))});
+  MemoryEstimate e;
+  e.copies = R;  // every rank is a thread of this process
+  const std::string tokens = fmt::format("tokens = {}", T);
+  e.add("routing (top-k ids and weights)", saturating_product({T, K, 8}), tokens);
+  e.add("input and output rows", saturating_product({T, row_bytes, 2}), tokens);
+  // The fewest rows a rank can receive: its share when every token's top-k
+  // spreads evenly over min(topk, ranks) ranks. A skewed routing needs more.
+  BufferConfig buffer = bench_buffer_config(c);
+  buffer.max_recv_tokens = std::max<int64_t>(saturating_product({T, std::min(K, R)}), 1);
+  e.add("epx exchange regions (balanced routing)", Buffer::estimate_region_bytes(buffer, c.num_ranks), tokens);
+  return e;
 }
 
 Status validate_exchange_bench_config(const ExchangeBenchConfig& c) {

@@ -28,6 +28,7 @@
 
 #include "epx/core/clock.h"
 #include "epx/core/dtype.h"
+#include "epx/core/memory.h"
 #include "epx/core/status.h"
 #include "epx/core/trace.h"
 
@@ -122,8 +123,12 @@ struct MemoryPlan {
 // InvalidArgument naming the first bad field and its limit.
 [[nodiscard]] Status validate_exchange_bench_config(const ExchangeBenchConfig& config);
 
-// MemAvailable of /proc/meminfo (0 when unreadable).
+// epx::available_memory() in bytes (0 when unknown).
 [[nodiscard]] std::size_t available_memory_bytes();
+// The least a shape needs (balanced routing), per rank, before anything is
+// planned or allocated: `epx bench exchange` refuses a shape above the
+// memory available.
+[[nodiscard]] MemoryEstimate estimate_exchange_bench_memory(const ExchangeBenchConfig& config);
 // CPU seconds: all cores' busy time (/proc/stat, steal included) and this
 // process's own, with the wall clock; two of them give other_cpu_share.
 struct CpuSnapshot {

@@ -165,6 +165,9 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
                                    .verify = !o.no_verify,
                                    .memory_fraction = o.memory_fraction};
       if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
+      // A shape that cannot fit is refused now, before any is planned or run.
+      if (Status s = check_memory_fits(bench::estimate_exchange_bench_memory(c), available_memory()); !s.is_ok())
+        return usage(fmt::format("tokens {} on {}x{}: {}", tokens, shape.nodes, shape.ranks_per_node, s.message()));
       configs.push_back(c);
     }
   }

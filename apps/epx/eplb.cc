@@ -17,29 +17,66 @@ namespace epx::app {
 
 namespace {
 
+// The sum of the loads stays below this, so the balance arithmetic (sums
+// over ranks, max / mean) stays finite.
+constexpr double kMaxLoadSum = 1e300;
+
+// One load: a finite number >= 0.
+Result<double> parse_load(const std::string& path, int line_no, const std::string& word) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(word, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != word.size() || !std::isfinite(value))
+    return invalid_argument("{}:{}: '{}' is not a finite number", path, line_no, word);
+  if (value < 0) return invalid_argument("{}:{}: load {} is negative; loads must be >= 0", path, line_no, word);
+  return value;
+}
+
+// The comma-separated fields of a line, trimmed; an empty one (",,", a
+// leading or trailing comma) is an error, not a missing expert skipped.
+Result<std::vector<std::string>> split_fields(const std::string& path, int line_no, const std::string& line) {
+  std::vector<std::string> words;
+  std::istringstream fields(line);
+  std::string field;
+  const bool has_comma = line.find(',') != std::string::npos;
+  int index = 0;
+  while (std::getline(fields, field, ',')) {
+    std::istringstream parts(field);
+    std::string word;
+    int in_field = 0;
+    while (parts >> word) {
+      words.push_back(word);
+      ++in_field;
+    }
+    if (has_comma && in_field == 0)
+      return invalid_argument("{}:{}: field {} is empty (every expert needs a load)", path, line_no, index + 1);
+    ++index;
+  }
+  if (has_comma && !line.empty() && line.find_last_not_of(" \t\r") != std::string::npos &&
+      line[line.find_last_not_of(" \t\r")] == ',')
+    return invalid_argument("{}:{}: field {} is empty (every expert needs a load)", path, line_no, index + 1);
+  return words;
+}
+
 // One number per line, or several separated by whitespace or commas.
 Result<std::vector<double>> read_loads(const std::string& path) {
   std::ifstream in(path);
   if (!in) return invalid_argument("cannot open --loads file '{}'", path);
   std::vector<double> loads;
+  double sum = 0;
   std::string line;
   for (int line_no = 1; std::getline(in, line); ++line_no) {
-    for (char& ch : line)
-      if (ch == ',') ch = ' ';
-    std::istringstream words(line);
-    std::string word;
-    while (words >> word) {
-      size_t used = 0;
-      double value = 0;
-      bool parsed = true;
-      try {
-        value = std::stod(word, &used);
-      } catch (const std::exception&) {
-        parsed = false;
-      }
-      if (!parsed || used != word.size() || !std::isfinite(value))
-        return invalid_argument("{}:{}: '{}' is not a finite number", path, line_no, word);
-      if (value < 0) return invalid_argument("{}:{}: load {} is negative; loads must be >= 0", path, line_no, word);
+    EPX_ASSIGN_OR_RETURN(std::vector<std::string> words, split_fields(path, line_no, line));
+    for (const std::string& word : words) {
+      EPX_ASSIGN_OR_RETURN(double value, parse_load(path, line_no, word));
+      sum += value;
+      if (!(sum <= kMaxLoadSum))
+        return invalid_argument("{}:{}: load {} brings the sum of the loads above the limit {:g}; scale the loads down",
+                                path, line_no, word, kMaxLoadSum);
       loads.push_back(value);
     }
   }

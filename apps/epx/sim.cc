@@ -13,6 +13,7 @@
 #include "epx/observe/chrome_trace.h"
 #include "epx/observe/table.h"
 #include "epx/sim/calibration.h"
+#include "epx/sim/memory.h"
 #include "epx/sim/simulator.h"
 
 namespace epx::app {
@@ -94,6 +95,12 @@ nlohmann::json to_json(const sim::SimResult& r) {
           {"wall_s", r.wall_s}};
 }
 
+// What the simulator's in-memory routing and layout state needs, against
+// the memory available: refused before anything is allocated.
+Status check_sim_memory(const sim::Scenario& s) {
+  return check_memory_fits(sim::estimate_memory(s), available_memory());
+}
+
 Result<sim::Scenario> scenario_from(const SimOptions& o) {
   EPX_ASSIGN_OR_RETURN(sim::Scenario s, sim::load_scenario(o.scenario_path));
   for (const std::string& text : o.sets) {
@@ -105,6 +112,7 @@ Result<sim::Scenario> scenario_from(const SimOptions& o) {
   if (s.run.trace_step >= s.run.steps) s.run.trace_step = 0;
   Status st = s.validate();
   if (!st.is_ok()) return invalid_argument("{} (after --set/--steps): {}", o.scenario_path, st.message());
+  EPX_RETURN_IF_ERROR(check_sim_memory(s));
   return s;
 }
 
@@ -141,6 +149,7 @@ int run_scenario(const SimOptions& o) {
       sim::Scenario s = base;
       Status st = sim::set_value(s, key, v);
       if (st.is_ok()) st = s.validate();
+      if (st.is_ok()) st = check_sim_memory(s);
       if (!st.is_ok()) {
         fmt::print(stderr, "epx sim: --sweep {}={}: {}\n", key, v, st.message());
         return kExitUsage;
@@ -314,6 +323,10 @@ int run_predict(const SimOptions& o) {
   s.parallelism.dispatch = nodes > 1 ? "two_hop" : "flat";
   s.parallelism.mode = "forward";
   s.routing.sample_tokens = o.tokens;
+  if (Status fits = check_sim_memory(s); !fits.is_ok()) {
+    fmt::print(stderr, "epx sim predict-exchange: {}\n", fits.message());
+    return kExitUsage;
+  }
   auto e = sim::estimate_exchange(s);
   if (!e.is_ok()) {
     fmt::print(stderr, "epx sim predict-exchange: {}\n", e.status().message());

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -18,21 +19,44 @@
 #include "launch.h"
 #include "epx/comm/mpi.h"
 #include "epx/core/clock.h"
+#include "epx/core/memory.h"
 #include "epx/observe/chrome_trace.h"
 #include "epx/observe/metrics.h"
+#include "epx/observe/output_path.h"
 #include "epx/observe/progress.h"
 #include "epx/observe/table.h"
+#include "epx/train/memory_estimate.h"
 #include "epx/train/trainer.h"
 
 namespace epx::app {
 namespace {
 
+constexpr uint64_t kMaxBatchTokens = uint64_t{1} << 24;  // --batch-tokens and run.batch_tokens
+
 // One settable key of the config file: "section.key" -> a field.
 using Setter = std::function<Status(const toml::node&, const std::string& key)>;
 
+// The integer range of a key, [min, max], within its type's own limits.
+struct IntRange {
+  int64_t min = std::numeric_limits<int64_t>::min();
+  uint64_t max = std::numeric_limits<uint64_t>::max();
+};
+
 template <typename T>
-Setter bind(T& field) {
-  return [&field](const toml::node& node, const std::string& key) -> Status {
+Status set_integer(T& field, const toml::node& node, const std::string& key, IntRange range) {
+  const int64_t min = std::max(range.min, static_cast<int64_t>(std::numeric_limits<T>::min()));
+  const uint64_t max = std::min(range.max, static_cast<uint64_t>(std::numeric_limits<T>::max()));
+  auto v = node.value_exact<int64_t>();
+  if (!v) return invalid_argument("{} must be an integer", key);
+  if (*v < min) return invalid_argument("{} = {} must be at least {}", key, *v, min);
+  if (*v > 0 && static_cast<uint64_t>(*v) > max) return invalid_argument("{} = {} is above the limit {}", key, *v, max);
+  field = static_cast<T>(*v);
+  return Status::ok();
+}
+
+template <typename T>
+Setter bind(T& field, IntRange range = {}) {
+  return [&field, range](const toml::node& node, const std::string& key) -> Status {
     if constexpr (std::is_same_v<T, bool>) {
       if (auto v = node.value_exact<bool>()) {
         field = *v;
@@ -40,14 +64,7 @@ Setter bind(T& field) {
       }
       return invalid_argument("{} must be true or false", key);
     } else if constexpr (std::is_integral_v<T>) {
-      auto v = node.value_exact<int64_t>();
-      if (!v) return invalid_argument("{} must be an integer", key);
-      if (*v < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
-          static_cast<uint64_t>(*v) > static_cast<uint64_t>(std::numeric_limits<T>::max()) || (*v < 0 && std::is_unsigned_v<T>))
-        return invalid_argument("{} = {} is outside [{}, {}]", key, *v, std::numeric_limits<T>::min(),
-                                std::numeric_limits<T>::max());
-      field = static_cast<T>(*v);
-      return Status::ok();
+      return set_integer(field, node, key, range);
     } else if constexpr (std::is_floating_point_v<T>) {
       auto v = node.value<double>();  // integers are accepted
       if (!v || !node.is_number()) return invalid_argument("{} must be a number", key);
@@ -62,56 +79,69 @@ Setter bind(T& field) {
   };
 }
 
+// [1, the type's max] and [0, the type's max].
+template <typename T>
+Setter positive(T& field) {
+  return bind(field, IntRange{.min = 1});
+}
+template <typename T>
+Setter non_negative(T& field) {
+  return bind(field, IntRange{.min = 0});
+}
+
 std::map<std::string, Setter> config_keys(TrainOptions& o) {
   return {
-      {"run.ranks", bind(o.num_ranks)},
-      {"run.nodes", bind(o.num_nodes)},
-      {"run.steps", bind(o.steps)},
-      {"run.batch_tokens", bind(o.batch_tokens)},
-      {"run.seed", bind(o.seed)},
+      {"run.ranks", bind(o.num_ranks, {.min = 1, .max = 256})},
+      {"run.nodes", bind(o.num_nodes, {.min = 1, .max = 256})},
+      {"run.steps", bind(o.steps, {.min = 0, .max = uint64_t{1} << 40})},
+      {"run.batch_tokens", bind(o.batch_tokens, {.min = 1, .max = kMaxBatchTokens})},
+      {"run.seed", non_negative(o.seed)},
       {"run.timeout", bind(o.timeout_s)},
       {"data.source", bind(o.data)},
-      {"data.input_dim", bind(o.input_dim)},
-      {"data.output_dim", bind(o.output_dim)},
-      {"data.clusters", bind(o.clusters)},
+      {"data.input_dim", positive(o.input_dim)},
+      {"data.output_dim", positive(o.output_dim)},
+      {"data.clusters", positive(o.clusters)},
       {"data.zipf", bind(o.zipf)},
       {"data.cluster_spread", bind(o.cluster_spread)},
-      {"data.window", bind(o.window)},
-      {"model.layers", bind(o.layers)},
-      {"model.hidden", bind(o.hidden)},
-      {"model.ffn_hidden", bind(o.ffn_hidden)},
-      {"model.experts", bind(o.experts)},
-      {"model.topk", bind(o.topk)},
-      {"model.shared_experts", bind(o.shared_experts)},
+      {"data.window", positive(o.window)},
+      {"model.layers", positive(o.layers)},
+      {"model.hidden", positive(o.hidden)},
+      {"model.ffn_hidden", positive(o.ffn_hidden)},
+      {"model.experts", positive(o.experts)},
+      {"model.topk", positive(o.topk)},
+      {"model.shared_experts", non_negative(o.shared_experts)},
       {"model.dtype", bind(o.dtype)},
       {"model.overlap", bind(o.overlap)},
-      {"model.overlap_chunks", bind(o.overlap_chunks)},
+      {"model.overlap_chunks", bind(o.overlap_chunks, {.min = 1, .max = 64})},
       {"model.score", bind(o.score)},
       {"model.normalize", bind(o.normalize)},
-      {"model.groups", bind(o.groups)},
-      {"model.topk_groups", bind(o.topk_groups)},
+      {"model.groups", positive(o.groups)},
+      {"model.topk_groups", positive(o.topk_groups)},
       {"balance.strategy", bind(o.balance)},
       {"balance.aux_coeff", bind(o.aux_coeff)},
       {"balance.z_coeff", bind(o.z_coeff)},
       {"balance.bias_rate", bind(o.bias_rate)},
       {"balance.capacity_factor", bind(o.capacity_factor)},
-      {"balance.eplb_every", bind(o.eplb_every)},
-      {"balance.eplb_slots", bind(o.eplb_slots)},
+      {"balance.eplb_every", bind(o.eplb_every, {.min = 1, .max = uint64_t{1} << 40})},
+      {"balance.eplb_slots", non_negative(o.eplb_slots)},
       {"optim.lr", bind(o.lr)},
-      {"optim.warmup", bind(o.warmup)},
+      {"optim.warmup", non_negative(o.warmup)},
       {"optim.min_lr_ratio", bind(o.min_lr_ratio)},
       {"optim.weight_decay", bind(o.weight_decay)},
       {"optim.clip", bind(o.clip)},
       {"output.metrics", bind(o.metrics_path)},
       {"output.trace", bind(o.trace_path)},
-      {"output.trace_steps", bind(o.trace_steps)},
+      {"output.trace_steps", non_negative(o.trace_steps)},
       {"output.save", bind(o.save_dir)},
-      {"output.save_every", bind(o.save_every)},
-      {"output.keep", bind(o.keep)},
+      {"output.save_every", non_negative(o.save_every)},
+      {"output.keep", bind(o.keep, {.min = 1, .max = 1000000})},
   };
 }
 
 Status load_config_file(const std::string& path, TrainOptions& options) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    return invalid_argument("--config {} is a directory; name a TOML file (see configs/train-tiny.toml)", path);
   toml::table table;
   try {
     table = toml::parse_file(path);
@@ -310,6 +340,74 @@ int compare_balancing(const TrainOptions& o, const TrainConfig& base, bool root)
   return kExitOk;
 }
 
+// With --metrics -, stdout carries the JSON lines only; the rest goes to stderr.
+std::FILE* text_stream(const TrainOptions& o) { return o.metrics_path == "-" ? stderr : stdout; }
+
+void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
+  const ModelConfig& m = c.model;
+  fmt::print(stderr,
+             "epx train: {} {} ranks ({} nodes), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
+             "{} tokens/step, balancing {}, data {}\n",
+             c.num_ranks, mpi ? "MPI" : "in-process", c.num_nodes, m.num_layers, m.layer.router.num_experts,
+             m.layer.router.topk, m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype), c.batch_tokens,
+             c.balancing.name(), o.data);
+}
+
+void print_summary(const TrainOptions& o, const TrainSummary& summary, double wall_seconds) {
+  std::FILE* out = text_stream(o);
+  auto rows = summary_rows(summary);
+  rows.push_back({"wall time (s)", fixed(wall_seconds, 2)});
+  fmt::print(out, "{}", format_table({"summary", "value"}, rows));
+  if (!o.metrics_path.empty() && o.metrics_path != "-") fmt::print(out, "metrics: {}\n", o.metrics_path);
+  if (!o.trace_path.empty()) fmt::print(out, "trace: {} (open in https://ui.perfetto.dev)\n", o.trace_path);
+  if (!o.save_dir.empty()) fmt::print(out, "checkpoint: {}\n", o.save_dir);
+}
+
+// --dry-run: the sizes the settings imply and the memory estimate per component.
+void print_dry_run(const TrainOptions& o, const TrainConfig& c, const MemoryEstimate& e, const MemoryAvailable& a) {
+  std::FILE* out = text_stream(o);
+  auto model = c.resolved_model();
+  const ModelConfig& m = model.is_ok() ? *model : c.model;
+  const int E = m.layer.router.num_experts;
+  const int slots = c.balancing.eplb ? c.balancing.slots(E, c.num_ranks) : E;
+  fmt::print(out, "{}", format_table({"derived size", "value"},
+                                     {{"tokens per rank (max_tokens_per_rank)", fmt::format("{}", m.max_tokens_per_rank)},
+                                      {"expert slots per layer", fmt::format("{}", slots)},
+                                      {"experts per rank per layer", fmt::format("{}", slots / c.num_ranks)},
+                                      {"expanded rows per rank (balanced routing)",
+                                       fmt::format("{}", int64_t{m.max_tokens_per_rank} * m.layer.router.topk)},
+                                      {"ranks in this process", fmt::format("{}", e.copies)}}));
+  std::vector<std::vector<std::string>> rows;
+  for (const MemoryItem& item : e.items) rows.push_back({item.name, format_bytes(item.bytes), item.driver});
+  rows.push_back({"per rank", format_bytes(e.per_rank()), ""});
+  rows.push_back({fmt::format("this process ({} ranks)", e.copies), format_bytes(e.total()), ""});
+  rows.push_back({"available", format_bytes(a.bytes), a.source});
+  fmt::print(out, "{}", format_table({"memory", "bytes", "driven by"}, rows));
+}
+
+// Output paths: each --metrics / --trace location takes a new file (a probe
+// file is created and removed there).
+Status check_output_paths(const TrainOptions& o) {
+  if (!o.metrics_path.empty()) EPX_RETURN_IF_ERROR(check_output_writable(o.metrics_path, "--metrics"));
+  if (!o.trace_path.empty())
+    EPX_RETURN_IF_ERROR(check_output_writable(o.trace_path, "--trace", /*renamed_into_place=*/true));
+  return Status::ok();
+}
+
+// Before step 1: the memory estimate against what is available, then the
+// output paths (rank 0's). kExitUsage with the numbers when either fails.
+int preflight(const TrainOptions& o, const TrainConfig& c, bool root) {
+  auto estimate = estimate_train_memory(c);
+  if (!estimate.is_ok()) return fail_usage(estimate.status());
+  const MemoryAvailable available = available_memory();
+  if (o.dry_run && root) print_dry_run(o, c, *estimate, available);
+  if (Status s = check_memory_fits(*estimate, available); !s.is_ok()) return fail_usage(s);
+  if (root)
+    if (Status s = check_output_paths(o); !s.is_ok()) return fail_usage(s);
+  if (o.dry_run && root) fmt::print(text_stream(o), "dry run: every check passed; nothing was written\n");
+  return kExitOk;
+}
+
 }  // namespace
 
 CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
@@ -333,7 +431,7 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "Optimizer steps")->check(CLI::Range(int64_t{0}, int64_t{1} << 40))->capture_default_str();
   cmd->add_option("--batch-tokens", o.batch_tokens, "Tokens per step over all ranks")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->check(CLI::Range(int64_t{1}, static_cast<int64_t>(kMaxBatchTokens)))
       ->capture_default_str();
   cmd->add_option("--timeout", o.timeout_s,
                   "Seconds any rank waits for the others in one operation (a dispatch, a combine, a barrier, an "
@@ -386,8 +484,13 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->capture_default_str();
   cmd->add_option("--clip", o.clip, "Gradient-norm clip (0 = off)")->capture_default_str();
-  cmd->add_option("--metrics", o.metrics_path, "Write one JSON line per step to this file ('-' = stdout)");
-  cmd->add_option("--trace", o.trace_path, "Write Chrome trace events of a few steps to this file (Perfetto)");
+  cmd->add_option("--metrics", o.metrics_path,
+                  "Write one JSON line per step to this file ('-' = stdout, and all other output goes to stderr). "
+                  "Its folder is checked writable before step 1; a line that cannot be written stops the run at "
+                  "that step (exit 1), the file still valid JSON Lines");
+  cmd->add_option("--trace", o.trace_path,
+                  "Write Chrome trace events of a few steps to this file (Perfetto); checked writable before step "
+                  "1, written to a temporary file and renamed");
   cmd->add_option("--trace-steps", o.trace_steps, "Steps traced (from step 1)")->capture_default_str();
   cmd->add_option("--save", o.save_dir,
                   "Checkpoint folder that epx owns: new, empty, or written by epx before (anything else is refused, "
@@ -398,6 +501,9 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "complete)")
       ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
+  cmd->add_flag("--dry-run", o.dry_run,
+                "Check everything (settings, memory, output paths), print the derived sizes and the memory each "
+                "rank needs per component, write nothing and exit (0: it would run; 2: it would not)");
   cmd->add_option("--resume", o.resume_dir,
                   "Continue from a checkpoint: a --save folder (its 'latest') or one of its step-NNNNNN folders; same "
                   "ranks, nodes and model; every file is verified first");
@@ -443,6 +549,12 @@ int run_train(const TrainOptions& options) {
     }
   }
   const bool root = transport == nullptr || transport->rank() == 0;
+  // Preflight: memory and output paths, before any step (and, with
+  // --dry-run, instead of the run).
+  if (const int rc = preflight(o, *config, root); rc != kExitOk || o.dry_run) {
+    if (rc != kExitOk && transport) transport->abort(aborted("rank {} failed the preflight checks", transport->rank()));
+    return rc;
+  }
   if (o.compare_given) return compare_balancing(o, *config, root);
 
   // Everything is checked; only now are files opened.
@@ -460,33 +572,26 @@ int run_train(const TrainOptions& options) {
     config->tracer = &tracer;
     config->trace_steps = o.trace_steps;
   }
-  const ModelConfig& m = config->model;
-  if (!o.quiet)
-    fmt::print(stderr,
-               "epx train: {} {} ranks ({} nodes), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
-               "{} tokens/step, balancing {}, data {}\n",
-               config->num_ranks, transport ? "MPI" : "in-process", config->num_nodes, m.num_layers, m.layer.router.num_experts, m.layer.router.topk,
-               m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype), config->batch_tokens,
-               config->balancing.name(), o.data);
-  if (!o.quiet && !o.save_dir.empty()) fmt::print(stderr, "epx train: {}\n", save_plan->describe());
-  if (o.quiet && save_plan->tight && root) fmt::print(stderr, "epx train: {}\n", save_plan->describe());
+  if (!o.quiet) print_run_line(o, *config, transport != nullptr);
+  if (root && !o.save_dir.empty() && (!o.quiet || save_plan->tight))
+    fmt::print(stderr, "epx train: {}\n", save_plan->describe());
   ProgressBar progress(config->steps, "train");
-  Status write_error = Status::ok();
   Stopwatch wall;
-  auto summary = train(*config, [&](const StepReport& r) {
-    if (metrics && write_error.is_ok()) write_error = metrics->write(r.to_json());
+  // A metrics line that cannot be written stops the run at that step.
+  auto summary = train(*config, [&](const StepReport& r) -> Status {
+    if (metrics) {
+      Status s = metrics->write(r.to_json());
+      if (!s.is_ok()) return Status(s.code(), fmt::format("writing metrics: {}", s.message()));
+    }
     double vio = 0;
     for (const LoadStats& s : r.layers) vio += s.max_vio;
     vio /= static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
     if (!o.quiet) progress.update(r.step + 1, fmt::format("loss {:.4g} MaxVio {:.2f}", r.main_loss, vio));
+    return Status::ok();
   });
   if (!o.quiet) progress.finish();
   if (!summary.is_ok()) {
     fmt::print(stderr, "epx train: {}\n", summary.status().to_string());
-    return kExitFailed;
-  }
-  if (!write_error.is_ok()) {
-    fmt::print(stderr, "epx train: writing metrics: {}\n", write_error.message());
     return kExitFailed;
   }
   if (!o.trace_path.empty()) {
@@ -497,12 +602,7 @@ int run_train(const TrainOptions& options) {
     }
   }
   if (!root) return kExitOk;
-  auto rows = summary_rows(*summary);
-  rows.push_back({"wall time (s)", fixed(wall.seconds(), 2)});
-  fmt::print("{}", format_table({"summary", "value"}, rows));
-  if (!o.metrics_path.empty() && o.metrics_path != "-") fmt::print("metrics: {}\n", o.metrics_path);
-  if (!o.trace_path.empty()) fmt::print("trace: {} (open in https://ui.perfetto.dev)\n", o.trace_path);
-  if (!o.save_dir.empty()) fmt::print("checkpoint: {}\n", o.save_dir);
+  print_summary(o, *summary, wall.seconds());
   return kExitOk;
 }
 

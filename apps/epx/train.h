@@ -68,6 +68,7 @@ struct TrainOptions {
   std::string compare;  // --compare-balancing LIST
   bool compare_given = false;
   bool quiet = false;
+  bool dry_run = false;  // --dry-run: check everything, print the sizes, write nothing
 };
 
 // Adds the `train` subcommand bound to `options`.

@@ -7,6 +7,7 @@
 
 #include "epx/core/buffer.h"
 #include "core/guard.h"
+#include "epx/core/memory.h"
 #include "exchange/config_check.h"
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
@@ -231,6 +232,19 @@ const ExpertPlacement& Buffer::placement() const { return impl_->placement; }
 int Buffer::num_local_experts() const { return impl_->placement.num_local_experts(impl_->rank); }
 bool Buffer::hierarchical() const { return impl_->hierarchical; }
 std::size_t Buffer::region_bytes() const { return impl_->memory ? impl_->memory->size() : 0; }
+
+int64_t Buffer::estimate_region_bytes(const BufferConfig& config, int num_ranks) {
+  const int64_t rows = detail::max_recv_rows(config, num_ranks);
+  auto payload = detail::PayloadFormat::of(config);
+  const int64_t row_bytes = payload.is_ok() ? static_cast<int64_t>(payload->row_bytes())
+                                            : int64_t{config.hidden} * static_cast<int64_t>(dtype_size(config.dtype));
+  const int64_t combine_row_bytes = int64_t{config.hidden} * static_cast<int64_t>(dtype_size(config.max_combine_dtype));
+  // Every row's share of the region, with room for the alignment padding.
+  const int64_t per_row = saturating_sum(row_bytes + combine_row_bytes, int64_t{4} * (1 + 3 * int64_t{config.max_topk}));
+  if (saturating_product({rows, per_row, 2}) == kMemoryUnbounded) return kMemoryUnbounded;
+  return static_cast<int64_t>(Region::carve(nullptr, rows, static_cast<std::size_t>(row_bytes), config.max_topk,
+                                            static_cast<std::size_t>(combine_row_bytes), nullptr));
+}
 
 Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfig config) {
   return detail::guard("Buffer::create", [&] { return create_now(transport, std::move(config)); });

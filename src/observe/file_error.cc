@@ -11,7 +11,8 @@ Status file_error(int err, std::string_view what, const std::string& path) {
     case ENOENT:
     case ENOTDIR: code = StatusCode::kNotFound; break;
     case ENOSPC:
-    case EDQUOT: code = StatusCode::kResourceExhausted; break;
+    case EDQUOT:
+    case EFBIG: code = StatusCode::kResourceExhausted; break;
     case EACCES:
     case EPERM:
     case EROFS:

@@ -1,5 +1,5 @@
 // The Status for a failed file-system call: the path, what was being done and
-// the errno text. ENOENT/ENOTDIR give NotFound, ENOSPC/EDQUOT
+// the errno text. ENOENT/ENOTDIR give NotFound, ENOSPC/EDQUOT/EFBIG
 // ResourceExhausted, EACCES/EPERM/EROFS/EISDIR InvalidArgument (the caller
 // named a place that cannot be written), anything else Internal.
 #pragma once

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <optional>
 
@@ -232,7 +233,12 @@ Result<ModelConfig> TrainConfig::resolved_model() const {
   ModelConfig m = model;
   if (num_ranks < 1) return invalid_argument("ranks = {} must be at least 1", num_ranks);
   if (batch_tokens < 1) return invalid_argument("batch_tokens = {} must be at least 1", batch_tokens);
-  m.max_tokens_per_rank = static_cast<int>((batch_tokens + num_ranks - 1) / num_ranks);
+  const int64_t per_rank = batch_tokens / num_ranks + (batch_tokens % num_ranks != 0 ? 1 : 0);
+  if (per_rank > std::numeric_limits<int>::max())
+    return invalid_argument("batch_tokens = {} is above the limit {} for ranks = {} ({} tokens per rank at most)",
+                            batch_tokens, int64_t{std::numeric_limits<int>::max()} * num_ranks, num_ranks,
+                            std::numeric_limits<int>::max());
+  m.max_tokens_per_rank = static_cast<int>(per_rank);
   m.layer.aux_loss_coeff = balancing.aux_loss_coeff;
   m.layer.aux_loss = balancing.aux_loss;
   m.layer.expert_bias = balancing.expert_bias;
@@ -394,6 +400,17 @@ std::string StepReport::to_json() const {
 
 namespace {
 Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters);
+
+// Collective, after every step: rank 0 tells the others whether its on_step
+// failed. Rank 0 returns that Status, the others Aborted naming it, so every
+// rank stops after the same step instead of one leaving the others waiting.
+Status agree_on_stop(Transport& transport, const Status& stop, int64_t step, const Deadline& deadline) {
+  double flag[1] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0};
+  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flag, 1), ReduceOp::kSum, deadline));
+  if (flag[0] == 0) return Status::ok();
+  if (transport.rank() == 0) return Status(stop.code(), fmt::format("after step {}: {}", step + 1, stop.message()));
+  return aborted("rank 0 stopped the run after step {}", step + 1);
+}
 }  // namespace
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
@@ -494,6 +511,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
 
     Batch batch;
     std::vector<float> packed(std::max<std::size_t>(dense_size, 1));
+    Status stop;  // rank 0: what on_step returned
     for (int64_t step = first_step; step < config.steps; ++step) {
       const bool tracing = config.tracer && step >= config.trace_first && step < config.trace_first + config.trace_steps;
       for (MoELayer* layer : layers) layer->set_tracer(tracing ? config.tracer : nullptr);
@@ -608,8 +626,10 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
         }
         recent.push_back(report);
         if (recent.size() > 10) recent.erase(recent.begin());
-        if (on_step) on_step(report);
+        if (on_step) stop = on_step(report);
       }
+      where.phase = "agreeing to go on after the step";
+      EPX_RETURN_IF_ERROR(agree_on_stop(transport, stop, step, deadline()));
       where.phase = "checkpoint";
       if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
         EPX_RETURN_IF_ERROR(save(step + 1));

@@ -1,6 +1,9 @@
 #include "epx/observe/metrics.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include <csignal>
 
 #include <nlohmann/json.hpp>
 
@@ -97,6 +100,51 @@ TEST(Metrics, UnopenablePathNamesThePathAndTheReason) {
   EXPECT_EQ(w.status().code(), StatusCode::kNotFound);
   EXPECT_EQ(w.status().message(), "cannot open the metrics file '" + path + "': No such file or directory");
   EXPECT_EQ(MetricsWriter::open("").status().code(), StatusCode::kInvalidArgument);
+}
+
+// A write that fails halfway (here: past RLIMIT_FSIZE, the same short write
+// then error as a full disk) leaves the file at its last whole line.
+TEST(Metrics, FailedWriteCutsTheFileBackToItsLastWholeLine) {
+  TempDir dir;
+  const std::string path = dir.file("m.jsonl");
+  MetricsWriter writer = std::move(MetricsWriter::open(path)).value();
+  ASSERT_TRUE(writer.write(R"({"step":0})").is_ok());
+  const std::size_t whole = read_file(path).size();
+
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = saved;
+  small.rlim_cur = whole + 5;  // room for 5 bytes of the next line
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const Status s = writer.write(R"({"step":1,"loss":0.125})");
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.message(), "cannot write the metrics file '" + path + "': File too large");
+  EXPECT_EQ(read_file(path), "{\"step\":0}\n");
+  EXPECT_EQ(writer.lines_written(), 1);
+  EXPECT_EQ(writer.write(R"({"step":2})").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(read_file(path), "{\"step\":0}\n");
+}
+
+TEST(Metrics, AppendKeepsWholeLinesAfterAFailedWrite) {
+  TempDir dir;
+  const std::string path = dir.file("m.jsonl");
+  { ASSERT_TRUE(std::move(MetricsWriter::open(path)).value().write(R"({"run":1})").is_ok()); }
+  MetricsWriter writer = std::move(MetricsWriter::open(path, /*append=*/true)).value();
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = saved;
+  small.rlim_cur = read_file(path).size() + 3;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const Status s = writer.write(R"({"run":2,"step":0})");
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s.to_string();
+  EXPECT_EQ(read_file(path), "{\"run\":1}\n");
 }
 
 }  // namespace

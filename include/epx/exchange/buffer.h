@@ -298,6 +298,10 @@ class Buffer {
 
   // Bytes of peer-mapped memory this rank holds.
   [[nodiscard]] std::size_t region_bytes() const;
+  // What region_bytes() will be for `config` on `num_ranks` ranks, computed
+  // by the same carving as create(), before anything is allocated;
+  // saturates at INT64_MAX for sizes no machine has.
+  [[nodiscard]] static int64_t estimate_region_bytes(const BufferConfig& config, int num_ranks);
 
  private:
   struct Impl;

@@ -9,7 +9,8 @@
 // batch_tokens) of the task's deterministic stream, split into contiguous
 // shares over the ranks, so R ranks and one rank see the same batch. After
 // every step `on_step` gets a StepReport (on the calling thread's behalf
-// from rank 0; keep it quick).
+// from rank 0; keep it quick); a non-OK Status from it stops every rank
+// after that step.
 //
 // Balancing strategies: none, the auxiliary load-balancing loss, the
 // aux-loss-free expert bias (DeepSeek-V3), a capacity factor with position
@@ -40,6 +41,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "epx/core/trace.h"
@@ -185,7 +187,30 @@ struct SavePlan {
 // but the probe.
 [[nodiscard]] Result<SavePlan> check_save(const TrainConfig& config);
 
-using StepCallback = std::function<void(const StepReport&)>;
+
+// Called on rank 0 after every step. It may return a Status (or nothing):
+// a non-OK Status stops the run after that step on every rank (the ranks
+// agree on it in one small all-reduce per step), and train() returns it.
+class StepCallback {
+ public:
+  StepCallback() = default;
+  template <typename F>
+    requires(std::is_invocable_v<F&, const StepReport&> && !std::is_same_v<std::decay_t<F>, StepCallback>)
+  StepCallback(F fn) {  // NOLINT(google-explicit-constructor): lambdas convert
+    if constexpr (std::is_void_v<std::invoke_result_t<F&, const StepReport&>>)
+      fn_ = [fn = std::move(fn)](const StepReport& r) mutable {
+        fn(r);
+        return Status::ok();
+      };
+    else
+      fn_ = std::move(fn);
+  }
+  explicit operator bool() const { return static_cast<bool>(fn_); }
+  [[nodiscard]] Status operator()(const StepReport& r) const { return fn_(r); }
+
+ private:
+  std::function<Status(const StepReport&)> fn_;
+};
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step = {}, bool keep_parameters = false);
 
