@@ -404,11 +404,17 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
 // Collective, after every step: rank 0 tells the others whether its on_step
 // failed. Rank 0 returns that Status, the others Aborted naming it, so every
 // rank stops after the same step instead of one leaving the others waiting.
-Status agree_on_stop(Transport& transport, const Status& stop, int64_t step, const Deadline& deadline) {
+// The ranks learn whether rank 0's on_step failed (true: the run stops).
+Result<bool> agree_on_stop(Transport& transport, const Status& stop, const Deadline& deadline) {
   double flag[1] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0};
   EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flag, 1), ReduceOp::kSum, deadline));
-  if (flag[0] == 0) return Status::ok();
-  if (transport.rank() == 0) return Status(stop.code(), fmt::format("after step {}: {}", step + 1, stop.message()));
+  return flag[0] != 0;
+}
+
+// What a stopped run returns on this rank: rank 0 its callback's error, the
+// others Aborted. Not a failure of the step's work, so no step context.
+Status stop_status(int rank, const Status& stop, int64_t step) {
+  if (rank == 0) return Status(stop.code(), fmt::format("after step {}: {}", step + 1, stop.message()));
   return aborted("rank 0 stopped the run after step {}", step + 1);
 }
 }  // namespace
@@ -629,7 +635,11 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
         if (on_step) stop = on_step(report);
       }
       where.phase = "agreeing to go on after the step";
-      EPX_RETURN_IF_ERROR(agree_on_stop(transport, stop, step, deadline()));
+      EPX_ASSIGN_OR_RETURN(const bool stopped, agree_on_stop(transport, stop, deadline()));
+      if (stopped) {
+        where.step = -1;
+        return stop_status(rank, stop, step);
+      }
       where.phase = "checkpoint";
       if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
         EPX_RETURN_IF_ERROR(save(step + 1));
