@@ -11,16 +11,12 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "epx/balance/placement.h"
+#include "eplb.h"
 
 namespace epx::app {
 
-namespace {
-
 // One number per line, or several separated by whitespace or commas.
-Result<std::vector<double>> read_loads(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return invalid_argument("cannot open --loads file '{}'", path);
+Result<std::vector<double>> parse_loads(std::istream& in, const std::string& path) {
   std::vector<double> loads;
   std::string line;
   for (int line_no = 1; std::getline(in, line); ++line_no) {
@@ -51,10 +47,8 @@ Result<std::vector<double>> read_loads(const std::string& path) {
 // whitespace or commas, -1 for an empty slot, '#' to the end of a line a
 // comment. Each id is checked against the experts, and against the ids
 // already on its rank, where it stands (file and line).
-Result<RedundantPlacement> read_placement(const std::string& path, int num_experts, int num_slots, int num_ranks,
-                                          PlacementPolicy policy) {
-  std::ifstream in(path);
-  if (!in) return invalid_argument("cannot open --current file '{}'", path);
+Result<RedundantPlacement> parse_placement(std::istream& in, const std::string& path, int num_experts, int num_slots,
+                                           int num_ranks, PlacementPolicy policy) {
   const int slots_per_rank = num_slots % num_ranks == 0 ? num_slots / num_ranks : 0;
   std::vector<int32_t> slot_expert;
   std::string line;
@@ -99,6 +93,21 @@ Result<RedundantPlacement> read_placement(const std::string& path, int num_exper
   if (!placement.is_ok())
     return invalid_argument("--current file '{}': {}", path, placement.status().message());
   return placement;
+}
+
+namespace {
+
+Result<std::vector<double>> read_loads(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return invalid_argument("cannot open --loads file '{}'", path);
+  return parse_loads(in, path);
+}
+
+Result<RedundantPlacement> read_placement(const std::string& path, int num_experts, int num_slots, int num_ranks,
+                                          PlacementPolicy policy) {
+  std::ifstream in(path);
+  if (!in) return invalid_argument("cannot open --current file '{}'", path);
+  return parse_placement(in, path, num_experts, num_slots, num_ranks, policy);
 }
 
 // The format read_placement reads: a comment head, then one line per rank.

@@ -9,13 +9,12 @@
 #include <optional>
 #include <thread>
 
-#include <nlohmann/json.hpp>
-
 #include "epx/balance/placement.h"
 #include "epx/core/random.h"
 #include "epx/routing/expert_bias.h"
 #include "epx/sim/cost.h"
 #include "epx/sim/traffic.h"
+#include "sim/routing_trace.h"
 
 namespace epx::sim {
 namespace {
@@ -194,40 +193,9 @@ class Simulator {
 Status Simulator::load_trace() {
   std::ifstream in(s_.routing.trace);
   if (!in) return not_found("routing.trace = '{}' cannot be opened", s_.routing.trace);
-  std::string line;
-  int lineno = 0;
-  while (std::getline(in, line)) {
-    ++lineno;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      return invalid_argument("{}:{}: not JSON ({})", s_.routing.trace, lineno, e.what());
-    }
-    if (!j.contains("layers") || !j["layers"].is_array() || j["layers"].empty())
-      return invalid_argument("{}:{}: no \"layers\" array (the format epx train --metrics writes)", s_.routing.trace,
-                              lineno);
-    const int layers = static_cast<int>(j["layers"].size());
-    if (trace_layers_ != 0 && layers != trace_layers_)
-      return invalid_argument("{}:{}: {} layers, the first line had {}", s_.routing.trace, lineno, layers, trace_layers_);
-    trace_layers_ = layers;
-    for (int l = 0; l < layers; ++l) {
-      const auto& counts = j["layers"][l]["tokens_per_expert"];
-      if (!counts.is_array() || static_cast<int>(counts.size()) != s_.model.experts)
-        return invalid_argument("{}:{}: layers[{}].tokens_per_expert must list model.experts = {} counts", s_.routing.trace,
-                                lineno, l, s_.model.experts);
-      std::vector<double> pop(s_.model.experts);
-      for (int e = 0; e < s_.model.experts; ++e) {
-        if (!counts[e].is_number() || counts[e].get<double>() < 0)
-          return invalid_argument("{}:{}: layers[{}].tokens_per_expert[{}] is not a count >= 0", s_.routing.trace,
-                                  lineno, l, e);
-        pop[e] = std::log(counts[e].get<double>() + 1.0);
-      }
-      trace_pop_.push_back(std::move(pop));
-    }
-  }
-  if (trace_pop_.empty()) return invalid_argument("routing.trace = '{}' holds no steps", s_.routing.trace);
+  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts));
+  trace_layers_ = trace.num_layers;
+  trace_pop_ = std::move(trace.log_popularity);
   return Status::ok();
 }
 
