@@ -187,6 +187,34 @@ TEST(Simulator, ReplaysATraceInTheFormatEpxTrainWrites) {
       << bad.status().message();
 }
 
+// A line of another shape is an error naming the file, the line and the
+// place in it; the JSON type errors it once threw crossed the API.
+TEST(Simulator, AMalformedTraceIsAnErrorNotAnException) {
+  const epx::testing::TempDir dir;
+  const std::string path = dir.file("bad_trace.jsonl");
+  Scenario s = small_scenario();
+  s.model.layers = 1;
+  s.routing.distribution = "trace";
+  s.routing.trace = path;
+  std::string negative = "{\"layers\":[{\"tokens_per_expert\":[0";
+  for (int e = 1; e < 32; ++e) negative += e == 7 ? ",-1" : ",0";
+  negative += "]}]}";
+  const std::pair<std::string, std::string> cases[] = {
+      {"{\"layers\":[1]}", "bad_trace.jsonl:1: layers[0].tokens_per_expert must list"},
+      {"{\"layers\":[{\"tokens_per_expert\":\"x\"}]}", "bad_trace.jsonl:1: layers[0].tokens_per_expert must list"},
+      {"[1]", "bad_trace.jsonl:1: no \"layers\" array"},
+      {"\n{\"layers\":[{\"tokens_per_expert\":[1e400]}]}", "bad_trace.jsonl:2: not JSON"},
+      {negative, "bad_trace.jsonl:1: layers[0].tokens_per_expert[7] is not a finite count >= 0"},
+  };
+  for (const auto& [line, expected] : cases) {
+    std::ofstream(path) << line << "\n";
+    auto r = simulate(s);
+    ASSERT_FALSE(r.is_ok()) << line;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << line;
+    EXPECT_NE(r.status().message().find(expected), std::string::npos) << line << ": " << r.status().message();
+  }
+}
+
 TEST(Simulator, ResultsDoNotDependOnThreads) {
   Scenario s = small_scenario();
   s.routing.distribution = "lognormal";
