@@ -51,6 +51,7 @@ Result<RedundantPlacement> parse_placement(std::istream& in, const std::string& 
                                            int num_ranks, PlacementPolicy policy) {
   const int slots_per_rank = num_slots % num_ranks == 0 ? num_slots / num_ranks : 0;
   std::vector<int32_t> slot_expert;
+  std::vector<int> last_slot_of(static_cast<std::size_t>(num_experts), -1);  // expert -> the last slot holding it
   std::string line;
   for (int line_no = 1; std::getline(in, line); ++line_no) {
     line = line.substr(0, line.find('#'));
@@ -76,14 +77,12 @@ Result<RedundantPlacement> parse_placement(std::istream& in, const std::string& 
       if (value < -1 || value >= num_experts)
         return invalid_argument("{}:{}: slot {} holds expert {}, outside [-1, {}) (the --loads file has {} experts)",
                                 path, line_no, slot, value, num_experts, num_experts);
-      if (value >= 0 && slots_per_rank > 0) {
-        const int rank = slot / slots_per_rank;
-        for (int other = rank * slots_per_rank; other < slot; ++other)
-          if (slot_expert[other] == value)
-            return invalid_argument("{}:{}: slot {} holds expert {}, which rank {} already holds in slot {} (at most one "
-                                    "replica per rank)",
-                                    path, line_no, slot, value, rank, other);
-      }
+      const int other = value >= 0 ? last_slot_of[static_cast<std::size_t>(value)] : -1;
+      if (slots_per_rank > 0 && other >= 0 && other / slots_per_rank == slot / slots_per_rank)
+        return invalid_argument("{}:{}: slot {} holds expert {}, which rank {} already holds in slot {} (at most one "
+                                "replica per rank)",
+                                path, line_no, slot, value, slot / slots_per_rank, other);
+      if (value >= 0) last_slot_of[static_cast<std::size_t>(value)] = slot;
       slot_expert.push_back(static_cast<int32_t>(value));
     }
   }
