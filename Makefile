@@ -11,8 +11,8 @@
 #   make fuzz    clang build of the libFuzzer targets (build-fuzz/), each run FUZZ_SECONDS (60)
 #   make clean   remove every build folder
 #
-# JOBS, BUILD_DIR, ASAN_DIR, INSTALL_CHECK_DIR and CTEST_TIMEOUT can be set on
-# the command line, e.g. `make test JOBS=8`.
+# JOBS, BUILD_DIR, ASAN_DIR, INSTALL_CHECK_DIR, CTEST_TIMEOUT, FUZZ_DIR,
+# FUZZ_SECONDS and FUZZ_JOBS can be set on the command line, e.g. `make test JOBS=8`.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
