@@ -3,14 +3,16 @@
 #   make run     set up, build the epx binary (Release, build/) and train the tiny MoE model (`epx train`)
 #   make demo    build, then `epx demo` (one dispatch + combine, shown and checked)
 #   make test    set up, then: Release build + ctest; ASan/UBSan build + ctest;
-#                install into a scratch prefix and build examples/consumer against it
+#                install into a scratch prefix and build examples/consumer against it;
+#                every fuzz target for 60 s
 #   make build   set up and build (Release, build/)
 #   make bench   build, then `epx bench exchange`
 #   make test-tsan  ThreadSanitizer build + the in-process tests (not in `make test`)
+#   make fuzz    clang build of the libFuzzer targets (build-fuzz/), each run FUZZ_SECONDS (60)
 #   make clean   remove every build folder
 #
-# JOBS, BUILD_DIR, ASAN_DIR, INSTALL_CHECK_DIR and CTEST_TIMEOUT can be set on
-# the command line, e.g. `make test JOBS=8`.
+# JOBS, BUILD_DIR, ASAN_DIR, INSTALL_CHECK_DIR, CTEST_TIMEOUT, FUZZ_DIR,
+# FUZZ_SECONDS and FUZZ_JOBS can be set on the command line, e.g. `make test JOBS=8`.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -37,7 +39,7 @@ CONSUMER_BUILD := $(INSTALL_CHECK_DIR)/consumer
 
 section = @printf '\n==== %s ====\n' $(1)
 
-.PHONY: run demo test build build-app bench clean setup configure test-readme test-release test-asan test-install test-tsan
+.PHONY: run demo test build build-app bench clean setup configure test-readme test-release test-asan test-install test-tsan fuzz
 
 setup:
 	@bash scripts/setup.sh
@@ -97,6 +99,24 @@ test-tsan: setup
 	  $(CTEST) --test-dir $(TSAN_DIR) $(CTEST_FLAGS) \
 	  --label-exclude 'mpi|two_hosts|slurm'
 
+# libFuzzer (clang only): the readers of the command's input files, each fuzzed
+# for FUZZ_SECONDS from its seed corpus fuzz/corpus/NAME/ after replaying
+# fuzz/regressions/NAME/; FUZZ_JOBS targets at a time. Fails on any crash,
+# leak, hang or runaway allocation, naming the reproducer (scripts/fuzz.sh).
+# Only the libraries the targets link are built; -O1 -g1 like the ASan build.
+FUZZ_DIR ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_JOBS ?= 2
+fuzz: setup
+	$(call section,"configure libFuzzer ($(FUZZ_DIR))")
+	CC=clang CXX=clang++ $(CMAKE) -S . -B $(FUZZ_DIR) -DEPX_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DEPX_WITH_CUDA=OFF -DEPX_WITH_MPI=OFF \
+	  -DEPX_BUILD_TESTS=OFF -DEPX_BUILD_BENCH=OFF -DEPX_BUILD_APPS=OFF
+	$(call section,"build libFuzzer targets ($(FUZZ_DIR))")
+	$(CMAKE) --build $(FUZZ_DIR) -j$(JOBS) --target epx_fuzz
+	$(call section,"fuzz: $(FUZZ_SECONDS) s per target")
+	bash scripts/fuzz.sh $(FUZZ_DIR) $(FUZZ_SECONDS) $(FUZZ_JOBS)
+
 # Installs the Release build into a fresh prefix and builds the standalone
 # examples/consumer project against it, as a user of the package would.
 test-install: build
@@ -118,8 +138,8 @@ test-readme:
 	awk '/<!-- examples\/consumer\/main.cc -->/{m=1;next} m==1&&/^```cpp/{m=2;next} m==2&&/^```$$/{exit} m==2' README.md \
 	  | diff -u examples/consumer/main.cc - && echo "identical"
 
-test: test-readme test-release test-asan test-install
+test: test-readme test-release test-asan test-install fuzz
 	$(call section,"make test: all passed")
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(INSTALL_CHECK_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(INSTALL_CHECK_DIR) $(FUZZ_DIR)

@@ -9,6 +9,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake g++ make pkg-config
+  clang libclang-rt-14-dev libomp-dev  # make fuzz: libFuzzer and OpenMP for clang
   libgtest-dev libgmock-dev libbenchmark-dev
   libfmt-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libtomlplusplus-dev
   libopenblas-dev libdnnl-dev libxxhash-dev

@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
-#include "epx/balance/placement.h"
+#include "eplb.h"
 
 namespace epx::app {
 
@@ -63,9 +63,7 @@ Result<std::vector<std::string>> split_fields(const std::string& path, int line_
 }
 
 // One number per line, or several separated by whitespace or commas.
-Result<std::vector<double>> read_loads(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return invalid_argument("cannot open --loads file '{}'", path);
+Result<std::vector<double>> parse_loads(std::istream& in, const std::string& path) {
   std::vector<double> loads;
   double sum = 0;
   std::string line;
@@ -88,12 +86,11 @@ Result<std::vector<double>> read_loads(const std::string& path) {
 // whitespace or commas, -1 for an empty slot, '#' to the end of a line a
 // comment. Each id is checked against the experts, and against the ids
 // already on its rank, where it stands (file and line).
-Result<RedundantPlacement> read_placement(const std::string& path, int num_experts, int num_slots, int num_ranks,
-                                          PlacementPolicy policy) {
-  std::ifstream in(path);
-  if (!in) return invalid_argument("cannot open --current file '{}'", path);
+Result<RedundantPlacement> parse_placement(std::istream& in, const std::string& path, int num_experts, int num_slots,
+                                           int num_ranks, PlacementPolicy policy) {
   const int slots_per_rank = num_slots % num_ranks == 0 ? num_slots / num_ranks : 0;
   std::vector<int32_t> slot_expert;
+  std::vector<int> last_slot_of(static_cast<std::size_t>(num_experts), -1);  // expert -> the last slot holding it
   std::string line;
   for (int line_no = 1; std::getline(in, line); ++line_no) {
     line = line.substr(0, line.find('#'));
@@ -119,14 +116,12 @@ Result<RedundantPlacement> read_placement(const std::string& path, int num_exper
       if (value < -1 || value >= num_experts)
         return invalid_argument("{}:{}: slot {} holds expert {}, outside [-1, {}) (the --loads file has {} experts)",
                                 path, line_no, slot, value, num_experts, num_experts);
-      if (value >= 0 && slots_per_rank > 0) {
-        const int rank = slot / slots_per_rank;
-        for (int other = rank * slots_per_rank; other < slot; ++other)
-          if (slot_expert[other] == value)
-            return invalid_argument("{}:{}: slot {} holds expert {}, which rank {} already holds in slot {} (at most one "
-                                    "replica per rank)",
-                                    path, line_no, slot, value, rank, other);
-      }
+      const int other = value >= 0 ? last_slot_of[static_cast<std::size_t>(value)] : -1;
+      if (slots_per_rank > 0 && other >= 0 && other / slots_per_rank == slot / slots_per_rank)
+        return invalid_argument("{}:{}: slot {} holds expert {}, which rank {} already holds in slot {} (at most one "
+                                "replica per rank)",
+                                path, line_no, slot, value, slot / slots_per_rank, other);
+      if (value >= 0) last_slot_of[static_cast<std::size_t>(value)] = slot;
       slot_expert.push_back(static_cast<int32_t>(value));
     }
   }
@@ -136,6 +131,21 @@ Result<RedundantPlacement> read_placement(const std::string& path, int num_exper
   if (!placement.is_ok())
     return invalid_argument("--current file '{}': {}", path, placement.status().message());
   return placement;
+}
+
+namespace {
+
+Result<std::vector<double>> read_loads(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return invalid_argument("cannot open --loads file '{}'", path);
+  return parse_loads(in, path);
+}
+
+Result<RedundantPlacement> read_placement(const std::string& path, int num_experts, int num_slots, int num_ranks,
+                                          PlacementPolicy policy) {
+  std::ifstream in(path);
+  if (!in) return invalid_argument("cannot open --current file '{}'", path);
+  return parse_placement(in, path, num_experts, num_slots, num_ranks, policy);
 }
 
 // The format read_placement reads: a comment head, then one line per rank.

@@ -138,6 +138,8 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
   };
 }
 
+Status apply_config(const toml::table& table, const std::string& path, TrainOptions& options);
+
 Status load_config_file(const std::string& path, TrainOptions& options) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
@@ -150,6 +152,11 @@ Status load_config_file(const std::string& path, TrainOptions& options) {
       return not_found("--config {}: the file cannot be opened", path);
     return invalid_argument("{}:{}:{}: {}", path, e.source().begin.line, e.source().begin.column, e.description());
   }
+  return apply_config(table, path, options);
+}
+
+// The keys of a parsed config file into options.
+Status apply_config(const toml::table& table, const std::string& path, TrainOptions& options) {
   auto keys = config_keys(options);
   for (auto&& [section, node] : table) {
     const auto* inner = node.as_table();
@@ -512,6 +519,16 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "bias+capacity,eplb,bias+eplb) and print a table side by side")
       ->expected(0, 1);
   return cmd;
+}
+
+Status parse_train_config(std::string_view text, const std::string& path, TrainOptions& options) {
+  toml::table table;
+  try {
+    table = toml::parse(text, path);
+  } catch (const toml::parse_error& e) {
+    return invalid_argument("{}:{}:{}: {}", path, e.source().begin.line, e.source().begin.column, e.description());
+  }
+  return apply_config(table, path, options);
 }
 
 int preload_train_config(int argc, char** argv, TrainOptions& options) {

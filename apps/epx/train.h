@@ -3,9 +3,12 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+
+#include "epx/core/status.h"
 
 namespace epx::app {
 
@@ -77,5 +80,9 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& options);
 // it) into options. Returns 0, or kExitUsage after printing the error.
 int preload_train_config(int argc, char** argv, TrainOptions& options);
 int run_train(const TrainOptions& options);
+// The TOML text of a --config file into options (`path` names it in errors);
+// what --config FILE does after reading the file. InvalidArgument on a
+// syntax error, a key it does not know, or a value of the wrong type or range.
+Status parse_train_config(std::string_view text, const std::string& path, TrainOptions& options);
 
 }  // namespace epx::app

@@ -29,7 +29,7 @@ enum SignalStatus : int64_t {
 // Signal words: [0] sequence number (published last, release/acquire),
 // [1] status, [2..4] status details (combine: [2] = y's dtype, [3] = rows),
 // [5..] rows per local expert of the destination (dispatch).
-constexpr int kSigSeq = 0, kSigStatus = 1, kSigA = 2, kSigB = 3, kSigC = 4, kSigCounts = 5;
+constexpr int kSigSeq = 0, kSigStatus = 1, kSigA = 2, kSigB = 3, kSigCounts = 5;  // [4]: c
 
 bool is_payload_dtype(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
 

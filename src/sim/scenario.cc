@@ -189,13 +189,31 @@ Status apply_table(const toml::table& table, const std::string& prefix, std::vec
   return Status::ok();
 }
 
+Status syntax_error(const std::string& path, const toml::parse_error& e) {
+  return invalid_argument("{}:{}:{}: {}", path, e.source().begin.line, e.source().begin.column, e.description());
+}
+
+// A file that is not a regular one (a directory, /dev/zero) is refused before
+// it is read: it would parse as nothing, or never end.
 Result<toml::table> parse_toml(const std::string& path) {
+  std::error_code ec;
+  const auto type = std::filesystem::status(path, ec).type();
+  if (!ec && type != std::filesystem::file_type::regular)
+    return invalid_argument("{}: not a regular file", path);
   try {
     return toml::parse_file(path);
   } catch (const toml::parse_error& e) {
     if (std::strstr(e.what(), "File could not be opened") != nullptr)
       return not_found("{}: the file cannot be opened", path);
-    return invalid_argument("{}:{}:{}: {}", path, e.source().begin.line, e.source().begin.column, e.description());
+    return syntax_error(path, e);
+  }
+}
+
+Result<toml::table> parse_toml_text(std::string_view text, const std::string& path) {
+  try {
+    return toml::parse(text, path);
+  } catch (const toml::parse_error& e) {
+    return syntax_error(path, e);
   }
 }
 
@@ -353,8 +371,10 @@ Status load_hardware(const std::string& path, Scenario* scenario) {
   return apply_table(table, "hardware.", keys, path, {});
 }
 
-Result<Scenario> load_scenario(const std::string& path) {
-  EPX_ASSIGN_OR_RETURN(toml::table table, parse_toml(path));
+namespace {
+
+// The scenario of a parsed file: the profile it names, its own keys, validated.
+Result<Scenario> scenario_from_table(const toml::table& table, const std::string& path) {
   Scenario s;
   s.path = path;
   // The profile first, so that hardware.* keys in the scenario override it.
@@ -373,6 +393,18 @@ Result<Scenario> load_scenario(const std::string& path) {
   Status st = s.validate();
   if (!st.is_ok()) return invalid_argument("{}: {}", path, st.message());
   return s;
+}
+
+}  // namespace
+
+Result<Scenario> load_scenario(const std::string& path) {
+  EPX_ASSIGN_OR_RETURN(toml::table table, parse_toml(path));
+  return scenario_from_table(table, path);
+}
+
+Result<Scenario> parse_scenario(std::string_view text, const std::string& path) {
+  EPX_ASSIGN_OR_RETURN(toml::table table, parse_toml_text(text, path));
+  return scenario_from_table(table, path);
 }
 
 Status set_value(Scenario& scenario, const std::string& key, const std::string& value) {

@@ -9,14 +9,13 @@
 #include <optional>
 #include <thread>
 
-#include <nlohmann/json.hpp>
-
 #include "epx/balance/placement.h"
 #include "epx/core/random.h"
 #include "epx/routing/expert_bias.h"
 #include "epx/sim/cost.h"
 #include "epx/sim/traffic.h"
 #include "core/guard.h"
+#include "sim/routing_trace.h"
 
 namespace epx::sim {
 namespace {
@@ -168,7 +167,6 @@ class Simulator {
   Status prepare();
   Status load_trace();
   void step_popularity(int step);
-  Status parse_trace_line(const nlohmann::json& j);
   Status route_layer(int step, int layer, int group, const Topology& topo, LayerCosts* costs, GroupTraffic* traffic);
   void run_pass(const LayerCosts& costs, bool backward, GroupClock& clock, std::vector<TraceSpan>* trace);
   double compute_seconds(Kind kind, const LayerCosts& costs, int gpu, double fraction, bool backward) const;
@@ -193,55 +191,12 @@ class Simulator {
   int64_t routed_ = 0;
 };
 
-// One line of a routing trace: {"layers": [{"tokens_per_expert": [counts]}, ...]}
-// (what epx train --metrics writes). Messages name the JSON path of what is
-// wrong; the caller adds the file and line.
-Status Simulator::parse_trace_line(const nlohmann::json& j) {
-  const nlohmann::json* layers = j.is_object() && j.contains("layers") ? &j.at("layers") : nullptr;
-  if (layers == nullptr || !layers->is_array() || layers->empty())
-    return invalid_argument("/layers: not a non-empty array (the format epx train --metrics writes)");
-  const int num_layers = static_cast<int>(layers->size());
-  if (trace_layers_ != 0 && num_layers != trace_layers_)
-    return invalid_argument("/layers: {} layers, the first line had {}", num_layers, trace_layers_);
-  trace_layers_ = num_layers;
-  for (int l = 0; l < num_layers; ++l) {
-    const nlohmann::json& layer = layers->at(l);
-    const nlohmann::json* counts =
-        layer.is_object() && layer.contains("tokens_per_expert") ? &layer.at("tokens_per_expert") : nullptr;
-    if (counts == nullptr || !counts->is_array() || static_cast<int>(counts->size()) != s_.model.experts)
-      return invalid_argument("/layers/{}/tokens_per_expert: must be an array of model.experts = {} counts", l,
-                              s_.model.experts);
-    std::vector<double> pop(s_.model.experts);
-    for (int e = 0; e < s_.model.experts; ++e) {
-      const nlohmann::json& count = counts->at(e);
-      if (!count.is_number() || !(count.get<double>() >= 0) || !std::isfinite(count.get<double>()))
-        return invalid_argument("/layers/{}/tokens_per_expert/{}: {} is not a count >= 0", l, e,
-                                count.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
-      pop[e] = std::log(count.get<double>() + 1.0);
-    }
-    trace_pop_.push_back(std::move(pop));
-  }
-  return Status::ok();
-}
-
 Status Simulator::load_trace() {
   std::ifstream in(s_.routing.trace);
   if (!in) return not_found("routing.trace = '{}' cannot be opened", s_.routing.trace);
-  std::string line;
-  int lineno = 0;
-  while (std::getline(in, line)) {
-    ++lineno;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      return invalid_argument("{}:{}: not JSON ({})", s_.routing.trace, lineno, e.what());
-    }
-    Status status = detail::guard("reading the trace", [&] { return parse_trace_line(j); });
-    if (!status.is_ok()) return Status(status.code(), fmt::format("{}:{}: {}", s_.routing.trace, lineno, status.message()));
-  }
-  if (trace_pop_.empty()) return invalid_argument("routing.trace = '{}' holds no steps", s_.routing.trace);
+  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts));
+  trace_layers_ = trace.num_layers;
+  trace_pop_ = std::move(trace.log_popularity);
   return Status::ok();
 }
 

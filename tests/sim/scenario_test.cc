@@ -2,6 +2,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "epx/sim/scenario.h"
@@ -103,6 +104,32 @@ TEST(SimScenario, MissingProfileAndSyntaxErrorsSayWhere) {
   auto syntax = load_scenario(write_file("syntax.toml", "[model\nlayers = 2\n"));
   ASSERT_FALSE(syntax.is_ok());
   EXPECT_NE(syntax.status().message().find("syntax.toml:1:"), std::string::npos) << syntax.status().message();
+}
+
+// Found by fuzz/sim_scenario_fuzz.cc: a profile naming /dev/zero was read
+// without end, and one naming a directory parsed as an empty profile.
+TEST(SimScenario, AProfileThatIsNotARegularFileIsRefused) {
+  for (const char* profile : {"/dev/zero", "."}) {
+    auto s = load_scenario(write_file("devprof.toml", fmt::format("[hardware]\nprofile = \"{}\"\n", profile)));
+    ASSERT_FALSE(s.is_ok()) << profile;
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument) << s.status().message();
+    EXPECT_NE(s.status().message().find(": not a regular file (hardware.profile in"), std::string::npos)
+        << s.status().message();
+  }
+}
+
+TEST(SimScenario, ParsesFromTextAsFromTheFile) {
+  const std::string text = scenario_with("");
+  auto from_file = load_scenario(write_file("text.toml", text));
+  auto from_text = parse_scenario(text, write_file("other.toml", ""));
+  ASSERT_TRUE(from_file.is_ok()) << from_file.status().message();
+  ASSERT_TRUE(from_text.is_ok()) << from_text.status().message();
+  EXPECT_EQ(from_text->hardware.sms, 100);
+  EXPECT_EQ(from_text->cluster.gpus_per_node, from_file->cluster.gpus_per_node);
+  EXPECT_EQ(from_text->model.experts, 16);
+  auto bad = parse_scenario("[model\n", "text.toml");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("text.toml:1:"), std::string::npos) << bad.status().message();
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "epx/core/status.h"
@@ -142,6 +143,9 @@ Result<int64_t> row_bytes(const std::string& dtype, int hidden);
 
 // Reads a scenario (and the hardware profile it names), then validates it.
 Result<Scenario> load_scenario(const std::string& path);
+// The same from the file's text; `path` names it in errors and is where a
+// relative hardware.profile or routing.trace is taken from.
+Result<Scenario> parse_scenario(std::string_view text, const std::string& path);
 // Reads a hardware profile file into scenario->hardware.
 Status load_hardware(const std::string& path, Scenario* scenario);
 // Sets one value by dotted key from text ("model.topk", "4"); InvalidArgument
