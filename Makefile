@@ -39,14 +39,26 @@ CONSUMER_BUILD := $(INSTALL_CHECK_DIR)/consumer
 
 section = @printf '\n==== %s ====\n' $(1)
 
-.PHONY: run demo test build build-app bench clean setup configure test-readme test-release test-asan test-install test-tsan fuzz
+# ccache, where installed (scripts/setup.sh installs it): sources compiled
+# before, in this or any other clone of the repository (paths are taken
+# relative to it), are cache hits. EPX_CCACHE=0 turns it off.
+EPX_CCACHE ?= 1
+ifeq ($(EPX_CCACHE)$(if $(shell command -v ccache 2>/dev/null),yes,no),1yes)
+LAUNCHER := -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := 1
+else
+LAUNCHER := -UCMAKE_C_COMPILER_LAUNCHER -UCMAKE_CXX_COMPILER_LAUNCHER -UCMAKE_CUDA_COMPILER_LAUNCHER
+endif
+
+.PHONY: run demo test build build-app bench clean setup configure test-readme test-release test-asan test-install test-tsan fuzz test-fuzz
 
 setup:
 	@bash scripts/setup.sh
 
 configure: setup
 	$(call section,"configure Release ($(BUILD_DIR))")
-	$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release
+	$(CMAKE) -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release $(LAUNCHER)
 
 build: configure
 	$(call section,"build Release ($(BUILD_DIR))")
@@ -76,7 +88,7 @@ test-release: build
 
 test-asan: setup
 	$(call section,"configure ASan+UBSan ($(ASAN_DIR))")
-	$(CMAKE) -S . -B $(ASAN_DIR) -DEPX_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_BENCH=OFF \
+	$(CMAKE) -S . -B $(ASAN_DIR) $(LAUNCHER) -DEPX_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_BENCH=OFF \
 	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(ASAN_OPT_FLAGS)"
 	$(call section,"build ASan+UBSan ($(ASAN_DIR))")
 	$(CMAKE) --build $(ASAN_DIR) -j$(JOBS)
@@ -90,7 +102,7 @@ test-asan: setup
 TSAN_DIR ?= build-tsan
 test-tsan: setup
 	$(call section,"configure ThreadSanitizer ($(TSAN_DIR))")
-	$(CMAKE) -S . -B $(TSAN_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_BENCH=OFF -DEPX_WITH_CUDA=OFF \
+	$(CMAKE) -S . -B $(TSAN_DIR) $(LAUNCHER) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPX_BUILD_BENCH=OFF -DEPX_WITH_CUDA=OFF \
 	  -DEPX_WITH_MPI=OFF -DCMAKE_CXX_FLAGS="-fsanitize=thread" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="$(ASAN_OPT_FLAGS)"
 	$(call section,"build ThreadSanitizer ($(TSAN_DIR))")
 	$(CMAKE) --build $(TSAN_DIR) -j$(JOBS)
@@ -109,7 +121,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_JOBS ?= 2
 fuzz: setup
 	$(call section,"configure libFuzzer ($(FUZZ_DIR))")
-	CC=clang CXX=clang++ $(CMAKE) -S . -B $(FUZZ_DIR) -DEPX_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	CC=clang CXX=clang++ $(CMAKE) -S . -B $(FUZZ_DIR) $(LAUNCHER) -DEPX_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DEPX_WITH_CUDA=OFF -DEPX_WITH_MPI=OFF \
 	  -DEPX_BUILD_TESTS=OFF -DEPX_BUILD_BENCH=OFF -DEPX_BUILD_APPS=OFF
 	$(call section,"build libFuzzer targets ($(FUZZ_DIR))")
@@ -138,7 +150,14 @@ test-readme:
 	awk '/<!-- examples\/consumer\/main.cc -->/{m=1;next} m==1&&/^```cpp/{m=2;next} m==2&&/^```$$/{exit} m==2' README.md \
 	  | diff -u examples/consumer/main.cc - && echo "identical"
 
-test: test-readme test-release test-asan test-install fuzz
+# In `make test` every fuzz target runs its 60 s at once (TEST_FUZZ_JOBS), each
+# on a share of the cores: a smoke test of the readers, about a minute of wall
+# time; long fuzzing is `make fuzz FUZZ_SECONDS=...`.
+TEST_FUZZ_JOBS ?= 6
+test-fuzz:
+	$(MAKE) --no-print-directory fuzz FUZZ_JOBS=$(TEST_FUZZ_JOBS)
+
+test: test-readme test-release test-asan test-install test-fuzz
 	$(call section,"make test: all passed")
 
 clean:

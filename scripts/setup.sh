@@ -15,6 +15,7 @@ packages=(
   libopenblas-dev libdnnl-dev libxxhash-dev
   openmpi-bin libopenmpi-dev
   slurmctld slurmd slurm-client munge libpmix-dev iproute2
+  ccache
 )
 
 if [[ "${EPX_SKIP_SETUP:-0}" == 1 ]]; then

@@ -62,6 +62,8 @@ Result<std::vector<std::string>> split_fields(const std::string& path, int line_
   return words;
 }
 
+}  // namespace
+
 // One number per line, or several separated by whitespace or commas.
 Result<std::vector<double>> parse_loads(std::istream& in, const std::string& path) {
   std::vector<double> loads;

@@ -183,7 +183,7 @@ TEST(Simulator, ReplaysATraceInTheFormatEpxTrainWrites) {
   auto bad = simulate(s);
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.status().message().find(
-                "sim_trace.jsonl:1: /layers/0/tokens_per_expert: must be an array of model.experts = 32 counts"),
+                "sim_trace.jsonl:1: layers[0].tokens_per_expert must list model.experts = 32 counts"),
             std::string::npos)
       << bad.status().message();
 }

@@ -17,6 +17,7 @@
 
 #include "epx/train/trainer.h"
 #include "observe/temp_dir.h"
+#include "train/tiny_config.h"
 
 namespace epx {
 namespace {
@@ -189,19 +190,8 @@ TEST(CheckpointFormat, MetaRoundTripsAndAnyEditIsCaught) {
 // ---- through train() ----------------------------------------------------------
 
 TrainConfig tiny(int num_ranks, int64_t steps) {
-  TrainConfig c;
-  c.num_ranks = num_ranks;
-  c.steps = steps;
-  c.batch_tokens = 64;
-  c.model.input_dim = c.synthetic.input_dim = 16;
-  c.model.output_dim = c.synthetic.output_dim = 8;
-  c.synthetic.num_clusters = 8;
-  c.model.num_layers = 2;
-  c.model.layer.hidden = 16;
-  c.model.layer.ffn_hidden = 16;
-  c.model.layer.router = {.num_experts = 8, .topk = 2, .normalize_weights = true};
-  c.schedule = {.peak = 3e-3, .warmup_steps = 1, .total_steps = steps};
-  return c;
+  return testing::tiny_config({.num_ranks = num_ranks, .steps = steps, .batch_tokens = 64, .hidden = 16,
+                               .ffn_hidden = 16, .warmup = 1});
 }
 
 std::vector<std::string> entries(const fs::path& dir) {

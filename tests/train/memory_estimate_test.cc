@@ -4,23 +4,12 @@
 
 #include "epx/comm/inproc.h"
 #include "epx/exchange/buffer.h"
+#include "train/tiny_config.h"
 
 namespace epx {
 namespace {
 
-TrainConfig tiny() {
-  TrainConfig c;
-  c.num_ranks = 4;
-  c.batch_tokens = 96;
-  c.model.input_dim = c.synthetic.input_dim = 16;
-  c.model.output_dim = c.synthetic.output_dim = 8;
-  c.synthetic.num_clusters = 8;
-  c.model.num_layers = 2;
-  c.model.layer.hidden = 32;
-  c.model.layer.ffn_hidden = 64;
-  c.model.layer.router = {.num_experts = 8, .topk = 2, .normalize_weights = true};
-  return c;
-}
+TrainConfig tiny() { return testing::tiny_config({.ffn_hidden = 64}); }
 
 int64_t item(const MemoryEstimate& e, const std::string& name) {
   for (const MemoryItem& i : e.items)

@@ -2,24 +2,15 @@
 #include <gtest/gtest.h>
 
 #include "epx/train/trainer.h"
+#include "train/tiny_config.h"
 
 namespace epx {
 namespace {
 
 TrainConfig tiny(int num_ranks) {
-  TrainConfig c;
-  c.num_ranks = num_ranks;
-  c.steps = 20;
-  c.batch_tokens = 48;
-  c.model.input_dim = c.synthetic.input_dim = 8;
-  c.model.output_dim = c.synthetic.output_dim = 4;
-  c.synthetic.num_clusters = 4;
-  c.model.num_layers = 1;
-  c.model.layer.hidden = 16;
-  c.model.layer.ffn_hidden = 16;
-  c.model.layer.router = {.num_experts = 4, .topk = 2, .normalize_weights = true};
-  c.schedule = {.peak = 3e-3, .warmup_steps = 2, .total_steps = c.steps};
-  return c;
+  return testing::tiny_config({.num_ranks = num_ranks, .steps = 20, .batch_tokens = 48, .input_dim = 8,
+                               .output_dim = 4, .clusters = 4, .layers = 1, .hidden = 16, .ffn_hidden = 16,
+                               .experts = 4, .warmup = 2});
 }
 
 TEST(OnStep, AFailedStatusStopsEveryRankAfterThatStep) {

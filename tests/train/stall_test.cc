@@ -10,6 +10,7 @@
 
 #include "epx/core/clock.h"
 #include "epx/train/trainer.h"
+#include "train/tiny_config.h"
 
 namespace epx {
 namespace {
@@ -17,18 +18,7 @@ namespace {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 TrainConfig tiny_with_timeout(std::chrono::milliseconds timeout) {
-  TrainConfig c;
-  c.num_ranks = 4;
-  c.steps = 6;
-  c.batch_tokens = 96;
-  c.model.input_dim = c.synthetic.input_dim = 16;
-  c.model.output_dim = c.synthetic.output_dim = 8;
-  c.synthetic.num_clusters = 8;
-  c.model.num_layers = 2;
-  c.model.layer.hidden = 32;
-  c.model.layer.ffn_hidden = 32;
-  c.model.layer.router = {.num_experts = 8, .topk = 2, .normalize_weights = true};
-  c.schedule = {.peak = 3e-3, .warmup_steps = 3, .total_steps = c.steps};
+  TrainConfig c = testing::tiny_config({});
   c.model.timeout = timeout;
   return c;
 }

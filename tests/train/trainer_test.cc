@@ -4,6 +4,7 @@
 // re-placement (redundant replicas) evens the per-rank work while the
 // replicas stay bit-identical.
 #include "epx/train/trainer.h"
+#include "train/tiny_config.h"
 
 #include <gtest/gtest.h>
 
@@ -20,19 +21,7 @@ namespace epx {
 namespace {
 
 TrainConfig tiny(int num_ranks, int64_t steps) {
-  TrainConfig c;
-  c.num_ranks = num_ranks;
-  c.steps = steps;
-  c.batch_tokens = 96;
-  c.model.input_dim = c.synthetic.input_dim = 16;
-  c.model.output_dim = c.synthetic.output_dim = 8;
-  c.synthetic.num_clusters = 8;
-  c.model.num_layers = 2;
-  c.model.layer.hidden = 32;
-  c.model.layer.ffn_hidden = 32;
-  c.model.layer.router = {.num_experts = 8, .topk = 2, .normalize_weights = true};
-  c.schedule = {.peak = 3e-3, .warmup_steps = 3, .total_steps = steps};
-  return c;
+  return testing::tiny_config({.num_ranks = num_ranks, .steps = steps});
 }
 
 struct Curve {
