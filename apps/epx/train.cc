@@ -567,7 +567,8 @@ int run_train(const TrainOptions& options) {
   }
   const bool root = transport == nullptr || transport->rank() == 0;
   // Preflight: memory and output paths, before any step (and, with
-  // --dry-run, instead of the run).
+  // --dry-run, instead of the run; --save was checked above).
+  if (o.dry_run && root && !o.save_dir.empty()) fmt::print(text_stream(o), "{}\n", save_plan->describe());
   if (const int rc = preflight(o, *config, root); rc != kExitOk || o.dry_run) {
     if (rc != kExitOk && transport) transport->abort(aborted("rank {} failed the preflight checks", transport->rank()));
     return rc;

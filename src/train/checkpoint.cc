@@ -79,7 +79,7 @@ class ByteReader {
     if (n > left() / sizeof(float))
       return invalid_argument("{}: {} claims {} values but only {} bytes are left", name_, what, n, left());
     v->resize(n);
-    std::memcpy(v->data(), bytes_.data() + at_, n * sizeof(float));
+    if (n > 0) std::memcpy(v->data(), bytes_.data() + at_, n * sizeof(float));  // no null pointer to memcpy
     at_ += n * sizeof(float);
     return Status::ok();
   }
@@ -241,6 +241,9 @@ Status parse_header(ByteReader& r, std::span<const uint8_t> bytes, const std::st
   EPX_RETURN_IF_ERROR(r.pod(&h->num_ranks, "the rank count"));
   EPX_RETURN_IF_ERROR(r.pod(&h->num_nodes, "the node count"));
   EPX_RETURN_IF_ERROR(r.pod(&reserved, "the header"));
+  if (reserved != 0)  // zero in format 2; any other value is another format or damage
+    return invalid_argument("{}: the header's reserved word is {}, not 0: not a file of format {}", name, reserved,
+                            kCheckpointFormatVersion);
   EPX_RETURN_IF_ERROR(r.pod(&h->step, "the step"));
   EPX_RETURN_IF_ERROR(r.pod(&h->model_hash, "the model hash"));
   EPX_RETURN_IF_ERROR(r.pod(&h->payload_bytes, "the payload size"));

@@ -77,6 +77,36 @@ TEST(CheckpointFormat, RankFileRoundTrips) {
   EXPECT_EQ(s.biases, (std::vector<std::vector<float>>{{0.25f, -0.25f}}));
 }
 
+// Empty value lists (a layer without biases, a parameter of no values) round-
+// trip; reading one once passed a null pointer to memcpy (found by the
+// checkpoint fuzz target; UBSan fails this test without the fix).
+TEST(CheckpointFormat, EmptyValueListsRoundTrip) {
+  RankState state;
+  state.params.push_back({"empty", {}, {}, {}});
+  state.biases = {{}, {1.0f}};
+  const std::vector<uint8_t> bytes = detail::serialize_rank_file(small_header(), state);
+  RankFileHeader h;
+  RankState s;
+  ASSERT_TRUE(detail::parse_rank_file(bytes, "f", &h, &s).is_ok());
+  ASSERT_EQ(s.params.size(), 1u);
+  EXPECT_TRUE(s.params[0].value.empty());
+  EXPECT_EQ(s.biases, (std::vector<std::vector<float>>{{}, {1.0f}}));
+  EXPECT_EQ(detail::serialize_rank_file(h, s), bytes);
+}
+
+// The header's reserved word is 0 in format 2; another value is refused even
+// with the checksums made right (the fuzz target found one accepted once).
+TEST(CheckpointFormat, ANonZeroReservedWordIsRefused) {
+  std::vector<uint8_t> bytes = detail::serialize_rank_file(small_header(), small_state());
+  bytes[28] = 1;
+  reseal(bytes);
+  RankFileHeader h;
+  RankState s;
+  const Status status = detail::parse_rank_file(bytes, "f", &h, &s);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("reserved word is 1, not 0"), std::string::npos) << status.message();
+}
+
 TEST(CheckpointFormat, EveryTruncationAndBitFlipIsAnError) {
   const std::vector<uint8_t> bytes = detail::serialize_rank_file(small_header(), small_state());
   for (std::size_t n = 0; n < bytes.size(); ++n) {
