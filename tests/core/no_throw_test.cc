@@ -17,22 +17,15 @@
 
 #include <gtest/gtest.h>
 
+#include "core/failure_hooks.h"
 #include "core/guard.h"
 #include "epx/core/buffer.h"
 
 namespace epx {
 namespace {
 
-// Disarms the hooks when a test ends, however it ends.
-struct Disarm {
-  ~Disarm() {
-    detail::fail_allocations(0, 0);
-    detail::fail_thread_starts(0, 0);
-  }
-};
-
 TEST(NoThrow, AnAllocationThatFailsNamesTheBytesAndWhatFor) {
-  Disarm disarm;
+  testing::DisarmFailureHooks disarm;
   detail::fail_allocations(1, 1);
   Result<AlignedBuffer> first = AlignedBuffer::allocate(4096, "the first");
   ASSERT_TRUE(first.is_ok()) << first.status().to_string();
@@ -52,7 +45,7 @@ TEST(NoThrow, ASizeNoMachineHasIsResourceExhausted) {
 }
 
 TEST(NoThrow, AReserveThatFailsLeavesTheBufferAsItWas) {
-  Disarm disarm;
+  testing::DisarmFailureHooks disarm;
   AlignedBuffer buf(100);
   std::byte* before = buf.data();
   detail::fail_allocations(0, 1);
@@ -93,7 +86,7 @@ TEST(NoThrow, GuardTurnsWhatEscapesIntoAStatus) {
 }
 
 TEST(NoThrow, AThreadThatCannotStartIsResourceExhausted) {
-  Disarm disarm;
+  testing::DisarmFailureHooks disarm;
   detail::fail_thread_starts(0, 1);
   std::atomic<bool> ran{false};
   Result<std::thread> t = detail::start_thread("a router worker thread", [&] { ran = true; });

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/failure_hooks.h"
 #include "core/guard.h"
 #include "epx/comm/inproc.h"
 #include "epx/comm/topology.h"
@@ -18,13 +19,6 @@
 
 namespace epx {
 namespace {
-
-struct Disarm {
-  ~Disarm() {
-    detail::fail_allocations(0, 0);
-    detail::fail_thread_starts(0, 0);
-  }
-};
 
 BufferConfig small_config() {
   BufferConfig config;
@@ -38,7 +32,7 @@ BufferConfig small_config() {
 }
 
 TEST(Resources, PeerMemoryThatCannotBeAllocatedFailsBufferCreateOnEveryRank) {
-  Disarm disarm;
+  testing::DisarmFailureHooks disarm;
   detail::fail_allocations(0, 1);  // one rank's receive region
   std::vector<std::string> messages(2);
   std::vector<Status> statuses = run_ranks(*Topology::create(2, 1), [&](Transport& transport) -> Status {
@@ -56,7 +50,7 @@ TEST(Resources, PeerMemoryThatCannotBeAllocatedFailsBufferCreateOnEveryRank) {
 }
 
 TEST(Resources, LowLatencyStagingThatCannotBeAllocatedFailsCreateOnEveryRank) {
-  Disarm disarm;
+  testing::DisarmFailureHooks disarm;
   // Two nodes of one rank: the two receive regions (mapped together) come
   // first; the third allocation is the first rank's send staging.
   detail::fail_allocations(2, 1);
@@ -92,7 +86,7 @@ TEST(Resources, LowLatencyStagingThatCannotBeAllocatedFailsCreateOnEveryRank) {
 }
 
 TEST(Resources, AProgressThreadThatCannotStartFailsTheOperationNotTheProcess) {
-  Disarm disarm;
+  testing::DisarmFailureHooks disarm;
   std::vector<Status> statuses = run_ranks(*Topology::create(1, 1), [&](Transport& transport) -> Status {
     EPX_ASSIGN_OR_RETURN(std::unique_ptr<Buffer> buffer, Buffer::create(transport, small_config()));
     DispatchResult out;
@@ -110,7 +104,7 @@ TEST(Resources, AProgressThreadThatCannotStartFailsTheOperationNotTheProcess) {
 }
 
 TEST(Resources, ARankThreadThatCannotStartFailsTheRunNamingIt) {
-  Disarm disarm;
+  testing::DisarmFailureHooks disarm;
   detail::fail_thread_starts(1, 1);  // the thread of rank 1
   std::vector<Status> statuses = run_ranks(*Topology::create(3, 1), [&](Transport& transport) -> Status {
     return transport.barrier(Deadline::after(Milliseconds(20000)));
