@@ -16,6 +16,10 @@ namespace {
 thread_local WaitStyle t_wait_style = WaitStyle::kEager;
 }  // namespace
 
+Result<std::unique_ptr<Transport>> Transport::split(int /*color*/, int /*key*/, const Deadline& /*deadline*/) {
+  return unimplemented("the {} transport cannot be split into groups", backend_name());
+}
+
 void set_thread_wait_style(WaitStyle style) { t_wait_style = style; }
 WaitStyle thread_wait_style() { return t_wait_style; }
 

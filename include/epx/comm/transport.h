@@ -132,6 +132,22 @@ class Transport {
   // Aborted with `reason`.
   virtual void abort(const Status& reason) = 0;
 
+  // Groups inside the world. Collective over every rank of this transport:
+  // the ranks passing the same `color` (>= 0) form one group, numbered by
+  // (key, rank); each gets a transport of its group, with every service
+  // above (peer memory, messages, collectives) over the group's ranks only.
+  // A group's ranks must be node-major with the same count on each of their
+  // nodes (InvalidArgument naming the group otherwise); its topology has the
+  // nodes its ranks live on. A failure on a group fails the transport it was
+  // split from and every group split from that, so no rank of the world waits
+  // on a group that can never complete. The group must be destroyed before
+  // this transport. Unimplemented on backends without groups.
+  virtual Result<std::unique_ptr<Transport>> split(int color, int key, const Deadline& deadline);
+  // The rank of the root world (the transport nothing was split from) that
+  // rank `rank` of this transport is; for a world, `rank` itself. Errors
+  // name ranks by it.
+  [[nodiscard]] virtual int world_rank(int rank) const { return rank; }
+
   [[nodiscard]] virtual TransportCounters counters() const = 0;
   virtual void reset_counters() = 0;
 
