@@ -257,6 +257,34 @@ TEST(TransportGroups, InsideAndAcrossNodes) {
   }
 }
 
+// split(0, rank()) duplicates a transport; the duplicate runs collectives
+// and messages on another thread while the original runs its own.
+TEST(TransportGroups, ADuplicateRunsBesideItsParentOnAnotherThread) {
+  const int R = test_ranks();
+  auto statuses = run(R, R % 2 == 0 ? 2 : 1, [&](Transport& t) -> Status {
+    EPX_ASSIGN_OR_RETURN(auto dup, t.split(0, t.rank(), seconds(30)));
+    if (dup->rank() != t.rank() || dup->topology().describe() != t.topology().describe())
+      return internal_error("the duplicate is rank {} of {}", dup->rank(), dup->topology().describe());
+    Status side;
+    std::thread other([&] {
+      for (int i = 0; i < 10 && side.is_ok(); ++i) side = check_group(*dup);
+    });
+    Status main;
+    for (int i = 0; i < 30 && main.is_ok(); ++i) {
+      int64_t sum = t.rank();
+      main = t.all_reduce(std::span<int64_t>(&sum, 1), ReduceOp::kSum, seconds(30));
+      if (main.is_ok() && sum != int64_t{R} * (R - 1) / 2) main = internal_error("world sum {}", sum);
+    }
+    other.join();
+    EPX_RETURN_IF_ERROR(side);
+    return main;
+  });
+  for (int r = 0; r < R; ++r) {
+    if (!test_world().holds(r)) continue;
+    EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+  }
+}
+
 // 8 ranks on 2 nodes, one group per node. World rank 5 (rank 1 of group 1)
 // stalls past the deadline of its group's barrier: its group names it by
 // world rank, and ranks blocked in the world (rank 0) and in the other group
