@@ -299,10 +299,10 @@ TEST(TransportGroups, AStallInAGroupEndsTheWorldsWaits) {
     if (!group.is_ok()) return result[r] = group.status();
     const auto start = std::chrono::steady_clock::now();
     if (r == 5) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2000));
       result[r] = (*group)->barrier(seconds(20));
     } else if (t.node() == 1) {
-      result[r] = (*group)->barrier(Deadline::after(std::chrono::milliseconds(300)));
+      result[r] = (*group)->barrier(Deadline::after(std::chrono::milliseconds(1000)));
     } else {
       result[r] = r == 0 ? t.barrier(seconds(20)) : (*group)->barrier(seconds(20));
     }
