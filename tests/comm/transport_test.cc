@@ -3,6 +3,9 @@
 // one rank per process). Each test checks the ranks this process holds.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 #include <numeric>
@@ -320,6 +323,52 @@ TEST(TransportGroups, AStallInAGroupEndsTheWorldsWaits) {
       EXPECT_TRUE(result[r].code() == StatusCode::kDeadlineExceeded || result[r].code() == StatusCode::kAborted);
       EXPECT_NE(message.find("rank 5 (rank 1 of the group)"), std::string::npos);
       EXPECT_LT(waited[r], r == 5 ? 10.0 : 8.5) << "waited for its own deadline instead of hearing of group 1's";
+    }
+  }
+}
+
+// Under MPI: world rank 5 stops itself (SIGSTOP, as a debugger or a frozen
+// host would) before its group's barrier. Its group names it by world rank
+// and as stopped, and sends it SIGCONT; ranks 0-3, in a world barrier, end
+// too; rank 5 fails at once when it resumes instead of joining anything.
+TEST(TransportGroups, AStoppedProcessInAGroupIsNamedAsStopped) {
+  EPX_SKIP_UNLESS_RUNNABLE(8, 2);
+  if (test_world().name() != "mpi") GTEST_SKIP() << "threads of one process cannot be stopped on their own";
+  std::vector<Status> result(8);
+  test_world().run(*Topology::create(8, 2), [&](Transport& t) -> Status {
+    const int r = t.rank();
+    std::vector<int64_t> pids(8);
+    const int64_t mine = ::getpid();
+    EPX_RETURN_IF_ERROR(t.all_gather(std::span<const int64_t>(&mine, 1), std::span<int64_t>(pids), seconds(30)));
+    auto group = t.split(t.node(), r, seconds(30));
+    if (!group.is_ok()) {
+      if (r == 4) ::kill(static_cast<pid_t>(pids[5]), SIGCONT);  // in case rank 5 stopped all the same
+      return result[r] = group.status();
+    }
+    if (r == 5) {
+      ::raise(SIGSTOP);
+      result[r] = (*group)->barrier(seconds(20));
+    } else if (t.node() == 1) {
+      result[r] = (*group)->barrier(Deadline::after(std::chrono::milliseconds(1000)));
+      // Resumed once ranks 6 and 7 have given up too (else it could complete
+      // the barrier with one of them before its notice arrives).
+      if (r == 4) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+        ::kill(static_cast<pid_t>(pids[5]), SIGCONT);
+      }
+    } else {
+      result[r] = t.barrier(seconds(20));  // ends when group 1 fails
+    }
+    return result[r];
+  });
+  for (int r = 0; r < 8; ++r) {
+    if (!test_world().holds(r)) continue;
+    SCOPED_TRACE(fmt::format("rank {}: {}", r, result[r].to_string()));
+    EXPECT_FALSE(result[r].is_ok());
+    EXPECT_NE(result[r].message().find("rank 5 (rank 1 of the group)"), std::string::npos);
+    if (r == 4 || r == 6 || r == 7) {
+      EXPECT_EQ(result[r].code(), StatusCode::kDeadlineExceeded);
+      EXPECT_NE(result[r].message().find("rank 5 (rank 1 of the group) stopped (process state T"), std::string::npos);
     }
   }
 }
