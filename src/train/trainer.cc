@@ -527,7 +527,7 @@ struct RankGroups {
   Transport* world = nullptr;
   Transport* ep = nullptr;
   Transport* edp = nullptr;
-  std::unique_ptr<Transport> own_ep{}, own_edp{};  // the groups split from the world
+  ParallelGroups split{};  // the groups split from the world, when there are several EP groups
 };
 
 // Splits the world into EP and EDP groups (collective). One EP group of all
@@ -535,11 +535,9 @@ struct RankGroups {
 Result<RankGroups> make_groups(Transport& world, const ParallelLayout& layout, const Deadline& deadline) {
   RankGroups g{.world = &world, .ep = &world};
   if (layout.ep() == layout.num_ranks()) return g;
-  const int r = world.rank();
-  EPX_ASSIGN_OR_RETURN(g.own_ep, world.split(layout.ep_group(r), layout.ep_rank(r), deadline));
-  EPX_ASSIGN_OR_RETURN(g.own_edp, world.split(layout.edp_group(r), layout.edp_rank(r), deadline));
-  g.ep = g.own_ep.get();
-  g.edp = g.own_edp.get();
+  EPX_ASSIGN_OR_RETURN(g.split, split_parallel(world, layout, deadline));
+  g.ep = g.split.ep.get();
+  g.edp = g.split.edp.get();
   return g;
 }
 
