@@ -13,6 +13,7 @@
 // (printed by each test); the bound, kTolerance, is about 7 times that.
 #include "epx/train/trainer.h"
 #include "train/tiny_config.h"
+#include "epx/train/memory_estimate.h"
 
 #include <gtest/gtest.h>
 
@@ -199,6 +200,32 @@ TEST(EpLayout, ResumeAtTheSameLayoutGivesTheSameBits) {
   auto s = train(other);
   ASSERT_FALSE(s.is_ok());
   EXPECT_NE(s.status().message().find("ep=2"), std::string::npos) << s.status().to_string();
+}
+
+// An EP group of 2 holds twice the experts per rank of one of 4 (E / ep, or
+// slots / ep with eplb): the memory estimate and the checkpoint size follow.
+TEST(EpLayout, MemoryAndCheckpointSizeFollowTheEpGroup) {
+  auto expert_bytes = [](const TrainConfig& c) -> int64_t {
+    auto e = estimate_train_memory(c);
+    EXPECT_TRUE(e.is_ok()) << e.status().to_string();
+    if (!e.is_ok()) return 0;
+    for (const MemoryItem& item : e->items)
+      if (item.name == "expert weights") return item.bytes;
+    ADD_FAILURE() << "no expert weights item";
+    return 0;
+  };
+  const TrainConfig four = layout(base(), 4, 4), two = layout(base(), 4, 2);
+  EXPECT_GT(expert_bytes(four), 0);
+  EXPECT_EQ(expert_bytes(two), 2 * expert_bytes(four));
+  TrainConfig eplb = two;
+  eplb.balancing = {.eplb = true, .eplb_slots = 12};  // 6 slots per rank of an EP group of 2
+  EXPECT_EQ(expert_bytes(eplb), 3 * expert_bytes(four));
+  testing::TempDir dir;
+  TrainConfig save_four = four, save_two = two;
+  save_four.save_dir = save_two.save_dir = (dir.path() / "ckpt").string();
+  auto a = check_save(save_four), b = check_save(save_two);
+  ASSERT_TRUE(a.is_ok() && b.is_ok()) << a.status().to_string() << b.status().to_string();
+  EXPECT_GT(b->checkpoint_bytes, a->checkpoint_bytes);
 }
 
 TEST(EpLayout, BadLayoutsNameTheValues) {
