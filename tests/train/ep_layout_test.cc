@@ -12,6 +12,7 @@
 // carry forward. Measured over these 8 steps: at most 1.4e-7 relative
 // (printed by each test); the bound, kTolerance, is about 7 times that.
 #include "epx/train/trainer.h"
+#include "train/parameters_near.h"
 #include "train/tiny_config.h"
 #include "epx/train/memory_estimate.h"
 
@@ -161,19 +162,7 @@ TEST(EpLayout, ParametersFollowOneRank) {
   TrainConfig c = base();
   c.balancing = {.expert_bias = true};
   const Curve one = run(layout(c, 1, 0)), two = run(layout(c, 4, 2));
-  ASSERT_EQ(one.summary.parameters.size(), two.summary.parameters.size());
-  for (const auto& [name, values] : one.summary.parameters) {
-    ASSERT_TRUE(two.summary.parameters.contains(name)) << name;
-    const auto& other = two.summary.parameters.at(name);
-    ASSERT_EQ(values.size(), other.size()) << name;
-    double max_diff = 0, max_abs = 0;
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      max_diff = std::max(max_diff, static_cast<double>(std::abs(values[i] - other[i])));
-      max_abs = std::max(max_abs, static_cast<double>(std::abs(values[i])));
-    }
-    EXPECT_GT(max_abs, 0.0) << name;
-    EXPECT_LE(max_diff, 1e-4 * std::max(1.0, max_abs)) << name;
-  }
+  testing::expect_parameters_near(one.summary.parameters, two.summary.parameters, 1e-4);
 }
 
 // Saved at EP 2 of 4 ranks after 3 steps, resumed at the same layout: the
