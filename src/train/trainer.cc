@@ -640,7 +640,7 @@ Status open_rank(Rank& r, Transport& world) {
 // What one step measured, for its report.
 struct StepNumbers {
   Stopwatch watch;  // the whole step
-  double loss = 0, grad_norm = 0, lr = 0;
+  double loss = 0, aux = 0, grad_norm = 0, lr = 0;  // aux: this rank's share of the layers' aux losses
   double wait = 0, sync = 0;  // seconds
   std::vector<LoadStats> stats;
   std::optional<EplbReport> eplb;
@@ -657,6 +657,8 @@ Status forward_backward(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
     r.where.phase = "forward/backward";
     EPX_ASSIGN_OR_RETURN(n->loss, r.model->forward_backward(r.batch, config.batch_tokens));
   }
+  // Now: a re-placement later in the step rebuilds the layers, and their losses.
+  for (MoELayer* layer : r.parts.layers) n->aux += layer->aux_loss();
   Stopwatch wait_watch;
   {
     ScopedSpan span(tracer, r.rank(), "wait");
@@ -734,9 +736,7 @@ void record_report(Rank& r, StepReport report) {
 // 0 builds the StepReport. Collective.
 Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   const int R = r.groups.world->num_ranks();
-  double aux = 0;
-  for (MoELayer* layer : r.parts.layers) aux += layer->aux_loss();
-  double losses[2] = {n.loss, n.loss - aux};
+  double losses[2] = {n.loss, n.loss - n.aux};
   r.where.phase = "step report (all_reduce, all_gather)";
   EPX_RETURN_IF_ERROR(r.groups.world->all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, r.deadline()));
   const StepTimes& st = r.model->times();

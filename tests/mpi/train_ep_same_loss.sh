@@ -8,18 +8,22 @@
 # MPIEXEC "two-hosts": the MPI run is 2 emulated hosts x NP/2 ranks
 # (two_hosts.sh, exit 77 where it cannot run), compared with NODES in-process
 # nodes.
-# Usage: train_ep_same_loss.sh EPX MPIEXEC|two-hosts CONFIG NP NODES EP [EP...]
+# Arguments after `--` go to every run (e.g. --balance bias+eplb).
+# Usage: train_ep_same_loss.sh EPX MPIEXEC|two-hosts CONFIG NP NODES EP [EP...] [-- ARGS...]
 set -uo pipefail
 epx=$1 mpiexec=$2 config=$3 np=$4 nodes=$5
 shift 5
-eps=("$@")
+eps=()
+while [[ $# -gt 0 && $1 != -- ]]; do eps+=("$1"); shift; done
+[[ $# -gt 0 ]] && shift
+extra=("$@")
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 steps=12
 tolerance=1e-6
-args=(train --config "$config" --steps "$steps" -q)
+args=(train --config "$config" --steps "$steps" -q "${extra[@]}")
 fail() { echo "FAIL: $*"; exit 1; }
 
 # loss, main_loss, lr, grad_norm of each step, comma-separated.
@@ -62,4 +66,4 @@ for ep in "${eps[@]}"; do
 done
 where="$nodes node(s)"
 [[ $mpiexec == two-hosts ]] && where="2 emulated hosts"
-echo "same loss curve with EP ${eps[*]} on $np MPI processes ($where) and 1 rank"
+echo "same loss curve with EP ${eps[*]} on $np MPI processes ($where) and 1 rank${extra[*]:+ (${extra[*]})}"

@@ -35,6 +35,7 @@ constexpr double kTolerance = 1e-6;
 
 struct Curve {
   std::vector<double> loss, main_loss, grad_norm;
+  int moved_slots = 0;  // eplb, over the run
   std::vector<std::vector<int64_t>> first_loads;  // step 0, per layer: global tokens per expert
   TrainSummary summary;
 };
@@ -47,6 +48,7 @@ Curve run(const TrainConfig& config) {
         curve.loss.push_back(r.loss);
         curve.main_loss.push_back(r.main_loss);
         curve.grad_norm.push_back(r.grad_norm);
+        if (r.eplb) curve.moved_slots += r.eplb->num_moved_slots;
         if (r.step == 0)
           for (const LoadStats& s : r.layers) curve.first_loads.push_back(s.tokens_per_expert);
       },
@@ -129,6 +131,18 @@ TEST(EpLayout, EplbGivesTheSameLossCurve) {
   TrainConfig c = base();
   c.balancing = {.expert_bias = true, .bias_rate = 1e-2f, .eplb = true, .eplb_every = 3};
   expect_layouts_agree(c, "bias+eplb");
+}
+
+// A re-placement rebuilds the layers after the backward: the step's report
+// still counts the aux loss of its forward (main loss below the loss).
+TEST(EpLayout, AuxLossIsReportedOnReplacementSteps) {
+  TrainConfig c = layout(base(), 4, 2);
+  c.synthetic.zipf_s = 1.2;
+  c.balancing = {.aux_loss_coeff = 1e-2, .aux_loss = AuxLossKind::kGlobalBatch, .eplb = true, .eplb_every = 2};
+  const Curve curve = run(c);
+  ASSERT_EQ(curve.loss.size(), 8u);
+  EXPECT_GT(curve.moved_slots, 0);
+  for (std::size_t i = 0; i < curve.loss.size(); ++i) EXPECT_LT(curve.main_loss[i], curve.loss[i]) << "step " << i;
 }
 
 TEST(EpLayout, SharedExpertsGiveTheSameLossCurve) {
