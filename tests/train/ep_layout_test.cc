@@ -185,7 +185,7 @@ TEST(EpLayout, ParametersFollowOneRank) {
 TEST(EpLayout, ResumeAtTheSameLayoutGivesTheSameBits) {
   testing::TempDir dir;
   TrainConfig straight = layout(base(), 4, 2);
-  // 12 slots: a multiple of both EP sizes below, so only ep differs.
+  // 12 slots: 6 per rank of an EP group of 2.
   straight.balancing = {.expert_bias = true, .eplb = true, .eplb_every = 2, .eplb_slots = 12};
   const Curve whole = run(straight);
   TrainConfig first = straight;
@@ -199,11 +199,6 @@ TEST(EpLayout, ResumeAtTheSameLayoutGivesTheSameBits) {
   resumed.insert(resumed.end(), b.loss.begin(), b.loss.end());
   EXPECT_EQ(resumed, whole.loss);
   EXPECT_EQ(b.summary.parameters, whole.summary.parameters);
-  // Another EP size is another layout: refused until checkpoints reshard.
-  TrainConfig other = layout(second, 4, 4);
-  auto s = train(other);
-  ASSERT_FALSE(s.is_ok());
-  EXPECT_NE(s.status().message().find("ep=2"), std::string::npos) << s.status().to_string();
 }
 
 // An EP group of 2 holds twice the experts per rank of one of 4 (E / ep, or
