@@ -12,6 +12,15 @@
 // from rank 0; keep it quick); a non-OK Status from it stops every rank
 // after that step.
 //
+// EP x EDP (ep < num_ranks): the ranks form num_ranks / ep EP groups
+// (ParallelLayout: consecutive ranks, filling nodes first), each holding
+// every expert once; the exchange runs inside an EP group. Dense gradients
+// (input, output, norms, routers, shared experts) are summed over all ranks,
+// routed-expert gradients over the EDP group (the ranks holding the same
+// experts); aux losses, load statistics and the expert bias see the global
+// batch. The update equals one EP group's (or one rank's) on the same global
+// batch up to the order of fp32 sums.
+//
 // Balancing strategies: none, the auxiliary load-balancing loss, the
 // aux-loss-free expert bias (DeepSeek-V3), a capacity factor with position
 // or score drops, and EPLB (every eplb_every steps, re-place each layer's
@@ -61,10 +70,11 @@ struct BalancingConfig {
   DropPolicy drop_policy = DropPolicy::kPosition;
   bool eplb = false;        // re-place experts with redundant replicas
   int64_t eplb_every = 50;  // steps between re-placements
-  int eplb_slots = 0;       // physical slots per layer; 0: experts + ranks (rounded up to a multiple of ranks)
+  int eplb_slots = 0;       // physical slots per layer and EP group; 0: experts + ep (rounded up to a multiple of ep)
   // A short name: "none", "aux", "bias", "capacity", "eplb", combinations joined by '+'.
   [[nodiscard]] std::string name() const;
-  // The physical slots per layer with eplb.
+  // The physical slots per layer (of each EP group) with eplb; num_ranks:
+  // the ranks of an EP group.
   [[nodiscard]] int slots(int num_experts, int num_ranks) const {
     // Default: one redundant slot per rank above the experts' own.
     return eplb_slots > 0 ? eplb_slots : ((num_experts + num_ranks - 1) / num_ranks + 1) * num_ranks;
@@ -83,6 +93,10 @@ struct TrainConfig {
   BalancingConfig balancing;
   int num_ranks = 4;
   int num_nodes = 1;
+  // Ranks per expert-parallel group (0: all ranks, one EP group). It divides
+  // num_ranks; the num_ranks / ep EP groups each hold every expert once and
+  // are data-parallel to each other (EDP): ParallelLayout, docs/design.md.
+  int ep = 0;
   int64_t steps = 200;
   int64_t batch_tokens = 512;  // global tokens per step
   LearningRateSchedule schedule;
@@ -105,6 +119,8 @@ struct TrainConfig {
   // ranks then fail within model.timeout naming it (docs/errors.md).
   std::function<Status(int rank, int64_t step)> before_step;
 
+  // The ranks of one EP group: ep, or num_ranks when ep is 0.
+  [[nodiscard]] int ep_size() const { return ep > 0 ? ep : num_ranks; }
   // Applies balancing to the model's layer config and sizes the buffers.
   [[nodiscard]] Result<ModelConfig> resolved_model() const;
   [[nodiscard]] Status validate() const;
@@ -123,7 +139,7 @@ struct EplbReport {
   // Per layer: max / mean rank load of the window's per-expert loads under
   // the old and the new placement (1 = perfectly even).
   std::vector<double> balance_before, balance_after;
-  int num_moved_slots = 0;  // all layers
+  int num_moved_slots = 0;  // all layers, all EP groups (each moves the same slots inside itself)
   // Bytes a real system would send: moved slots x (w1, w3, w2 and their two
   // AdamW moments, f32). epx moves them with a full-table all-reduce.
   int64_t moved_bytes = 0;
@@ -157,7 +173,8 @@ struct TrainSummary {
   int64_t eplb_moved_bytes = 0;  // over the run
   // Every rank's parameters after the last step, dense ones once, expert ones
   // by "name#global_expert" (the physical slot with eplb; layer_slots says
-  // which logical expert it holds) for comparisons; filled when keep_parameters.
+  // which logical expert it holds; with several EP groups, EP group 0's) for
+  // comparisons; filled when keep_parameters.
   std::map<std::string, std::vector<float>> parameters;
   std::vector<std::vector<int32_t>> layer_slots;  // eplb: the final slot -> expert map per layer
 };
