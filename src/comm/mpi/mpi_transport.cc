@@ -628,6 +628,17 @@ Status MpiTransport::all_to_all_bytes(std::span<const std::byte> in, std::span<s
   return Status::ok();
 }
 
+namespace {
+
+// Element range [first, first + count) of chunk c when `count` elements are
+// cut into R nearly equal chunks.
+std::pair<std::size_t, std::size_t> chunk_of(std::size_t count, std::size_t R, std::size_t c) {
+  const std::size_t base = count / R, extra = count % R;
+  return {c * base + std::min(c, extra), base + (c < extra ? 1 : 0)};
+}
+
+}  // namespace
+
 Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, ReduceOp op,
                                     const Deadline& deadline) {
   MpiState& s = *state_;
@@ -644,25 +655,57 @@ Status MpiTransport::all_reduce_raw(void* data, std::size_t count, DType dtype, 
   const std::span<const std::byte> in(static_cast<const std::byte*>(data), bytes);
   EPX_RETURN_IF_ERROR(agree(mine, in, deadline, &seq, &inlined));
   if (count == 0) return Status::ok();
+  if (!inlined) return reduce_scatter_all_gather(data, count, dtype, op, seq, deadline);
   // Every rank's contribution, reduced in rank order: the same bits on every
   // rank and as the in-process backend (MPI_Allreduce fixes no order).
   std::vector<const std::byte*> contributions(static_cast<std::size_t>(num_ranks()));
-  if (inlined) {
-    for (int r = 0; r < num_ranks(); ++r) contributions[r] = slot_data(s, r);
-  } else {
-    EPX_RETURN_IF_ERROR(check_message_size(bytes * static_cast<std::size_t>(num_ranks()), "all_reduce_raw gather"));
-    s.scratch.resize(bytes * static_cast<std::size_t>(num_ranks()));
-    MPI_Request request = MPI_REQUEST_NULL;
-    auto what = [&] { return fmt::format("all_reduce_raw #{} ({} x {})", seq, count, dtype_name(dtype)); };
-    const uint64_t round = s.enter_round();
-    EPX_RETURN_IF_ERROR(fail_on_error(s,
-                                      MPI_Iallgather(data, static_cast<int>(bytes), MPI_BYTE, s.scratch.data(),
-                                                     static_cast<int>(bytes), MPI_BYTE, s.coll, &request),
-                                      what()));
-    EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1, nullptr, false, round));
-    for (int r = 0; r < num_ranks(); ++r) contributions[r] = s.scratch.data() + static_cast<std::size_t>(r) * bytes;
-  }
+  for (int r = 0; r < num_ranks(); ++r) contributions[r] = slot_data(s, r);
   detail::reduce_in_rank_order(contributions, count, dtype, op, data);
+  return Status::ok();
+}
+
+// Large all-reduces move what a ring moves, 2 (R-1)/R x the bytes per rank,
+// and keep the rank-order bits: rank c receives chunk c of every rank's data
+// (all-to-all), reduces it in rank order (element-wise, so each element gets
+// exactly the bits of the whole rank-order reduction), and every rank gathers
+// the reduced chunks (all-gather). Both rounds land in scratch, which
+// outlives a failed wait; `data` is written only after both completed.
+Status MpiTransport::reduce_scatter_all_gather(void* data, std::size_t count, DType dtype, ReduceOp op, uint64_t seq,
+                                               const Deadline& deadline) {
+  MpiState& s = *state_;
+  const std::size_t R = static_cast<std::size_t>(num_ranks()), elem = dtype_size(dtype), bytes = count * elem;
+  EPX_RETURN_IF_ERROR(check_message_size(bytes, "all_reduce_raw data"));
+  std::vector<int> sizes(R), offsets(R), mine_sizes(R), mine_offsets(R);
+  const auto [my_first, my_count] = chunk_of(count, R, static_cast<std::size_t>(rank()));
+  for (std::size_t c = 0; c < R; ++c) {
+    const auto [first, n] = chunk_of(count, R, c);
+    sizes[c] = static_cast<int>(n * elem);
+    offsets[c] = static_cast<int>(first * elem);
+    mine_sizes[c] = static_cast<int>(my_count * elem);
+    mine_offsets[c] = static_cast<int>(c * my_count * elem);
+  }
+  const std::size_t gathered = R * my_count * elem;  // chunk `rank` of every rank
+  s.scratch.resize(gathered + bytes);
+  std::byte* parts = s.scratch.data();
+  std::byte* result = s.scratch.data() + gathered;
+  auto what = [&] { return fmt::format("all_reduce_raw #{} ({} x {})", seq, count, dtype_name(dtype)); };
+  MPI_Request request = MPI_REQUEST_NULL;
+  uint64_t round = s.enter_round();
+  EPX_RETURN_IF_ERROR(fail_on_error(s,
+                                    MPI_Ialltoallv(data, sizes.data(), offsets.data(), MPI_BYTE, parts,
+                                                   mine_sizes.data(), mine_offsets.data(), MPI_BYTE, s.coll, &request),
+                                    what()));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1, nullptr, false, round));
+  std::vector<const std::byte*> contributions(R);
+  for (std::size_t r = 0; r < R; ++r) contributions[r] = parts + r * my_count * elem;
+  detail::reduce_in_rank_order(contributions, my_count, dtype, op, result + my_first * elem);
+  round = s.enter_round();
+  EPX_RETURN_IF_ERROR(fail_on_error(s,
+                                    MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, result, sizes.data(), offsets.data(),
+                                                    MPI_BYTE, s.coll, &request),
+                                    what()));
+  EPX_RETURN_IF_ERROR(s.wait(&request, deadline, what, -1, nullptr, false, round));
+  std::memcpy(data, result, bytes);
   return Status::ok();
 }
 

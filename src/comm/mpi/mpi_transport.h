@@ -49,8 +49,12 @@
 // slot (collective_slot_bytes) that also carries the data when it fits (MPI_Iallgather; this
 // round is also the barrier), and validates it as in-process; larger data
 // then moves through MPI_Iallgather / MPI_Ialltoall into scratch owned by
-// the state. All-reduce is an all-gather followed by the rank-order
-// reduction of comm/collective.h: the same bits as the in-process backend.
+// the state. All-reduce reduces in the rank order of comm/collective.h, the
+// same bits as the in-process backend: data that fits the slots is reduced
+// from them; larger data is cut into one chunk per rank, rank c gathers chunk
+// c of every rank (MPI_Ialltoallv), reduces it, and the reduced chunks are
+// gathered by all (MPI_Iallgatherv): 2 (R-1)/R x the bytes per rank, what a
+// ring moves, where gathering everything would move x.
 //
 // Peer memory: MPI_Win_allocate_shared on `node`, each rank's size padded to
 // 64 bytes plus a spare line (a one-sided-write bug of some MPI builds
@@ -242,6 +246,9 @@ class MpiTransport final : public Transport {
   // *inlined, rank r's data is at state_->slots + r * slot_bytes + sizeof(CollectiveDescriptor).
   Status agree(detail::CollectiveDescriptor mine, std::span<const std::byte> data, const Deadline& deadline,
                uint64_t* seq, bool* inlined);
+  // The rounds of an all-reduce too large for the slots (after agree).
+  Status reduce_scatter_all_gather(void* data, std::size_t count, DType dtype, ReduceOp op, uint64_t seq,
+                                   const Deadline& deadline);
 
   std::shared_ptr<detail::MpiState> state_;
 };
