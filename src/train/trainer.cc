@@ -15,6 +15,7 @@
 #include "epx/core/clock.h"
 #include "core/guard.h"
 #include "train/checkpoint.h"
+#include "train/grad_sync.h"
 
 namespace epx {
 namespace {
@@ -69,7 +70,7 @@ class DataSource {
   std::optional<TextTask> text_;
 };
 
-constexpr int kTimeFields = 8;
+constexpr int kTimeFields = 10;
 
 // Where a rank is in the run, so a failure says it: "step 12, layer 1,
 // dispatch: rank 2 did not arrive ..." (the layer adds its part).
@@ -349,6 +350,8 @@ Status TrainConfig::validate() const {
   if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
   if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
   if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
+  if (grad_bucket_bytes < 4 || grad_bucket_bytes > (int64_t{1} << 40))
+    return invalid_argument("grad_bucket_bytes = {} is outside [4, 2^40]", grad_bucket_bytes);
   EPX_RETURN_IF_ERROR(schedule.validate());
   EPX_RETURN_IF_ERROR(adamw.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig m, resolved_model());
@@ -382,9 +385,10 @@ std::string StepReport::to_json() const {
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankTimes& t = ranks[r];
     ranks_json += fmt::format("{}{{\"rank\":{},\"router\":{},\"dispatch\":{},\"experts\":{},\"combine\":{},"
-                              "\"dense\":{},\"wait\":{},\"sync\":{},\"total\":{}}}",
+                              "\"dense\":{},\"wait\":{},\"sync\":{},\"total\":{},\"grad_reduce\":{},"
+                              "\"grad_wait\":{}}}",
                               r ? "," : "", r, t.router, t.dispatch, t.experts, t.combine, t.dense, t.wait, t.sync,
-                              t.total);
+                              t.total, t.grad_reduce, t.grad_wait);
   }
   std::string eplb_json;
   if (eplb)
@@ -409,6 +413,16 @@ Result<bool> agree_on_stop(Transport& transport, const Status& stop, const Deadl
   double flag[1] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0};
   EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flag, 1), ReduceOp::kSum, deadline));
   return flag[0] != 0;
+}
+
+// The rank's gradient reductions: EP = the world, EDP = one rank (until --ep).
+Result<std::unique_ptr<detail::GradientSync>> make_grad_sync(const TrainConfig& config, const ModelConfig& m,
+                                                             Transport& transport, const Deadline& deadline) {
+  return detail::GradientSync::create({.world = &transport, .ep = &transport, .edp = nullptr},
+                                      {.bucket_bytes = static_cast<std::size_t>(config.grad_bucket_bytes),
+                                       .overlap = config.grad_overlap,
+                                       .timeout = m.timeout},
+                                      deadline);
 }
 
 // What a stopped run returns on this rank: rank 0 its callback's error, the
@@ -479,22 +493,16 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
     auto deadline = [&] { return Deadline::after(model_config.timeout); };
     EPX_ASSIGN_OR_RETURN(DataSource data, DataSource::create(config));
     EPX_ASSIGN_OR_RETURN(auto model, MoEModel::create(model_config, transport));
-    std::vector<Parameter*> params, dense;
+    std::vector<Parameter*> params;
     std::vector<MoELayer*> layers;
-    std::size_t dense_size = 0;
     // Re-placement rebuilds layers, so the lists are refreshed after one.
     auto collect = [&] {
       params = model->parameters();
       layers = model->layers();
-      dense.clear();
-      dense_size = 0;
-      for (Parameter* p : params)
-        if (p->kind == ParamKind::kDense) {
-          dense.push_back(p);
-          dense_size += p->grad.size();
-        }
     };
     collect();
+    EPX_ASSIGN_OR_RETURN(auto grad_sync, make_grad_sync(config, model_config, transport, deadline()));
+    EPX_RETURN_IF_ERROR(grad_sync->plan(*model));
     Eplb eplb = eplb_init;
     AdamW adam(config.adamw);
     detail::CheckpointMeta meta;
@@ -516,7 +524,6 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
     const int64_t first_step = meta.step;
 
     Batch batch;
-    std::vector<float> packed(std::max<std::size_t>(dense_size, 1));
     Status stop;  // rank 0: what on_step returned
     for (int64_t step = first_step; step < config.steps; ++step) {
       const bool tracing = config.tracer && step >= config.trace_first && step < config.trace_first + config.trace_steps;
@@ -532,6 +539,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       {
         ScopedSpan span(tracer, rank, "forward_backward");
         where.phase = "forward/backward";
+        grad_sync->start_step();
         EPX_ASSIGN_OR_RETURN(loss, model->forward_backward(batch, config.batch_tokens));
       }
       Stopwatch wait_watch;
@@ -547,23 +555,9 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       {
         ScopedSpan span(tracer, rank, "sync");
         where.phase = "gradient all_reduce";
-        std::size_t at = 0;
-        for (Parameter* p : dense) {
-          std::copy(p->grad.begin(), p->grad.end(), packed.begin() + static_cast<std::ptrdiff_t>(at));
-          at += p->grad.size();
-        }
-        EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(packed.data(), dense_size), ReduceOp::kSum, deadline()));
-        at = 0;
-        for (Parameter* p : dense) {
-          std::copy(packed.begin() + static_cast<std::ptrdiff_t>(at),
-                    packed.begin() + static_cast<std::ptrdiff_t>(at + p->grad.size()), p->grad.begin());
-          at += p->grad.size();
-        }
+        EPX_RETURN_IF_ERROR(grad_sync->finish(deadline()));
         double duplicate_sq = 0;
-        for (MoELayer* layer : layers) {
-          EPX_RETURN_IF_ERROR(layer->sum_replica_gradients());
-          duplicate_sq += layer->duplicate_grad_sq();
-        }
+        for (MoELayer* layer : layers) duplicate_sq += layer->duplicate_grad_sq();
         where.phase = "gradient norm";
         EPX_ASSIGN_OR_RETURN(grad_norm, clip_grad_norm(params, config.clip_norm, transport, deadline(), duplicate_sq));
       }
@@ -586,6 +580,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
           eplb_report.emplace();
           EPX_RETURN_IF_ERROR(replace_experts(*model, adam, transport, eplb, &*eplb_report, deadline()));
           collect();
+          EPX_RETURN_IF_ERROR(grad_sync->plan(*model));
           for (MoELayer* layer : layers) layer->set_tracer(tracer);
         }
       }
@@ -599,7 +594,8 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, deadline()));
       const StepTimes& st = model->times();
       const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
-                                        st.dense, wait, sync + st.layers.stats, step_watch.seconds()};
+                                        st.dense, wait, sync + st.layers.stats, step_watch.seconds(),
+                                        grad_sync->times().reduce, grad_sync->times().wait};
       std::vector<double> all(static_cast<std::size_t>(kTimeFields) * R);
       EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const double>(mine, kTimeFields), std::span<double>(all), deadline()));
       if (rank == 0) {
@@ -616,7 +612,7 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
         report.eplb = eplb_report;
         for (int r = 0; r < R; ++r) {
           const double* f = all.data() + static_cast<std::ptrdiff_t>(r) * kTimeFields;
-          report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
+          report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]});
         }
         std::lock_guard lock(mu);
         if (step == first_step) summary.first_loss = report.main_loss;
