@@ -39,14 +39,14 @@ void AdamW::step(std::span<Parameter* const> params, double lr) {
 }
 
 Result<double> clip_grad_norm(std::span<Parameter* const> params, double max_norm, Transport& transport,
-                              const Deadline& deadline, double duplicate_sq, bool count_experts) {
+                              const Deadline& deadline, double duplicate_sq) {
   double sums[2] = {0.0, 0.0};  // dense (identical on every rank), expert (this rank's)
   for (const Parameter* p : params) {
     double s = 0.0;
     for (float g : p->grad) s += static_cast<double>(g) * g;
     sums[p->kind == ParamKind::kDense ? 0 : 1] += s;
   }
-  sums[1] = count_experts ? sums[1] - duplicate_sq : 0.0;
+  sums[1] -= duplicate_sq;
   EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(&sums[1], 1), ReduceOp::kSum, deadline));
   const double norm = std::sqrt(sums[0] + std::max(sums[1], 0.0));
   if (max_norm > 0 && norm > max_norm) {

@@ -1,7 +1,7 @@
 // GradientSync: which gradients are summed over which group, in buckets in
 // the backward's order; overlap on and off give the same bits (also through
 // the trainer); a reduction that cannot complete is returned by finish()
-// naming its bucket; the gradient norm counts an EDP copy's experts once.
+// naming its bucket; the gradient norm over the EP group counts each expert once.
 #include "train/grad_sync.h"
 #include "train/tiny_config.h"
 
@@ -85,7 +85,7 @@ void check_sums(bool overlap, std::size_t bucket_bytes, bool two_edp) {
       EPX_ASSIGN_OR_RETURN(edp, world.split(rank % 2, rank, deadline()));
     }
     Transport& layer_group = two_edp ? *ep : world;
-    EPX_ASSIGN_OR_RETURN(auto model, MoEModel::create(m, layer_group));
+    EPX_ASSIGN_OR_RETURN(auto model, MoEModel::create(m, world, layer_group));
     EPX_ASSIGN_OR_RETURN(auto sync, GradientSync::create({.world = &world, .ep = &layer_group, .edp = edp.get()},
                                                          {.bucket_bytes = bucket_bytes, .overlap = overlap},
                                                          deadline()));
@@ -160,24 +160,27 @@ TEST(GradSync, FinishBeforeTheWholeBackwardIsRefused) {
   EXPECT_TRUE(first_error(st).is_ok()) << first_error(st).to_string();
 }
 
-// With EDP copies only the first counts its experts: the norm is the one of
-// a single copy of the (identical) expert gradients plus the dense ones.
-TEST(GradSync, NormCountsAnEdpCopyOnce) {
-  std::vector<Status> st = run_ranks(*Topology::create(2, 1), [&](Transport& t) -> Status {
-    Parameter dense("d", ParamKind::kDense, 1, 1), expert("e", ParamKind::kExpert, 1, 2);
+// With EDP copies the norm is taken over the EP group, which holds each
+// logical expert once: 4 ranks, EP groups {0, 1} and {2, 3}, the expert
+// gradients of EP rank e the same in both groups (as after the EDP
+// all-reduce): sqrt(3^2 + 4^2 + 12^2) = 13 on every rank, not sqrt(9 + 2 x 160).
+TEST(GradSync, NormOverTheEpGroupCountsEachExpertOnce) {
+  std::vector<Status> st = run_ranks(*Topology::create(4, 1), [&](Transport& t) -> Status {
+    const auto deadline = [] { return Deadline::after(std::chrono::seconds(10)); };
+    EPX_ASSIGN_OR_RETURN(auto ep, t.split(t.rank() / 2, t.rank(), deadline()));
+    Parameter dense("d", ParamKind::kDense, 1, 1), expert("e", ParamKind::kExpert, 1, 1);
     dense.grad = {3.0f};
-    expert.grad = {0.0f, 4.0f};  // the same on both ranks, as after the EDP all-reduce
+    expert.grad = {ep->rank() == 0 ? 4.0f : 12.0f};
     Parameter* params[] = {&dense, &expert};
-    EPX_ASSIGN_OR_RETURN(const double norm, clip_grad_norm(params, 0.0, t, Deadline::after(std::chrono::seconds(10)),
-                                                           0.0, /*count_experts=*/t.rank() == 0));
-    EXPECT_DOUBLE_EQ(norm, 5.0);
+    EPX_ASSIGN_OR_RETURN(const double norm, clip_grad_norm(params, 0.0, *ep, deadline()));
+    EXPECT_DOUBLE_EQ(norm, 13.0);
     return Status::ok();
   });
   EXPECT_TRUE(first_error(st).is_ok()) << first_error(st).to_string();
 }
 
 // Through the trainer: overlap on and off, and a small bucket size, end with
-// the same parameter bits; with EPLB replicas too.
+// the same parameter bits; with EP 2 x EDP 2 and with EPLB replicas too.
 std::map<std::string, std::vector<float>> trained(TrainConfig c) {
   auto summary = train(c, {}, /*keep_parameters=*/true);
   EXPECT_TRUE(summary.is_ok()) << summary.status().to_string();
@@ -201,6 +204,16 @@ TEST(GradSync, TrainerOverlapOnAndOffGiveTheSameBits) {
   TrainConfig on = off;
   on.grad_overlap = true;
   on.grad_bucket_bytes = 1024;
+  expect_same_bits(trained(off), trained(on));
+}
+
+TEST(GradSync, TrainerOverlapOnAndOffGiveTheSameBitsWithEpTwoEdpTwo) {
+  TrainConfig off = testing::tiny_config({.num_ranks = 4, .steps = 3});
+  off.ep = 2;
+  off.grad_overlap = false;
+  TrainConfig on = off;
+  on.grad_overlap = true;
+  on.grad_bucket_bytes = 4096;
   expect_same_bits(trained(off), trained(on));
 }
 
