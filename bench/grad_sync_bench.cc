@@ -4,9 +4,9 @@
 // modes alternating; per mode, medians over the steps after the first of:
 // the step time, the slowest rank's seconds in the reductions (grad_reduce)
 // and waiting for them after the backward (grad_wait), and the bytes each
-// rank contributed to collectives (TransportCounters::collective_bytes of the
-// world and of the gradient thread's groups) against the gradient bytes and
-// a ring all-reduce's 2 (n - 1) / n x gradient bytes. Table on stdout.
+// rank contributed to them (grad_bytes: TransportCounters::collective_bytes
+// of the calls) against the gradient bytes and what a ring all-reduce sends,
+// 2 (n - 1) / n x the gradient bytes of a group of n. Table on stdout.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -15,7 +15,6 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "epx/comm/inproc.h"
 #include "epx/train/trainer.h"
 #include "exchange_bench.h"
 
@@ -23,17 +22,18 @@ namespace epx::bench {
 namespace {
 
 struct Options {
-  int num_ranks = 4, layers = 4, hidden = 128, ffn_hidden = 256, experts = 8, shared_experts = 1, rounds = 2;
+  int num_ranks = 4, ep = 2, layers = 4, hidden = 128, ffn_hidden = 256, experts = 8, shared_experts = 1, rounds = 2;
   int64_t steps = 25, batch_tokens = 2048, bucket_kib = 4096;
 };
 
 struct ModeSamples {
-  std::vector<double> step_ms, reduce_ms, wait_ms, collective_bytes;  // per step (bytes: per run)
+  std::vector<double> step_ms, reduce_ms, wait_ms, bytes;  // per step; bytes: the mean over ranks
 };
 
 TrainConfig make_config(const Options& o, bool overlap) {
   TrainConfig c;
   c.num_ranks = o.num_ranks;
+  c.ep = o.ep;
   c.steps = o.steps;
   c.batch_tokens = o.batch_tokens;
   c.model.num_layers = o.layers;
@@ -47,29 +47,22 @@ TrainConfig make_config(const Options& o, bool overlap) {
   return c;
 }
 
-// One training run; rank 0's reports give the times, the world the bytes.
+// One training run (rank 0's reports), the first step left out.
 Status run_mode(const Options& o, bool overlap, ModeSamples* out) {
-  TrainConfig config = make_config(o, overlap);
-  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(o.num_ranks, 1));
-  InprocWorld world(topology);
   std::vector<StepReport> reports;
-  EPX_RETURN_IF_ERROR(first_error(world.run([&](Transport& t) -> Status {
-    TrainConfig mine = config;
-    mine.transport = &t;
-    return train(mine, [&](const StepReport& r) { reports.push_back(r); }).status();
-  })));
+  EPX_RETURN_IF_ERROR(train(make_config(o, overlap), [&](const StepReport& r) { reports.push_back(r); }).status());
   for (std::size_t s = 1; s < reports.size(); ++s) {
-    double reduce = 0, wait = 0;
+    double reduce = 0, wait = 0, bytes = 0;
     for (const RankTimes& t : reports[s].ranks) {
       reduce = std::max(reduce, t.grad_reduce);
       wait = std::max(wait, t.grad_wait);
+      bytes += t.grad_bytes / static_cast<double>(reports[s].ranks.size());
     }
     out->step_ms.push_back(reports[s].seconds * 1e3);
     out->reduce_ms.push_back(reduce * 1e3);
     out->wait_ms.push_back(wait * 1e3);
+    out->bytes.push_back(bytes);
   }
-  out->collective_bytes.push_back(static_cast<double>(world.total_counters().collective_bytes) /
-                                  static_cast<double>(o.num_ranks * std::max<int64_t>(o.steps, 1)));
   return Status::ok();
 }
 
@@ -80,7 +73,7 @@ std::pair<double, double> gradient_bytes(const Options& o) {
   const double H = o.hidden, F = o.ffn_hidden, E = o.experts, L = o.layers;
   const double S = o.shared_experts * F;
   const double dense = c.model.num_inputs() * H + H + H * c.model.num_outputs() + L * (H + H * E + 3 * H * S);
-  const double experts = L * 3 * (E / o.num_ranks) * H * F;
+  const double experts = L * 3 * (E / o.ep) * H * F;
   return {dense * 4, experts * 4};
 }
 
@@ -92,21 +85,22 @@ Status run(const Options& o) {
       EPX_RETURN_IF_ERROR(run_mode(o, m == 1, &modes[m]));
     }
   const auto [dense, experts] = gradient_bytes(o);
-  const double n = o.num_ranks;
-  fmt::print("{} ranks, {} layers, hidden {}, ffn {}, {} experts top-2, {} shared, {} tokens per step, {} steps x {} "
+  const double n = o.num_ranks, edp = static_cast<double>(o.num_ranks) / o.ep;
+  const double ring = 2 * (n - 1) / n * dense + 2 * (edp - 1) / edp * experts;
+  fmt::print("{} ranks (EP {} x EDP {}), {} layers, hidden {}, ffn {}, {} experts top-2, {} shared, {} tokens per step, {} steps x {} "
              "rounds, buckets {} KiB\n",
-             o.num_ranks, o.layers, o.hidden, o.ffn_hidden, o.experts, o.shared_experts, o.batch_tokens, o.steps,
+             o.num_ranks, o.ep, o.num_ranks / o.ep, o.layers, o.hidden, o.ffn_hidden, o.experts, o.shared_experts, o.batch_tokens, o.steps,
              o.rounds, o.bucket_kib);
-  fmt::print("gradient bytes per rank: dense {:.0f} (all-reduced over {} ranks; ring 2(n-1)/n x = {:.0f}), "
-             "experts {:.0f} (EDP of 1: not reduced)\n",
-             dense, o.num_ranks, 2 * (n - 1) / n * dense, experts);
+  fmt::print("gradient bytes per rank: dense {:.0f} over {} ranks, routed experts {:.0f} over {} ranks (EDP); a ring "
+             "all-reduce sends 2(n-1)/n x those: {:.0f} per rank\n",
+             dense, o.num_ranks, experts, o.num_ranks / o.ep, ring);
   fmt::print("| grad-overlap | step ms | grad_reduce ms | grad_wait ms | reduce / step | wait / step | "
-             "collective bytes per rank per step |\n|---|---|---|---|---|---|---|\n");
+             "grad_bytes per rank per step |\n|---|---|---|---|---|---|---|\n");
   for (int m = 0; m < 2; ++m) {
     const ModeSamples& s = modes[m];
     const double step = median(s.step_ms), reduce = median(s.reduce_ms), wait = median(s.wait_ms);
     fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} | {:.1f}% | {:.1f}% | {:.0f} |\n", m ? "on" : "off", step, reduce,
-               wait, 100 * reduce / step, 100 * wait / step, median(s.collective_bytes));
+               wait, 100 * reduce / step, 100 * wait / step, median(s.bytes));
   }
   return Status::ok();
 }
@@ -118,6 +112,7 @@ int main(int argc, char** argv) {
   epx::bench::Options o;
   CLI::App app{"epx train with the gradient all-reduce overlapped with the backward, and without"};
   app.add_option("--ranks", o.num_ranks)->capture_default_str();
+  app.add_option("--ep", o.ep, "Ranks per EP group (EDP = ranks / ep)")->capture_default_str();
   app.add_option("--layers", o.layers)->capture_default_str();
   app.add_option("--hidden", o.hidden)->capture_default_str();
   app.add_option("--ffn-hidden", o.ffn_hidden)->capture_default_str();

@@ -182,7 +182,9 @@ Status GradientSync::finish(const Deadline& deadline) {
 Status GradientSync::reduce_stage(std::size_t s, const GradSyncGroups& on) {
   const Stage& stage = stages_[s];
   if (stage.layer != nullptr) {
+    const uint64_t before = on.ep->counters().collective_bytes;
     Status st = stage.layer->sum_replica_gradients(*on.ep, Deadline::after(options_.timeout));
+    reduced_bytes_ += on.ep->counters().collective_bytes - before;
     if (!st.is_ok())
       return Status(st.code(), fmt::format("layer {}: summing replica gradients over the EP group: {}", stage.stage,
                                            st.message()));
@@ -194,6 +196,7 @@ Status GradientSync::reduce_stage(std::size_t s, const GradSyncGroups& on) {
 Status GradientSync::reduce_bucket(int b, Transport& group) {
   GradBucket& bucket = buckets_[b];
   const Deadline deadline = Deadline::after(options_.timeout);
+  const uint64_t before = group.counters().collective_bytes;
   Status st;
   if (bucket.params.size() == 1) {
     st = group.all_reduce(std::span<float>(bucket.params[0]->grad), ReduceOp::kSum, deadline);
@@ -207,7 +210,7 @@ Status GradientSync::reduce_bucket(int b, Transport& group) {
       from += p->grad.size();
     }
   }
-  reduced_bytes_ += bucket.count * 4;
+  reduced_bytes_ += group.counters().collective_bytes - before;
   if (st.is_ok()) return st;
   return Status(st.code(), fmt::format("gradient bucket {} of {} ({}, {} over {} ranks): {}", b + 1, buckets_.size(),
                                        bucket.experts ? "expert gradients" : "dense gradients", mib(bucket.count),

@@ -109,7 +109,8 @@ class GradientSync {
   [[nodiscard]] bool overlapped() const { return options_.overlap; }
   [[nodiscard]] const GradSyncTimes& times() const { return times_; }
   [[nodiscard]] const std::vector<GradBucket>& buckets() const { return buckets_; }
-  // Floats this rank contributed to reductions in the last step (all kinds).
+  // Bytes this rank contributed to the last step's reductions, all kinds
+  // (TransportCounters::collective_bytes of the calls).
   [[nodiscard]] uint64_t reduced_bytes() const { return reduced_bytes_; }
 
  private:

@@ -75,7 +75,7 @@ class DataSource {
   std::optional<TextTask> text_;
 };
 
-constexpr int kTimeFields = 10;
+constexpr int kTimeFields = 11;
 
 // Where a rank is in the run, so a failure says it: "step 12, layer 1,
 // dispatch: rank 2 did not arrive ..." (the layer adds its part).
@@ -413,9 +413,9 @@ std::string StepReport::to_json() const {
     const RankTimes& t = ranks[r];
     ranks_json += fmt::format("{}{{\"rank\":{},\"router\":{},\"dispatch\":{},\"experts\":{},\"combine\":{},"
                               "\"dense\":{},\"wait\":{},\"sync\":{},\"total\":{},\"grad_reduce\":{},"
-                              "\"grad_wait\":{}}}",
+                              "\"grad_wait\":{},\"grad_bytes\":{}}}",
                               r ? "," : "", r, t.router, t.dispatch, t.experts, t.combine, t.dense, t.wait, t.sync,
-                              t.total, t.grad_reduce, t.grad_wait);
+                              t.total, t.grad_reduce, t.grad_wait, t.grad_bytes);
   }
   std::string eplb_json;
   if (eplb)
@@ -734,7 +734,8 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   const StepTimes& st = r.model->times();
   const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
                                     st.dense, n.wait, n.sync + st.layers.stats, n.watch.seconds(),
-                                    r.grad_sync->times().reduce, r.grad_sync->times().wait};
+                                    r.grad_sync->times().reduce, r.grad_sync->times().wait,
+                                    static_cast<double>(r.grad_sync->reduced_bytes())};
   std::vector<double> all(static_cast<std::size_t>(kTimeFields) * R);
   EPX_RETURN_IF_ERROR(
       r.groups.world->all_gather(std::span<const double>(mine, kTimeFields), std::span<double>(all), r.deadline()));
@@ -752,7 +753,7 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   report.eplb = std::move(n.eplb);
   for (int q = 0; q < R; ++q) {
     const double* f = all.data() + static_cast<std::ptrdiff_t>(q) * kTimeFields;
-    report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]});
+    report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10]});
   }
   record_report(r, std::move(report));
   return Status::ok();

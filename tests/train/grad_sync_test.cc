@@ -4,6 +4,7 @@
 // naming its bucket; the gradient norm over the EP group counts each expert once.
 #include "train/grad_sync.h"
 #include "train/tiny_config.h"
+#include "core/failure_hooks.h"
 
 #include <gtest/gtest.h>
 
@@ -155,6 +156,20 @@ TEST(GradSync, FinishBeforeTheWholeBackwardIsRefused) {
     sync->start_step();
     EXPECT_EQ(sync->ready(0).code(), StatusCode::kFailedPrecondition);  // the head comes first
     EXPECT_EQ(sync->finish(Deadline::after(std::chrono::seconds(1))).code(), StatusCode::kFailedPrecondition);
+    return Status::ok();
+  });
+  EXPECT_TRUE(first_error(st).is_ok()) << first_error(st).to_string();
+}
+
+TEST(GradSync, AThreadThatCannotStartIsResourceExhausted) {
+  testing::DisarmFailureHooks disarm;
+  std::vector<Status> st = run_ranks(*Topology::create(1, 1), [&](Transport& t) -> Status {
+    detail::fail_thread_starts(0, 1);
+    auto sync = GradientSync::create({.world = &t, .ep = &t}, {}, Deadline::after(std::chrono::seconds(10)));
+    detail::fail_thread_starts(0, 0);
+    EXPECT_EQ(sync.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_NE(sync.status().message().find("could not start the gradient all-reduce thread"), std::string::npos)
+        << sync.status().to_string();
     return Status::ok();
   });
   EXPECT_TRUE(first_error(st).is_ok()) << first_error(st).to_string();

@@ -138,6 +138,7 @@ struct RankTimes {
   double total = 0;
   double grad_reduce = 0;  // in the gradient all-reduces (with grad_overlap on the thread, beside the backward)
   double grad_wait = 0;    // waiting for them after the backward (part of sync): what overlap did not hide
+  double grad_bytes = 0;   // not a time: bytes this rank contributed to them (TransportCounters::collective_bytes)
   [[nodiscard]] double communication() const { return dispatch + combine + sync; }
 };
 
