@@ -1,7 +1,8 @@
 // epx_grad_sync_bench: `epx train` with the gradient all-reduce overlapped
 // with the backward (--grad-overlap on) against after it (off), on
-// in-process ranks. Each round trains the same model once per mode, the
-// modes alternating; per mode, medians over the steps after the first of:
+// in-process ranks. Each round trains the same model once per mode (which
+// goes first alternates by round); per mode, medians over the steps after
+// the first (all rounds pooled; also per round for the step) of:
 // the step time, the slowest rank's seconds in the reductions (grad_reduce)
 // and waiting for them after the backward (grad_wait), and the bytes each
 // rank contributed to them (grad_bytes: TransportCounters::collective_bytes
@@ -28,6 +29,7 @@ struct Options {
 
 struct ModeSamples {
   std::vector<double> step_ms, reduce_ms, wait_ms, bytes;  // per step; bytes: the mean over ranks
+  std::vector<double> round_step_ms;                       // per round: the median step
 };
 
 TrainConfig make_config(const Options& o, bool overlap) {
@@ -51,18 +53,21 @@ TrainConfig make_config(const Options& o, bool overlap) {
 Status run_mode(const Options& o, bool overlap, ModeSamples* out) {
   std::vector<StepReport> reports;
   EPX_RETURN_IF_ERROR(train(make_config(o, overlap), [&](const StepReport& r) { reports.push_back(r); }).status());
+  std::vector<double> steps;
   for (std::size_t s = 1; s < reports.size(); ++s) {
+    steps.push_back(reports[s].seconds * 1e3);
     double reduce = 0, wait = 0, bytes = 0;
     for (const RankTimes& t : reports[s].ranks) {
       reduce = std::max(reduce, t.grad_reduce);
       wait = std::max(wait, t.grad_wait);
       bytes += t.grad_bytes / static_cast<double>(reports[s].ranks.size());
     }
-    out->step_ms.push_back(reports[s].seconds * 1e3);
     out->reduce_ms.push_back(reduce * 1e3);
     out->wait_ms.push_back(wait * 1e3);
     out->bytes.push_back(bytes);
   }
+  out->round_step_ms.push_back(median(steps));
+  out->step_ms.insert(out->step_ms.end(), steps.begin(), steps.end());
   return Status::ok();
 }
 
@@ -80,7 +85,8 @@ std::pair<double, double> gradient_bytes(const Options& o) {
 Status run(const Options& o) {
   ModeSamples modes[2];  // off, on
   for (int round = 0; round < o.rounds; ++round)
-    for (int m = 0; m < 2; ++m) {
+    for (int i = 0; i < 2; ++i) {
+      const int m = (i + round) % 2;  // off first in odd rounds, on first in even ones
       fmt::print(stderr, "round {}, grad-overlap {}\n", round + 1, m ? "on" : "off");
       EPX_RETURN_IF_ERROR(run_mode(o, m == 1, &modes[m]));
     }
@@ -95,12 +101,14 @@ Status run(const Options& o) {
              "all-reduce sends 2(n-1)/n x those: {:.0f} per rank\n",
              dense, o.num_ranks, experts, o.num_ranks / o.ep, ring);
   fmt::print("| grad-overlap | step ms | grad_reduce ms | grad_wait ms | reduce / step | wait / step | "
-             "grad_bytes per rank per step |\n|---|---|---|---|---|---|---|\n");
+             "grad_bytes per rank per step | step ms per round |\n|---|---|---|---|---|---|---|---|\n");
   for (int m = 0; m < 2; ++m) {
     const ModeSamples& s = modes[m];
     const double step = median(s.step_ms), reduce = median(s.reduce_ms), wait = median(s.wait_ms);
-    fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} | {:.1f}% | {:.1f}% | {:.0f} |\n", m ? "on" : "off", step, reduce,
-               wait, 100 * reduce / step, 100 * wait / step, median(s.bytes));
+    std::string rounds;
+    for (double r : s.round_step_ms) rounds += fmt::format("{}{:.0f}", rounds.empty() ? "" : " / ", r);
+    fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} | {:.1f}% | {:.1f}% | {:.0f} | {} |\n", m ? "on" : "off", step,
+               reduce, wait, 100 * reduce / step, 100 * wait / step, median(s.bytes), rounds);
   }
   return Status::ok();
 }

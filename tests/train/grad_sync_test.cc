@@ -202,8 +202,13 @@ std::map<std::string, std::vector<float>> trained(TrainConfig c) {
   return summary.is_ok() ? summary.value().parameters : std::map<std::string, std::vector<float>>{};
 }
 
-void expect_same_bits(const std::map<std::string, std::vector<float>>& a,
-                      const std::map<std::string, std::vector<float>>& b) {
+// `off` with grad_overlap off, then on with `bucket_bytes`: memcmp-equal parameters.
+void expect_overlap_changes_no_bit(TrainConfig off, int64_t bucket_bytes) {
+  off.grad_overlap = false;
+  TrainConfig on = off;
+  on.grad_overlap = true;
+  on.grad_bucket_bytes = bucket_bytes;
+  const auto a = trained(off), b = trained(on);
   ASSERT_EQ(a.size(), b.size());
   ASSERT_FALSE(a.empty());
   for (const auto& [name, values] : a) {
@@ -214,31 +219,19 @@ void expect_same_bits(const std::map<std::string, std::vector<float>>& a,
 }
 
 TEST(GradSync, TrainerOverlapOnAndOffGiveTheSameBits) {
-  TrainConfig off = testing::tiny_config({.num_ranks = 4, .steps = 3});
-  off.grad_overlap = false;
-  TrainConfig on = off;
-  on.grad_overlap = true;
-  on.grad_bucket_bytes = 1024;
-  expect_same_bits(trained(off), trained(on));
+  expect_overlap_changes_no_bit(testing::tiny_config({.num_ranks = 4, .steps = 3}), 1024);
 }
 
 TEST(GradSync, TrainerOverlapOnAndOffGiveTheSameBitsWithEpTwoEdpTwo) {
-  TrainConfig off = testing::tiny_config({.num_ranks = 4, .steps = 3});
-  off.ep = 2;
-  off.grad_overlap = false;
-  TrainConfig on = off;
-  on.grad_overlap = true;
-  on.grad_bucket_bytes = 4096;
-  expect_same_bits(trained(off), trained(on));
+  TrainConfig c = testing::tiny_config({.num_ranks = 4, .steps = 3});
+  c.ep = 2;
+  expect_overlap_changes_no_bit(c, 4096);
 }
 
 TEST(GradSync, TrainerOverlapOnAndOffGiveTheSameBitsWithEplbReplicas) {
-  TrainConfig off = testing::tiny_config({.num_ranks = 4, .steps = 4});
-  off.balancing = {.eplb = true, .eplb_every = 2};  // a re-placement re-plans the buckets
-  off.grad_overlap = false;
-  TrainConfig on = off;
-  on.grad_overlap = true;
-  expect_same_bits(trained(off), trained(on));
+  TrainConfig c = testing::tiny_config({.num_ranks = 4, .steps = 4});
+  c.balancing = {.eplb = true, .eplb_every = 2};  // a re-placement re-plans the buckets
+  expect_overlap_changes_no_bit(c, detail::kDefaultBucketBytes);
 }
 
 }  // namespace
