@@ -182,24 +182,8 @@ TEST(Group, PeerMemoryAndMessagesStayInsideTheGroup) {
   }));
 }
 
-// split(0, rank) duplicates the world; the duplicate may run on another
-// thread at the same time as the world.
-TEST(Group, ADuplicateRunsBesideItsParentOnAnotherThread) {
-  expect_all_ok(run_ranks(make_topology(4, 2), [](Transport& t) -> Status {
-    EPX_ASSIGN_OR_RETURN(auto dup, t.split(0, t.rank(), generous()));
-    EPX_RETURN_IF_ERROR(expect_eq(dup->rank(), t.rank(), "rank"));
-    EPX_RETURN_IF_ERROR(expect_eq(dup->topology().describe(), t.topology().describe(), "topology"));
-    Status side;
-    std::thread other([&] {
-      for (int i = 0; i < 50 && side.is_ok(); ++i) side = check_group_sum(*dup);
-    });
-    Status main;
-    for (int i = 0; i < 50 && main.is_ok(); ++i) main = check_group_sum(t);
-    other.join();
-    EPX_RETURN_IF_ERROR(side);
-    return main;
-  }));
-}
+// A duplicate used from another thread: TransportGroups.ADuplicateRunsBesideItsParentOnAnotherThread
+// (transport_test.cc, in-process and under MPI).
 
 // ---------------------------------------------------------------------------
 // Failures

@@ -15,6 +15,8 @@
 //
 // When a rank's function returns an error, run() aborts the world so the
 // other ranks return Aborted at once instead of waiting for their deadlines.
+// Transport::split makes groups of a world's ranks (a view of them with
+// collectives, messages and peer memory of its own; see transport.h).
 #pragma once
 
 #include <functional>
@@ -42,7 +44,8 @@ class InprocWorld {
   // Runs `fn` on one thread per rank and returns every rank's status, in
   // rank order. A rank whose fn throws counts as Internal.
   std::vector<Status> run(const std::function<Status(Transport&)>& fn);
-  // Counters summed over all ranks.
+  // Counters summed over all ranks of the world's own transports (a group
+  // split from them counts its traffic in its own counters()).
   [[nodiscard]] TransportCounters total_counters() const;
 
  private:
