@@ -147,7 +147,7 @@ struct EplbReport {
   // Per layer: max / mean rank load of the window's per-expert loads under
   // the old and the new placement (1 = perfectly even).
   std::vector<double> balance_before, balance_after;
-  int num_moved_slots = 0;  // all layers
+  int num_moved_slots = 0;  // all layers, all EP groups (each moves the same slots inside itself)
   // Bytes a real system would send: moved slots x (w1, w3, w2 and their two
   // AdamW moments, f32). epx moves them with a full-table all-reduce.
   int64_t moved_bytes = 0;
@@ -181,7 +181,8 @@ struct TrainSummary {
   int64_t eplb_moved_bytes = 0;  // over the run
   // Every rank's parameters after the last step, dense ones once, expert ones
   // by "name#global_expert" (the physical slot with eplb; layer_slots says
-  // which logical expert it holds) for comparisons; filled when keep_parameters.
+  // which logical expert it holds; with several EP groups, EP group 0's) for
+  // comparisons; filled when keep_parameters.
   std::map<std::string, std::vector<float>> parameters;
   std::vector<std::vector<int32_t>> layer_slots;  // eplb: the final slot -> expert map per layer
 };
