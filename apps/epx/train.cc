@@ -395,7 +395,10 @@ void print_dry_run(const TrainOptions& o, const TrainConfig& c, const MemoryEsti
                                       {"experts per rank per layer", fmt::format("{}", slots / c.ep_size())},
                                       {"expanded rows per rank (balanced routing)",
                                        fmt::format("{}", int64_t{m.max_tokens_per_rank} * m.layer.router.topk)},
-                                      {"ranks in this process", fmt::format("{}", e.copies)}}));
+                                      {"ranks in this process", fmt::format("{}", e.copies)},
+                                      {"gradient all-reduce (--grad-overlap)",
+                                       fmt::format("{}, buckets of {}", c.grad_overlap ? "beside the backward" : "after the backward",
+                                                   format_bytes(c.grad_bucket_bytes))}}));
   std::vector<std::vector<std::string>> rows;
   for (const MemoryItem& item : e.items) rows.push_back({item.name, format_bytes(item.bytes), item.driver});
   rows.push_back({"per rank", format_bytes(e.per_rank()), ""});
