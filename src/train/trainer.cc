@@ -404,25 +404,28 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
     collect();
     detail::EplbState eplb = eplb_init;
     AdamW adam(config.adamw);
-    detail::CheckpointMeta meta;
-    meta.num_ranks = R;
-    meta.num_nodes = config.num_nodes;
-    meta.ep = layout.ep();
-    meta.num_slots = detail::run_layout(config, model_config, layout.ep()).num_slots;
-    meta.fingerprint = fingerprint(model_config);
     auto save = [&](int64_t step) -> Status {
+      // This run's layout, whatever the checkpoint it resumed from had.
+      detail::CheckpointMeta meta;
       meta.step = step;
+      meta.fingerprint = fingerprint(model_config);
+      meta.num_ranks = R;
+      meta.num_nodes = config.num_nodes;
+      meta.ep = layout.ep();
+      meta.num_slots = detail::run_layout(config, model_config, layout.ep()).num_slots;
       if (config.balancing.eplb) {
-        meta.layer_slots.clear();
         for (MoELayer* layer : layers) meta.layer_slots.push_back(layer->slot_expert());
         meta.eplb_window = eplb.window;
       }
       return detail::save_checkpoint(config.save_dir, config.keep_checkpoints, meta, transport, layout, params, adam,
                                      layers, deadline());
     };
+    detail::CheckpointMeta resumed;  // step 0 without a resume
+    resumed.fingerprint = fingerprint(model_config);
     if (!config.resume_dir.empty())
-      EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &meta, transport, params, adam, layers, deadline()));
-    const int64_t first_step = meta.step;
+      EPX_RETURN_IF_ERROR(
+          detail::load_checkpoint(config.resume_dir, &resumed, transport, params, adam, layers, deadline()));
+    const int64_t first_step = resumed.step;
 
     Batch batch;
     std::vector<float> packed(std::max<std::size_t>(dense_size, 1));

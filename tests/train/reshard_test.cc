@@ -28,6 +28,7 @@
 
 #include "epx/train/trainer.h"
 #include "observe/temp_dir.h"
+#include "train/checkpoint.h"
 #include "train/eplb_train.h"
 #include "train/tiny_config.h"
 
@@ -119,6 +120,33 @@ TEST(Reshard, EveryLayoutContinuesTheLossCurveOfTheRunThatNeverStopped) {
     EXPECT_LE(diff, kLayoutTolerance) << where;
     EXPECT_GT(diff, 0.0) << where << ": another layout that gives the same bits: is the layout really different?";
   }
+}
+
+// A resharded run saves its own layout (not the one it resumed from), and
+// that checkpoint reshards again: 4 ranks -> 2 ranks -> 1 rank.
+TEST(Reshard, AResumedRunSavesItsOwnLayoutAndReshardsAgain) {
+  constexpr int64_t kSteps = 8;
+  testing::TempDir dir;
+  const TrainConfig straight = with_eplb(skewed(4, kSteps), 2);
+  const Trained whole = run(straight);
+  TrainConfig two = with_eplb(skewed(2, kSteps), 2);
+  two.resume_dir = save_at(straight, 3, kSteps, dir, "four");
+  const std::string second = save_at(two, 6, kSteps, dir, "two");
+  detail::CheckpointMeta meta;
+  meta.fingerprint = "task=regression in=16 out=8 layers=2 hidden=32 ffn=32 experts=8 topk=2 shared=0 dtype=f32";
+  ASSERT_TRUE(detail::read_checkpoint_meta(second, &meta).is_ok());
+  EXPECT_EQ(meta.step, 6);
+  EXPECT_EQ(meta.num_ranks, 2);
+  EXPECT_EQ(meta.ep, 2);
+  EXPECT_EQ(meta.num_slots, 10);
+  EXPECT_EQ(meta.files.size(), 3u);
+  TrainConfig one = with_eplb(skewed(1, kSteps), 2);
+  one.resume_dir = second;
+  const Trained tail = run(one);
+  ASSERT_EQ(tail.loss.size(), 2u);
+  const double diff = max_relative_diff(whole.loss, tail.loss, 6);
+  std::printf("4 -> 2 -> 1 ranks: largest relative loss difference %.3g\n", diff);
+  EXPECT_LE(diff, kLayoutTolerance);
 }
 
 // On the same layout the saved placement is kept: the same bits, no note.
