@@ -148,9 +148,9 @@ int64_t transfer_bytes(const std::vector<int32_t>& from, const std::vector<int32
   return moved * expert_bytes;
 }
 
-Status replace_experts(MoEModel& model, AdamW& adam, Transport& transport, const ParallelLayout& layout,
-                       EplbState& eplb, EplbReport* report, const Deadline& deadline) {
-  const int ep_rank = layout.ep_rank(transport.rank()), ep = layout.ep();
+Status replace_experts(MoEModel& model, AdamW& adam, Transport& ep_group, EplbState& eplb, EplbReport* report,
+                       const Deadline& deadline) {
+  const int ep_rank = ep_group.rank(), ep = ep_group.num_ranks();
   const MoELayerConfig& lc = model.config().layer;
   const int E = lc.router.num_experts;
   const std::size_t hf = static_cast<std::size_t>(lc.hidden) * lc.ffn_hidden;
@@ -163,14 +163,13 @@ Status replace_experts(MoEModel& model, AdamW& adam, Transport& transport, const
     report->balance_before.push_back(balance(rank_loads(current, load)));
     report->balance_after.push_back(plan.balance);
     report->num_moved_slots += plan.num_moved_slots;
-    report->moved_bytes += layout.edp() * transfer_bytes(current.slot_expert(), plan.placement.slot_expert(), ep,
-                                                         eplb.expert_bytes);
+    report->moved_bytes += transfer_bytes(current.slot_expert(), plan.placement.slot_expert(), ep, eplb.expert_bytes);
     std::fill(eplb.window[l].begin(), eplb.window[l].end(), 0);
     if (plan.num_moved_slots == 0) continue;
 
     std::vector<float> table(static_cast<std::size_t>(E) * 9 * hf, 0.0f);
     pack_first_replicas(*layer, adam, current, ep_rank, hf, table);
-    EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(table), ReduceOp::kSum, deadline));
+    EPX_RETURN_IF_ERROR(ep_group.all_reduce(std::span<float>(table), ReduceOp::kSum, deadline));
     EPX_RETURN_IF_ERROR(model.replace_layer(l, plan.placement.slot_expert()));
     unpack_slots(*model.layers()[l], adam, hf, table);
   }

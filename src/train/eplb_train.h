@@ -65,11 +65,13 @@ struct EplbStart {
                                      int64_t expert_bytes);
 
 // Re-places every layer's experts from the window's loads (and zeroes the
-// window). Weights and AdamW moments travel as one all-reduce of a
+// window) within one EP group (`ep_group`: its transport; every EP group
+// does the same). Weights and AdamW moments travel as one all-reduce of a
 // [E, 3 x 3 x H x F] logical table per changed layer, to which only each
-// expert's first replica contributes. The report counts the slots whose
-// expert changed and transfer_bytes over every EP group. Collective.
-[[nodiscard]] Status replace_experts(MoEModel& model, AdamW& adam, Transport& transport, const ParallelLayout& layout,
-                                     EplbState& eplb, EplbReport* report, const Deadline& deadline);
+// expert's first replica contributes. The report counts, for this EP group,
+// the slots whose expert changed and transfer_bytes (the caller scales both
+// by the EP groups). Collective over the EP group.
+[[nodiscard]] Status replace_experts(MoEModel& model, AdamW& adam, Transport& ep_group, EplbState& eplb,
+                                     EplbReport* report, const Deadline& deadline);
 
 }  // namespace epx::detail

@@ -112,8 +112,8 @@ expect "another model" 2 "is of another model: topk=2 in the checkpoint, topk=1 
 expect "another rank count reshards" 0 "resharding checkpoint $work/c (step 6) written by 4 ranks on 1 node (EP 4, 8 slots per layer) onto 2 ranks on 1 node (EP 2, 8 slots per layer)" \
   --steps 8 --resume "$work/c" --ranks 2
 [[ $(wc -l < "$work/m.jsonl") -eq 2 ]] || fail "resume at 2 ranks ran $(wc -l < "$work/m.jsonl") steps, want 2"
-expect "8 ranks on 2 nodes with eplb reshards" 0 "onto 8 ranks on 2 nodes (EP 8, 16 slots per layer, eplb)" \
-  --steps 8 --resume "$work/c" --ranks 8 --nodes 2 --balance eplb
+expect "8 ranks on 2 nodes, EP 4, with eplb reshards" 0 "onto 8 ranks on 2 nodes (EP 4, 12 slots per layer, eplb)" \
+  --steps 8 --resume "$work/c" --ranks 8 --nodes 2 --ep 4 --balance eplb
 expect "resume of nothing" 2 "no checkpoint at $work/none" --steps 8 --resume "$work/none"
 
 # ---- kill -9 during a save, then resume: the losses of an uninterrupted run

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A checkpoint written by 4 in-process ranks with EPLB resumes under mpirun on
+# A checkpoint written by 4 in-process ranks with EP 2 and EPLB resumes under mpirun on
 # 2 processes (and one written there resumes in-process on 1 rank): each
 # resumed run says it reshards and continues the loss curve of the 4-rank run
 # that never stopped, within a relative 5e-7 per step (fp32 sums in another
@@ -14,9 +14,9 @@ args=(train --batch-tokens 64 --hidden 32 --ffn-hidden 32 --experts 8 --balance 
 mpi=(timeout 300 "$mpiexec" --oversubscribe --bind-to none -n 2 "$epx")
 losses() { grep -o '"loss":[^,]*' "$1" | cut -d: -f2; }
 
-# The reference: 4 in-process ranks, checkpoints after steps 5 and 10.
+# The reference: 4 in-process ranks in 2 EP groups, checkpoints after steps 5 and 10.
 # (All 10 steps lie in the default 20-step warm-up, so --steps changes no learning rate.)
-"$epx" "${args[@]}" --steps 10 --ranks 4 --save-every 5 --save "$work/ck" --metrics "$work/ref.jsonl" > /dev/null
+"$epx" "${args[@]}" --steps 10 --ranks 4 --ep 2 --save-every 5 --save "$work/ck" --metrics "$work/ref.jsonl" > /dev/null
 # 2 MPI processes resume step 5 and save step 7; 1 in-process rank resumes that.
 "${mpi[@]}" "${args[@]}" --steps 7 --ranks 2 --backend mpi --resume "$work/ck/step-000005" --save "$work/ck2" \
   --metrics "$work/mpi.jsonl" > "$work/mpi.out" 2>&1
@@ -38,7 +38,7 @@ check() {  # NAME OUT METRICS FIRST_STEP
     echo "ok   $1: $(wc -l < "$3") steps, largest relative loss difference $worst"
   fi
 }
-check "2 MPI processes from 4 in-process ranks (steps 5-6)" "$work/mpi.out" "$work/mpi.jsonl" 5
+check "2 MPI processes from 4 in-process ranks (EP 2) (steps 5-6)" "$work/mpi.out" "$work/mpi.jsonl" 5
 check "1 in-process rank from 2 MPI processes (steps 7-9)" "$work/one.out" "$work/one.jsonl" 7
 [[ $status -eq 0 ]] && echo "resharded runs continue the loss curve"
 exit $status

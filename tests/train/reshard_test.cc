@@ -1,7 +1,8 @@
 // Checkpoints in logical order reshard, and EPLB replicas learn as one
 // logical expert:
-//   - a checkpoint saved at 4 ranks with EPLB resumes at 2 ranks, 8 ranks on
-//     2 emulated nodes, 1 rank and another slot count, each continuing the
+//   - a checkpoint saved at 4 ranks with EP 2 and EPLB resumes at 2 ranks
+//     (EP 2), 8 ranks on 2 emulated nodes (EP 4), 1 rank, 4 ranks with EP 4
+//     and 16 slots, and 4 ranks with EP 2 and 8 slots, each continuing the
 //     loss curve of the run that never stopped;
 //   - eplb may be switched on or off across a resume;
 //   - a run that re-places its experts every 2 steps gives the losses of the
@@ -37,9 +38,10 @@ namespace {
 
 constexpr double kLayoutTolerance = 5e-7;
 
-TrainConfig skewed(int num_ranks, int64_t steps, int num_nodes = 1) {
+TrainConfig skewed(int num_ranks, int64_t steps, int num_nodes = 1, int ep = 0) {
   TrainConfig c = testing::tiny_config({.num_ranks = num_ranks, .steps = steps});
   c.num_nodes = num_nodes;
+  c.ep = ep;
   c.synthetic.zipf_s = 1.2;
   c.balancing = {.expert_bias = true, .bias_rate = 1e-2f};
   return c;
@@ -98,17 +100,18 @@ std::string save_at(const TrainConfig& first_config, int64_t stop, int64_t total
 TEST(Reshard, EveryLayoutContinuesTheLossCurveOfTheRunThatNeverStopped) {
   constexpr int64_t kSteps = 10, kStop = 5;
   testing::TempDir dir;
-  const TrainConfig straight = with_eplb(skewed(4, kSteps), 2);
+  const TrainConfig straight = with_eplb(skewed(4, kSteps, 1, /*ep=*/2), 2);
   const Trained whole = run(straight);
   ASSERT_EQ(whole.loss.size(), static_cast<std::size_t>(kSteps));
   const std::string saved = save_at(straight, kStop, kSteps, dir, "ck");
   struct Layout {
-    int ranks, nodes, slots;
+    int ranks, nodes, ep, slots;
   };
-  for (const Layout l : {Layout{2, 1, 0}, Layout{8, 2, 0}, Layout{1, 1, 0}, Layout{4, 1, 16}}) {
-    TrainConfig next = with_eplb(skewed(l.ranks, kSteps, l.nodes), 2, l.slots);
+  for (const Layout l : {Layout{2, 1, 2, 0}, Layout{8, 2, 4, 0}, Layout{1, 1, 1, 0}, Layout{4, 1, 4, 16},
+                         Layout{4, 1, 2, 8}}) {
+    TrainConfig next = with_eplb(skewed(l.ranks, kSteps, l.nodes, l.ep), 2, l.slots);
     next.resume_dir = saved;
-    const std::string where = fmt::format("{} ranks on {} nodes, {} slots", l.ranks, l.nodes, l.slots);
+    const std::string where = fmt::format("{} ranks on {} nodes, EP {}, {} slots", l.ranks, l.nodes, l.ep, l.slots);
     auto note = resume_note(next);
     ASSERT_TRUE(note.is_ok()) << note.status().to_string();
     EXPECT_NE(note->find("resharding checkpoint"), std::string::npos) << where << ": " << *note;
