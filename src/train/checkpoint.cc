@@ -716,6 +716,11 @@ std::span<float> block(std::vector<float>& v, int local, std::size_t n) {
   return std::span<float>(v).subspan(static_cast<std::size_t>(local) * n, n);
 }
 
+std::vector<float> copy_block(std::vector<float>& v, int local, std::size_t n) {
+  const std::span<float> b = block(v, local, n);
+  return {b.begin(), b.end()};
+}
+
 // dense.bin's content: every dense parameter once, the biases, the AdamW steps.
 PartState collect_dense(std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers) {
   PartState state;
@@ -758,11 +763,8 @@ PartState collect_experts(AdamW& adam, std::span<MoELayer* const> layers, int ep
       for (Parameter* p : expert_params(layer)) {
         const std::size_t n = p->value.size() / static_cast<std::size_t>(layer.num_local_experts());
         AdamW::Moments& m = moments_of(adam, *p);
-        const auto copy = [&](std::vector<float>& v) {
-          const std::span<float> b = block(v, local, n);
-          return std::vector<float>(b.begin(), b.end());
-        };
-        state.params.push_back({expert_entry_name(p->name, e), copy(p->value), copy(m.m), copy(m.v)});
+        state.params.push_back({expert_entry_name(p->name, e), copy_block(p->value, local, n),
+                                copy_block(m.m, local, n), copy_block(m.v, local, n)});
       }
   }
   return state;
