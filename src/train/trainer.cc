@@ -421,7 +421,7 @@ struct RankGroups {
   Transport* world = nullptr;
   Transport* ep = nullptr;
   Transport* edp = nullptr;
-  std::unique_ptr<Transport> own_ep{}, own_edp{};  // the groups split from the world
+  ParallelGroups split{};  // the groups split from the world, when there are several EP groups
 };
 
 // Splits the world into EP and EDP groups (collective). One EP group of all
@@ -429,11 +429,9 @@ struct RankGroups {
 Result<RankGroups> make_groups(Transport& world, const ParallelLayout& layout, const Deadline& deadline) {
   RankGroups g{.world = &world, .ep = &world};
   if (layout.ep() == layout.num_ranks()) return g;
-  const int r = world.rank();
-  EPX_ASSIGN_OR_RETURN(g.own_ep, world.split(layout.ep_group(r), layout.ep_rank(r), deadline));
-  EPX_ASSIGN_OR_RETURN(g.own_edp, world.split(layout.edp_group(r), layout.edp_rank(r), deadline));
-  g.ep = g.own_ep.get();
-  g.edp = g.own_edp.get();
+  EPX_ASSIGN_OR_RETURN(g.split, split_parallel(world, layout, deadline));
+  g.ep = g.split.ep.get();
+  g.edp = g.split.edp.get();
   return g;
 }
 
@@ -541,7 +539,7 @@ Status open_rank(Rank& r, Transport& world) {
 // What one step measured, for its report.
 struct StepNumbers {
   Stopwatch watch;  // the whole step
-  double loss = 0, grad_norm = 0, lr = 0;
+  double loss = 0, aux = 0, grad_norm = 0, lr = 0;  // aux: this rank's share of the layers' aux losses
   double wait = 0, sync = 0;  // seconds
   std::vector<LoadStats> stats;
   std::optional<EplbReport> eplb;
@@ -558,6 +556,8 @@ Status forward_backward(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
     r.where.phase = "forward/backward";
     EPX_ASSIGN_OR_RETURN(n->loss, r.model->forward_backward(r.batch, config.batch_tokens));
   }
+  // Now: a re-placement later in the step rebuilds the layers, and their losses.
+  for (MoELayer* layer : r.parts.layers) n->aux += layer->aux_loss();
   Stopwatch wait_watch;
   {
     ScopedSpan span(tracer, r.rank(), "wait");
@@ -635,9 +635,7 @@ void record_report(Rank& r, StepReport report) {
 // 0 builds the StepReport. Collective.
 Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   const int R = r.groups.world->num_ranks();
-  double aux = 0;
-  for (MoELayer* layer : r.parts.layers) aux += layer->aux_loss();
-  double losses[2] = {n.loss, n.loss - aux};
+  double losses[2] = {n.loss, n.loss - n.aux};
   r.where.phase = "step report (all_reduce, all_gather)";
   EPX_RETURN_IF_ERROR(r.groups.world->all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, r.deadline()));
   const StepTimes& st = r.model->times();

@@ -153,7 +153,8 @@ class MoELayer {
   // pairs per LOGICAL expert, tokens_per_rank and work_per_rank follow the
   // physical slots (so replicas spread a hot expert's work over ranks) and
   // have one entry per rank of the EP group: with several EP groups, entry r
-  // sums EP rank r of every group (the ranks that hold the same experts).
+  // sums EP rank r of every group (the ranks that hold the same experts), and
+  // worst_rank is such an EP rank.
   [[nodiscard]] const LoadStats& load_stats() const;
   [[nodiscard]] const LayerTimes& times() const;
   // Records spans "router", "dispatch", "experts", "combine" (forward) and

@@ -142,7 +142,7 @@ struct EplbReport {
   // Per layer: max / mean rank load of the window's per-expert loads under
   // the old and the new placement (1 = perfectly even).
   std::vector<double> balance_before, balance_after;
-  int num_moved_slots = 0;  // all layers
+  int num_moved_slots = 0;  // all layers, all EP groups (each moves the same slots inside itself)
   // Bytes a real system would send between ranks, over every EP group: one
   // expert (w1, w3, w2 and their two AdamW moments, f32) per slot whose new
   // expert was not on its rank before (a replica already there is a local
@@ -178,7 +178,8 @@ struct TrainSummary {
   int64_t eplb_moved_bytes = 0;  // over the run
   // Every rank's parameters after the last step, dense ones once, expert ones
   // by "name#global_expert" (the physical slot with eplb; layer_slots says
-  // which logical expert it holds) for comparisons; filled when keep_parameters.
+  // which logical expert it holds; with several EP groups, EP group 0's) for
+  // comparisons; filled when keep_parameters.
   std::map<std::string, std::vector<float>> parameters;
   std::vector<std::vector<int32_t>> layer_slots;  // eplb: the final slot -> expert map per layer
 };
