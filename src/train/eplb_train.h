@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "epx/balance/placement.h"
-#include "epx/comm/parallel_layout.h"
 #include "epx/train/trainer.h"
 #include "train/checkpoint.h"
 
