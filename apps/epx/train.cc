@@ -621,6 +621,8 @@ int run_train(const TrainOptions& options) {
   if (!o.quiet) print_run_line(o, *config, transport != nullptr);
   if (root && !o.save_dir.empty() && (!o.quiet || save_plan->tight))
     fmt::print(stderr, "epx train: {}\n", save_plan->describe());
+  if (auto note = resume_note(*config); root && note.is_ok() && !note->empty())  // another layout: one line, even with -q
+    fmt::print(stderr, "epx train: {}\n", *note);
   ProgressBar progress(config->steps, "train");
   Stopwatch wall;
   // A metrics line that cannot be written stops the run at that step.

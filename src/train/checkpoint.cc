@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <thread>
 
 #include <fmt/format.h>
@@ -32,11 +33,13 @@ constexpr char kMagic[8] = {'E', 'P', 'X', '-', 'C', 'K', 'P', 'T'};
 constexpr std::size_t kHeaderBytes = 72;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint64_t kMaxMetaBytes = uint64_t{64} << 20;
-constexpr uint64_t kMaxRankFileBytes = uint64_t{1} << 40;
+constexpr uint64_t kMaxPartFileBytes = uint64_t{1} << 40;
+// Appended to the message for a checkpoint of an older format.
+constexpr const char* kOlderFormat =
+    " (format 3 stores experts in logical order; an older checkpoint resumes only with the epx that wrote it)";
 
 uint64_t xxh3(std::span<const uint8_t> bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
 std::string hex(uint64_t v) { return fmt::format("{:016x}", v); }
-std::string rank_file_name(int rank) { return fmt::format("rank-{}.bin", rank); }
 std::string errno_text() { return std::strerror(errno); }
 
 // Appends little-endian values to a byte vector.
@@ -187,14 +190,16 @@ int64_t parse_step_folder(const std::string& name) {
 
 uint64_t model_hash(std::string_view fingerprint) { return xxh3(as_bytes(fingerprint)); }
 std::string step_folder_name(int64_t step) { return fmt::format("step-{:06}", step); }
+std::string expert_file_name(int ep_rank) { return fmt::format("experts-{}.bin", ep_rank); }
+std::string expert_entry_name(const std::string& param, int expert) { return fmt::format("{}#{}", param, expert); }
 
-// ---- rank file format ------------------------------------------------------
+// ---- file format ------------------------------------------------------
 
-std::vector<uint8_t> serialize_rank_file(const RankFileHeader& header, const RankState& state) {
+std::vector<uint8_t> serialize_part_file(const PartFileHeader& header, const PartState& state) {
   ByteWriter payload;
   payload.pod(state.adam_steps);
   payload.pod(static_cast<uint32_t>(state.params.size()));
-  for (const RankState::Param& p : state.params) {
+  for (const PartState::Param& p : state.params) {
     payload.text(p.name);
     payload.floats(p.value);
     payload.floats(p.m);
@@ -207,7 +212,7 @@ std::vector<uint8_t> serialize_rank_file(const RankFileHeader& header, const Ran
   out.pod(kMagic);
   out.pod(kCheckpointFormatVersion);
   out.pod(static_cast<uint32_t>(kHeaderBytes));
-  out.pod(header.rank);
+  out.pod(header.part);
   out.pod(header.num_ranks);
   out.pod(header.num_nodes);
   out.pod(uint32_t{0});
@@ -222,7 +227,7 @@ std::vector<uint8_t> serialize_rank_file(const RankFileHeader& header, const Ran
 
 namespace {
 
-Status parse_header(ByteReader& r, std::span<const uint8_t> bytes, const std::string& name, RankFileHeader* h) {
+Status parse_header(ByteReader& r, std::span<const uint8_t> bytes, const std::string& name, PartFileHeader* h) {
   char magic[8];
   uint32_t version = 0, header_bytes = 0, reserved = 0;
   uint64_t header_xxh3 = 0;
@@ -234,14 +239,15 @@ Status parse_header(ByteReader& r, std::span<const uint8_t> bytes, const std::st
   }
   EPX_RETURN_IF_ERROR(r.pod(&version, "the format version"));
   if (version != kCheckpointFormatVersion)
-    return invalid_argument("{} is of checkpoint format {}; this epx reads format {}", name, version, kCheckpointFormatVersion);
+    return invalid_argument("{} is of checkpoint format {}; this epx reads format {}{}", name, version,
+                            kCheckpointFormatVersion, version < kCheckpointFormatVersion ? kOlderFormat : "");
   EPX_RETURN_IF_ERROR(r.pod(&header_bytes, "the header size"));
   if (header_bytes != kHeaderBytes) return invalid_argument("{}: header of {} bytes, want {}", name, header_bytes, kHeaderBytes);
-  EPX_RETURN_IF_ERROR(r.pod(&h->rank, "the rank"));
+  EPX_RETURN_IF_ERROR(r.pod(&h->part, "the part index"));
   EPX_RETURN_IF_ERROR(r.pod(&h->num_ranks, "the rank count"));
   EPX_RETURN_IF_ERROR(r.pod(&h->num_nodes, "the node count"));
   EPX_RETURN_IF_ERROR(r.pod(&reserved, "the header"));
-  if (reserved != 0)  // zero in format 2; any other value is another format or damage
+  if (reserved != 0)  // zero in formats 2 and 3; any other value is another format or damage
     return invalid_argument("{}: the header's reserved word is {}, not 0: not a file of format {}", name, reserved,
                             kCheckpointFormatVersion);
   EPX_RETURN_IF_ERROR(r.pod(&h->step, "the step"));
@@ -263,7 +269,7 @@ Status parse_header(ByteReader& r, std::span<const uint8_t> bytes, const std::st
   return Status::ok();
 }
 
-Status parse_payload(ByteReader& r, const std::string& name, RankState* state) {
+Status parse_payload(ByteReader& r, const std::string& name, PartState* state) {
   uint32_t num_params = 0, num_layers = 0;
   EPX_RETURN_IF_ERROR(r.pod(&state->adam_steps, "the AdamW step count"));
   EPX_RETURN_IF_ERROR(r.pod(&num_params, "the parameter count"));
@@ -272,7 +278,7 @@ Status parse_payload(ByteReader& r, const std::string& name, RankState* state) {
     return invalid_argument("{}: {} parameters cannot fit in the {} bytes left", name, num_params, r.left());
   state->params.assign(num_params, {});
   for (uint32_t i = 0; i < num_params; ++i) {
-    RankState::Param& p = state->params[i];
+    PartState::Param& p = state->params[i];
     EPX_RETURN_IF_ERROR(r.text(&p.name, fmt::format("parameter {}'s name", i)));
     EPX_RETURN_IF_ERROR(r.floats(&p.value, p.name));
     EPX_RETURN_IF_ERROR(r.floats(&p.m, p.name + " (first moment)"));
@@ -290,8 +296,8 @@ Status parse_payload(ByteReader& r, const std::string& name, RankState* state) {
 
 }  // namespace
 
-Status parse_rank_file(std::span<const uint8_t> bytes, const std::string& name, RankFileHeader* header,
-                       RankState* state) {
+Status parse_part_file(std::span<const uint8_t> bytes, const std::string& name, PartFileHeader* header,
+                       PartState* state) {
   ByteReader r(bytes, name);
   EPX_RETURN_IF_ERROR(parse_header(r, bytes, name, header));
   return parse_payload(r, name, state);
@@ -301,9 +307,14 @@ Status parse_rank_file(std::span<const uint8_t> bytes, const std::string& name, 
 
 std::string format_checkpoint_meta(const CheckpointMeta& meta) {
   nlohmann::json files = nlohmann::json::array();
-  for (const CheckpointFile& f : meta.files) files.push_back({{"name", f.name}, {"bytes", f.bytes}, {"xxh3", hex(f.xxh3)}});
+  for (const CheckpointFile& f : meta.files) {
+    nlohmann::json file = {{"name", f.name}, {"bytes", f.bytes}, {"xxh3", hex(f.xxh3)}};
+    if (!f.experts.empty()) file["experts"] = f.experts;
+    files.push_back(std::move(file));
+  }
   nlohmann::json j = {{"format", "epx-checkpoint"}, {"version", kCheckpointFormatVersion}, {"step", meta.step},
-                      {"num_ranks", meta.num_ranks}, {"num_nodes", meta.num_nodes}, {"model", meta.fingerprint},
+                      {"num_ranks", meta.num_ranks}, {"num_nodes", meta.num_nodes}, {"ep", meta.ep},
+                      {"num_slots", meta.num_slots}, {"model", meta.fingerprint},
                       {"model_xxh3", hex(model_hash(meta.fingerprint))}, {"files", files}};
   if (!meta.layer_slots.empty()) {
     j["layer_slots"] = meta.layer_slots;
@@ -365,8 +376,11 @@ Status parse_meta_files(const Json& j, const std::string& name, CheckpointMeta* 
   for (const Json& f : j["files"]) {
     CheckpointFile file;
     if (!f.is_object() || !f.contains("name") || !f["name"].is_string() ||
-        !get_int(f, "bytes", 0, static_cast<int64_t>(kMaxRankFileBytes), &file.bytes) || !get_hex(f, "xxh3", &file.xxh3))
+        !get_int(f, "bytes", 0, static_cast<int64_t>(kMaxPartFileBytes), &file.bytes) || !get_hex(f, "xxh3", &file.xxh3))
       return invalid_argument("{}: files[{}] must hold a name, bytes and an xxh3 of 16 lowercase hex digits", name,
+                              meta->files.size());
+    if (f.contains("experts") && !get_int_lists(f, "experts", 0, 1 << 20, &file.experts))
+      return invalid_argument("{}: files[{}].experts must be lists of expert ids, one per layer", name,
                               meta->files.size());
     file.name = f["name"].get<std::string>();
     meta->files.push_back(std::move(file));
@@ -391,8 +405,9 @@ Status parse_checkpoint_meta(std::string_view text, const std::string& name, Che
     return invalid_argument("{} is not an epx checkpoint meta file (format epx-checkpoint with a meta_xxh3)", name);
   uint32_t version = 0;
   if (!get_int(j, "version", 0, 1000, &version) || version != kCheckpointFormatVersion)
-    return invalid_argument("{}: checkpoint format version {}; this epx reads {}", name,
-                            j.contains("version") ? j["version"].dump() : "(none)", kCheckpointFormatVersion);
+    return invalid_argument("{}: checkpoint format version {}; this epx reads {}{}", name,
+                            j.contains("version") ? j["version"].dump() : "(none)", kCheckpointFormatVersion,
+                            version > 0 && version < kCheckpointFormatVersion ? kOlderFormat : "");
   j.erase("meta_xxh3");
   const uint64_t actual = xxh3(as_bytes(j.dump()));
   if (actual != stored)
@@ -401,8 +416,9 @@ Status parse_checkpoint_meta(std::string_view text, const std::string& name, Che
   *meta = {};
   if (!get_int(j, "step", 0, int64_t{1} << 62, &meta->step) ||
       !get_int(j, "num_ranks", 1, 1 << 20, &meta->num_ranks) || !get_int(j, "num_nodes", 1, 1 << 20, &meta->num_nodes) ||
+      !get_int(j, "ep", 1, 1 << 20, &meta->ep) || !get_int(j, "num_slots", 1, 1 << 20, &meta->num_slots) ||
       !j.contains("model") || !j["model"].is_string())
-    return invalid_argument("{}: step, num_ranks, num_nodes and model must be set", name);
+    return invalid_argument("{}: step, num_ranks, num_nodes, ep, num_slots and model must be set", name);
   meta->fingerprint = j["model"].get<std::string>();
   uint64_t mh = 0;
   if (!get_hex(j, "model_xxh3", &mh) || mh != model_hash(meta->fingerprint))
@@ -498,42 +514,87 @@ std::string model_difference(const std::string& saved, const std::string& mine) 
   return fmt::format("'{}' in the checkpoint, '{}' in this run", saved, mine);
 }
 
-Status check_layout(const std::string& where, const CheckpointMeta& saved, const CheckpointMeta& expected) {
-  if (saved.num_ranks != expected.num_ranks || saved.num_nodes != expected.num_nodes)
-    return invalid_argument("checkpoint {} was written by {} ranks on {} nodes; this run has {} ranks on {} nodes "
-                            "(resuming on another layout needs resharding, which epx does not do yet)",
-                            where, saved.num_ranks, saved.num_nodes, expected.num_ranks, expected.num_nodes);
+// Each file's expert lists: one list per layer in every file, ids in
+// [0, experts), no (layer, expert) in two files, every layer's lists together
+// [0, experts) for the same experts count.
+Status check_expert_lists(const std::string& where, const CheckpointMeta& saved) {
+  std::size_t num_layers = saved.files.size() > 1 ? saved.files[1].experts.size() : 0;
+  std::vector<std::vector<int>> seen(num_layers);  // per layer, per expert: the file listing it, -1 none
+  for (std::size_t i = 1; i < saved.files.size(); ++i) {
+    const CheckpointFile& f = saved.files[i];
+    if (f.experts.size() != num_layers)
+      return invalid_argument("{}/meta.json: {} lists experts of {} layers, {} of {}", where, f.name, f.experts.size(),
+                              saved.files[1].name, num_layers);
+    for (std::size_t l = 0; l < num_layers; ++l)
+      for (std::size_t k = 0; k < f.experts[l].size(); ++k) {
+        const int32_t e = f.experts[l][k];
+        if (e >= saved.num_slots)
+          return invalid_argument("{}/meta.json: {} lists expert {} of layer {}, beyond num_slots = {}", where, f.name,
+                                  e, l, saved.num_slots);
+        if (static_cast<std::size_t>(e) >= seen[l].size()) seen[l].resize(static_cast<std::size_t>(e) + 1, -1);
+        if (seen[l][e] >= 0)
+          return invalid_argument("{}/meta.json lists layer {}'s expert {} in both {} and {}", where, l, e,
+                                  saved.files[seen[l][e]].name, f.name);
+        if (k > 0 && e < f.experts[l][k - 1])
+          return invalid_argument("{}/meta.json: {}'s experts of layer {} are not in ascending order", where, f.name, l);
+        seen[l][e] = static_cast<int>(i);
+      }
+  }
+  for (std::size_t l = 0; l < num_layers; ++l) {
+    if (seen[l].size() != seen[0].size())
+      return invalid_argument("{}/meta.json lists {} experts for layer {}, {} for layer 0", where, seen[l].size(), l,
+                              seen[0].size());
+    const auto hole = std::find(seen[l].begin(), seen[l].end(), -1);
+    if (hole != seen[l].end())
+      return invalid_argument("{}/meta.json lists no file for layer {}'s expert {}", where, l, hole - seen[l].begin());
+  }
+  return Status::ok();
+}
+
+// meta.json of `where` against this run: the same model; the files it must
+// list (dense.bin, experts-0.bin .. experts-(ep-1).bin) and their experts.
+Status check_meta(const std::string& where, const CheckpointMeta& saved, const CheckpointMeta& expected) {
   if (saved.fingerprint != expected.fingerprint)
     return invalid_argument("checkpoint {} is of another model: {}", where,
                             model_difference(saved.fingerprint, expected.fingerprint));
-  if (saved.files.size() != static_cast<std::size_t>(saved.num_ranks))
-    return invalid_argument("{}/meta.json lists {} files for {} ranks", where, saved.files.size(), saved.num_ranks);
-  for (int r = 0; r < saved.num_ranks; ++r)
-    if (saved.files[r].name != rank_file_name(r))
-      return invalid_argument("{}/meta.json lists '{}' as rank {}'s file, want {}", where, saved.files[r].name, r,
-                              rank_file_name(r));
+  if (saved.num_ranks % saved.ep != 0 || saved.num_ranks % saved.num_nodes != 0)
+    return invalid_argument("{}/meta.json: ep = {} and nodes = {} must divide ranks = {}", where, saved.ep,
+                            saved.num_nodes, saved.num_ranks);
+  if (saved.files.size() != static_cast<std::size_t>(saved.ep) + 1)
+    return invalid_argument("{}/meta.json lists {} files; ep = {} needs {} (dense.bin and one expert file per EP rank)",
+                            where, saved.files.size(), saved.ep, saved.ep + 1);
+  for (std::size_t i = 0; i < saved.files.size(); ++i) {
+    const std::string want = i == 0 ? kDenseFileName : expert_file_name(static_cast<int>(i) - 1);
+    if (saved.files[i].name != want)
+      return invalid_argument("{}/meta.json lists '{}' as file {}, want {}", where, saved.files[i].name, i, want);
+    if (i == 0 && !saved.files[0].experts.empty())
+      return invalid_argument("{}/meta.json lists experts in {}", where, kDenseFileName);
+  }
+  EPX_RETURN_IF_ERROR(check_expert_lists(where, saved));
   const int64_t named = parse_step_folder(fs::path(where).lexically_normal().filename().string());
   if (named >= 0 && named != saved.step)
     return invalid_argument("{}/meta.json says step {}, its folder's name step {}", where, saved.step, named);
   return Status::ok();
 }
 
-// Reads rank `rank`'s file and checks it against meta.json; fills `state`.
-Status read_rank_file(const std::string& where, const CheckpointMeta& meta, int rank, RankState* state) {
-  const CheckpointFile& listed = meta.files[rank];
+// Reads file `part` of meta.json's list and checks it against meta.json; fills `state`.
+Status read_part_file(const std::string& where, const CheckpointMeta& meta, int part, PartState* state) {
+  const CheckpointFile& listed = meta.files[part];
   const fs::path path = fs::path(where) / listed.name;
   const std::string name = path.string();
   std::error_code ec;
   const auto size = fs::file_size(path, ec);
-  if (ec) return not_found("checkpoint {} has no {} (meta.json lists {} rank files)", where, listed.name, meta.num_ranks);
+  if (ec) return not_found("checkpoint {} has no {} (meta.json lists {} files)", where, listed.name, meta.files.size());
   if (size != listed.bytes)
     return invalid_argument("{} is {} bytes; meta.json lists {} (bytes appended or cut)", name, size, listed.bytes);
   std::vector<uint8_t> bytes;
   EPX_RETURN_IF_ERROR(read_file(path, listed.bytes, &bytes));
-  RankFileHeader h;
-  EPX_RETURN_IF_ERROR(parse_rank_file(bytes, name, &h, state));
-  if (h.rank != rank)
-    return invalid_argument("{} holds rank {}'s part, not rank {}'s (files swapped or renamed)", name, h.rank, rank);
+  PartFileHeader h;
+  EPX_RETURN_IF_ERROR(parse_part_file(bytes, name, &h, state));
+  if (h.part != part) {
+    const std::string holds = h.part == 0 ? kDenseFileName : expert_file_name(h.part - 1);
+    return invalid_argument("{} holds the part of {}, not of {} (files swapped or renamed)", name, holds, listed.name);
+  }
   if (h.num_ranks != meta.num_ranks || h.num_nodes != meta.num_nodes)
     return invalid_argument("{} was written by {} ranks on {} nodes; meta.json says {} on {}", name, h.num_ranks,
                             h.num_nodes, meta.num_ranks, meta.num_nodes);
@@ -560,7 +621,7 @@ Status read_meta_at(const std::string& where, CheckpointMeta* expected) {
   CheckpointMeta saved;
   EPX_RETURN_IF_ERROR(parse_checkpoint_meta(
       std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), meta_path.string(), &saved));
-  EPX_RETURN_IF_ERROR(check_layout(where, saved, *expected));
+  EPX_RETURN_IF_ERROR(check_meta(where, saved, *expected));
   *expected = std::move(saved);
   return Status::ok();
 }
@@ -575,9 +636,9 @@ Status read_checkpoint_meta(const std::string& path, CheckpointMeta* expected) {
 Status verify_checkpoint(const std::string& path, CheckpointMeta* expected) {
   EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
   EPX_RETURN_IF_ERROR(read_meta_at(where, expected));
-  for (int r = 0; r < expected->num_ranks; ++r) {
-    RankState state;
-    EPX_RETURN_IF_ERROR(read_rank_file(where, *expected, r, &state));
+  for (std::size_t i = 0; i < expected->files.size(); ++i) {
+    PartState state;
+    EPX_RETURN_IF_ERROR(read_part_file(where, *expected, static_cast<int>(i), &state));
   }
   return Status::ok();
 }
@@ -635,16 +696,92 @@ Status prepare_save(const fs::path& dir, const fs::path& tmp) {
   return Status::ok();
 }
 
-RankState collect_state(std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers) {
-  RankState state;
+// `p`'s AdamW moments, sized to its values (zeros before its first step).
+AdamW::Moments& moments_of(AdamW& adam, const Parameter& p) {
+  AdamW::Moments& m = adam.moments()[p.name];
+  m.m.resize(p.value.size(), 0.0f);
+  m.v.resize(p.value.size(), 0.0f);
+  return m;
+}
+
+std::vector<Parameter*> expert_params(MoELayer& layer) {
+  std::vector<Parameter*> out;
+  for (Parameter* p : layer.parameters())
+    if (p->kind == ParamKind::kExpert) out.push_back(p);
+  return out;
+}
+
+// Values [local * n, (local + 1) * n) of v.
+std::span<float> block(std::vector<float>& v, int local, std::size_t n) {
+  return std::span<float>(v).subspan(static_cast<std::size_t>(local) * n, n);
+}
+
+std::vector<float> copy_block(std::vector<float>& v, int local, std::size_t n) {
+  const std::span<float> b = block(v, local, n);
+  return {b.begin(), b.end()};
+}
+
+// dense.bin's content: every dense parameter once, the biases, the AdamW steps.
+PartState collect_dense(std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers) {
+  PartState state;
   state.adam_steps = adam.num_steps();
   for (const Parameter* p : params) {
-    const AdamW::Moments& m = adam.moments()[p->name];
-    const std::vector<float> zeros(m.m.empty() || m.v.empty() ? p->value.size() : 0, 0.0f);
-    state.params.push_back({p->name, p->value, m.m.empty() ? zeros : m.m, m.v.empty() ? zeros : m.v});
+    if (p->kind != ParamKind::kDense) continue;
+    const AdamW::Moments& m = moments_of(adam, *p);
+    state.params.push_back({p->name, p->value, m.m, m.v});
   }
   for (MoELayer* layer : layers) state.biases.push_back(layer->bias().values());
   return state;
+}
+
+// Per layer: logical expert -> its first replica's slot (the lowest).
+std::vector<std::vector<int>> first_slots(std::span<MoELayer* const> layers) {
+  std::vector<std::vector<int>> out;
+  for (MoELayer* layer : layers) {
+    std::vector<int>& first = out.emplace_back(static_cast<std::size_t>(layer->config().router.num_experts), -1);
+    const std::vector<int32_t>& slots = layer->slot_expert();
+    for (int s = static_cast<int>(slots.size()) - 1; s >= 0; --s)
+      if (slots[s] >= 0) first[slots[s]] = s;
+  }
+  return out;
+}
+
+// experts-N.bin's content for EP rank `ep_rank`: the logical experts whose
+// first replica it holds, by layer and expert id, with their moments.
+PartState collect_experts(AdamW& adam, std::span<MoELayer* const> layers, int ep_rank) {
+  PartState state;
+  state.adam_steps = adam.num_steps();
+  const std::vector<std::vector<int>> first = first_slots(layers);
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    MoELayer& layer = *layers[l];
+    std::map<int, int> mine;  // logical expert -> local slot, ascending
+    for (int local = 0; local < layer.num_local_experts(); ++local) {
+      const int e = layer.local_logical_expert(local);
+      if (e >= 0 && layer.buffer().placement().global_id(ep_rank, local) == first[l][e]) mine[e] = local;
+    }
+    for (const auto& [e, local] : mine)
+      for (Parameter* p : expert_params(layer)) {
+        const std::size_t n = p->value.size() / static_cast<std::size_t>(layer.num_local_experts());
+        AdamW::Moments& m = moments_of(adam, *p);
+        state.params.push_back({expert_entry_name(p->name, e), copy_block(p->value, local, n),
+                                copy_block(m.m, local, n), copy_block(m.v, local, n)});
+      }
+  }
+  return state;
+}
+
+// Rank 0: meta.json's file list. `sizes` holds (dense bytes, xxh3, expert
+// file bytes, xxh3) of every rank; experts-N.bin came from rank N (EP group 0).
+std::vector<CheckpointFile> list_files(std::span<const uint64_t> sizes, int ep, std::span<MoELayer* const> layers) {
+  std::vector<CheckpointFile> files = {{kDenseFileName, sizes[0], sizes[1], {}}};
+  for (int r = 0; r < ep; ++r)
+    files.push_back({expert_file_name(r), sizes[4 * r + 2], sizes[4 * r + 3],
+                     std::vector<std::vector<int32_t>>(layers.size())});
+  const std::vector<std::vector<int>> first = first_slots(layers);
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    for (std::size_t e = 0; e < first[l].size(); ++e)
+      files[1 + layers[l]->buffer().placement().rank_of(first[l][e])].experts[l].push_back(static_cast<int32_t>(e));
+  return files;
 }
 
 // Rank 0, after every file is in `tmp`: meta.json, the rename, `latest`.
@@ -694,11 +831,22 @@ Status prune(const fs::path& dir, int64_t current, int keep) {
   return Status::ok();
 }
 
+// Serialises `state` as file `part` and writes it into `tmp`; (bytes, xxh3).
+Status write_part(const fs::path& tmp, const std::string& name, int part, const CheckpointMeta& meta,
+                  const PartState& state, uint64_t* out) {
+  const PartFileHeader header{.part = part, .num_ranks = meta.num_ranks, .num_nodes = meta.num_nodes,
+                              .step = meta.step, .model_hash = model_hash(meta.fingerprint)};
+  const std::vector<uint8_t> bytes = serialize_part_file(header, state);
+  out[0] = bytes.size();
+  out[1] = xxh3(bytes);
+  return write_file_durably(tmp / name, bytes);
+}
+
 }  // namespace
 
 Status save_checkpoint(const std::string& dir_name, int keep, const CheckpointMeta& meta_in, Transport& transport,
-                       std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers,
-                       const Deadline& deadline) {
+                       const ParallelLayout& layout, std::span<Parameter* const> params, AdamW& adam,
+                       std::span<MoELayer* const> layers, const Deadline& deadline) {
   const fs::path dir(dir_name);
   const fs::path tmp = dir / ("." + step_folder_name(meta_in.step) + ".tmp");
   const int rank = transport.rank(), R = transport.num_ranks();
@@ -713,20 +861,21 @@ Status save_checkpoint(const std::string& dir_name, int keep, const CheckpointMe
   Status s = rank == 0 ? prepare_save(dir, tmp) : Status::ok();
   if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
 
-  const RankFileHeader header{.rank = rank, .num_ranks = meta_in.num_ranks, .num_nodes = meta_in.num_nodes,
-                              .step = meta_in.step, .model_hash = model_hash(meta_in.fingerprint)};
-  const std::vector<uint8_t> bytes = serialize_rank_file(header, collect_state(params, adam, layers));
-  s = write_file_durably(tmp / rank_file_name(rank), bytes);
+  // Rank 0 writes dense.bin; each rank of EP group 0 its expert file.
+  uint64_t mine[4] = {0, 0, 0, 0};
+  if (rank == 0) s = write_part(tmp, kDenseFileName, 0, meta_in, collect_dense(params, adam, layers), mine);
+  const int ep_rank = layout.ep_rank(rank);
+  if (s.is_ok() && layout.ep_group(rank) == 0)
+    s = write_part(tmp, expert_file_name(ep_rank), 1 + ep_rank, meta_in, collect_experts(adam, layers, ep_rank),
+                   mine + 2);
   if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
 
-  const uint64_t mine[2] = {bytes.size(), xxh3(bytes)};
-  std::vector<uint64_t> all(2 * static_cast<std::size_t>(R));
-  s = transport.all_gather(std::span<const uint64_t>(mine, 2), std::span<uint64_t>(all), deadline);
+  std::vector<uint64_t> all(4 * static_cast<std::size_t>(R));
+  s = transport.all_gather(std::span<const uint64_t>(mine, 4), std::span<uint64_t>(all), deadline);
   if (!s.is_ok()) return fail(s);
   if (rank == 0) {
     CheckpointMeta meta = meta_in;
-    meta.files.clear();
-    for (int r = 0; r < R; ++r) meta.files.push_back({rank_file_name(r), all[2 * r], all[2 * r + 1]});
+    meta.files = list_files(all, layout.ep(), layers);
     s = publish(dir, tmp, meta);
     if (s.is_ok()) s = prune(dir, meta.step, keep);
   }
@@ -738,19 +887,30 @@ Status save_checkpoint(const std::string& dir_name, int keep, const CheckpointMe
 
 namespace {
 
-// The state read fits this rank's model: names, sizes, layers.
-Status check_fit(const std::string& name, const RankState& state, std::span<Parameter* const> params,
-                 std::span<MoELayer* const> layers) {
-  if (state.params.size() != params.size())
-    return invalid_argument("{} holds {} parameters, the model has {}", name, state.params.size(), params.size());
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    const RankState::Param& p = state.params[i];
-    if (p.name != params[i]->name)
-      return invalid_argument("{} holds parameter '{}' where the model has '{}'", name, p.name, params[i]->name);
-    const std::size_t n = params[i]->value.size();
-    if (p.value.size() != n || p.m.size() != n || p.v.size() != n)
-      return invalid_argument("{}: {} holds {} values, the model {}", name, p.name, p.value.size(), n);
+// What one rank reads: dense.bin and, by name, the expert entries of the
+// expert files that hold its logical experts.
+struct RankPart {
+  PartState dense;
+  std::vector<PartState> expert_files;
+  std::map<std::string, PartState::Param*> entries;
+};
+
+// dense.bin fits the model: its dense parameters in order, names and sizes; the biases.
+Status check_dense_fit(const std::string& name, const PartState& state, std::span<Parameter* const> params,
+                       std::span<MoELayer* const> layers) {
+  std::size_t i = 0;
+  for (const Parameter* p : params) {
+    if (p->kind != ParamKind::kDense) continue;
+    if (i >= state.params.size()) return invalid_argument("{} holds {} parameters; the model has more", name, i);
+    const PartState::Param& q = state.params[i++];
+    if (q.name != p->name)
+      return invalid_argument("{} holds parameter '{}' where the model has '{}'", name, q.name, p->name);
+    const std::size_t n = p->value.size();
+    if (q.value.size() != n || q.m.size() != n || q.v.size() != n)
+      return invalid_argument("{}: {} holds {} values, the model {}", name, q.name, q.value.size(), n);
   }
+  if (i != state.params.size())
+    return invalid_argument("{} holds {} dense parameters, the model has {}", name, state.params.size(), i);
   if (state.biases.size() != layers.size())
     return invalid_argument("{} holds {} layers' biases, the model has {} layers", name, state.biases.size(), layers.size());
   for (std::size_t l = 0; l < layers.size(); ++l)
@@ -760,13 +920,92 @@ Status check_fit(const std::string& name, const RankState& state, std::span<Para
   return Status::ok();
 }
 
-// meta.json, this rank's file and its fit to the model; nothing is loaded.
-Status verify_rank_part(const std::string& path, CheckpointMeta* expected, int rank, std::span<Parameter* const> params,
-                        std::span<MoELayer* const> layers, RankState* state) {
+// The expert files (indices into meta.files) holding this rank's logical experts.
+Result<std::vector<int>> files_for(const std::string& where, const CheckpointMeta& meta,
+                                   std::span<MoELayer* const> layers) {
+  std::vector<int> out;
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    for (int local = 0; local < layers[l]->num_local_experts(); ++local) {
+      const int e = layers[l]->local_logical_expert(local);
+      if (e < 0) continue;
+      int found = -1;
+      for (std::size_t i = 1; i < meta.files.size() && found < 0; ++i) {
+        const auto& list = meta.files[i].experts;
+        if (l < list.size() && std::binary_search(list[l].begin(), list[l].end(), e)) found = static_cast<int>(i);
+      }
+      if (found < 0) return invalid_argument("{}/meta.json lists no file for layer {}'s expert {}", where, l, e);
+      if (std::find(out.begin(), out.end(), found) == out.end()) out.push_back(found);
+    }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Every local expert's entries are there with their sizes.
+Status check_expert_fit(const std::string& where, RankPart& part, std::span<MoELayer* const> layers) {
+  for (MoELayer* layer : layers)
+    for (int local = 0; local < layer->num_local_experts(); ++local) {
+      const int e = layer->local_logical_expert(local);
+      if (e < 0) continue;
+      for (const Parameter* p : expert_params(*layer)) {
+        const std::size_t n = p->value.size() / static_cast<std::size_t>(layer->num_local_experts());
+        const std::string name = expert_entry_name(p->name, e);
+        const auto it = part.entries.find(name);
+        if (it == part.entries.end())
+          return invalid_argument("checkpoint {}: the file meta.json names for {} does not hold it", where, name);
+        const PartState::Param& q = *it->second;
+        if (q.value.size() != n || q.m.size() != n || q.v.size() != n)
+          return invalid_argument("checkpoint {}: {} holds {} values, the model {}", where, name, q.value.size(), n);
+      }
+    }
+  return Status::ok();
+}
+
+// meta.json, the files this rank needs and their fit to the model; nothing is loaded.
+Status read_rank_part(const std::string& path, CheckpointMeta* expected, std::span<Parameter* const> params,
+                      std::span<MoELayer* const> layers, RankPart* part) {
   EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
   EPX_RETURN_IF_ERROR(read_meta_at(where, expected));
-  EPX_RETURN_IF_ERROR(read_rank_file(where, *expected, rank, state));
-  return check_fit((fs::path(where) / rank_file_name(rank)).string(), *state, params, layers);
+  EPX_RETURN_IF_ERROR(read_part_file(where, *expected, 0, &part->dense));
+  EPX_RETURN_IF_ERROR(check_dense_fit((fs::path(where) / kDenseFileName).string(), part->dense, params, layers));
+  EPX_ASSIGN_OR_RETURN(std::vector<int> needed, files_for(where, *expected, layers));
+  part->expert_files.resize(needed.size());
+  for (std::size_t i = 0; i < needed.size(); ++i)
+    EPX_RETURN_IF_ERROR(read_part_file(where, *expected, needed[i], &part->expert_files[i]));
+  for (PartState& f : part->expert_files)
+    for (PartState::Param& q : f.params) part->entries[q.name] = &q;
+  return check_expert_fit(where, *part, layers);
+}
+
+// Copies what `part` holds into the model and the optimizer.
+void apply(RankPart& part, std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers) {
+  std::size_t i = 0;
+  for (Parameter* p : params) {
+    if (p->kind != ParamKind::kDense) continue;
+    PartState::Param& q = part.dense.params[i++];
+    AdamW::Moments& m = adam.moments()[p->name];
+    p->value = std::move(q.value);
+    m.m = std::move(q.m);
+    m.v = std::move(q.v);
+  }
+  for (MoELayer* layer : layers)
+    for (Parameter* p : expert_params(*layer)) {
+      const int num_local = layer->num_local_experts();
+      const std::size_t n = p->value.size() / static_cast<std::size_t>(num_local);
+      AdamW::Moments& m = moments_of(adam, *p);
+      for (int local = 0; local < num_local; ++local) {
+        const int e = layer->local_logical_expert(local);
+        const PartState::Param* q = e < 0 ? nullptr : part.entries.at(expert_entry_name(p->name, e));
+        const std::pair<std::vector<float>*, const std::vector<float>*> parts[3] = {
+            {&p->value, q ? &q->value : nullptr}, {&m.m, q ? &q->m : nullptr}, {&m.v, q ? &q->v : nullptr}};
+        for (const auto& [to, from] : parts) {
+          const std::span<float> b = block(*to, local, n);
+          if (from) std::copy(from->begin(), from->end(), b.begin());
+          else std::fill(b.begin(), b.end(), 0.0f);  // an empty slot
+        }
+      }
+    }
+  for (std::size_t l = 0; l < layers.size(); ++l) layers[l]->bias().set_values(part.dense.biases[l]);
+  adam.set_num_steps(part.dense.adam_steps);
 }
 
 }  // namespace
@@ -774,23 +1013,15 @@ Status verify_rank_part(const std::string& path, CheckpointMeta* expected, int r
 Status load_checkpoint(const std::string& path, CheckpointMeta* expected, Transport& transport,
                        std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers,
                        const Deadline& deadline) {
-  const int rank = transport.rank();
-  RankState state;
-  Status s = verify_rank_part(path, expected, rank, params, layers, &state);
+  RankPart part;
+  Status s = read_rank_part(path, expected, params, layers, &part);
   EPX_RETURN_IF_ERROR(agree(transport, s, deadline));
   int64_t steps[2] = {expected->step, -expected->step};  // every rank found the same step
   EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<int64_t>(steps, 2), ReduceOp::kMax, deadline));
   if (steps[0] != -steps[1])
     return aborted("the ranks found checkpoint {} at steps {} to {}: was its 'latest' replaced meanwhile?", path,
                    -steps[1], steps[0]);
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    AdamW::Moments& m = adam.moments()[params[i]->name];
-    params[i]->value = std::move(state.params[i].value);
-    m.m = std::move(state.params[i].m);
-    m.v = std::move(state.params[i].v);
-  }
-  for (std::size_t l = 0; l < layers.size(); ++l) layers[l]->bias().set_values(state.biases[l]);
-  adam.set_num_steps(state.adam_steps);
+  apply(part, params, adam, layers);
   return Status::ok();
 }
 

@@ -1,20 +1,33 @@
-// Checkpoints of the trainer: a directory that epx owns, one verified step
-// folder per save and an atomically replaced `latest` file.
+// Checkpoints of the trainer in LOGICAL order: a directory that epx owns,
+// one verified step folder per save and an atomically replaced `latest` file.
+// A checkpoint holds each dense parameter once and each logical expert of
+// each layer once (weights and AdamW moments), whatever the layout (ranks,
+// EP, nodes, EPLB slots and replicas) that wrote it, so any layout of the
+// same model resumes from it.
 //
 //   DIR/.epx-checkpoints      marker: DIR belongs to epx (written at the first save)
 //   DIR/latest                "step-000120\n", replaced by write + fsync + rename
-//   DIR/step-000120/meta.json step, layout, model, eplb state, every file's size
-//                             and XXH3-64 checksum, and a checksum of itself
-//   DIR/step-000120/rank-N.bin  header (magic, format version, rank and world
-//                             layout, step, model hash, payload size and XXH3-64,
-//                             header XXH3-64) + payload (parameters, AdamW
-//                             moments and step count, expert biases)
+//   DIR/step-000120/meta.json step, model, the writing layout (ranks, nodes,
+//                             ep, slots, each layer's slot map), the eplb
+//                             window's loads, every file's size, XXH3-64 and
+//                             (expert files) its logical experts per layer,
+//                             and a checksum of itself
+//   DIR/step-000120/dense.bin        written by rank 0: every dense parameter
+//                             with its two AdamW moments, the AdamW step
+//                             count, the expert biases
+//   DIR/step-000120/experts-N.bin    written by rank N of EP group 0: the
+//                             logical experts whose first replica (lowest
+//                             slot) it holds, as "layerL.experts.w1#E" etc.
+//                             with their moments
+// Every file: header (magic, format version, part index, writing layout,
+// step, model hash, payload size and XXH3-64, header XXH3-64) + payload.
 //
 // A save writes `.step-000120.tmp/` inside DIR, fsyncs every file and the
 // folder, renames it, then replaces `latest`, then removes all but the newest
 // `keep` step folders (the new one always stays). A failed save removes its
 // temporary folder; the previous step folders and `latest` stay as they were.
-// A resume verifies meta.json and every rank file before anything is loaded.
+// A resume verifies meta.json and every file a rank reads before anything is
+// loaded; each rank reads dense.bin and the expert files of its own experts.
 #pragma once
 
 #include <cstdint>
@@ -23,64 +36,75 @@
 #include <string_view>
 #include <vector>
 
+#include "epx/comm/parallel_layout.h"
 #include "epx/comm/transport.h"
 #include "epx/layer/moe_layer.h"
 #include "epx/train/optimizer.h"
 
 namespace epx::detail {
 
-constexpr uint32_t kCheckpointFormatVersion = 2;
+constexpr uint32_t kCheckpointFormatVersion = 3;
 constexpr const char* kCheckpointMarker = ".epx-checkpoints";
+constexpr const char* kDenseFileName = "dense.bin";
 
 struct CheckpointFile {
-  std::string name;  // "rank-3.bin"
+  std::string name;  // "dense.bin", "experts-3.bin"
   uint64_t bytes = 0;
   uint64_t xxh3 = 0;  // XXH3_64bits of the whole file
+  // Expert files: per layer, the logical experts it holds (ascending).
+  std::vector<std::vector<int32_t>> experts;
 };
 
 struct CheckpointMeta {
   int64_t step = 0;  // steps done
+  std::string fingerprint;  // the model's shape, without its layout; a resume must match it
+  // The layout that wrote it (information: another layout reshards on resume).
   int num_ranks = 0;
   int num_nodes = 0;
-  std::string fingerprint;  // the model's shape; a resume must match it
-  // EPLB (meta.json, the same for every rank): each layer's slot -> logical
-  // expert map and the per-expert loads of the unfinished window. Empty without eplb.
+  int ep = 0;         // ranks per EP group
+  int num_slots = 0;  // physical expert slots per layer (= experts without eplb)
+  // EPLB: each layer's slot -> logical expert map and the per-logical-expert
+  // loads of the unfinished window. Empty without eplb.
   std::vector<std::vector<int32_t>> layer_slots;
   std::vector<std::vector<int64_t>> eplb_window;
-  std::vector<CheckpointFile> files;  // one per rank, in rank order
+  std::vector<CheckpointFile> files;  // dense.bin, then experts-0.bin .. experts-(ep-1).bin
 };
 
-// The fixed-size header at the start of every rank file.
-struct RankFileHeader {
-  int32_t rank = 0, num_ranks = 0, num_nodes = 0;
+// The fixed-size header at the start of every file.
+struct PartFileHeader {
+  int32_t part = 0;  // 0: dense.bin; 1 + N: experts-N.bin
+  int32_t num_ranks = 0, num_nodes = 0;
   int64_t step = 0;
   uint64_t model_hash = 0;  // XXH3_64bits of the model fingerprint
   uint64_t payload_bytes = 0;
   uint64_t payload_xxh3 = 0;
 };
 
-// One rank's part, as read from its file, before it touches the model.
-struct RankState {
+// One file's content, as read, before it touches the model.
+struct PartState {
   struct Param {
-    std::string name;
+    std::string name;  // a dense parameter's name, or "layer1.experts.w2#5" (logical expert 5)
     std::vector<float> value, m, v;  // parameter, AdamW first and second moments
   };
   int64_t adam_steps = 0;
   std::vector<Param> params;
-  std::vector<std::vector<float>> biases;  // one per MoE layer
+  std::vector<std::vector<float>> biases;  // dense.bin: one per MoE layer; expert files: none
 };
 
 [[nodiscard]] uint64_t model_hash(std::string_view fingerprint);
 [[nodiscard]] std::string step_folder_name(int64_t step);  // "step-000120"
+[[nodiscard]] std::string expert_file_name(int ep_rank);    // "experts-3.bin"
+// "layer1.experts.w2#5": a logical expert's block of an expert parameter.
+[[nodiscard]] std::string expert_entry_name(const std::string& param, int expert);
 
 // In-memory formats, for the writer, the reader and fuzzing. Both parsers
 // accept any bytes without crashing: every length is checked against the
 // bytes left before anything is sized, and errors name `name` and the field.
-// parse_rank_file checks the magic, the version, the header and payload
+// parse_part_file checks the magic, the version, the header and payload
 // checksums and the payload's structure; it compares nothing with a model.
-[[nodiscard]] std::vector<uint8_t> serialize_rank_file(const RankFileHeader& header, const RankState& state);
-[[nodiscard]] Status parse_rank_file(std::span<const uint8_t> bytes, const std::string& name, RankFileHeader* header,
-                                     RankState* state);
+[[nodiscard]] std::vector<uint8_t> serialize_part_file(const PartFileHeader& header, const PartState& state);
+[[nodiscard]] Status parse_part_file(std::span<const uint8_t> bytes, const std::string& name, PartFileHeader* header,
+                                     PartState* state);
 // meta.json's text with its own checksum ("meta_xxh3", over the compact JSON
 // of everything else); parse_checkpoint_meta checks the format and that checksum.
 [[nodiscard]] std::string format_checkpoint_meta(const CheckpointMeta& meta);
@@ -101,24 +125,30 @@ struct SaveSpace {
 // --resume PATH: PATH/latest's step folder, or PATH itself when it holds
 // meta.json. NotFound naming PATH otherwise.
 [[nodiscard]] Result<std::string> resolve_checkpoint(const std::string& path);
-// Reads and checks meta.json of `path`'s checkpoint against `expected`
-// (ranks, nodes, model; another layout is refused until resharding exists);
-// fills step, layer_slots, eplb_window and files. No rank file is read.
+// Reads and checks meta.json of `path`'s checkpoint against `expected`'s
+// fingerprint (any layout may resume it); fills everything else from it. No
+// other file is read.
 [[nodiscard]] Status read_checkpoint_meta(const std::string& path, CheckpointMeta* expected);
-// read_checkpoint_meta, then every rank file: size, checksums, header (rank,
+// read_checkpoint_meta, then every file: size, checksums, header (part,
 // layout, step, model hash) against meta.json. The first difference is an
 // InvalidArgument (NotFound for a missing file) naming the file.
 [[nodiscard]] Status verify_checkpoint(const std::string& path, CheckpointMeta* expected);
 
-// Collective. Writes step folder `meta.step` under dir (see the top).
-// `delay_ms` > 0 sleeps between writing the files and renaming the folder
-// (a test hook: set by the EPX_TEST_CHECKPOINT_DELAY_MS environment variable).
+// Collective over the world. Writes step folder `meta.step` under dir (see
+// the top); meta gives the step, fingerprint, layout and eplb state, the
+// files are filled in. `layout` says who writes which expert file.
+// EPX_TEST_CHECKPOINT_DELAY_MS (environment) > 0 sleeps between writing the
+// files and renaming the folder (a test hook: a window for kill -9).
 [[nodiscard]] Status save_checkpoint(const std::string& dir, int keep, const CheckpointMeta& meta, Transport& transport,
-                                     std::span<Parameter* const> params, AdamW& adam,
+                                     const ParallelLayout& layout, std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);
-// Collective. Reads meta.json and this rank's file, verifies them and their
-// fit to the model, agrees with every rank (all verified, all at the same
-// step), and only then loads (step is set).
+// Collective. Reads meta.json, dense.bin and the expert files that hold this
+// rank's logical experts, verifies them and their fit to the model (names,
+// sizes, every local expert found once), agrees with every rank (all
+// verified, all at the same step), and only then loads: dense parameters,
+// each local slot's logical expert (empty slots: zeros) with its moments,
+// biases, the AdamW step count. `expected` holds the fingerprint; meta.json
+// fills the rest.
 [[nodiscard]] Status load_checkpoint(const std::string& path, CheckpointMeta* expected, Transport& transport,
                                      std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);

@@ -16,6 +16,7 @@
 #include "epx/core/clock.h"
 #include "core/guard.h"
 #include "train/checkpoint.h"
+#include "train/eplb_train.h"
 #include "train/grad_sync.h"
 
 namespace epx {
@@ -28,17 +29,14 @@ std::pair<int64_t, int64_t> share(int64_t total, int num_ranks, int rank) {
   return {first, base + (rank < extra ? 1 : 0)};
 }
 
-// The model's shape and, with several EP groups, the EP size: a checkpoint
-// resumes only on the layout that wrote it (the rank files hold each rank's
-// experts). One EP group writes nothing extra, so its checkpoints stay as they were.
-std::string fingerprint(const TrainConfig& config, const ModelConfig& m) {
+// The model's shape, without its layout (ranks, EP, nodes, slots): a
+// checkpoint resumes on any layout of the same fingerprint.
+std::string fingerprint(const ModelConfig& m) {
   const MoELayerConfig& l = m.layer;
   return fmt::format("task={} in={} out={} layers={} hidden={} ffn={} experts={} topk={} shared={} dtype={}",
                      m.task == TaskKind::kRegression ? "regression" : "next-byte", m.num_inputs(), m.num_outputs(),
                      m.num_layers, l.hidden, l.ffn_hidden, l.router.num_experts, l.router.topk, l.num_shared_experts,
-                     dtype_name(l.dtype)) +
-         (m.layer_slots.empty() ? "" : fmt::format(" slots={}", m.layer_slots[0].size())) +
-         (config.ep_size() == config.num_ranks ? "" : fmt::format(" ep={}", config.ep_size()));
+                     dtype_name(l.dtype));
 }
 
 // Everything one rank needs to make its batches.
@@ -87,108 +85,6 @@ struct StepContext {
     return Status(status.code(), fmt::format("step {}, {}: {}", step, phase, status.message()));
   }
 };
-
-// EPLB: what re-placing the experts needs, the same on every rank.
-struct Eplb {
-  PlacementConfig placement;
-  int64_t expert_bytes = 0;                // w1, w3, w2 with their two AdamW moments, f32
-  std::vector<std::vector<int64_t>> window;  // per layer, per logical expert: load since the last re-placement
-};
-
-// Over one EP group: its ranks, on the nodes it spans (every EP group alike).
-PlacementConfig placement_config(const TrainConfig& config, const ModelConfig& m) {
-  const int E = m.layer.router.num_experts, R = config.ep_size(), per_node = config.num_ranks / config.num_nodes;
-  const int N = R > per_node ? R / per_node : 1;
-  const int G = m.layer.router.num_groups > 1 ? m.layer.router.num_groups : 0;
-  return {.num_slots = config.balancing.slots(E, R), .num_nodes = N, .ranks_per_node = R / N, .num_groups = G,
-          .policy = G > 0 && G % N == 0 ? PlacementPolicy::kHierarchical : PlacementPolicy::kGlobal};
-}
-
-// The first placement: the identity when slots == experts, else the balanced
-// one for equal loads (extra replicas to the lowest ids).
-Result<std::vector<int32_t>> initial_slots(const PlacementConfig& pc, int num_experts) {
-  const int R = pc.num_nodes * pc.ranks_per_node;
-  if (pc.num_slots == num_experts) {
-    EPX_ASSIGN_OR_RETURN(RedundantPlacement p, contiguous_placement(num_experts, R));
-    return p.slot_expert();
-  }
-  EPX_ASSIGN_OR_RETURN(RedundantPlacement p, place_experts(std::vector<double>(num_experts, 1.0), pc));
-  return p.slot_expert();
-}
-
-// Re-places every layer's experts from the window's loads. Weights and AdamW
-// moments travel as one all-reduce of a [E, 3 x 3 x H x F] logical table per
-// moved layer, to which only each expert's first replica contributes (a real
-// system would send only the moved slots: EplbReport::moved_bytes).
-// `transport`: the EP group (each EP group moves its own copy). Collective.
-Status replace_experts(MoEModel& model, AdamW& adam, Transport& transport, Eplb& eplb, EplbReport* report,
-                       const Deadline& deadline) {
-  const int rank = transport.rank(), R = transport.num_ranks();
-  const MoELayerConfig& lc = model.config().layer;
-  const int E = lc.router.num_experts;
-  const std::size_t hf = static_cast<std::size_t>(lc.hidden) * lc.ffn_hidden, row = 9 * hf;
-  for (int l = 0; l < model.config().num_layers; ++l) {
-    MoELayer* layer = model.layers()[l];
-    std::vector<double> load(eplb.window[l].begin(), eplb.window[l].end());
-    EPX_ASSIGN_OR_RETURN(RedundantPlacement current,
-                         RedundantPlacement::from_slot_map(layer->slot_expert(), E, R, eplb.placement.policy));
-    EPX_ASSIGN_OR_RETURN(RebalancePlan plan, rebalance(current, load, eplb.placement, eplb.expert_bytes));
-    report->balance_before.push_back(balance(rank_loads(current, load)));
-    report->balance_after.push_back(plan.balance);
-    report->num_moved_slots += plan.num_moved_slots;
-    report->moved_bytes += plan.moved_bytes;
-    std::fill(eplb.window[l].begin(), eplb.window[l].end(), 0);
-    if (plan.num_moved_slots == 0) continue;
-
-    auto experts_of = [](MoELayer* m) {
-      std::vector<Parameter*> out;
-      for (Parameter* p : m->parameters())
-        if (p->kind == ParamKind::kExpert) out.push_back(p);
-      return out;
-    };
-    auto moments_of = [&](Parameter* p) -> AdamW::Moments& {
-      AdamW::Moments& m = adam.moments()[p->name];
-      m.m.resize(p->value.size(), 0.0f);
-      m.v.resize(p->value.size(), 0.0f);
-      return m;
-    };
-    std::vector<float> table(static_cast<std::size_t>(E) * row, 0.0f);
-    for (int local = 0; local < layer->num_local_experts(); ++local) {
-      const int e = layer->local_logical_expert(local);
-      if (e < 0 || layer->buffer().placement().global_id(rank, local) != current.replicas(e).front()) continue;
-      float* dst = table.data() + static_cast<std::size_t>(e) * row;
-      for (Parameter* p : experts_of(layer)) {
-        const AdamW::Moments& m = moments_of(p);
-        const std::vector<float>* parts[3] = {&p->value, &m.m, &m.v};
-        for (const std::vector<float>* v : parts) {
-          std::copy_n(v->begin() + static_cast<std::ptrdiff_t>(local * hf), hf, dst);
-          dst += hf;
-        }
-      }
-    }
-    EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(table), ReduceOp::kSum, deadline));
-    EPX_RETURN_IF_ERROR(model.replace_layer(l, plan.placement.slot_expert()));
-    layer = model.layers()[l];
-    for (int local = 0; local < layer->num_local_experts(); ++local) {
-      const int e = layer->local_logical_expert(local);
-      const float* src = e < 0 ? nullptr : table.data() + static_cast<std::size_t>(e) * row;
-      for (Parameter* p : experts_of(layer)) {
-        AdamW::Moments& m = moments_of(p);
-        std::vector<float>* parts[3] = {&p->value, &m.m, &m.v};
-        for (std::vector<float>* v : parts) {
-          const auto at = v->begin() + static_cast<std::ptrdiff_t>(local * hf);
-          if (src) {
-            std::copy_n(src, hf, at);
-            src += hf;
-          } else {
-            std::fill_n(at, hf, 0.0f);
-          }
-        }
-      }
-    }
-  }
-  return Status::ok();
-}
 
 }  // namespace
 
@@ -266,31 +162,22 @@ Result<ModelConfig> TrainConfig::resolved_model() const {
 
 namespace {
 
-// The model check_resume and check_save see: with eplb the fingerprint counts
-// the slots (their map comes from the checkpoint).
-Result<ModelConfig> checkpoint_model(const TrainConfig& config) {
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  if (config.balancing.eplb)
-    m.layer_slots.assign(static_cast<std::size_t>(m.num_layers),
-                         std::vector<int32_t>(static_cast<std::size_t>(
-                             config.balancing.slots(m.layer.router.num_experts, config.ep_size()))));
-  return m;
-}
-
-// Bytes of one checkpoint (every rank's file and meta.json), from the shapes:
-// each parameter's values and two AdamW moments in f32 with its name and
-// counts, the expert biases, the headers. An upper bound within a few percent.
+// Bytes of one checkpoint (dense.bin, the ep expert files, meta.json), from
+// the shapes: each dense parameter and each logical expert once, values and
+// two AdamW moments in f32 with a name and counts, the expert biases, the
+// headers, meta.json's expert lists and eplb state. An upper bound within a
+// few percent.
 int64_t checkpoint_bytes(const TrainConfig& config, const ModelConfig& m) {
   const int64_t H = m.layer.hidden, F = m.layer.ffn_hidden, E = m.layer.router.num_experts, L = m.num_layers;
-  const int64_t R = config.num_ranks, S = int64_t{m.layer.num_shared_experts} * F;
-  const int64_t slots = config.balancing.eplb ? config.balancing.slots(static_cast<int>(E), config.ep_size()) : E;
+  const int64_t ep = config.ep_size(), S = int64_t{m.layer.num_shared_experts} * F;
+  const int64_t slots = config.balancing.eplb ? config.balancing.slots(static_cast<int>(E), static_cast<int>(ep)) : E;
   const int64_t dense = int64_t{m.num_inputs()} * H + H + H * m.num_outputs() + L * (H + H * E + 3 * H * S);
-  const int64_t experts = L * 3 * (slots / config.ep_size()) * H * F;
-  const int64_t num_params = 3 + L * (2 + (S > 0 ? 3 : 0) + 3);
+  const int64_t num_dense = 3 + L * (2 + (S > 0 ? 3 : 0));
   constexpr int64_t kPerParam = 4 + 40 + 3 * 8;  // name length, a name of up to 40 bytes, three counts
-  const int64_t per_rank = 128 + num_params * kPerParam + 12 * (dense + experts) + L * (8 + 4 * E);
-  const int64_t meta = 1024 + R * 80 + (config.balancing.eplb ? L * (slots * 12 + E * 21) : 0);
-  return R * per_rank + meta;
+  const int64_t dense_file = 128 + num_dense * kPerParam + 12 * dense + L * (8 + 4 * E);
+  const int64_t expert_files = ep * 128 + L * E * 3 * (kPerParam + 12 * H * F);
+  const int64_t meta = 1024 + (ep + 1) * 120 + L * E * 12 + (config.balancing.eplb ? L * (slots * 12 + E * 21) : 0);
+  return dense_file + expert_files + meta;
 }
 
 std::string bytes_text(double bytes) {
@@ -307,17 +194,30 @@ std::string bytes_text(double bytes) {
 
 Status check_resume(const TrainConfig& config) {
   if (config.resume_dir.empty()) return Status::ok();
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, checkpoint_model(config));
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
   detail::CheckpointMeta meta;
-  meta.num_ranks = config.num_ranks;
-  meta.num_nodes = config.num_nodes;
-  meta.fingerprint = fingerprint(config, m);
+  meta.fingerprint = fingerprint(m);
   EPX_RETURN_IF_ERROR(detail::guard(fmt::format("verifying checkpoint {}", config.resume_dir),
                                     [&] { return detail::verify_checkpoint(config.resume_dir, &meta); }));
   if (meta.step > config.steps)
     return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
                             meta.step, config.steps);
   return Status::ok();
+}
+
+Result<std::string> resume_note(const TrainConfig& config) {
+  if (config.resume_dir.empty()) return std::string();
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
+  detail::CheckpointMeta meta;
+  meta.fingerprint = fingerprint(m);
+  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &meta));
+  const detail::RunLayout saved = detail::saved_layout(meta), mine = detail::run_layout(config, m, config.ep_size());
+  if (detail::same_layout(saved, mine)) return std::string();
+  const char* placement = !config.balancing.eplb ? "experts placed contiguously"
+                          : meta.eplb_window.empty() ? "expert placement computed anew for equal loads"
+                                                     : "expert placement computed anew from the saved eplb window loads";
+  return fmt::format("resharding checkpoint {} (step {}) written by {} onto {}: {}", config.resume_dir, meta.step,
+                     saved.describe(), mine.describe(), placement);
 }
 
 std::string SavePlan::describe() const {
@@ -334,7 +234,7 @@ std::string SavePlan::describe() const {
 Result<SavePlan> check_save(const TrainConfig& config) {
   SavePlan plan;
   if (config.save_dir.empty()) return plan;
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, checkpoint_model(config));
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
   EPX_ASSIGN_OR_RETURN(detail::SaveSpace space, detail::probe_save_dir(config.save_dir));
   plan.folder = config.save_dir;
   plan.probed = space.probed;
@@ -472,7 +372,7 @@ struct RunState {
   bool keep_parameters;
   ParallelLayout layout;
   ModelConfig model_config;
-  Eplb eplb;  // EPLB's start: the placement, the window (a resume's from its checkpoint)
+  detail::EplbState eplb;  // EPLB's start: the placement, the window (a resume's from its checkpoint)
   std::mutex mu;
   TrainSummary summary;
   std::vector<StepReport> recent;  // the last 10 reports
@@ -480,30 +380,24 @@ struct RunState {
   int64_t timed_tokens = 0;
 };
 
-// EPLB's first placement, or the checkpoint's on a resume (it decides the
-// Buffers, so it is read before any rank starts).
-Status prepare_eplb(const TrainConfig& config, ModelConfig* m, Eplb* eplb) {
-  const int E = m->layer.router.num_experts;
-  eplb->placement = placement_config(config, *m);
+// EPLB's start: each layer's slot map into `m` (it decides the Buffers, so
+// it is read before any rank starts) and the window, fresh or from the
+// checkpoint (detail::eplb_start: its placement on the same layout, placed
+// anew from its window loads on another).
+Status prepare_eplb(const TrainConfig& config, ModelConfig* m, detail::EplbState* eplb) {
+  eplb->placement = detail::eplb_placement_config(config, *m, config.ep_size());
   eplb->expert_bytes = int64_t{9} * m->layer.hidden * m->layer.ffn_hidden * 4;
-  EPX_ASSIGN_OR_RETURN(std::vector<int32_t> slots, initial_slots(eplb->placement, E));
-  m->layer_slots.assign(static_cast<std::size_t>(m->num_layers), slots);
-  eplb->window.assign(static_cast<std::size_t>(m->num_layers), std::vector<int64_t>(E, 0));
-  if (config.resume_dir.empty()) return Status::ok();
   detail::CheckpointMeta saved;
-  saved.num_ranks = config.num_ranks;
-  saved.num_nodes = config.num_nodes;
-  saved.fingerprint = fingerprint(config, *m);
-  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &saved));
-  if (saved.layer_slots.size() != m->layer_slots.size() || saved.eplb_window.size() != eplb->window.size())
-    return invalid_argument("checkpoint {} holds {} layers' placements; this eplb run has {} layers", config.resume_dir,
-                            saved.layer_slots.size(), m->num_layers);
-  for (std::size_t l = 0; l < saved.eplb_window.size(); ++l)
-    if (saved.eplb_window[l].size() != static_cast<std::size_t>(E))
-      return invalid_argument("checkpoint {}: layer {}'s eplb window has {} loads; the model has {} experts",
-                              config.resume_dir, l, saved.eplb_window[l].size(), E);
-  m->layer_slots = std::move(saved.layer_slots);
-  eplb->window = std::move(saved.eplb_window);
+  if (!config.resume_dir.empty()) {
+    saved.fingerprint = fingerprint(*m);
+    EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &saved));
+  }
+  EPX_ASSIGN_OR_RETURN(detail::EplbStart start,
+                       detail::eplb_start(*eplb, m->num_layers, m->layer.router.num_experts,
+                                          config.resume_dir.empty() ? nullptr : &saved,
+                                          detail::run_layout(config, *m, config.ep_size())));
+  m->layer_slots = std::move(start.layer_slots);
+  eplb->window = std::move(start.window);
   return Status::ok();
 }
 
@@ -581,9 +475,8 @@ struct Rank {
   DataSource data;
   std::unique_ptr<MoEModel> model;
   ModelParts parts;  // refreshed after a re-placement (it rebuilds layers)
-  Eplb eplb;
+  detail::EplbState eplb;
   AdamW adam{AdamWConfig{}};
-  detail::CheckpointMeta meta;
   int64_t first_step = 0;
   Batch batch;
   std::unique_ptr<detail::GradientSync> grad_sync;  // after the model: destroyed before it
@@ -593,15 +486,22 @@ struct Rank {
   [[nodiscard]] Deadline deadline() const { return Deadline::after(run.model_config.timeout); }
 };
 
-// Collective: writes checkpoint `step` (every rank its own file).
+// Collective: writes checkpoint `step` in logical order (rank 0 the dense
+// file, EP group 0 the expert files) with this run's layout.
 Status save_rank(Rank& r, int64_t step) {
-  r.meta.step = step;
-  if (r.config().balancing.eplb) {
-    r.meta.layer_slots.clear();
-    for (MoELayer* layer : r.parts.layers) r.meta.layer_slots.push_back(layer->slot_expert());
-    r.meta.eplb_window = r.eplb.window;
+  const TrainConfig& config = r.config();
+  detail::CheckpointMeta meta;
+  meta.step = step;
+  meta.fingerprint = fingerprint(r.run.model_config);
+  meta.num_ranks = config.num_ranks;
+  meta.num_nodes = config.num_nodes;
+  meta.ep = r.run.layout.ep();
+  meta.num_slots = detail::run_layout(config, r.run.model_config, meta.ep).num_slots;
+  if (config.balancing.eplb) {
+    for (MoELayer* layer : r.parts.layers) meta.layer_slots.push_back(layer->slot_expert());
+    meta.eplb_window = r.eplb.window;
   }
-  return detail::save_checkpoint(r.config().save_dir, r.config().keep_checkpoints, r.meta, *r.groups.world,
+  return detail::save_checkpoint(config.save_dir, config.keep_checkpoints, meta, *r.groups.world, r.run.layout,
                                  r.parts.params, r.adam, r.parts.layers, r.deadline());
 }
 
@@ -615,13 +515,12 @@ Status open_rank(Rank& r, Transport& world) {
   EPX_ASSIGN_OR_RETURN(r.grad_sync, make_grad_sync(config, r.groups, *r.model, r.deadline()));
   r.eplb = r.run.eplb;
   r.adam = AdamW(config.adamw);
-  r.meta.num_ranks = world.num_ranks();
-  r.meta.num_nodes = config.num_nodes;
-  r.meta.fingerprint = fingerprint(config, r.run.model_config);
-  if (!config.resume_dir.empty())
-    EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &r.meta, *r.groups.world, r.parts.params, r.adam,
-                                                r.parts.layers, r.deadline()));
-  r.first_step = r.meta.step;
+  if (config.resume_dir.empty()) return Status::ok();
+  detail::CheckpointMeta resumed;
+  resumed.fingerprint = fingerprint(r.run.model_config);
+  EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &resumed, *r.groups.world, r.parts.params, r.adam,
+                                              r.parts.layers, r.deadline()));
+  r.first_step = resumed.step;
   return Status::ok();
 }
 
@@ -691,7 +590,7 @@ Status eplb_step(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
   ScopedSpan span(tracer, r.rank(), "eplb");
   r.where.phase = "eplb re-placement";
   n->eplb.emplace();
-  EPX_RETURN_IF_ERROR(replace_experts(*r.model, r.adam, *r.groups.ep, r.eplb, &*n->eplb, r.deadline()));
+  EPX_RETURN_IF_ERROR(detail::replace_experts(*r.model, r.adam, *r.groups.ep, r.eplb, &*n->eplb, r.deadline()));
   // Every EP group moves the same slots.
   n->eplb->num_moved_slots *= r.run.layout.edp();
   n->eplb->moved_bytes *= r.run.layout.edp();

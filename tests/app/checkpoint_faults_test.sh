@@ -5,8 +5,8 @@
 #   --save onto a file, a foreign folder, a path under a file, '.';
 #   --keep; resume from `latest` and from a named step folder;
 #   each corruption of a checkpoint (bit flip, bytes appended or cut, swapped
-#   or missing rank files, edited or foreign meta.json, another model,
-#   another rank count);
+#   or missing expert files, edited or foreign meta.json, an older format,
+#   another model); another rank count resumes, saying it reshards;
 #   kill -9 during a save, then a resume: the same losses as an uninterrupted run;
 #   a full disk during a save (a small tmpfs), too little space before step 1,
 #   a read-only --save location (tmpfs -o ro). Mounts need root: skipped with
@@ -88,16 +88,20 @@ flip_bit() {  # FILE OFFSET
   b=$(od -An -tu1 -j "$2" -N1 "$1" | tr -d ' ')
   printf "\\x$(printf %02x $((b ^ 1)))" | dd of="$1" bs=1 seek="$2" conv=notrunc status=none
 }
-fresh; flip_bit "$c/rank-2.bin" 5000
-expect "flipped bit" 2 "rank-2.bin: the payload's checksum is" --steps 8 --resume "$work/c"
-fresh; printf '\0' >> "$c/rank-1.bin"
+fresh; flip_bit "$c/experts-2.bin" 5000
+expect "flipped bit" 2 "experts-2.bin: the payload's checksum is" --steps 8 --resume "$work/c"
+fresh; printf '\0' >> "$c/experts-1.bin"
 expect "appended byte" 2 "bytes; meta.json lists" --steps 8 --resume "$work/c"
-fresh; truncate -s -1 "$c/rank-3.bin"
+fresh; truncate -s -1 "$c/dense.bin"
 expect "missing byte" 2 "(bytes appended or cut)" --steps 8 --resume "$work/c"
-fresh; mv "$c/rank-0.bin" "$c/x"; mv "$c/rank-1.bin" "$c/rank-0.bin"; mv "$c/x" "$c/rank-1.bin"
-expect "swapped rank files" 2 "rank-0.bin holds rank 1's part, not rank 0's" --steps 8 --resume "$work/c"
-fresh; rm "$c/rank-3.bin"
-expect "missing rank file" 2 "has no rank-3.bin" --steps 8 --resume "$work/c"
+fresh; mv "$c/experts-0.bin" "$c/x"; mv "$c/experts-1.bin" "$c/experts-0.bin"; mv "$c/x" "$c/experts-1.bin"
+expect "swapped expert files" 2 "experts-0.bin holds the part of experts-1.bin, not of experts-0.bin" \
+  --steps 8 --resume "$work/c"
+fresh; rm "$c/experts-3.bin"
+expect "missing expert file" 2 "has no experts-3.bin" --steps 8 --resume "$work/c"
+fresh; sed -i 's/"version": 3/"version": 2/' "$c/meta.json"
+expect "an older format" 2 "checkpoint format version 2; this epx reads 3 (format 3 stores experts in logical order" \
+  --steps 8 --resume "$work/c"
 fresh; sed -i 's/"step": 6/"step": 4/' "$c/meta.json"
 expect "edited meta.json step" 2 "meta.json: its content hashes to" --steps 8 --resume "$work/c"
 fresh; cp "$work/other/step-000006/meta.json" "$c/meta.json"
@@ -105,8 +109,11 @@ expect "foreign meta.json" 2 "(a file of another checkpoint?)" --steps 8 --resum
 fresh
 expect "another model" 2 "is of another model: topk=2 in the checkpoint, topk=1 in this run" \
   --steps 8 --resume "$work/c" --topk 1
-expect "another rank count" 2 "written by 4 ranks on 1 nodes; this run has 2 ranks on 1 nodes (resuming on another layout needs resharding" \
+expect "another rank count reshards" 0 "resharding checkpoint $work/c (step 6) written by 4 ranks on 1 node (EP 4, 8 slots per layer) onto 2 ranks on 1 node (EP 2, 8 slots per layer)" \
   --steps 8 --resume "$work/c" --ranks 2
+[[ $(wc -l < "$work/m.jsonl") -eq 2 ]] || fail "resume at 2 ranks ran $(wc -l < "$work/m.jsonl") steps, want 2"
+expect "8 ranks on 2 nodes, EP 4, with eplb reshards" 0 "onto 8 ranks on 2 nodes (EP 4, 12 slots per layer, eplb)" \
+  --steps 8 --resume "$work/c" --ranks 8 --nodes 2 --ep 4 --balance eplb
 expect "resume of nothing" 2 "no checkpoint at $work/none" --steps 8 --resume "$work/none"
 
 # ---- kill -9 during a save, then resume: the losses of an uninterrupted run

@@ -1,4 +1,4 @@
-// Checkpoints: the rank-file and meta.json formats round-trip, their parsers
+// Checkpoints: the part-file and meta.json formats round-trip, their parsers
 // reject every truncation, bit flip and absurd length without crashing, a
 // save never touches a folder epx does not own, keeps `keep` step folders
 // behind an atomic `latest`, and a resume refuses each corruption (naming the
@@ -10,10 +10,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "epx/train/trainer.h"
 #include "observe/temp_dir.h"
@@ -24,11 +28,11 @@ namespace {
 
 namespace fs = std::filesystem;
 using detail::CheckpointMeta;
-using detail::RankFileHeader;
-using detail::RankState;
+using detail::PartFileHeader;
+using detail::PartState;
 
-RankState small_state() {
-  RankState s;
+PartState small_state() {
+  PartState s;
   s.adam_steps = 7;
   s.params.push_back({"embed", {1, 2, 3}, {0.1f, 0.2f, 0.3f}, {4, 5, 6}});
   s.params.push_back({"layer0.router", {-1, 0.5f}, {0, 0}, {1, 1}});
@@ -36,8 +40,8 @@ RankState small_state() {
   return s;
 }
 
-RankFileHeader small_header() {
-  return {.rank = 1, .num_ranks = 2, .num_nodes = 1, .step = 12, .model_hash = detail::model_hash("m")};
+PartFileHeader small_header() {
+  return {.part = 1, .num_ranks = 2, .num_nodes = 1, .step = 12, .model_hash = detail::model_hash("m")};
 }
 
 std::string read_text(const fs::path& p) {
@@ -60,12 +64,12 @@ void reseal(std::vector<uint8_t>& bytes) {
   std::memcpy(bytes.data() + 64, &header, 8);
 }
 
-TEST(CheckpointFormat, RankFileRoundTrips) {
-  const std::vector<uint8_t> bytes = detail::serialize_rank_file(small_header(), small_state());
-  RankFileHeader h;
-  RankState s;
-  ASSERT_TRUE(detail::parse_rank_file(bytes, "f", &h, &s).is_ok());
-  EXPECT_EQ(h.rank, 1);
+TEST(CheckpointFormat, PartFileRoundTrips) {
+  const std::vector<uint8_t> bytes = detail::serialize_part_file(small_header(), small_state());
+  PartFileHeader h;
+  PartState s;
+  ASSERT_TRUE(detail::parse_part_file(bytes, "f", &h, &s).is_ok());
+  EXPECT_EQ(h.part, 1);
   EXPECT_EQ(h.num_ranks, 2);
   EXPECT_EQ(h.step, 12);
   EXPECT_EQ(h.model_hash, detail::model_hash("m"));
@@ -81,58 +85,58 @@ TEST(CheckpointFormat, RankFileRoundTrips) {
 // trip; reading one once passed a null pointer to memcpy (found by the
 // checkpoint fuzz target; UBSan fails this test without the fix).
 TEST(CheckpointFormat, EmptyValueListsRoundTrip) {
-  RankState state;
+  PartState state;
   state.params.push_back({"empty", {}, {}, {}});
   state.biases = {{}, {1.0f}};
-  const std::vector<uint8_t> bytes = detail::serialize_rank_file(small_header(), state);
-  RankFileHeader h;
-  RankState s;
-  ASSERT_TRUE(detail::parse_rank_file(bytes, "f", &h, &s).is_ok());
+  const std::vector<uint8_t> bytes = detail::serialize_part_file(small_header(), state);
+  PartFileHeader h;
+  PartState s;
+  ASSERT_TRUE(detail::parse_part_file(bytes, "f", &h, &s).is_ok());
   ASSERT_EQ(s.params.size(), 1u);
   EXPECT_TRUE(s.params[0].value.empty());
   EXPECT_EQ(s.biases, (std::vector<std::vector<float>>{{}, {1.0f}}));
-  EXPECT_EQ(detail::serialize_rank_file(h, s), bytes);
+  EXPECT_EQ(detail::serialize_part_file(h, s), bytes);
 }
 
 // The header's reserved word is 0 in format 2; another value is refused even
 // with the checksums made right (the fuzz target found one accepted once).
 TEST(CheckpointFormat, ANonZeroReservedWordIsRefused) {
-  std::vector<uint8_t> bytes = detail::serialize_rank_file(small_header(), small_state());
+  std::vector<uint8_t> bytes = detail::serialize_part_file(small_header(), small_state());
   bytes[28] = 1;
   reseal(bytes);
-  RankFileHeader h;
-  RankState s;
-  const Status status = detail::parse_rank_file(bytes, "f", &h, &s);
+  PartFileHeader h;
+  PartState s;
+  const Status status = detail::parse_part_file(bytes, "f", &h, &s);
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("reserved word is 1, not 0"), std::string::npos) << status.message();
 }
 
 TEST(CheckpointFormat, EveryTruncationAndBitFlipIsAnError) {
-  const std::vector<uint8_t> bytes = detail::serialize_rank_file(small_header(), small_state());
+  const std::vector<uint8_t> bytes = detail::serialize_part_file(small_header(), small_state());
   for (std::size_t n = 0; n < bytes.size(); ++n) {
-    RankFileHeader h;
-    RankState s;
-    EXPECT_FALSE(detail::parse_rank_file(std::span(bytes).first(n), "f", &h, &s).is_ok()) << "first " << n << " bytes";
+    PartFileHeader h;
+    PartState s;
+    EXPECT_FALSE(detail::parse_part_file(std::span(bytes).first(n), "f", &h, &s).is_ok()) << "first " << n << " bytes";
   }
   for (std::size_t i = 0; i < bytes.size(); ++i) {
     std::vector<uint8_t> flipped = bytes;
     flipped[i] ^= 0x10;
-    RankFileHeader h;
-    RankState s;
-    EXPECT_FALSE(detail::parse_rank_file(flipped, "f", &h, &s).is_ok()) << "bit 4 of byte " << i;
+    PartFileHeader h;
+    PartState s;
+    EXPECT_FALSE(detail::parse_part_file(flipped, "f", &h, &s).is_ok()) << "bit 4 of byte " << i;
   }
   std::vector<uint8_t> longer = bytes;
   longer.push_back(0);
-  RankFileHeader h;
-  RankState s;
-  Status st = detail::parse_rank_file(longer, "f", &h, &s);
+  PartFileHeader h;
+  PartState s;
+  Status st = detail::parse_part_file(longer, "f", &h, &s);
   EXPECT_NE(st.message().find("appended or cut"), std::string::npos) << st.to_string();
 }
 
 // Lengths that claim more than the file holds fail before anything is sized,
 // even with valid checksums.
 TEST(CheckpointFormat, AbsurdLengthsAreRefusedWithValidChecksums) {
-  const std::vector<uint8_t> good = detail::serialize_rank_file(small_header(), small_state());
+  const std::vector<uint8_t> good = detail::serialize_part_file(small_header(), small_state());
   struct Patch {
     std::size_t at;
     uint64_t value;
@@ -146,9 +150,9 @@ TEST(CheckpointFormat, AbsurdLengthsAreRefusedWithValidChecksums) {
     std::vector<uint8_t> bytes = good;
     std::memcpy(bytes.data() + p.at, &p.value, static_cast<std::size_t>(p.width));
     reseal(bytes);
-    RankFileHeader h;
-    RankState s;
-    Status st = detail::parse_rank_file(bytes, "f", &h, &s);
+    PartFileHeader h;
+    PartState s;
+    Status st = detail::parse_part_file(bytes, "f", &h, &s);
     EXPECT_FALSE(st.is_ok());
     EXPECT_NE(st.message().find(p.expect), std::string::npos) << st.to_string();
   }
@@ -157,7 +161,7 @@ TEST(CheckpointFormat, AbsurdLengthsAreRefusedWithValidChecksums) {
 // A short, deterministic mutation run (random bytes overwritten, inserted or
 // cut): the parser never crashes and never accepts a changed file.
 TEST(CheckpointFormat, RandomMutationsNeverCrashOrPass) {
-  const std::vector<uint8_t> good = detail::serialize_rank_file(small_header(), small_state());
+  const std::vector<uint8_t> good = detail::serialize_part_file(small_header(), small_state());
   uint64_t seed = 12345;
   auto next = [&] { return (seed = seed * 6364136223846793005u + 1442695040888963407u) >> 33; };
   for (int i = 0; i < 3000; ++i) {
@@ -171,9 +175,9 @@ TEST(CheckpointFormat, RandomMutationsNeverCrashOrPass) {
       }
     }
     if (bytes == good) continue;
-    RankFileHeader h;
-    RankState s;
-    EXPECT_FALSE(detail::parse_rank_file(bytes, "f", &h, &s).is_ok()) << "mutation " << i;
+    PartFileHeader h;
+    PartState s;
+    EXPECT_FALSE(detail::parse_part_file(bytes, "f", &h, &s).is_ok()) << "mutation " << i;
   }
 }
 
@@ -182,8 +186,12 @@ CheckpointMeta small_meta() {
   m.step = 12;
   m.num_ranks = 2;
   m.num_nodes = 1;
+  m.ep = 2;
+  m.num_slots = 4;
   m.fingerprint = "task=regression experts=8";
-  m.files = {{"rank-0.bin", 100, 0x1234}, {"rank-1.bin", 101, 0xfedcba9876543210}};
+  m.files = {{"dense.bin", 100, 0x1234, {}},
+             {"experts-0.bin", 101, 0xfedcba9876543210, {{0, 1}}},
+             {"experts-1.bin", 102, 0x42, {{2}}}};
   m.layer_slots = {{0, 1, -1, 2}};
   m.eplb_window = {{5, 6, 7}};
   return m;
@@ -195,8 +203,13 @@ TEST(CheckpointFormat, MetaRoundTripsAndAnyEditIsCaught) {
   ASSERT_TRUE(detail::parse_checkpoint_meta(text, "meta.json", &m).is_ok());
   EXPECT_EQ(m.step, 12);
   EXPECT_EQ(m.fingerprint, "task=regression experts=8");
-  ASSERT_EQ(m.files.size(), 2u);
+  ASSERT_EQ(m.files.size(), 3u);
   EXPECT_EQ(m.files[1].xxh3, 0xfedcba9876543210u);
+  EXPECT_EQ(m.ep, 2);
+  EXPECT_EQ(m.num_slots, 4);
+  EXPECT_TRUE(m.files[0].experts.empty());
+  EXPECT_EQ(m.files[1].experts, (std::vector<std::vector<int32_t>>{{0, 1}}));
+  EXPECT_EQ(m.files[2].experts, (std::vector<std::vector<int32_t>>{{2}}));
   EXPECT_EQ(m.layer_slots, small_meta().layer_slots);
   EXPECT_EQ(m.eplb_window, small_meta().eplb_window);
 
@@ -242,7 +255,7 @@ TEST(Checkpoint, SavesStepFoldersKeepsTheNewestAndResumesFromLatestOrAStep) {
             (std::vector<std::string>{".epx-checkpoints", "latest", "step-000004", "step-000005"}));
   EXPECT_EQ(read_text(fs::path(c.save_dir) / "latest"), "step-000005\n");
   EXPECT_EQ(entries(fs::path(c.save_dir) / "step-000005"),
-            (std::vector<std::string>{"meta.json", "rank-0.bin", "rank-1.bin"}));
+            (std::vector<std::string>{"dense.bin", "experts-0.bin", "experts-1.bin", "meta.json"}));
 
   TrainConfig r = tiny(2, 6);
   r.resume_dir = c.save_dir;
@@ -364,32 +377,32 @@ class Corrupt : public ::testing::Test {
 TEST_F(Corrupt, IntactResumes) { EXPECT_TRUE(check_resume(resume_).is_ok()); }
 
 TEST_F(Corrupt, FlippedBit) {
-  std::vector<uint8_t> b = bytes(step_ / "rank-1.bin");
+  std::vector<uint8_t> b = bytes(step_ / "experts-1.bin");
   b[b.size() / 2] ^= 1;
-  put(step_ / "rank-1.bin", b);
-  expect_refused(StatusCode::kInvalidArgument, "rank-1.bin: the payload's checksum is");
+  put(step_ / "experts-1.bin", b);
+  expect_refused(StatusCode::kInvalidArgument, "experts-1.bin: the payload's checksum is");
 }
 
 TEST_F(Corrupt, AppendedAndMissingBytes) {
-  std::vector<uint8_t> b = bytes(step_ / "rank-0.bin");
+  std::vector<uint8_t> b = bytes(step_ / "dense.bin");
   b.push_back(0);
-  put(step_ / "rank-0.bin", b);
-  expect_refused(StatusCode::kInvalidArgument, "rank-0.bin is " + std::to_string(b.size()) + " bytes; meta.json lists");
+  put(step_ / "dense.bin", b);
+  expect_refused(StatusCode::kInvalidArgument, "dense.bin is " + std::to_string(b.size()) + " bytes; meta.json lists");
   b.resize(b.size() - 2);
-  put(step_ / "rank-0.bin", b);
+  put(step_ / "dense.bin", b);
   expect_refused(StatusCode::kInvalidArgument, "(bytes appended or cut)");
 }
 
-TEST_F(Corrupt, SwappedRankFiles) {
-  fs::rename(step_ / "rank-0.bin", step_ / "x");
-  fs::rename(step_ / "rank-1.bin", step_ / "rank-0.bin");
-  fs::rename(step_ / "x", step_ / "rank-1.bin");
-  expect_refused(StatusCode::kInvalidArgument, "rank-0.bin holds rank 1's part, not rank 0's");
+TEST_F(Corrupt, SwappedExpertFiles) {
+  fs::rename(step_ / "experts-0.bin", step_ / "x");
+  fs::rename(step_ / "experts-1.bin", step_ / "experts-0.bin");
+  fs::rename(step_ / "x", step_ / "experts-1.bin");
+  expect_refused(StatusCode::kInvalidArgument, "experts-0.bin holds the part of experts-1.bin, not of experts-0.bin");
 }
 
-TEST_F(Corrupt, MissingRankFile) {
-  fs::remove(step_ / "rank-1.bin");
-  expect_refused(StatusCode::kNotFound, "has no rank-1.bin");
+TEST_F(Corrupt, MissingExpertFile) {
+  fs::remove(step_ / "experts-1.bin");
+  expect_refused(StatusCode::kNotFound, "has no experts-1.bin");
 }
 
 TEST_F(Corrupt, EditedMeta) {
@@ -401,22 +414,22 @@ TEST_F(Corrupt, EditedMeta) {
 
 TEST_F(Corrupt, ForeignMeta) {
   fs::copy_file(other_ / "meta.json", step_ / "meta.json", fs::copy_options::overwrite_existing);
-  expect_refused(StatusCode::kInvalidArgument, "rank-0.bin hashes to");
+  expect_refused(StatusCode::kInvalidArgument, "dense.bin hashes to");
 }
 
-TEST_F(Corrupt, RankFileOfAnotherCheckpoint) {
-  fs::copy_file(other_ / "rank-1.bin", step_ / "rank-1.bin", fs::copy_options::overwrite_existing);
+TEST_F(Corrupt, FileOfAnotherCheckpoint) {
+  fs::copy_file(other_ / "experts-1.bin", step_ / "experts-1.bin", fs::copy_options::overwrite_existing);
   expect_refused(StatusCode::kInvalidArgument, "(a file of another checkpoint?)");
 }
 
 // A header edited with valid checksums still disagrees with meta.json.
 TEST_F(Corrupt, ResealedHeaderOfAnotherStep) {
-  std::vector<uint8_t> b = bytes(step_ / "rank-0.bin");
+  std::vector<uint8_t> b = bytes(step_ / "experts-0.bin");
   const int64_t step = 1;
   std::memcpy(b.data() + 32, &step, 8);
   reseal(b);
-  put(step_ / "rank-0.bin", b);
-  expect_refused(StatusCode::kInvalidArgument, "rank-0.bin is of step 1; meta.json says step 2");
+  put(step_ / "experts-0.bin", b);
+  expect_refused(StatusCode::kInvalidArgument, "experts-0.bin is of step 1; meta.json says step 2");
 }
 
 TEST_F(Corrupt, AnotherModel) {
@@ -424,10 +437,49 @@ TEST_F(Corrupt, AnotherModel) {
   expect_refused(StatusCode::kInvalidArgument, "is of another model: ffn=16 in the checkpoint, ffn=32 in this run");
 }
 
-TEST_F(Corrupt, AnotherRankCount) {
+// Another layout is no error: it reshards (tests/train/reshard_test.cc).
+TEST_F(Corrupt, AnotherRankCountResumes) {
   resume_.num_ranks = 4;
-  expect_refused(StatusCode::kInvalidArgument, "written by 2 ranks on 1 nodes; this run has 4 ranks on 1 nodes "
-                                               "(resuming on another layout needs resharding");
+  EXPECT_TRUE(check_resume(resume_).is_ok());
+  auto note = resume_note(resume_);
+  ASSERT_TRUE(note.is_ok()) << note.status().to_string();
+  EXPECT_NE(note->find("written by 2 ranks on 1 node (EP 2, 8 slots per layer) onto 4 ranks on 1 node (EP 4"),
+            std::string::npos) << *note;
+  EXPECT_TRUE(train(resume_).is_ok());
+}
+
+// meta.json edited with its checksum made right: what its file list promises
+// is checked before any file is read.
+class CorruptMeta : public Corrupt {
+ protected:
+  void edit(const std::function<void(nlohmann::json&)>& change) {
+    nlohmann::json j = nlohmann::json::parse(read_text(step_ / "meta.json"));
+    change(j);
+    j.erase("meta_xxh3");
+    j["meta_xxh3"] = fmt::format("{:016x}", XXH3_64bits(j.dump().data(), j.dump().size()));
+    write_text(step_ / "meta.json", j.dump(2));
+  }
+};
+
+TEST_F(CorruptMeta, AnOlderFormatIsNamed) {
+  edit([](nlohmann::json& j) { j["version"] = 2; });
+  expect_refused(StatusCode::kInvalidArgument,
+                 "checkpoint format version 2; this epx reads 3 (format 3 stores experts in logical order");
+}
+
+TEST_F(CorruptMeta, AnExpertListedTwice) {
+  edit([](nlohmann::json& j) { j["files"][2]["experts"][0].push_back(j["files"][1]["experts"][0][0]); });
+  expect_refused(StatusCode::kInvalidArgument, "lists layer 0's expert 0 in both experts-0.bin and experts-1.bin");
+}
+
+TEST_F(CorruptMeta, AnExpertListedNowhere) {
+  edit([](nlohmann::json& j) { j["files"][1]["experts"][1].erase(0); });
+  expect_refused(StatusCode::kInvalidArgument, "lists no file for layer 1's expert 0");
+}
+
+TEST_F(CorruptMeta, AnExpertFileMissingFromTheList) {
+  edit([](nlohmann::json& j) { j["files"].erase(2); });
+  expect_refused(StatusCode::kInvalidArgument, "lists 2 files; ep = 2 needs 3");
 }
 
 TEST_F(Corrupt, LatestNamesAMissingFolder) {

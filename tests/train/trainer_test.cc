@@ -108,19 +108,11 @@ TEST(Trainer, ResumedRunContinuesWithTheSameBits) {
   expect_resume_gives_the_same_bits(straight, 3);
 }
 
-TEST(Trainer, ResumeRejectsAnotherRankCountAndAMissingFolder) {
+TEST(Trainer, ResumeRefusesAMissingFolder) {
   testing::TempDir dir;
-  TrainConfig c = tiny(2, 2);
-  c.save_dir = (dir.path() / "ckpt").string();
-  run(c);
   TrainConfig other = tiny(4, 4);
-  other.resume_dir = c.save_dir;
-  auto s = train(other);
-  ASSERT_FALSE(s.is_ok());
-  EXPECT_NE(s.status().message().find("written by 2 ranks on 1 nodes; this run has 4 ranks"), std::string::npos)
-      << s.status().to_string();
   other.resume_dir = (dir.path() / "nothing").string();
-  s = train(other);
+  auto s = train(other);
   ASSERT_FALSE(s.is_ok());
   EXPECT_EQ(s.status().code(), StatusCode::kNotFound) << s.status().to_string();
 }

@@ -27,10 +27,13 @@
 // experts over eplb_slots physical slots with redundant replicas, from the
 // window's per-expert loads); they combine (e.g. bias + capacity, bias + eplb).
 //
-// Checkpoints (save_dir / resume_dir) hold every rank's parameters, AdamW
-// moments, expert biases, the step and (eplb) each layer's placement and the
-// current window's loads; a resumed run continues with the same bits as an
-// uninterrupted one. save_dir is a folder epx owns: it must be new, empty or
+// Checkpoints (save_dir / resume_dir) are in logical order: each dense
+// parameter and each logical expert once with its AdamW moments, the expert
+// biases, the step and (eplb) the current window's loads, plus the layout that
+// wrote them. Any layout of the same model resumes from one (resharding); on
+// the same layout (ranks, nodes, EP, slots) the resumed run continues with the
+// same bits as an uninterrupted one, on another within fp32 reassociation.
+// save_dir is a folder epx owns: it must be new, empty or
 // already hold epx's marker `.epx-checkpoints` (nothing else is ever deleted
 // or overwritten). Each save is a step folder (step-000120/) written under a
 // temporary name, fsynced and renamed, then recorded in `latest` (replaced
@@ -148,8 +151,10 @@ struct EplbReport {
   // the old and the new placement (1 = perfectly even).
   std::vector<double> balance_before, balance_after;
   int num_moved_slots = 0;  // all layers, all EP groups (each moves the same slots inside itself)
-  // Bytes a real system would send: moved slots x (w1, w3, w2 and their two
-  // AdamW moments, f32). epx moves them with a full-table all-reduce.
+  // Bytes a real system would send between ranks, over every EP group: one
+  // expert (w1, w3, w2 and their two AdamW moments, f32) per slot whose new
+  // expert was not on its rank before (a replica already there is a local
+  // copy). epx moves them with a full-table all-reduce.
   int64_t moved_bytes = 0;
 };
 
@@ -187,12 +192,11 @@ struct TrainSummary {
   std::vector<std::vector<int32_t>> layer_slots;  // eplb: the final slot -> expert map per layer
 };
 
-// With a resume folder: its meta file matches this configuration (ranks,
-// nodes, model shape; another layout is refused until resharding exists),
-// every rank's file is there, whole and of this checkpoint (sizes, headers,
-// checksums), and its step is at most config.steps. Reads every file once.
-// NotFound / InvalidArgument naming the file and what differs otherwise.
-[[nodiscard]] Status check_resume(const TrainConfig& config);
+// With a resume folder: its meta file is of this model (any layout: ranks,
+// EP, nodes, eplb slots), every file it lists is there, whole and of this
+// checkpoint (sizes, headers, checksums), and its step is at most
+// config.steps. Reads every file once.
+Status check_resume(const TrainConfig& config);
 
 // What --save needs, found before step 1 by check_save.
 struct SavePlan {
@@ -236,6 +240,14 @@ class StepCallback {
  private:
   std::function<Status(const StepReport&)> fn_;
 };
+
+// With a resume folder written by another layout (ranks, nodes, EP, eplb
+// slots): one line saying so and how the experts are placed now (e.g.
+// "resharding checkpoint ck (step 6) written by 4 ranks on 1 node (EP 4, 12
+// slots per layer, eplb) onto 2 ranks ...: expert placement computed anew from
+// the saved eplb window loads"). Empty without a resume folder or on the same
+// layout (the run then continues with the same bits as one that never stopped).
+[[nodiscard]] Result<std::string> resume_note(const TrainConfig& config);
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step = {}, bool keep_parameters = false);
 
