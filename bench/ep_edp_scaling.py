@@ -71,7 +71,7 @@ def read_metrics(path, skip):
 
 def train_has(epx, flag):
     out = run([epx, "train", "--help"]).stdout
-    return flag in out
+    return re.search(r"(^|\s)" + re.escape(flag) + r"[\s,=]", out) is not None
 
 
 # ---- the prediction side ---------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def sim_sets(case, flops, rate, nic_latency, allreduce):
         "parallelism.ep": EP, "parallelism.tokens_per_gpu": TOKENS_PER_RANK, "parallelism.micro_batches": 1,
         "parallelism.dispatch": "two_hop" if nodes > 1 and EP > ranks // nodes else "flat",
         "parallelism.grad_overlap": "true" if case["overlap"] else "false",
-        "parallelism.allreduce": allreduce, "parallelism.grad_bucket_bytes": 1 << 20,
+        "parallelism.allreduce": allreduce, "parallelism.grad_bucket_bytes": 4 << 20,  # epx train's default
         "routing.distribution": "uniform", "routing.sample_tokens": TOKENS_PER_RANK,
         "schedule.overlap": "none", "run.steps": 3, "run.threads": 1,
         "hardware.compute.bf16_flops": flops, "hardware.compute.gemm_efficiency": 1.0,

@@ -106,8 +106,8 @@ std::string grad_sync_lines(const sim::Scenario& base, const sim::SimResult& r) 
   auto mib = [](double b) { return b / (1 << 20); };
   return fmt::format(
       "gradient all-reduce per GPU: routed experts {:.2f} MiB over EDP {} ranks ({}, sends {:.2f} MiB, {:.3f} ms "
-      "alone); dense {:.2f} MiB over all {} ranks ({}, sends {:.2f} MiB, {:.3f} ms alone); {} buckets (each closed at "
-      "the first layer end past {:.0f} MiB), overlap {}\n"
+      "alone); dense {:.2f} MiB over all {} ranks ({}, sends {:.2f} MiB, {:.3f} ms alone); {} buckets of at most "
+      "{:.0f} MiB (whole layers), overlap {}\n"
       "gradient all-reduce in the step (p50): busy {} ms, exposed {} ms, hidden {}; gradients held {:.2f} MiB per "
       "GPU\n",
       mib(r.expert_grad_bytes), r.edp_ranks, g.edp.algorithm, mib(g.edp.bytes_sent), 1e3 * g.edp.seconds,

@@ -71,21 +71,31 @@ AllReduceCost hierarchical(double bytes, const GroupShape& g, const HardwareProf
   return c;
 }
 
-// Buckets of one group, walked in backward order (last layer first).
+// Buckets of one group, walked in backward order (last layer first): a
+// bucket takes layers while they fit in bucket_bytes (a layer larger than
+// that is a bucket of its own) and is ready when its last layer's backward
+// has ended. first_extra (the head) joins the first bucket, last_extra (the
+// embedding) the last, ready when the whole backward has ended.
 void add_buckets(const std::vector<double>& per_layer, double first_extra, double last_extra, bool expert,
                  const GradSyncInput& in, double bucket_bytes, std::vector<Bucket>* out) {
-  double pending = first_extra;
   const int layers = static_cast<int>(per_layer.size());
+  double pending = first_extra, ready = in.backward_start_s;
+  auto close = [&] {
+    if (pending > 0) out->push_back({expert, pending, ready, 0, 0});
+    pending = 0;
+  };
   for (int l = layers - 1; l >= 0; --l) {
+    if (per_layer[l] <= 0) continue;
+    if (bucket_bytes > 0 && pending > 0 && pending + per_layer[l] > bucket_bytes) close();
     pending += per_layer[l];
-    if (pending > 0 && bucket_bytes > 0 && pending >= bucket_bytes) {
-      out->push_back({expert, pending, in.layer_backward_end_s[l], 0, 0});
-      pending = 0;
-    }
+    ready = in.layer_backward_end_s[l];
   }
-  const double ready = last_extra > 0 || layers == 0 ? in.backward_end_s : in.layer_backward_end_s[0];
-  pending += last_extra;
-  if (pending > 0) out->push_back({expert, pending, ready, 0, 0});
+  if (last_extra > 0) {
+    if (bucket_bytes > 0 && pending > 0 && pending + last_extra > bucket_bytes) close();
+    pending += last_extra;
+    ready = in.backward_end_s;
+  }
+  close();
 }
 
 }  // namespace

@@ -156,6 +156,16 @@ TEST(SimGradSync, BucketsStartWhenTheirLayerIsDoneAndHideBehindTheBackward) {
   EXPECT_DOUBLE_EQ(off.exposed_s, off.busy_s);
   EXPECT_DOUBLE_EQ(off.hidden_share, 0.0);
   EXPECT_NEAR(on.busy_s, off.busy_s, 1e-15);
+  // Smaller layers share a bucket while they fit: layers 2 and 1 (0.8 MiB), then layer 0 alone.
+  in.bytes.expert_per_layer = {0.4 * (1 << 20), 0.4 * (1 << 20), 0.4 * (1 << 20)};
+  const GradSyncResult packed = schedule_grad_sync(in, s);
+  ASSERT_EQ(packed.buckets.size(), 2u);
+  EXPECT_DOUBLE_EQ(packed.buckets[0].bytes, 0.8 * (1 << 20));
+  EXPECT_DOUBLE_EQ(packed.buckets[0].ready_s, 0.3);  // overlap off: after the backward
+  s.parallelism.grad_overlap = true;
+  const GradSyncResult packed_on = schedule_grad_sync(in, s);
+  EXPECT_DOUBLE_EQ(packed_on.buckets[0].ready_s, 0.2);  // layer 1's backward end
+  EXPECT_DOUBLE_EQ(packed_on.buckets[1].ready_s, 0.3);
 }
 
 TEST(SimGradSync, OverlapNeverMakesAStepSlower) {

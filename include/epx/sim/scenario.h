@@ -100,7 +100,7 @@ struct ParallelismConfig {
   // Gradient all-reduces (grad_sync.h): routed experts over the EDP group
   // (GPUs per stage / ep), dense parameters over all GPUs of the stage.
   bool grad_overlap = true;               // buckets start as the backward makes them ready
-  int64_t grad_bucket_bytes = 25 << 20;   // 0 = one bucket per group
+  int64_t grad_bucket_bytes = 25 << 20;   // at most, whole layers (a larger layer alone); 0 = one bucket per group
   std::string allreduce = "auto";         // ring, hierarchical or auto (the faster)
 };
 
