@@ -18,6 +18,7 @@
 #include "commands.h"
 #include "launch.h"
 #include "epx/comm/mpi.h"
+#include "epx/comm/parallel_layout.h"
 #include "epx/core/clock.h"
 #include "epx/core/memory.h"
 #include "epx/observe/chrome_trace.h"
@@ -97,6 +98,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"run.batch_tokens", bind(o.batch_tokens, {.min = 1, .max = kMaxBatchTokens})},
       {"run.seed", non_negative(o.seed)},
       {"run.timeout", bind(o.timeout_s)},
+      {"parallelism.ep", bind(o.ep, {.min = 0, .max = 256})},
       {"data.source", bind(o.data)},
       {"data.input_dim", positive(o.input_dim)},
       {"data.output_dim", positive(o.output_dim)},
@@ -161,7 +163,7 @@ Status apply_config(const toml::table& table, const std::string& path, TrainOpti
   for (auto&& [section, node] : table) {
     const auto* inner = node.as_table();
     if (!inner)
-      return invalid_argument("{}: '{}' is not a section; keys live in [run], [data], [model], [balance], [optim], [output]",
+      return invalid_argument("{}: '{}' is not a section; keys live in [run], [parallelism], [data], [model], [balance], [optim], [output]",
                               path, std::string(section.str()));
     for (auto&& [key, value] : *inner) {
       const std::string name = fmt::format("{}.{}", section.str(), key.str());
@@ -178,6 +180,7 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   TrainConfig c;
   c.num_ranks = o.num_ranks;
   c.num_nodes = o.num_nodes;
+  c.ep = o.ep;
   c.steps = o.steps;
   c.batch_tokens = o.batch_tokens;
   ModelConfig& m = c.model;
@@ -353,9 +356,11 @@ std::FILE* text_stream(const TrainOptions& o) { return o.metrics_path == "-" ? s
 void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
   const ModelConfig& m = c.model;
   fmt::print(stderr,
-             "epx train: {} {} ranks ({} nodes), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
+             "epx train: {} {} ranks ({} nodes{}), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
              "{} tokens/step, balancing {}, data {}\n",
-             c.num_ranks, mpi ? "MPI" : "in-process", c.num_nodes, m.num_layers, m.layer.router.num_experts,
+             c.num_ranks, mpi ? "MPI" : "in-process", c.num_nodes,
+             c.ep_size() == c.num_ranks ? "" : fmt::format(", EP {} x EDP {}", c.ep_size(), c.num_ranks / c.ep_size()),
+             m.num_layers, m.layer.router.num_experts,
              m.layer.router.topk, m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype), c.batch_tokens,
              c.balancing.name(), o.data);
 }
@@ -376,11 +381,14 @@ void print_dry_run(const TrainOptions& o, const TrainConfig& c, const MemoryEsti
   auto model = c.resolved_model();
   const ModelConfig& m = model.is_ok() ? *model : c.model;
   const int E = m.layer.router.num_experts;
-  const int slots = c.balancing.eplb ? c.balancing.slots(E, c.num_ranks) : E;
+  const int slots = c.balancing.eplb ? c.balancing.slots(E, c.ep_size()) : E;
+  if (auto topology = Topology::create(c.num_ranks, c.num_nodes); topology.is_ok())
+    if (auto layout = ParallelLayout::create(*topology, c.ep); layout.is_ok())
+      fmt::print(out, "layout: {}\n", layout->describe());
   fmt::print(out, "{}", format_table({"derived size", "value"},
                                      {{"tokens per rank (max_tokens_per_rank)", fmt::format("{}", m.max_tokens_per_rank)},
-                                      {"expert slots per layer", fmt::format("{}", slots)},
-                                      {"experts per rank per layer", fmt::format("{}", slots / c.num_ranks)},
+                                      {"expert slots per layer (per EP group)", fmt::format("{}", slots)},
+                                      {"experts per rank per layer", fmt::format("{}", slots / c.ep_size())},
                                       {"expanded rows per rank (balanced routing)",
                                        fmt::format("{}", int64_t{m.max_tokens_per_rank} * m.layer.router.topk)},
                                       {"ranks in this process", fmt::format("{}", e.copies)}}));
@@ -431,6 +439,13 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "host's ranks split into emulated nodes")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
+  cmd->add_option("--ep", o.ep,
+                  "Ranks per expert-parallel group (0 = all ranks); must divide --ranks. The --ranks / --ep EP groups "
+                  "each hold every expert once and are data-parallel to each other: routed-expert gradients are "
+                  "summed over the ranks holding the same experts, dense ones over all ranks. An EP group is "
+                  "consecutive ranks, filling nodes before spanning them; --dry-run prints the groups")
+      ->check(CLI::Range(0, 256))
+      ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "Where the ranks run: inproc (threads of this process), mpi (one rank per process, started by "
                   "mpirun or srun --mpi=pmix), auto (mpi when an MPI launcher started this process)")
@@ -455,7 +470,8 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--layers", o.layers, "MoE layers")->capture_default_str();
   cmd->add_option("--hidden", o.hidden, "Hidden size")->capture_default_str();
   cmd->add_option("--ffn-hidden", o.ffn_hidden, "Width of each expert")->capture_default_str();
-  cmd->add_option("--experts", o.experts, "Routed experts per layer (a multiple of --ranks)")->capture_default_str();
+  cmd->add_option("--experts", o.experts, "Routed experts per layer (a multiple of --ep, or of --ranks without it)")
+      ->capture_default_str();
   cmd->add_option("--topk", o.topk, "Experts per token")->capture_default_str();
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (every token, every rank)")->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "Dispatch payload and expert GEMMs: f32 or bf16")
@@ -485,8 +501,8 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
       ->capture_default_str();
   cmd->add_option("--eplb-slots", o.eplb_slots,
-                  "eplb: physical expert slots per layer, >= --experts and a multiple of --ranks (0 = experts plus one "
-                  "redundant slot per rank)")
+                  "eplb: physical expert slots per layer of each EP group, >= --experts and a multiple of --ep (0 = "
+                  "experts plus one redundant slot per EP rank)")
       ->capture_default_str();
   cmd->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->capture_default_str();

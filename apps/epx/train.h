@@ -24,6 +24,8 @@ struct TrainOptions {
   int64_t batch_tokens = 512;
   uint64_t seed = 1;
   double timeout_s = 60;  // bound on every wait for the other ranks (ModelConfig::timeout)
+  // [parallelism]
+  int ep = 0;  // ranks per EP group (0 = all ranks); the rest is expert-data-parallel
   // [data]
   std::string data = "synthetic";  // or text:FILE
   int input_dim = 32;
@@ -53,7 +55,7 @@ struct TrainOptions {
   double bias_rate = 3e-3;
   double capacity_factor = 1.25;
   int64_t eplb_every = 50;  // eplb: steps between re-placements
-  int eplb_slots = 0;       // eplb: physical slots per layer (0 = experts + one per rank)
+  int eplb_slots = 0;       // eplb: physical slots per layer and EP group (0 = experts + one per EP rank)
   // [optim]
   double lr = 3e-3;
   int64_t warmup = 20;

@@ -167,32 +167,38 @@ void AtomicCounters::reset() {
     c->store(0, std::memory_order_relaxed);
 }
 
-std::string rank_list(std::span<const int> ranks) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (std::size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
-  return out;
+std::string rank_list(std::span<const int> ranks, std::span<const int> world_ranks) {
+  auto list = [&](bool world) {
+    std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < ranks.size(); ++i)
+      out += (i ? ", " : "") + std::to_string(world ? world_ranks[ranks[i]] : ranks[i]);
+    return out;
+  };
+  if (world_ranks.empty()) return list(false);
+  return fmt::format("{} ({} of the group)", list(true), list(false));
 }
 
-std::string arrival_report(std::span<const Arrival> arrivals) {
+std::string arrival_report(std::span<const Arrival> arrivals, std::span<const int> world_ranks) {
   std::vector<int> by_kind[4];
   for (int r = 0; r < static_cast<int>(arrivals.size()); ++r) by_kind[static_cast<int>(arrivals[r])].push_back(r);
   const std::vector<int>& arrived = by_kind[static_cast<int>(Arrival::kArrived)];
   const std::vector<int>& missing = by_kind[static_cast<int>(Arrival::kMissing)];
   const std::vector<int>& behind = by_kind[static_cast<int>(Arrival::kBehind)];
   const std::vector<int>& unknown = by_kind[static_cast<int>(Arrival::kUnknown)];
+  auto names = [&](const std::vector<int>& ranks) { return rank_list(ranks, world_ranks); };
   std::string out;
   if (!missing.empty()) {
-    out = fmt::format("{} did not arrive", rank_list(missing));
+    out = fmt::format("{} did not arrive", names(missing));
   } else {
     out = "every rank visible from here had arrived (one stalled inside the collective, or on another host)";
   }
   std::string waited;
-  if (!arrived.empty()) waited = fmt::format("{} waited", rank_list(arrived));
+  if (!arrived.empty()) waited = fmt::format("{} waited", names(arrived));
   if (!behind.empty())
     waited += fmt::format("{}{} {} still waiting in an earlier collective", waited.empty() ? "" : "; ",
-                          rank_list(behind), behind.size() == 1 ? "was" : "were");
+                          names(behind), behind.size() == 1 ? "was" : "were");
   if (!waited.empty()) out += fmt::format(" ({})", waited);
-  if (!unknown.empty()) out += fmt::format("; {} not seen from this host", rank_list(unknown));
+  if (!unknown.empty()) out += fmt::format("; {} not seen from this host", names(unknown));
   return out;
 }
 

@@ -82,10 +82,12 @@ enum class Arrival : uint8_t { kArrived, kMissing, kBehind, kUnknown };
 // For deadline messages, from every rank's arrival: "rank 2 did not arrive
 // (ranks 1, 3 waited; rank 0 was still waiting in an earlier collective)";
 // ranks whose arrival this rank cannot see are listed as not seen from here.
-std::string arrival_report(std::span<const Arrival> arrivals);
+// In a group (world_ranks: the world rank of each group rank) ranks are
+// named by world rank first: "rank 6 (rank 2 of the group) did not arrive".
+std::string arrival_report(std::span<const Arrival> arrivals, std::span<const int> world_ranks = {});
 
-// "rank 2", "ranks 0, 1, 3".
-std::string rank_list(std::span<const int> ranks);
+// "rank 2", "ranks 0, 1, 3"; in a group "ranks 4, 5 (ranks 0, 1 of the group)".
+std::string rank_list(std::span<const int> ranks, std::span<const int> world_ranks = {});
 
 // InvalidArgument unless 0 <= peer < num_ranks and tag >= 0.
 Status check_peer_and_tag(int peer, int tag, int num_ranks);

@@ -41,9 +41,20 @@ std::string ParallelLayout::describe_group(const char* kind, int index, const st
 std::string ParallelLayout::describe() const {
   std::string text = fmt::format("{} rank{} on {}: EP {} x EDP {}", num_ranks_, num_ranks_ == 1 ? "" : "s",
                                  topology_.describe(), ep_, edp());
-  for (int g = 0; g < edp(); ++g) text += "\n" + describe_group("EP", g, ep_members(g));
-  for (int j = 0; j < ep_; ++j) text += "\n" + describe_group("EDP", j, edp_members(j));
+  for (int g = 0; g < edp(); ++g) text.append("\n").append(describe_group("EP", g, ep_members(g)));
+  for (int j = 0; j < ep_; ++j) text.append("\n").append(describe_group("EDP", j, edp_members(j)));
   return text;
+}
+
+Result<ParallelGroups> split_parallel(Transport& world, const ParallelLayout& layout, const Deadline& deadline) {
+  if (layout.num_ranks() != world.num_ranks())
+    return invalid_argument("split_parallel: the layout is for {} ranks but the transport has {}", layout.num_ranks(),
+                            world.num_ranks());
+  const int rank = world.rank();
+  ParallelGroups groups;
+  EPX_ASSIGN_OR_RETURN(groups.ep, world.split(layout.ep_group(rank), layout.ep_rank(rank), deadline));
+  EPX_ASSIGN_OR_RETURN(groups.edp, world.split(layout.edp_group(rank), layout.edp_rank(rank), deadline));
+  return groups;
 }
 
 }  // namespace epx

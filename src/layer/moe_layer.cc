@@ -103,7 +103,8 @@ Status MoELayerConfig::validate() const {
 
 struct MoELayer::Impl {
   MoELayerConfig config;
-  Transport& transport;
+  Transport& transport;  // the EP group: the Buffer's and the replica sums'
+  Transport& global;     // every rank of the run: aux losses, load statistics
   Buffer& buffer;
   int layer_index = 0;
   const char* phase_name = "";  // the phase entered last (router, dispatch, ...), for error messages
@@ -175,7 +176,7 @@ struct MoELayer::Impl {
   class Phase {
    public:
     Phase(Impl& impl, double& slot, const char* name)
-        : slot_(slot), span_(impl.tracer, impl.transport.rank(), name) {
+        : slot_(slot), span_(impl.tracer, impl.global.world_rank(impl.global.rank()), name) {
       impl.phase_name = name;
     }
     ~Phase() { slot_ += watch_.seconds(); }
@@ -188,8 +189,8 @@ struct MoELayer::Impl {
     ScopedSpan span_;
   };
 
-  Impl(const MoELayerConfig& c, Transport& t, Buffer& b, int index)
-      : config(c), transport(t), buffer(b), layer_index(index), bias(c.router.num_experts, c.bias_rate) {}
+  Impl(const MoELayerConfig& c, Transport& t, Transport& g, Buffer& b, int index)
+      : config(c), transport(t), global(g), buffer(b), layer_index(index), bias(c.router.num_experts, c.bias_rate) {}
 
   [[nodiscard]] int hidden() const { return config.hidden; }
   [[nodiscard]] int shared_width() const { return config.num_shared_experts * config.ffn_hidden; }
@@ -401,7 +402,7 @@ struct MoELayer::Impl {
       stats.tokens_per_expert = std::move(logical);
       stats.summarize();
     }
-    EPX_RETURN_IF_ERROR(sum_load_stats_over_ranks(transport, &stats, deadline()));
+    EPX_RETURN_IF_ERROR(sum_load_stats_over_ranks(global, &stats, deadline()));
     phase.reset();
     return Status::ok();
   }
@@ -717,7 +718,7 @@ struct MoELayer::Impl {
     const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {T, E});
     aux_loss = 0.0;
     aux_grad_logits.assign(static_cast<std::size_t>(T * E), 0.0f);
-    const double R = transport.num_ranks();
+    const double R = global.num_ranks();
     auto add = [&](const LossAndGrad& term, double loss_scale, double grad_scale) {
       aux_loss += term.loss * loss_scale;
       for (std::size_t i = 0; i < term.grad_logits.size(); ++i)
@@ -728,7 +729,7 @@ struct MoELayer::Impl {
       const double c = config.aux_loss_coeff;
       if (config.aux_loss == AuxLossKind::kGlobalBatch) {
         EPX_ASSIGN_OR_RETURN(LossAndGrad term, global_load_balancing_loss(config.router.score_function, logits_view,
-                                                                          idx, transport, deadline()));
+                                                                          idx, global, deadline()));
         add(term, c / R, c);  // one loss for all ranks; each holds the gradient of its own logits
       } else if (T > 0) {
         EPX_ASSIGN_OR_RETURN(LossAndGrad term, load_balancing_loss(config.router.score_function, logits_view, idx));
@@ -908,15 +909,16 @@ struct MoELayer::Impl {
 };
 
 Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config, Transport& transport, Buffer& buffer,
-                                                   int layer_index, std::vector<int32_t> slot_expert) {
+                                                   int layer_index, std::vector<int32_t> slot_expert,
+                                                   Transport* global) {
   return detail::guard("MoELayer::create", [&] {
-    return create_now(config, transport, buffer, layer_index, std::move(slot_expert));
+    return create_now(config, transport, buffer, layer_index, std::move(slot_expert), global ? *global : transport);
   });
 }
 
 Result<std::unique_ptr<MoELayer>> MoELayer::create_now(const MoELayerConfig& config, Transport& transport,
                                                        Buffer& buffer, int layer_index,
-                                                       std::vector<int32_t> slot_expert) {
+                                                       std::vector<int32_t> slot_expert, Transport& global) {
   EPX_RETURN_IF_ERROR(config.validate());
   const BufferConfig& bc = buffer.config();
   if (bc.hidden != config.hidden)
@@ -930,7 +932,10 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create_now(const MoELayerConfig& con
   if (bc.max_combine_dtype != DType::kF32)
     return invalid_argument("the Buffer's max_combine_dtype must be f32 (the weighted combine sums f32 rows)");
   if (layer_index < 0) return invalid_argument("layer_index = {} is below 0", layer_index);
-  auto impl = std::make_unique<Impl>(config, transport, buffer, layer_index);
+  if (global.num_ranks() % transport.num_ranks() != 0)
+    return invalid_argument("the global transport's {} ranks are not a multiple of the layer's {} ranks",
+                            global.num_ranks(), transport.num_ranks());
+  auto impl = std::make_unique<Impl>(config, transport, global, buffer, layer_index);
   EPX_RETURN_IF_ERROR(impl->set_slot_map(std::move(slot_expert)));
   if (config.overlap == OverlapMode::kTwoMicroBatches && !impl->identity)
     return invalid_argument("overlap two-micro-batches routes each half on its own, but redundant experts choose "

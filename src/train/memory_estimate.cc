@@ -31,7 +31,8 @@ std::string driver(std::initializer_list<Setting> settings) {
   return fmt::format("{} = {}", best->name, best->value);
 }
 
-// The shape every item is computed from.
+// The shape every item is computed from. R: the ranks of one EP group (its
+// Buffers span them); local: experts (slots) per rank, E / R or slots / R.
 struct Shape {
   int64_t R, nodes, L, H, F, E, K, S, T, local, inputs, outputs, batch_tokens, dtype_bytes;
 };
@@ -39,9 +40,12 @@ struct Shape {
 Shape shape_of(const TrainConfig& config, const ModelConfig& m) {
   const MoELayerConfig& l = m.layer;
   const int64_t E = l.router.num_experts;
-  const int64_t slots = config.balancing.eplb ? config.balancing.slots(l.router.num_experts, config.num_ranks) : E;
-  return {config.num_ranks, config.num_nodes, m.num_layers, l.hidden, l.ffn_hidden, E, l.router.topk,
-          l.num_shared_experts, m.max_tokens_per_rank, slots / std::max(config.num_ranks, 1), m.num_inputs(),
+  const int64_t R = std::max(config.ep_size(), 1);
+  const int64_t slots = config.balancing.eplb ? config.balancing.slots(l.router.num_experts, static_cast<int>(R)) : E;
+  // An EP group spans nodes only when it is larger than one node.
+  const int64_t per_node = std::max(config.num_ranks / std::max(config.num_nodes, 1), 1);
+  return {R, R > per_node ? R / per_node : 1, m.num_layers, l.hidden, l.ffn_hidden, E, l.router.topk,
+          l.num_shared_experts, m.max_tokens_per_rank, slots / R, m.num_inputs(),
           m.num_outputs(), config.batch_tokens, static_cast<int64_t>(dtype_size(l.dtype))};
 }
 
@@ -93,9 +97,9 @@ void add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, Me
   bc.max_tokens_per_rank = m.max_tokens_per_rank;
   const int64_t buffers = c.balancing.eplb ? s.L : 1;  // eplb: one Buffer per layer
   const std::string exchange_driver = driver({{"batch_tokens", s.batch_tokens, 4096}, {"hidden", s.H, 1024},
-                                              {"topk", s.K, 8}, {"ranks", s.R, 8}});
+                                              {"topk", s.K, 8}, {c.ep_size() == c.num_ranks ? "ranks" : "ep", s.R, 8}});
   e->add("exchange regions (receive and combine)",
-         saturating_product({Buffer::estimate_region_bytes(bc, c.num_ranks), buffers}), exchange_driver);
+         saturating_product({Buffer::estimate_region_bytes(bc, static_cast<int>(s.R)), buffers}), exchange_driver);
   // Rows that cross nodes are staged to send and to receive.
   if (s.nodes > 1)
     e->add("staging of rows across nodes", saturating_product({s.T, std::min(s.K, s.nodes), s.H, s.dtype_bytes, 2}),

@@ -40,7 +40,8 @@ Status ModelConfig::validate() const {
 
 struct MoEModel::Impl {
   ModelConfig config;
-  Transport& transport;
+  Transport& transport;  // the EP group: Buffers and exchanges
+  Transport& global;     // every rank: the layers' aux losses and load statistics
   std::vector<std::unique_ptr<Buffer>> buffers;  // one shared, or one per layer (layer_slots)
   std::vector<std::unique_ptr<MoELayer>> layers;
   Parameter embed, final_norm, head;
@@ -50,7 +51,7 @@ struct MoEModel::Impl {
   std::vector<std::vector<float>> hidden;
   std::vector<float> normed, rstd, outputs;
 
-  Impl(const ModelConfig& c, Transport& t) : config(c), transport(t) {}
+  Impl(const ModelConfig& c, Transport& t, Transport& g) : config(c), transport(t), global(g) {}
 
   [[nodiscard]] int H() const { return config.layer.hidden; }
 
@@ -194,8 +195,15 @@ struct MoEModel::Impl {
 };
 
 Result<std::unique_ptr<MoEModel>> MoEModel::create(const ModelConfig& config, Transport& transport) {
+  return create(config, transport, transport);
+}
+
+Result<std::unique_ptr<MoEModel>> MoEModel::create(const ModelConfig& config, Transport& world, Transport& ep) {
   EPX_RETURN_IF_ERROR(config.validate());
-  auto impl = std::make_unique<Impl>(config, transport);
+  if (world.num_ranks() % ep.num_ranks() != 0)
+    return invalid_argument("the world's {} ranks are not a multiple of the EP group's {} ranks", world.num_ranks(),
+                            ep.num_ranks());
+  auto impl = std::make_unique<Impl>(config, ep, world);
   const MoELayerConfig& lc = config.layer;
   for (int l = 0; l < config.num_layers; ++l) {
     if (config.layer_slots.empty()) {
@@ -203,12 +211,12 @@ Result<std::unique_ptr<MoEModel>> MoEModel::create(const ModelConfig& config, Tr
         EPX_ASSIGN_OR_RETURN(auto buffer, impl->make_buffer(lc.router.num_experts, false));
         impl->buffers.push_back(std::move(buffer));
       }
-      EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, transport, *impl->buffers[0], l));
+      EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, ep, *impl->buffers[0], l, {}, &world));
       impl->layers.push_back(std::move(layer));
     } else {
       const auto& slots = config.layer_slots[l];
       EPX_ASSIGN_OR_RETURN(auto buffer, impl->make_buffer(static_cast<int>(slots.size()), true));
-      EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, transport, *buffer, l, slots));
+      EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(lc, ep, *buffer, l, slots, &world));
       impl->buffers.push_back(std::move(buffer));
       impl->layers.push_back(std::move(layer));
     }
@@ -241,7 +249,7 @@ Status MoEModel::replace_layer(int layer, std::vector<int32_t> slot_expert) {
     return invalid_argument("the new map has {} slots; layer {} has {}", slot_expert.size(), layer,
                             m.config.layer_slots[layer].size());
   EPX_ASSIGN_OR_RETURN(auto buffer, m.make_buffer(static_cast<int>(slot_expert.size()), true));
-  EPX_ASSIGN_OR_RETURN(auto fresh, MoELayer::create(m.config.layer, m.transport, *buffer, layer, slot_expert));
+  EPX_ASSIGN_OR_RETURN(auto fresh, MoELayer::create(m.config.layer, m.transport, *buffer, layer, slot_expert, &m.global));
   MoELayer& old = *m.layers[layer];
   const std::vector<Parameter*> from = old.parameters(), to = fresh->parameters();
   for (std::size_t i = 0; i < from.size(); ++i)

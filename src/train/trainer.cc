@@ -12,6 +12,7 @@
 
 #include "epx/balance/placement.h"
 #include "epx/comm/inproc.h"
+#include "epx/comm/parallel_layout.h"
 #include "epx/core/clock.h"
 #include "core/guard.h"
 #include "train/checkpoint.h"
@@ -26,13 +27,17 @@ std::pair<int64_t, int64_t> share(int64_t total, int num_ranks, int rank) {
   return {first, base + (rank < extra ? 1 : 0)};
 }
 
-std::string fingerprint(const ModelConfig& m) {
+// The model's shape and, with several EP groups, the EP size: a checkpoint
+// resumes only on the layout that wrote it (the rank files hold each rank's
+// experts). One EP group writes nothing extra, so its checkpoints stay as they were.
+std::string fingerprint(const TrainConfig& config, const ModelConfig& m) {
   const MoELayerConfig& l = m.layer;
   return fmt::format("task={} in={} out={} layers={} hidden={} ffn={} experts={} topk={} shared={} dtype={}",
                      m.task == TaskKind::kRegression ? "regression" : "next-byte", m.num_inputs(), m.num_outputs(),
                      m.num_layers, l.hidden, l.ffn_hidden, l.router.num_experts, l.router.topk, l.num_shared_experts,
                      dtype_name(l.dtype)) +
-         (m.layer_slots.empty() ? "" : fmt::format(" slots={}", m.layer_slots[0].size()));
+         (m.layer_slots.empty() ? "" : fmt::format(" slots={}", m.layer_slots[0].size())) +
+         (config.ep_size() == config.num_ranks ? "" : fmt::format(" ep={}", config.ep_size()));
 }
 
 // Everything one rank needs to make its batches.
@@ -89,8 +94,10 @@ struct Eplb {
   std::vector<std::vector<int64_t>> window;  // per layer, per logical expert: load since the last re-placement
 };
 
+// Over one EP group: its ranks, on the nodes it spans (every EP group alike).
 PlacementConfig placement_config(const TrainConfig& config, const ModelConfig& m) {
-  const int E = m.layer.router.num_experts, R = config.num_ranks, N = config.num_nodes;
+  const int E = m.layer.router.num_experts, R = config.ep_size(), per_node = config.num_ranks / config.num_nodes;
+  const int N = R > per_node ? R / per_node : 1;
   const int G = m.layer.router.num_groups > 1 ? m.layer.router.num_groups : 0;
   return {.num_slots = config.balancing.slots(E, R), .num_nodes = N, .ranks_per_node = R / N, .num_groups = G,
           .policy = G > 0 && G % N == 0 ? PlacementPolicy::kHierarchical : PlacementPolicy::kGlobal};
@@ -111,7 +118,8 @@ Result<std::vector<int32_t>> initial_slots(const PlacementConfig& pc, int num_ex
 // Re-places every layer's experts from the window's loads. Weights and AdamW
 // moments travel as one all-reduce of a [E, 3 x 3 x H x F] logical table per
 // moved layer, to which only each expert's first replica contributes (a real
-// system would send only the moved slots: EplbReport::moved_bytes). Collective.
+// system would send only the moved slots: EplbReport::moved_bytes).
+// `transport`: the EP group (each EP group moves its own copy). Collective.
 Status replace_experts(MoEModel& model, AdamW& adam, Transport& transport, Eplb& eplb, EplbReport* report,
                        const Deadline& deadline) {
   const int rank = transport.rank(), R = transport.num_ranks();
@@ -264,7 +272,7 @@ Result<ModelConfig> checkpoint_model(const TrainConfig& config) {
   if (config.balancing.eplb)
     m.layer_slots.assign(static_cast<std::size_t>(m.num_layers),
                          std::vector<int32_t>(static_cast<std::size_t>(
-                             config.balancing.slots(m.layer.router.num_experts, config.num_ranks))));
+                             config.balancing.slots(m.layer.router.num_experts, config.ep_size()))));
   return m;
 }
 
@@ -274,9 +282,9 @@ Result<ModelConfig> checkpoint_model(const TrainConfig& config) {
 int64_t checkpoint_bytes(const TrainConfig& config, const ModelConfig& m) {
   const int64_t H = m.layer.hidden, F = m.layer.ffn_hidden, E = m.layer.router.num_experts, L = m.num_layers;
   const int64_t R = config.num_ranks, S = int64_t{m.layer.num_shared_experts} * F;
-  const int64_t slots = config.balancing.eplb ? config.balancing.slots(static_cast<int>(E), config.num_ranks) : E;
+  const int64_t slots = config.balancing.eplb ? config.balancing.slots(static_cast<int>(E), config.ep_size()) : E;
   const int64_t dense = int64_t{m.num_inputs()} * H + H + H * m.num_outputs() + L * (H + H * E + 3 * H * S);
-  const int64_t experts = L * 3 * (slots / R) * H * F;
+  const int64_t experts = L * 3 * (slots / config.ep_size()) * H * F;
   const int64_t num_params = 3 + L * (2 + (S > 0 ? 3 : 0) + 3);
   constexpr int64_t kPerParam = 4 + 40 + 3 * 8;  // name length, a name of up to 40 bytes, three counts
   const int64_t per_rank = 128 + num_params * kPerParam + 12 * (dense + experts) + L * (8 + 4 * E);
@@ -302,7 +310,7 @@ Status check_resume(const TrainConfig& config) {
   detail::CheckpointMeta meta;
   meta.num_ranks = config.num_ranks;
   meta.num_nodes = config.num_nodes;
-  meta.fingerprint = fingerprint(m);
+  meta.fingerprint = fingerprint(config, m);
   EPX_RETURN_IF_ERROR(detail::guard(fmt::format("verifying checkpoint {}", config.resume_dir),
                                     [&] { return detail::verify_checkpoint(config.resume_dir, &meta); }));
   if (meta.step > config.steps)
@@ -341,6 +349,19 @@ Result<SavePlan> check_save(const TrainConfig& config) {
   return plan;
 }
 
+namespace {
+
+// ep divides the ranks and splits the nodes evenly (ParallelLayout's rules).
+Status validate_layout(const TrainConfig& c) {
+  if (c.ep < 0) return invalid_argument("ep = {} is below 0 (0: all ranks)", c.ep);
+  if (c.ep > 0 && c.num_ranks % c.ep != 0)
+    return invalid_argument("ep = {} must divide ranks = {} (EP groups of equal size)", c.ep, c.num_ranks);
+  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(c.num_ranks, c.num_nodes));
+  return ParallelLayout::create(topology, c.ep).status();
+}
+
+}  // namespace
+
 Status TrainConfig::validate() const {
   if (steps < 0) return invalid_argument("steps = {} is below 0", steps);
   if (num_nodes < 1 || num_ranks % num_nodes != 0)
@@ -352,15 +373,21 @@ Status TrainConfig::validate() const {
   EPX_RETURN_IF_ERROR(schedule.validate());
   EPX_RETURN_IF_ERROR(adamw.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig m, resolved_model());
-  const int E = m.layer.router.num_experts;
+  EPX_RETURN_IF_ERROR(validate_layout(*this));
+  const int E = m.layer.router.num_experts, R = ep_size();
+  // What an EP group is called in the messages: all ranks, or the ep ranks of one group.
+  const std::string group = R == num_ranks ? fmt::format("ranks = {}", R) : fmt::format("ep = {}", R);
   if (balancing.eplb) {
     if (balancing.eplb_every < 1) return invalid_argument("eplb_every = {} must be at least 1", balancing.eplb_every);
     if (balancing.eplb_slots < 0) return invalid_argument("eplb_slots = {} is below 0", balancing.eplb_slots);
-    const int S = balancing.slots(E, num_ranks);
+    const int S = balancing.slots(E, R);
     if (S < E) return invalid_argument("eplb_slots = {} is below experts = {}", S, E);
-    if (S % num_ranks != 0) return invalid_argument("eplb_slots = {} must be a multiple of ranks = {}", S, num_ranks);
-  } else if (E % num_ranks != 0) {
-    return invalid_argument("experts = {} must be a multiple of ranks = {} (contiguous placement)", E, num_ranks);
+    if (S % R != 0)
+      return invalid_argument("eplb_slots = {} must be a multiple of {}{}", S, group,
+                              R == num_ranks ? "" : " (each EP group holds its own slots)");
+  } else if (E % R != 0) {
+    return invalid_argument("experts = {} must be a multiple of {} ({})", E, group,
+                            R == num_ranks ? "contiguous placement" : "each EP group holds every expert once");
   }
   if (model.task == TaskKind::kRegression) return synthetic.validate();
   return Status::ok();
@@ -431,273 +458,389 @@ Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_ste
 
 namespace {
 
-Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
+// What every rank of the run shares: the settings, and what rank 0 gathers
+// for the summary (under `mu`).
+struct RunState {
+  RunState(const TrainConfig& c, const StepCallback& s, bool keep, ParallelLayout l)
+      : config(c), on_step(s), keep_parameters(keep), layout(std::move(l)) {}
+  const TrainConfig& config;
+  const StepCallback& on_step;
+  bool keep_parameters;
+  ParallelLayout layout;
+  ModelConfig model_config;
+  Eplb eplb;  // EPLB's start: the placement, the window (a resume's from its checkpoint)
+  std::mutex mu;
+  TrainSummary summary;
+  std::vector<StepReport> recent;  // the last 10 reports
+  double run_seconds = 0, comm_seconds = 0, total_seconds = 0;
+  int64_t timed_tokens = 0;
+};
+
+// EPLB's first placement, or the checkpoint's on a resume (it decides the
+// Buffers, so it is read before any rank starts).
+Status prepare_eplb(const TrainConfig& config, ModelConfig* m, Eplb* eplb) {
+  const int E = m->layer.router.num_experts;
+  eplb->placement = placement_config(config, *m);
+  eplb->expert_bytes = int64_t{9} * m->layer.hidden * m->layer.ffn_hidden * 4;
+  EPX_ASSIGN_OR_RETURN(std::vector<int32_t> slots, initial_slots(eplb->placement, E));
+  m->layer_slots.assign(static_cast<std::size_t>(m->num_layers), slots);
+  eplb->window.assign(static_cast<std::size_t>(m->num_layers), std::vector<int64_t>(E, 0));
+  if (config.resume_dir.empty()) return Status::ok();
+  detail::CheckpointMeta saved;
+  saved.num_ranks = config.num_ranks;
+  saved.num_nodes = config.num_nodes;
+  saved.fingerprint = fingerprint(config, *m);
+  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &saved));
+  if (saved.layer_slots.size() != m->layer_slots.size() || saved.eplb_window.size() != eplb->window.size())
+    return invalid_argument("checkpoint {} holds {} layers' placements; this eplb run has {} layers", config.resume_dir,
+                            saved.layer_slots.size(), m->num_layers);
+  for (std::size_t l = 0; l < saved.eplb_window.size(); ++l)
+    if (saved.eplb_window[l].size() != static_cast<std::size_t>(E))
+      return invalid_argument("checkpoint {}: layer {}'s eplb window has {} loads; the model has {} experts",
+                              config.resume_dir, l, saved.eplb_window[l].size(), E);
+  m->layer_slots = std::move(saved.layer_slots);
+  eplb->window = std::move(saved.eplb_window);
+  return Status::ok();
+}
+
+// Everything checked and decided before any rank starts: the settings, the
+// layout, EPLB's placement; the data and the checkpoint's files are opened
+// once here, so that a bad file fails first.
+Result<std::unique_ptr<RunState>> prepare_run(const TrainConfig& config, const StepCallback& on_step,
+                                              bool keep_parameters) {
   EPX_RETURN_IF_ERROR(config.validate());
-  EPX_ASSIGN_OR_RETURN(ModelConfig model_config, config.resolved_model());
   EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
-  Eplb eplb_init;
-  if (config.balancing.eplb) {
-    const int E = model_config.layer.router.num_experts;
-    eplb_init.placement = placement_config(config, model_config);
-    eplb_init.expert_bytes = int64_t{9} * model_config.layer.hidden * model_config.layer.ffn_hidden * 4;
-    EPX_ASSIGN_OR_RETURN(std::vector<int32_t> slots, initial_slots(eplb_init.placement, E));
-    model_config.layer_slots.assign(static_cast<std::size_t>(model_config.num_layers), slots);
-    eplb_init.window.assign(static_cast<std::size_t>(model_config.num_layers), std::vector<int64_t>(E, 0));
-    if (!config.resume_dir.empty()) {
-      // The checkpoint's placement decides the Buffers, so it is read first.
-      detail::CheckpointMeta saved;
-      saved.num_ranks = config.num_ranks;
-      saved.num_nodes = config.num_nodes;
-      saved.fingerprint = fingerprint(model_config);
-      EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &saved));
-      if (saved.layer_slots.size() != model_config.layer_slots.size() ||
-          saved.eplb_window.size() != eplb_init.window.size())
-        return invalid_argument("checkpoint {} holds {} layers' placements; this eplb run has {} layers",
-                                config.resume_dir, saved.layer_slots.size(), model_config.num_layers);
-      for (std::size_t l = 0; l < saved.eplb_window.size(); ++l)
-        if (saved.eplb_window[l].size() != static_cast<std::size_t>(E))
-          return invalid_argument("checkpoint {}: layer {}'s eplb window has {} loads; the model has {} experts",
-                                  config.resume_dir, l, saved.eplb_window[l].size(), E);
-      model_config.layer_slots = std::move(saved.layer_slots);
-      eplb_init.window = std::move(saved.eplb_window);
-    }
-  }
-  // Open the data and the checkpoint's meta once here, so that a bad file
-  // fails before any rank starts.
+  EPX_ASSIGN_OR_RETURN(ParallelLayout layout, ParallelLayout::create(topology, config.ep));
+  auto run = std::make_unique<RunState>(config, on_step, keep_parameters, std::move(layout));
+  EPX_ASSIGN_OR_RETURN(run->model_config, config.resolved_model());
+  if (config.balancing.eplb) EPX_RETURN_IF_ERROR(prepare_eplb(config, &run->model_config, &run->eplb));
   EPX_RETURN_IF_ERROR(DataSource::create(config).status());
   EPX_RETURN_IF_ERROR(check_resume(config));
   EPX_RETURN_IF_ERROR(check_save(config).status());
+  return run;
+}
 
-  TrainSummary summary;
-  std::mutex mu;
-  std::vector<StepReport> recent;  // the last 10 reports (rank 0)
-  double run_seconds = 0, comm_seconds = 0, total_seconds = 0;
-  int64_t timed_tokens = 0;
+// This rank's transports: the world, its EP group (the world itself when
+// there is one EP group) and its EDP group (null when it is this rank alone:
+// nothing to sum).
+struct RankGroups {
+  Transport* world = nullptr;
+  Transport* ep = nullptr;
+  Transport* edp = nullptr;
+  std::unique_ptr<Transport> own_ep{}, own_edp{};  // the groups split from the world
+};
 
-  auto rank_steps = [&](Transport& transport, StepContext& where) -> Status {
-    const int rank = transport.rank(), R = transport.num_ranks();
-    auto deadline = [&] { return Deadline::after(model_config.timeout); };
-    EPX_ASSIGN_OR_RETURN(DataSource data, DataSource::create(config));
-    EPX_ASSIGN_OR_RETURN(auto model, MoEModel::create(model_config, transport));
-    std::vector<Parameter*> params, dense;
-    std::vector<MoELayer*> layers;
-    std::size_t dense_size = 0;
-    // Re-placement rebuilds layers, so the lists are refreshed after one.
-    auto collect = [&] {
-      params = model->parameters();
-      layers = model->layers();
-      dense.clear();
-      dense_size = 0;
-      for (Parameter* p : params)
-        if (p->kind == ParamKind::kDense) {
-          dense.push_back(p);
-          dense_size += p->grad.size();
-        }
-    };
-    collect();
-    Eplb eplb = eplb_init;
-    AdamW adam(config.adamw);
-    detail::CheckpointMeta meta;
-    meta.num_ranks = R;
-    meta.num_nodes = config.num_nodes;
-    meta.fingerprint = fingerprint(model_config);
-    auto save = [&](int64_t step) -> Status {
-      meta.step = step;
-      if (config.balancing.eplb) {
-        meta.layer_slots.clear();
-        for (MoELayer* layer : layers) meta.layer_slots.push_back(layer->slot_expert());
-        meta.eplb_window = eplb.window;
-      }
-      return detail::save_checkpoint(config.save_dir, config.keep_checkpoints, meta, transport, params, adam, layers,
-                                     deadline());
-    };
-    if (!config.resume_dir.empty())
-      EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &meta, transport, params, adam, layers, deadline()));
-    const int64_t first_step = meta.step;
+// Splits the world into EP and EDP groups (collective). One EP group of all
+// ranks splits nothing, so such a run keeps the bits it always had.
+Result<RankGroups> make_groups(Transport& world, const ParallelLayout& layout, const Deadline& deadline) {
+  RankGroups g{.world = &world, .ep = &world};
+  if (layout.ep() == layout.num_ranks()) return g;
+  const int r = world.rank();
+  EPX_ASSIGN_OR_RETURN(g.own_ep, world.split(layout.ep_group(r), layout.ep_rank(r), deadline));
+  EPX_ASSIGN_OR_RETURN(g.own_edp, world.split(layout.edp_group(r), layout.edp_rank(r), deadline));
+  g.ep = g.own_ep.get();
+  g.edp = g.own_edp.get();
+  return g;
+}
 
-    Batch batch;
-    std::vector<float> packed(std::max<std::size_t>(dense_size, 1));
-    Status stop;  // rank 0: what on_step returned
-    for (int64_t step = first_step; step < config.steps; ++step) {
-      const bool tracing = config.tracer && step >= config.trace_first && step < config.trace_first + config.trace_steps;
-      for (MoELayer* layer : layers) layer->set_tracer(tracing ? config.tracer : nullptr);
-      Tracer* tracer = tracing ? config.tracer : nullptr;
-      where = {step, "before the step"};
-      if (config.before_step) EPX_RETURN_IF_ERROR(config.before_step(rank, step));
-      Stopwatch step_watch;
-      const auto [first, count] = share(config.batch_tokens, R, rank);
-      data.fill(step * config.batch_tokens + first, count, model_config, &batch);
+// The model's parameters by how their gradients are summed.
+struct ModelParts {
+  std::vector<Parameter*> params{}, dense{}, experts{};
+  std::vector<MoELayer*> layers{};
+};
 
-      double loss = 0;
-      {
-        ScopedSpan span(tracer, rank, "forward_backward");
-        where.phase = "forward/backward";
-        EPX_ASSIGN_OR_RETURN(loss, model->forward_backward(batch, config.batch_tokens));
-      }
-      Stopwatch wait_watch;
-      {
-        ScopedSpan span(tracer, rank, "wait");
-        where.phase = "barrier after forward/backward";
-        EPX_RETURN_IF_ERROR(transport.barrier(deadline()));
-      }
-      const double wait = wait_watch.seconds();
+ModelParts model_parts(MoEModel& model) {
+  ModelParts parts{.params = model.parameters(), .layers = model.layers()};
+  for (Parameter* p : parts.params) (p->kind == ParamKind::kDense ? parts.dense : parts.experts).push_back(p);
+  return parts;
+}
 
-      Stopwatch sync_watch;
-      double grad_norm = 0;
-      {
-        ScopedSpan span(tracer, rank, "sync");
-        where.phase = "gradient all_reduce";
-        std::size_t at = 0;
-        for (Parameter* p : dense) {
-          std::copy(p->grad.begin(), p->grad.end(), packed.begin() + static_cast<std::ptrdiff_t>(at));
-          at += p->grad.size();
-        }
-        EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(packed.data(), dense_size), ReduceOp::kSum, deadline()));
-        at = 0;
-        for (Parameter* p : dense) {
-          std::copy(packed.begin() + static_cast<std::ptrdiff_t>(at),
-                    packed.begin() + static_cast<std::ptrdiff_t>(at + p->grad.size()), p->grad.begin());
-          at += p->grad.size();
-        }
-        double duplicate_sq = 0;
-        for (MoELayer* layer : layers) {
-          EPX_RETURN_IF_ERROR(layer->sum_replica_gradients());
-          duplicate_sq += layer->duplicate_grad_sq();
-        }
-        where.phase = "gradient norm";
-        EPX_ASSIGN_OR_RETURN(grad_norm, clip_grad_norm(params, config.clip_norm, transport, deadline(), duplicate_sq));
-      }
-      const double lr = learning_rate(config.schedule, step);
-      {
-        ScopedSpan span(tracer, rank, "optimizer");
-        adam.step(params, lr);
-        for (MoELayer* layer : layers) EPX_RETURN_IF_ERROR(layer->update_bias());
-      }
-      std::vector<LoadStats> step_stats;
-      for (MoELayer* layer : layers) step_stats.push_back(layer->load_stats());
-      std::optional<EplbReport> eplb_report;
-      if (config.balancing.eplb) {
-        for (std::size_t l = 0; l < layers.size(); ++l)
-          for (std::size_t e = 0; e < eplb.window[l].size(); ++e)
-            eplb.window[l][e] += step_stats[l].tokens_per_expert[e];
-        if ((step + 1) % config.balancing.eplb_every == 0 && step + 1 < config.steps) {
-          ScopedSpan span(tracer, rank, "eplb");
-          where.phase = "eplb re-placement";
-          eplb_report.emplace();
-          EPX_RETURN_IF_ERROR(replace_experts(*model, adam, transport, eplb, &*eplb_report, deadline()));
-          collect();
-          for (MoELayer* layer : layers) layer->set_tracer(tracer);
-        }
-      }
-      const double sync = sync_watch.seconds();
-
-      // Report: losses summed over ranks, every rank's times.
-      double aux = 0;
-      for (MoELayer* layer : layers) aux += layer->aux_loss();
-      double losses[2] = {loss, loss - aux};
-      where.phase = "step report (all_reduce, all_gather)";
-      EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, deadline()));
-      const StepTimes& st = model->times();
-      const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
-                                        st.dense, wait, sync + st.layers.stats, step_watch.seconds()};
-      std::vector<double> all(static_cast<std::size_t>(kTimeFields) * R);
-      EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const double>(mine, kTimeFields), std::span<double>(all), deadline()));
-      if (rank == 0) {
-        StepReport report;
-        report.step = step;
-        report.steps = config.steps;
-        report.loss = losses[0];
-        report.main_loss = losses[1];
-        report.learning_rate = lr;
-        report.grad_norm = grad_norm;
-        report.seconds = step_watch.seconds();
-        report.tokens_per_second = static_cast<double>(config.batch_tokens) / std::max(report.seconds, 1e-9);
-        report.layers = std::move(step_stats);
-        report.eplb = eplb_report;
-        for (int r = 0; r < R; ++r) {
-          const double* f = all.data() + static_cast<std::ptrdiff_t>(r) * kTimeFields;
-          report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
-        }
-        std::lock_guard lock(mu);
-        if (step == first_step) summary.first_loss = report.main_loss;
-        if (report.eplb) summary.eplb_moved_bytes += report.eplb->moved_bytes;
-        for (const LoadStats& s : report.layers) summary.dropped += s.num_dropped;
-        if (step > first_step || config.steps - first_step == 1) {
-          run_seconds += report.seconds;
-          timed_tokens += config.batch_tokens;
-        }
-        for (const RankTimes& t : report.ranks) {
-          comm_seconds += t.communication();
-          total_seconds += t.total;
-        }
-        recent.push_back(report);
-        if (recent.size() > 10) recent.erase(recent.begin());
-        if (on_step) stop = on_step(report);
-      }
-      where.phase = "agreeing to go on after the step";
-      EPX_ASSIGN_OR_RETURN(const bool stopped, agree_on_stop(transport, stop, deadline()));
-      if (stopped) {
-        where.step = -1;
-        return stop_status(rank, stop, step);
-      }
-      where.phase = "checkpoint";
-      if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
-        EPX_RETURN_IF_ERROR(save(step + 1));
-    }
-    for (MoELayer* layer : layers) layer->set_tracer(nullptr);
-    where = {config.steps, "final checkpoint"};
-    if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save(config.steps));
-    if (keep_parameters) {
-      std::lock_guard lock(mu);
-      for (Parameter* p : params)
-        if (p->kind == ParamKind::kDense && rank == 0) summary.parameters[p->name] = p->value;
-      for (MoELayer* layer : layers) {
-        const Buffer& buffer = layer->buffer();
-        const int local = buffer.num_local_experts();
-        for (Parameter* p : layer->parameters()) {
-          if (p->kind != ParamKind::kExpert) continue;
-          const int64_t per_expert = p->numel() / std::max(local, 1);
-          for (int l = 0; l < local; ++l) {
-            const int g = buffer.placement().global_id(rank, l);
-            summary.parameters[fmt::format("{}#{}", p->name, g)].assign(
-                p->value.begin() + l * per_expert, p->value.begin() + (l + 1) * per_expert);
-          }
-        }
-      }
-    }
-    if (rank == 0 && config.balancing.eplb) {
-      std::lock_guard lock(mu);
-      for (MoELayer* layer : layers) summary.layer_slots.push_back(layer->slot_expert());
-    }
-    return Status::ok();
-  };
-
-  auto rank_main = [&](Transport& transport) -> Status {
-    StepContext where;
-    return where.annotate(rank_steps(transport, where));
-  };
-
-  if (config.transport != nullptr) {
-    Transport& transport = *config.transport;
-    if (transport.num_ranks() != topology.num_ranks() || transport.topology().num_nodes() != topology.num_nodes())
-      return invalid_argument("the {} transport has {} but the run asks for {}", transport.backend_name(),
-                              transport.topology().describe(), topology.describe());
-    Status status;
-    try {
-      status = rank_main(transport);
-    } catch (const std::exception& e) {
-      status = internal_error("rank {} threw an exception: {}", transport.rank(), e.what());
-    }
-    if (!status.is_ok()) return Status(status.code(), fmt::format("rank {}: {}", transport.rank(), status.message()));
-  } else {
-    InprocWorld world(topology);
-    EPX_RETURN_IF_ERROR(first_error(world.run(rank_main)));
+// Sums `params`' gradients over `transport` as one packed all-reduce.
+Status all_reduce_gradients(Transport& transport, std::span<Parameter* const> params, std::vector<float>& packed,
+                            const Deadline& deadline) {
+  std::size_t size = 0;
+  for (const Parameter* p : params) size += p->grad.size();
+  packed.resize(std::max<std::size_t>(size, 1));
+  std::size_t at = 0;
+  for (const Parameter* p : params) {
+    std::copy(p->grad.begin(), p->grad.end(), packed.begin() + static_cast<std::ptrdiff_t>(at));
+    at += p->grad.size();
   }
+  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(packed.data(), size), ReduceOp::kSum, deadline));
+  at = 0;
+  for (Parameter* p : params) {
+    std::copy_n(packed.begin() + static_cast<std::ptrdiff_t>(at), p->grad.size(), p->grad.begin());
+    at += p->grad.size();
+  }
+  return Status::ok();
+}
 
-  summary.steps = config.steps;
-  if (!recent.empty()) {
+// The gradients of the global batch, synchronously after the backward: dense
+// ones (input, output, norms, routers, shared experts) summed over every
+// rank; each routed expert's replicas summed within the EP group, then routed
+// experts over the EDP group (the ranks holding the same experts). Collective.
+Status reduce_gradients(const RankGroups& groups, const ModelParts& parts, std::vector<float>& scratch,
+                        const Deadline& deadline) {
+  EPX_RETURN_IF_ERROR(all_reduce_gradients(*groups.world, parts.dense, scratch, deadline));
+  for (MoELayer* layer : parts.layers) EPX_RETURN_IF_ERROR(layer->sum_replica_gradients());
+  if (groups.edp != nullptr) EPX_RETURN_IF_ERROR(all_reduce_gradients(*groups.edp, parts.experts, scratch, deadline));
+  return Status::ok();
+}
+
+// One rank's part of the run.
+struct Rank {
+  Rank(RunState& r, StepContext& w) : run(r), where(w) {}
+  RunState& run;
+  StepContext& where;
+  RankGroups groups;
+  DataSource data;
+  std::unique_ptr<MoEModel> model;
+  ModelParts parts;  // refreshed after a re-placement (it rebuilds layers)
+  Eplb eplb;
+  AdamW adam{AdamWConfig{}};
+  detail::CheckpointMeta meta;
+  int64_t first_step = 0;
+  Batch batch;
+  std::vector<float> scratch;  // the gradient all-reduces' packing
+  Status stop;                 // rank 0: what on_step returned
+  [[nodiscard]] int rank() const { return groups.world->rank(); }
+  [[nodiscard]] const TrainConfig& config() const { return run.config; }
+  [[nodiscard]] Deadline deadline() const { return Deadline::after(run.model_config.timeout); }
+};
+
+// Collective: writes checkpoint `step` (every rank its own file).
+Status save_rank(Rank& r, int64_t step) {
+  r.meta.step = step;
+  if (r.config().balancing.eplb) {
+    r.meta.layer_slots.clear();
+    for (MoELayer* layer : r.parts.layers) r.meta.layer_slots.push_back(layer->slot_expert());
+    r.meta.eplb_window = r.eplb.window;
+  }
+  return detail::save_checkpoint(r.config().save_dir, r.config().keep_checkpoints, r.meta, *r.groups.world,
+                                 r.parts.params, r.adam, r.parts.layers, r.deadline());
+}
+
+// Collective: the groups, the data, the model and, on a resume, its state.
+Status open_rank(Rank& r, Transport& world) {
+  const TrainConfig& config = r.config();
+  EPX_ASSIGN_OR_RETURN(r.groups, make_groups(world, r.run.layout, r.deadline()));
+  EPX_ASSIGN_OR_RETURN(r.data, DataSource::create(config));
+  EPX_ASSIGN_OR_RETURN(r.model, MoEModel::create(r.run.model_config, *r.groups.world, *r.groups.ep));
+  r.parts = model_parts(*r.model);
+  r.eplb = r.run.eplb;
+  r.adam = AdamW(config.adamw);
+  r.meta.num_ranks = world.num_ranks();
+  r.meta.num_nodes = config.num_nodes;
+  r.meta.fingerprint = fingerprint(config, r.run.model_config);
+  if (!config.resume_dir.empty())
+    EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &r.meta, *r.groups.world, r.parts.params, r.adam,
+                                                r.parts.layers, r.deadline()));
+  r.first_step = r.meta.step;
+  return Status::ok();
+}
+
+// What one step measured, for its report.
+struct StepNumbers {
+  Stopwatch watch;  // the whole step
+  double loss = 0, grad_norm = 0, lr = 0;
+  double wait = 0, sync = 0;  // seconds
+  std::vector<LoadStats> stats;
+  std::optional<EplbReport> eplb;
+};
+
+// This rank's share of the global batch, forward and backward, then the
+// barrier that shows how long it waited for the slowest rank. Collective.
+Status forward_backward(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
+  const TrainConfig& config = r.config();
+  const auto [first, count] = share(config.batch_tokens, r.groups.world->num_ranks(), r.rank());
+  r.data.fill(step * config.batch_tokens + first, count, r.run.model_config, &r.batch);
+  {
+    ScopedSpan span(tracer, r.rank(), "forward_backward");
+    r.where.phase = "forward/backward";
+    EPX_ASSIGN_OR_RETURN(n->loss, r.model->forward_backward(r.batch, config.batch_tokens));
+  }
+  Stopwatch wait_watch;
+  {
+    ScopedSpan span(tracer, r.rank(), "wait");
+    r.where.phase = "barrier after forward/backward";
+    EPX_RETURN_IF_ERROR(r.groups.world->barrier(r.deadline()));
+  }
+  n->wait = wait_watch.seconds();
+  return Status::ok();
+}
+
+// Gradients summed and clipped, then AdamW and the expert bias (from the
+// global loads: the same on every rank). Collective.
+Status update_parameters(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
+  {
+    ScopedSpan span(tracer, r.rank(), "sync");
+    r.where.phase = "gradient all_reduce";
+    EPX_RETURN_IF_ERROR(reduce_gradients(r.groups, r.parts, r.scratch, r.deadline()));
+    double duplicate_sq = 0;
+    for (MoELayer* layer : r.parts.layers) duplicate_sq += layer->duplicate_grad_sq();
+    r.where.phase = "gradient norm";
+    // Every EP group now holds the same expert gradients: the norm over one
+    // EP group counts each logical expert once.
+    EPX_ASSIGN_OR_RETURN(n->grad_norm, clip_grad_norm(r.parts.params, r.config().clip_norm, *r.groups.ep,
+                                                      r.deadline(), duplicate_sq));
+  }
+  n->lr = learning_rate(r.config().schedule, step);
+  ScopedSpan span(tracer, r.rank(), "optimizer");
+  r.adam.step(r.parts.params, n->lr);
+  for (MoELayer* layer : r.parts.layers) EPX_RETURN_IF_ERROR(layer->update_bias());
+  return Status::ok();
+}
+
+// The step's global loads into the EPLB window and, every eplb_every steps,
+// a re-placement: every EP group makes the same plan from the global loads
+// and moves its experts inside itself. Collective.
+Status eplb_step(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
+  const TrainConfig& config = r.config();
+  for (std::size_t l = 0; l < r.parts.layers.size(); ++l)
+    for (std::size_t e = 0; e < r.eplb.window[l].size(); ++e) r.eplb.window[l][e] += n->stats[l].tokens_per_expert[e];
+  if ((step + 1) % config.balancing.eplb_every != 0 || step + 1 >= config.steps) return Status::ok();
+  ScopedSpan span(tracer, r.rank(), "eplb");
+  r.where.phase = "eplb re-placement";
+  n->eplb.emplace();
+  EPX_RETURN_IF_ERROR(replace_experts(*r.model, r.adam, *r.groups.ep, r.eplb, &*n->eplb, r.deadline()));
+  // Every EP group moves the same slots.
+  n->eplb->num_moved_slots *= r.run.layout.edp();
+  n->eplb->moved_bytes *= r.run.layout.edp();
+  r.parts = model_parts(*r.model);
+  for (MoELayer* layer : r.parts.layers) layer->set_tracer(tracer);
+  return Status::ok();
+}
+
+// Rank 0: the report into the summary, then to on_step.
+void record_report(Rank& r, StepReport report) {
+  RunState& run = r.run;
+  const TrainConfig& config = r.config();
+  std::lock_guard lock(run.mu);
+  if (report.step == r.first_step) run.summary.first_loss = report.main_loss;
+  if (report.eplb) run.summary.eplb_moved_bytes += report.eplb->moved_bytes;
+  for (const LoadStats& s : report.layers) run.summary.dropped += s.num_dropped;
+  if (report.step > r.first_step || config.steps - r.first_step == 1) {
+    run.run_seconds += report.seconds;
+    run.timed_tokens += config.batch_tokens;
+  }
+  for (const RankTimes& t : report.ranks) {
+    run.comm_seconds += t.communication();
+    run.total_seconds += t.total;
+  }
+  run.recent.push_back(report);
+  if (run.recent.size() > 10) run.recent.erase(run.recent.begin());
+  if (run.on_step) r.stop = run.on_step(report);
+}
+
+// The step's report: losses summed over every rank, every rank's times; rank
+// 0 builds the StepReport. Collective.
+Status report_step(Rank& r, int64_t step, StepNumbers& n) {
+  const int R = r.groups.world->num_ranks();
+  double aux = 0;
+  for (MoELayer* layer : r.parts.layers) aux += layer->aux_loss();
+  double losses[2] = {n.loss, n.loss - aux};
+  r.where.phase = "step report (all_reduce, all_gather)";
+  EPX_RETURN_IF_ERROR(r.groups.world->all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, r.deadline()));
+  const StepTimes& st = r.model->times();
+  const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
+                                    st.dense, n.wait, n.sync + st.layers.stats, n.watch.seconds()};
+  std::vector<double> all(static_cast<std::size_t>(kTimeFields) * R);
+  EPX_RETURN_IF_ERROR(
+      r.groups.world->all_gather(std::span<const double>(mine, kTimeFields), std::span<double>(all), r.deadline()));
+  if (r.rank() != 0) return Status::ok();
+  StepReport report;
+  report.step = step;
+  report.steps = r.config().steps;
+  report.loss = losses[0];
+  report.main_loss = losses[1];
+  report.learning_rate = n.lr;
+  report.grad_norm = n.grad_norm;
+  report.seconds = n.watch.seconds();
+  report.tokens_per_second = static_cast<double>(r.config().batch_tokens) / std::max(report.seconds, 1e-9);
+  report.layers = std::move(n.stats);
+  report.eplb = std::move(n.eplb);
+  for (int q = 0; q < R; ++q) {
+    const double* f = all.data() + static_cast<std::ptrdiff_t>(q) * kTimeFields;
+    report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
+  }
+  record_report(r, std::move(report));
+  return Status::ok();
+}
+
+// One optimizer step on this rank. Collective.
+Status run_step(Rank& r, int64_t step) {
+  const TrainConfig& config = r.config();
+  const bool tracing = config.tracer && step >= config.trace_first && step < config.trace_first + config.trace_steps;
+  Tracer* tracer = tracing ? config.tracer : nullptr;
+  for (MoELayer* layer : r.parts.layers) layer->set_tracer(tracer);
+  r.where = {step, "before the step"};
+  if (config.before_step) EPX_RETURN_IF_ERROR(config.before_step(r.rank(), step));
+  StepNumbers n;
+  EPX_RETURN_IF_ERROR(forward_backward(r, step, tracer, &n));
+  Stopwatch sync_watch;
+  EPX_RETURN_IF_ERROR(update_parameters(r, step, tracer, &n));
+  for (MoELayer* layer : r.parts.layers) n.stats.push_back(layer->load_stats());
+  if (config.balancing.eplb) EPX_RETURN_IF_ERROR(eplb_step(r, step, tracer, &n));
+  n.sync = sync_watch.seconds();
+  return report_step(r, step, n);
+}
+
+// keep_parameters: dense parameters from rank 0, experts from EP group 0
+// (every EP group holds the same), by "name#slot"; eplb's final maps.
+void keep_rank_parameters(Rank& r) {
+  RunState& run = r.run;
+  std::lock_guard lock(run.mu);
+  if (r.rank() == 0 && r.config().balancing.eplb)
+    for (MoELayer* layer : r.parts.layers) run.summary.layer_slots.push_back(layer->slot_expert());
+  if (!run.keep_parameters) return;
+  if (r.rank() == 0)
+    for (Parameter* p : r.parts.dense) run.summary.parameters[p->name] = p->value;
+  if (run.layout.ep_group(r.rank()) != 0) return;
+  const int ep_rank = r.groups.ep->rank();
+  for (MoELayer* layer : r.parts.layers) {
+    const Buffer& buffer = layer->buffer();
+    const int local = buffer.num_local_experts();
+    for (Parameter* p : layer->parameters()) {
+      if (p->kind != ParamKind::kExpert) continue;
+      const int64_t per_expert = p->numel() / std::max(local, 1);
+      for (int l = 0; l < local; ++l)
+        run.summary.parameters[fmt::format("{}#{}", p->name, buffer.placement().global_id(ep_rank, l))].assign(
+            p->value.begin() + l * per_expert, p->value.begin() + (l + 1) * per_expert);
+    }
+  }
+}
+
+// One rank from its setup to its last checkpoint. Collective.
+Status run_rank(RunState& run, Transport& world, StepContext& where) {
+  Rank r(run, where);
+  EPX_RETURN_IF_ERROR(open_rank(r, world));
+  const TrainConfig& config = run.config;
+  for (int64_t step = r.first_step; step < config.steps; ++step) {
+    EPX_RETURN_IF_ERROR(run_step(r, step));
+    where.phase = "agreeing to go on after the step";
+    EPX_ASSIGN_OR_RETURN(const bool stopped, agree_on_stop(world, r.stop, r.deadline()));
+    if (stopped) {
+      where.step = -1;
+      return stop_status(r.rank(), r.stop, step);
+    }
+    where.phase = "checkpoint";
+    if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
+      EPX_RETURN_IF_ERROR(save_rank(r, step + 1));
+  }
+  for (MoELayer* layer : r.parts.layers) layer->set_tracer(nullptr);
+  where = {config.steps, "final checkpoint"};
+  if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save_rank(r, config.steps));
+  keep_rank_parameters(r);
+  return Status::ok();
+}
+
+// The summary's means over the last reports and the run's rates.
+TrainSummary finish_summary(RunState& run) {
+  TrainSummary summary = std::move(run.summary);
+  summary.steps = run.config.steps;
+  if (!run.recent.empty()) {
     double loss = 0, vio = 0, idle = 0;
-    for (const StepReport& r : recent) {
+    for (const StepReport& r : run.recent) {
       loss += r.main_loss;
       double worst_idle = 0, layer_vio = 0;
       for (const LoadStats& s : r.layers) {
@@ -707,17 +850,49 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
       vio += layer_vio / static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
       idle += worst_idle;
     }
-    const auto n = static_cast<double>(recent.size());
+    const auto n = static_cast<double>(run.recent.size());
     summary.final_loss = loss / n;
     summary.mean_max_vio = vio / n;
     summary.idle_fraction = idle / n;
     double last_vio = 0;
-    for (const LoadStats& s : recent.back().layers) last_vio += s.max_vio;
-    summary.max_vio = last_vio / static_cast<double>(std::max<std::size_t>(recent.back().layers.size(), 1));
+    for (const LoadStats& s : run.recent.back().layers) last_vio += s.max_vio;
+    summary.max_vio = last_vio / static_cast<double>(std::max<std::size_t>(run.recent.back().layers.size(), 1));
   }
-  summary.tokens_per_second = run_seconds > 0 ? static_cast<double>(timed_tokens) / run_seconds : 0.0;
-  summary.communication_share = total_seconds > 0 ? comm_seconds / total_seconds : 0.0;
+  summary.tokens_per_second = run.run_seconds > 0 ? static_cast<double>(run.timed_tokens) / run.run_seconds : 0.0;
+  summary.communication_share = run.total_seconds > 0 ? run.comm_seconds / run.total_seconds : 0.0;
   return summary;
+}
+
+// This process's rank on the caller's transport (MPI).
+Status run_on_transport(RunState& run, Transport& transport) {
+  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(run.config.num_ranks, run.config.num_nodes));
+  if (transport.num_ranks() != topology.num_ranks() || transport.topology().num_nodes() != topology.num_nodes())
+    return invalid_argument("the {} transport has {} but the run asks for {}", transport.backend_name(),
+                            transport.topology().describe(), topology.describe());
+  Status status;
+  try {
+    StepContext where;
+    status = where.annotate(run_rank(run, transport, where));
+  } catch (const std::exception& e) {
+    status = internal_error("rank {} threw an exception: {}", transport.rank(), e.what());
+  }
+  if (!status.is_ok()) return Status(status.code(), fmt::format("rank {}: {}", transport.rank(), status.message()));
+  return Status::ok();
+}
+
+Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
+  EPX_ASSIGN_OR_RETURN(std::unique_ptr<RunState> run, prepare_run(config, on_step, keep_parameters));
+  if (config.transport != nullptr) {
+    EPX_RETURN_IF_ERROR(run_on_transport(*run, *config.transport));
+  } else {
+    EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
+    InprocWorld world(topology);
+    EPX_RETURN_IF_ERROR(first_error(world.run([&](Transport& transport) {
+      StepContext where;
+      return where.annotate(run_rank(*run, transport, where));
+    })));
+  }
+  return finish_summary(*run);
 }
 
 }  // namespace

@@ -18,12 +18,17 @@
 //   EPX_ASSIGN_OR_RETURN(auto layout, epx::ParallelLayout::create(topology, /*ep=*/4));
 //   layout.ep_group(5);   // 1
 //   layout.edp_group(5);  // 1 (= the rank's place in its EP group)
+//   EPX_ASSIGN_OR_RETURN(auto groups, epx::split_parallel(world, layout, deadline));
+//   groups.ep->rank();    // 1 on world rank 5
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "epx/comm/topology.h"
+#include "epx/comm/transport.h"
+#include "epx/core/clock.h"
 #include "epx/core/status.h"
 
 namespace epx {
@@ -57,5 +62,17 @@ class ParallelLayout {
   int num_ranks_;
   int ep_;
 };
+
+// The calling rank's two groups: its EP group (rank = ep_rank) and its EDP
+// group (rank = edp_rank). Destroy them before the world they came from.
+struct ParallelGroups {
+  std::unique_ptr<Transport> ep;
+  std::unique_ptr<Transport> edp;
+};
+
+// Collective over `world` (two splits, EP then EDP). InvalidArgument, without
+// communicating, when the layout is not for world's number of ranks; the
+// split's errors otherwise (see Transport::split).
+Result<ParallelGroups> split_parallel(Transport& world, const ParallelLayout& layout, const Deadline& deadline);
 
 }  // namespace epx

@@ -140,8 +140,13 @@ class Transport {
   // nodes (InvalidArgument naming the group otherwise); its topology has the
   // nodes its ranks live on. A failure on a group fails the transport it was
   // split from and every group split from that, so no rank of the world waits
-  // on a group that can never complete. The group must be destroyed before
-  // this transport. Unimplemented on backends without groups.
+  // on a group that can never complete; a failure of this transport fails its
+  // groups too. The group has its own collectives, message tags, peer memory
+  // and counters, and may be used from another thread at the same time as
+  // this transport: split(0, rank()) is a duplicate, e.g. for a thread of its
+  // own. Errors from a group name its ranks by world rank first ("rank 5
+  // (rank 1 of the group)"). The group must be destroyed before this
+  // transport. Unimplemented on backends without groups.
   virtual Result<std::unique_ptr<Transport>> split(int color, int key, const Deadline& deadline);
   // The rank of the root world (the transport nothing was split from) that
   // rank `rank` of this transport is; for a world, `rank` itself. Errors

@@ -119,9 +119,13 @@ class MoELayer {
   // another). `slot_expert` maps each slot of the Buffer to the logical expert
   // it holds (-1 = empty slot); every logical expert needs a slot. Empty: the
   // identity (the Buffer then has the router's num_experts slots).
+  // `global` (default: `transport`) holds every rank of the run when
+  // `transport` is one EP group of several (EP x EDP training): the
+  // global-batch aux loss, the micro-batch aux and z losses' 1/ranks, and the
+  // load statistics (so the expert bias) then cover every rank's tokens.
   static Result<std::unique_ptr<MoELayer>> create(const MoELayerConfig& config, Transport& transport,
                                                   Buffer& buffer, int layer_index,
-                                                  std::vector<int32_t> slot_expert = {});
+                                                  std::vector<int32_t> slot_expert = {}, Transport* global = nullptr);
   ~MoELayer();
   MoELayer(const MoELayer&) = delete;
   MoELayer& operator=(const MoELayer&) = delete;
@@ -142,12 +146,14 @@ class MoELayer {
   [[nodiscard]] Status backward(const TensorView& grad_out, const TensorView& grad_x);
 
   // This rank's share of the weighted auxiliary and z losses of the last
-  // forward (summed over ranks they give the layer's auxiliary loss).
+  // forward (summed over the global ranks they give the layer's auxiliary loss).
   [[nodiscard]] double aux_loss() const;
-  // Load statistics of the last forward over every rank's tokens (the same on
-  // every rank); tokens_per_expert are the global kept (token, slot) pairs per
-  // LOGICAL expert, tokens_per_rank and work_per_rank follow the physical
-  // slots (so replicas spread a hot expert's work over ranks).
+  // Load statistics of the last forward over every global rank's tokens (the
+  // same on every rank); tokens_per_expert are the global kept (token, slot)
+  // pairs per LOGICAL expert, tokens_per_rank and work_per_rank follow the
+  // physical slots (so replicas spread a hot expert's work over ranks) and
+  // have one entry per rank of the EP group: with several EP groups, entry r
+  // sums EP rank r of every group (the ranks that hold the same experts).
   [[nodiscard]] const LoadStats& load_stats() const;
   [[nodiscard]] const LayerTimes& times() const;
   // Records spans "router", "dispatch", "experts", "combine" (forward) and
@@ -176,7 +182,8 @@ class MoELayer {
   struct Impl;
   explicit MoELayer(std::unique_ptr<Impl> impl);
   static Result<std::unique_ptr<MoELayer>> create_now(const MoELayerConfig& config, Transport& transport,
-                                                      Buffer& buffer, int layer_index, std::vector<int32_t> slot_expert);
+                                                      Buffer& buffer, int layer_index, std::vector<int32_t> slot_expert,
+                                                      Transport& global);
   std::unique_ptr<Impl> impl_;
 };
 

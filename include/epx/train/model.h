@@ -10,6 +10,12 @@
 // over ranks of forward_backward's return value is the batch loss and the
 // dense gradients summed over ranks are its gradient.
 //
+// EP x EDP (several EP groups, data-parallel to each other): create(config,
+// world, ep) puts the Buffers and the exchange on the EP group's transport and
+// everything global (aux losses, load statistics, so the expert bias) on the
+// world's; each EP group then holds every expert once, and a routed expert's
+// gradient covers its EP group's tokens (sum it over the EDP group).
+//
 //   EPX_ASSIGN_OR_RETURN(auto model, epx::MoEModel::create(config, transport));
 //   EPX_ASSIGN_OR_RETURN(double loss, model->forward_backward(batch, global_tokens));
 #pragma once
@@ -66,7 +72,11 @@ struct StepTimes {
 
 class MoEModel {
  public:
+  // One EP group of every rank.
   static Result<std::unique_ptr<MoEModel>> create(const ModelConfig& config, Transport& transport);
+  // `ep`: this rank's EP group (its ranks are ranks of `world`); the placement
+  // and layer_slots are over the EP group's ranks.
+  static Result<std::unique_ptr<MoEModel>> create(const ModelConfig& config, Transport& world, Transport& ep);
   ~MoEModel();
 
   [[nodiscard]] const ModelConfig& config() const;

@@ -12,6 +12,15 @@
 // from rank 0; keep it quick); a non-OK Status from it stops every rank
 // after that step.
 //
+// EP x EDP (ep < num_ranks): the ranks form num_ranks / ep EP groups
+// (ParallelLayout: consecutive ranks, filling nodes first), each holding
+// every expert once; the exchange runs inside an EP group. Dense gradients
+// (input, output, norms, routers, shared experts) are summed over all ranks,
+// routed-expert gradients over the EDP group (the ranks holding the same
+// experts); aux losses, load statistics and the expert bias see the global
+// batch. The update equals one EP group's (or one rank's) on the same global
+// batch up to the order of fp32 sums.
+//
 // Balancing strategies: none, the auxiliary load-balancing loss, the
 // aux-loss-free expert bias (DeepSeek-V3), a capacity factor with position
 // or score drops, and EPLB (every eplb_every steps, re-place each layer's
@@ -61,10 +70,11 @@ struct BalancingConfig {
   DropPolicy drop_policy = DropPolicy::kPosition;
   bool eplb = false;        // re-place experts with redundant replicas
   int64_t eplb_every = 50;  // steps between re-placements
-  int eplb_slots = 0;       // physical slots per layer; 0: experts + ranks (rounded up to a multiple of ranks)
+  int eplb_slots = 0;       // physical slots per layer and EP group; 0: experts + ep (rounded up to a multiple of ep)
   // A short name: "none", "aux", "bias", "capacity", "eplb", combinations joined by '+'.
   [[nodiscard]] std::string name() const;
-  // The physical slots per layer with eplb.
+  // The physical slots per layer (of each EP group) with eplb; num_ranks:
+  // the ranks of an EP group.
   [[nodiscard]] int slots(int num_experts, int num_ranks) const {
     // Default: one redundant slot per rank above the experts' own.
     return eplb_slots > 0 ? eplb_slots : ((num_experts + num_ranks - 1) / num_ranks + 1) * num_ranks;
@@ -83,6 +93,10 @@ struct TrainConfig {
   BalancingConfig balancing;
   int num_ranks = 4;
   int num_nodes = 1;
+  // Ranks per expert-parallel group (0: all ranks, one EP group). It divides
+  // num_ranks; the num_ranks / ep EP groups each hold every expert once and
+  // are data-parallel to each other (EDP): ParallelLayout, docs/design.md.
+  int ep = 0;
   int64_t steps = 200;
   int64_t batch_tokens = 512;  // global tokens per step
   LearningRateSchedule schedule;
@@ -105,6 +119,8 @@ struct TrainConfig {
   // ranks then fail within model.timeout naming it (docs/errors.md).
   std::function<Status(int rank, int64_t step)> before_step;
 
+  // The ranks of one EP group: ep, or num_ranks when ep is 0.
+  [[nodiscard]] int ep_size() const { return ep > 0 ? ep : num_ranks; }
   // Applies balancing to the model's layer config and sizes the buffers.
   [[nodiscard]] Result<ModelConfig> resolved_model() const;
   [[nodiscard]] Status validate() const;

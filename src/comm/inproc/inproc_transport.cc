@@ -30,23 +30,61 @@ bool passed(const Deadline& deadline) { return Clock::now() >= deadline.when(); 
 
 namespace detail {
 
-InprocState::InprocState(const Topology& topology)
-    : topology(topology), ranks(std::make_unique<RankState[]>(static_cast<std::size_t>(topology.num_ranks()))) {
+InprocState::InprocState(const Topology& topology, std::vector<int> world_ranks, std::shared_ptr<InprocState> parent,
+                         std::string label)
+    : topology(topology),
+      world_ranks(std::move(world_ranks)),
+      parent(std::move(parent)),
+      label(std::move(label)),
+      ranks(std::make_unique<RankState[]>(static_cast<std::size_t>(topology.num_ranks()))) {
   for (CollectiveSlot& slot : slots) slot.entries.resize(static_cast<std::size_t>(topology.num_ranks()));
 }
 
-void InprocState::poison_locked(const Status& reason) {
-  if (!failure.is_ok()) return;
+bool InprocState::poison_locked(const Status& reason) {
+  if (!failure.is_ok()) return false;
   failure = reason.is_ok() ? internal_error("abort() was called with an OK status") : reason;
   poisoned.store(true, std::memory_order_release);
+  return true;
 }
 
 void InprocState::abort(const Status& reason) {
+  Status first;
   {
     std::lock_guard lock(mutex);
-    poison_locked(reason);
+    if (!poison_locked(reason)) return;
+    first = failure;
   }
+  spread_failure(first);
+}
+
+void InprocState::spread_failure(const Status& reason) {
   notify_all_ranks();
+  std::vector<std::shared_ptr<InprocState>> relatives;
+  {
+    std::lock_guard lock(mutex);
+    for (const std::weak_ptr<InprocState>& child : children) {
+      if (std::shared_ptr<InprocState> alive = child.lock()) relatives.push_back(std::move(alive));
+    }
+  }
+  // Each relative that was not yet poisoned spreads it on; one already
+  // poisoned stops it, so every state is visited once.
+  if (parent) parent->abort(Status(reason.code(), fmt::format("in {}: {}", label, reason.message())));
+  for (const std::shared_ptr<InprocState>& child : relatives) child->abort(reason);
+}
+
+Result<std::shared_ptr<InprocState>> InprocState::join_group(uint64_t split, const GroupPlan& plan, int rank) {
+  std::lock_guard lock(mutex);
+  if (!failure.is_ok()) return aborted_locked(fmt::format("split #{}", split), rank);
+  const std::pair<uint64_t, int> id(split, plan.color);
+  FormingGroup& forming = forming_groups[id];
+  if (!forming.state) {
+    forming.state = std::make_shared<InprocState>(plan.topology(), plan.world_ranks, shared_from_this(), plan.label);
+    std::erase_if(children, [](const std::weak_ptr<InprocState>& child) { return child.expired(); });
+    children.push_back(forming.state);
+  }
+  std::shared_ptr<InprocState> group = forming.state;
+  if (++forming.num_joined == static_cast<int>(plan.members.size())) forming_groups.erase(id);
+  return group;
 }
 
 void InprocState::notify_all_ranks() {
@@ -55,13 +93,13 @@ void InprocState::notify_all_ranks() {
 
 Status InprocState::aborted_locked(std::string_view what, int rank) const {
   const std::string cause = failure.code() == StatusCode::kAborted ? failure.message() : failure.to_string();
-  return aborted("{} on rank {} aborted: {}", what, rank, cause);
+  return aborted("{} on {} aborted: {}", what, rank_name(rank), cause);
 }
 
 Status InprocState::interrupted_locked(std::string_view what, int rank, int64_t waited_ms,
                                        std::string_view waiting_for) const {
   if (failure.code() != StatusCode::kDeadlineExceeded) return aborted_locked(what, rank);
-  return deadline_exceeded("rank {} waited {} ms in {}{}; the deadline of another rank passed first: {}", rank,
+  return deadline_exceeded("{} waited {} ms in {}{}; the deadline of another rank passed first: {}", rank_name(rank),
                            waited_ms, what, waiting_for.empty() ? "" : fmt::format(" ({})", waiting_for),
                            failure.message());
 }
@@ -116,7 +154,8 @@ class InprocRequest final : public Request::Impl {
     const auto start = Clock::now();
     InprocState& state = *state_;
     std::condition_variable& cv = state.ranks[op_->src].cv;
-    const std::string what = fmt::format("send to rank {} with tag {} ({} bytes)", op_->dst, op_->tag, op_->size);
+    const std::string what =
+        fmt::format("send to {} with tag {} ({} bytes)", state.rank_name(op_->dst), op_->tag, op_->size);
     std::unique_lock lock(state.mutex);
     for (bool blocked = false;; blocked = true) {
       if (op_->stage == SendOp::Stage::kDone) return op_->status;
@@ -126,11 +165,13 @@ class InprocRequest final : public Request::Impl {
         continue;
       }
       if (passed(deadline)) {
-        Status status = deadline_exceeded("rank {} waited {} ms in {}; the receiver did not take the message",
-                                          op_->src, elapsed_ms(start), what);
+        Status status = deadline_exceeded("{} waited {} ms in {}; the receiver did not take the message",
+                                          state.rank_name(op_->src), elapsed_ms(start), what);
         finish_unreceived_locked(status);
-        state.poison_locked(status);
-        state.notify_all_ranks();
+        if (state.poison_locked(status)) {
+          lock.unlock();
+          state.spread_failure(status);
+        }
         return status;
       }
       if (!state.failure.is_ok()) {
@@ -210,17 +251,19 @@ Status InprocTransport::rendezvous(const Contribution& mine, const Deadline& dea
       std::vector<detail::Arrival> arrivals(static_cast<std::size_t>(num_ranks));
       for (int r = 0; r < num_ranks; ++r)
         arrivals[r] = slot.entries[r].seq == seq ? detail::Arrival::kArrived : detail::Arrival::kMissing;
-      return detail::arrival_report(arrivals);
+      return detail::arrival_report(arrivals, state.world_ranks);
     };
     // slot.seq stays `seq` until this rank arrives at seq + 1.
     for (;;) {
       me.cv.wait_until(lock, deadline.when());
       if (slot.num_arrived == num_ranks) break;
       if (passed(deadline)) {
-        Status status =
-            deadline_exceeded("rank {} waited {} ms in {}: {}", rank_, elapsed_ms(start), what(), waiting_for());
-        state.poison_locked(status);
-        state.notify_all_ranks();
+        Status status = deadline_exceeded("{} waited {} ms in {}: {}", state.rank_name(rank_), elapsed_ms(start),
+                                          what(), waiting_for());
+        if (state.poison_locked(status)) {
+          lock.unlock();
+          state.spread_failure(status);
+        }
         return status;
       }
       if (!state.failure.is_ok()) return state.interrupted_locked(what(), rank_, elapsed_ms(start), waiting_for());
@@ -338,7 +381,7 @@ Result<Request> InprocTransport::send_async(int peer, int tag, std::span<const s
   {
     std::lock_guard lock(state.mutex);
     if (!state.failure.is_ok())
-      return state.aborted_locked(fmt::format("send to rank {} with tag {}", peer, tag), rank_);
+      return state.aborted_locked(fmt::format("send to {} with tag {}", state.rank_name(peer), tag), rank_);
     state.mailboxes[{rank_, peer, tag}].push_back(op);
   }
   state.ranks[peer].cv.notify_all();
@@ -350,7 +393,7 @@ Result<std::size_t> InprocTransport::recv(int peer, int tag, std::span<std::byte
   EPX_RETURN_IF_ERROR(check_peer_and_tag(peer, tag, num_ranks()));
   const auto start = Clock::now();
   InprocState& state = *state_;
-  auto what = [&] { return fmt::format("recv from rank {} with tag {}", peer, tag); };
+  auto what = [&] { return fmt::format("recv from {} with tag {}", state.rank_name(peer), tag); };
   std::unique_lock lock(state.mutex);
   if (!state.failure.is_ok()) return state.aborted_locked(what(), rank_);
   auto& fifo = state.mailboxes[{peer, rank_, tag}];  // map nodes are never erased
@@ -358,10 +401,12 @@ Result<std::size_t> InprocTransport::recv(int peer, int tag, std::span<std::byte
     state.ranks[rank_].cv.wait_until(lock, deadline.when());
     if (!fifo.empty()) break;
     if (passed(deadline)) {
-      Status status = deadline_exceeded("rank {} waited {} ms in {}; no message arrived", rank_,
+      Status status = deadline_exceeded("{} waited {} ms in {}; no message arrived", state.rank_name(rank_),
                                         elapsed_ms(start), what());
-      state.poison_locked(status);
-      state.notify_all_ranks();
+      if (state.poison_locked(status)) {
+        lock.unlock();
+        state.spread_failure(status);
+      }
       return status;
     }
     if (!state.failure.is_ok()) return state.interrupted_locked(what(), rank_, elapsed_ms(start), "");
@@ -377,11 +422,11 @@ Result<std::size_t> InprocTransport::recv(int peer, int tag, std::span<std::byte
   Status send_status;
   if (op->size > out.size()) {
     recv_status = resource_exhausted(
-        "message from rank {} with tag {} is {} bytes but out holds {} bytes; the message was dropped", peer, tag,
-        op->size, out.size());
+        "message from {} with tag {} is {} bytes but out holds {} bytes; the message was dropped",
+        state.rank_name(peer), tag, op->size, out.size());
     send_status = resource_exhausted(
-        "message to rank {} with tag {} is {} bytes but the receiver's buffer holds {} bytes; the message was dropped",
-        rank_, tag, op->size, out.size());
+        "message to {} with tag {} is {} bytes but the receiver's buffer holds {} bytes; the message was dropped",
+        state.rank_name(rank_), tag, op->size, out.size());
   } else if (op->size > 0) {
     std::memcpy(out.data(), op->data, op->size);
   }
@@ -397,6 +442,14 @@ Result<std::size_t> InprocTransport::recv(int peer, int tag, std::span<std::byte
 }
 
 
+
+Result<std::unique_ptr<Transport>> InprocTransport::split(int color, int key, const Deadline& deadline) {
+  const uint64_t split = state_->ranks[rank_].next_split++;
+  EPX_ASSIGN_OR_RETURN(detail::GroupPlan plan, detail::plan_split(*this, color, key, deadline));
+  EPX_ASSIGN_OR_RETURN(std::shared_ptr<InprocState> group, state_->join_group(split, plan, rank_));
+  std::unique_ptr<Transport> transport = std::make_unique<InprocTransport>(std::move(group), plan.rank);
+  return transport;
+}
 
 // ---------------------------------------------------------------------------
 // InprocWorld

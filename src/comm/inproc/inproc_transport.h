@@ -28,6 +28,19 @@
 // that never comes reports a timeout, whichever deadline passed first). A
 // rank that saw a failure never touches the collective slots again.
 //
+// Groups: split() makes a new InprocState for each group, with its own
+// topology, slots, mailboxes and failure, whose `parent` is the state it was
+// split from; the parent keeps weak_ptrs to its children. The first member to
+// arrive creates the group's state and parks it in the parent's
+// `forming_groups` under (split number, color); the others pick it up there.
+// A state's failure spreads to its parent (named "in group ...") and to its
+// children, and from them on, so the whole tree is poisoned and every blocked
+// call in it wakes: no rank waits on a group, or on the world, that can
+// never complete. The DeadlineExceeded rule above holds across the tree (the
+// code of the first failure travels with it). Errors name a group's ranks by
+// world rank: "rank 5 (rank 1 of the group)". A group and its parent share no
+// lock, so each may be used from its own thread.
+//
 // Peer memory: each rank's region is an AlignedBuffer held by shared_ptr, by
 // the PeerMemory of every rank of its node (and by its owner's slot entry
 // until the owner's next collective on that slot or the world's end). It is
@@ -45,11 +58,14 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <tuple>
 #include <vector>
 
 #include "comm/collective.h"
+#include "comm/group.h"
 #include "epx/comm/inproc.h"
 #include "epx/comm/transport.h"
 #include "epx/core/buffer.h"
@@ -88,17 +104,38 @@ struct SendOp {
 struct RankState {
   std::condition_variable cv;
   uint64_t next_seq = 1;
+  uint64_t next_split = 1;
   AtomicCounters counters;
 };
 
-struct InprocState {
-  explicit InprocState(const Topology& topology);
+struct InprocState;
 
-  // Records the first failure (later ones are ignored) and wakes every rank.
+// A group's state between its first member's arrival and its last's.
+struct FormingGroup {
+  std::shared_ptr<InprocState> state;
+  int num_joined = 0;
+};
+
+struct InprocState : std::enable_shared_from_this<InprocState> {
+  // A world: `world_ranks` empty, no parent. A group: the world rank of each
+  // of its ranks, the state it was split from, and its name for errors.
+  explicit InprocState(const Topology& topology, std::vector<int> world_ranks = {},
+                       std::shared_ptr<InprocState> parent = nullptr, std::string label = "the world");
+
+  // Records the first failure (later ones are ignored), wakes every rank and
+  // spreads it to the parent and the children.
   void abort(const Status& reason);
-  // The same with the mutex held; the caller notifies.
-  void poison_locked(const Status& reason);
+  // Records the first failure with the mutex held; true when it is the first.
+  // The caller unlocks, then calls spread_failure.
+  bool poison_locked(const Status& reason);
+  // Wakes every rank and poisons the parent and the children (call without the mutex).
+  void spread_failure(const Status& reason);
   void notify_all_ranks();
+  // The group state of (split number, color), created by its first member,
+  // or Aborted when this state failed.
+  Result<std::shared_ptr<InprocState>> join_group(uint64_t split, const GroupPlan& plan, int rank);
+  // "rank 5 (rank 1 of the group)" in a group, "rank 5" in a world.
+  [[nodiscard]] std::string rank_name(int rank) const { return detail::rank_name(rank, world_ranks); }
   // Aborted: `what` on `rank` could not complete because of the first failure.
   [[nodiscard]] Status aborted_locked(std::string_view what, int rank) const;
   // For a call that was already blocked when the world failed: when the
@@ -113,17 +150,24 @@ struct InprocState {
   using MailboxKey = std::tuple<int, int, int>;  // (src, dst, tag)
 
   const Topology topology;
+  const std::vector<int> world_ranks;             // empty in a world
+  const std::shared_ptr<InprocState> parent;      // null in a world
+  const std::string label;
   std::mutex mutex;
   Status failure;                        // guarded by mutex; non-OK once poisoned
   std::atomic<bool> poisoned{false};     // failure is non-OK (for lock-free checks)
   std::array<CollectiveSlot, 2> slots;   // guarded as explained at the top
   std::map<MailboxKey, std::deque<std::shared_ptr<SendOp>>> mailboxes;  // guarded by mutex
   std::unique_ptr<RankState[]> ranks;
+  std::vector<std::weak_ptr<InprocState>> children;                     // guarded by mutex
+  std::map<std::pair<uint64_t, int>, FormingGroup> forming_groups;      // guarded by mutex
 };
 
 }  // namespace detail
 
-// The transport of one rank of an InprocWorld. Used by one thread at a time.
+// The transport of one rank of an InprocWorld or of a group split from it.
+// Used by one thread at a time; a group may be used by another thread than
+// its parent.
 class InprocTransport final : public Transport {
  public:
   InprocTransport(std::shared_ptr<detail::InprocState> state, int rank);
@@ -143,6 +187,10 @@ class InprocTransport final : public Transport {
   Status all_reduce_raw(void* data, std::size_t count, DType dtype, ReduceOp op,
                         const Deadline& deadline) override;
   void abort(const Status& reason) override { state_->abort(reason); }
+  Result<std::unique_ptr<Transport>> split(int color, int key, const Deadline& deadline) override;
+  [[nodiscard]] int world_rank(int rank) const override {
+    return state_->world_ranks.empty() ? rank : state_->world_ranks[rank];
+  }
   [[nodiscard]] TransportCounters counters() const override { return state_->counters_of(rank_); }
   void reset_counters() override { state_->ranks[rank_].counters.reset(); }
 
