@@ -75,13 +75,6 @@ float pattern(int rank, int token, int64_t column) {
   return static_cast<float>(v - 126) / 64.0f;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // CPU time of the calling thread, and its minor page faults so far.
 int64_t thread_cpu_ns() {
   timespec ts{};
@@ -534,6 +527,14 @@ MethodTiming summarize(const Shared& shared, Method method, int64_t bytes, int n
 }
 
 }  // namespace
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 
 CpuSnapshot cpu_snapshot() {
   CpuSnapshot snap;

@@ -120,6 +120,10 @@ struct MemoryPlan {
   [[nodiscard]] bool fits_phased() const { return common + std::max(epx, naive) <= budget; }
 };
 
+// The median of `v` (the mean of the middle two for an even count; 0 when
+// empty): every benchmark's summary of its repetitions.
+double median(std::vector<double> v);
+
 // InvalidArgument naming the first bad field and its limit.
 [[nodiscard]] Status validate_exchange_bench_config(const ExchangeBenchConfig& config);
 

@@ -12,6 +12,7 @@
 #include "epx/core/clock.h"
 #include "epx/core/fp8.h"
 #include "epx/exchange/buffer.h"
+#include "exchange_bench.h"
 #include "synthetic_routing.h"
 
 namespace epx::bench {
@@ -20,13 +21,6 @@ namespace {
 enum Variant : int { kBf16, kFp8F32, kFp8Ue8m0, kQuantise, kNumVariants };
 constexpr const char* kVariantName[kNumVariants] = {"bf16", "fp8 f32 scales", "fp8 ue8m0 scales",
                                                      "quantise only (f32 scales)"};
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 // A bf16 value per (rank, token, column) of about unit size, scaled per
 // 128-channel block by a power of two, so the blocks' scales differ.

@@ -98,6 +98,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"run.batch_tokens", bind(o.batch_tokens, {.min = 1, .max = kMaxBatchTokens})},
       {"run.seed", non_negative(o.seed)},
       {"run.timeout", bind(o.timeout_s)},
+      {"run.grad_overlap", bind(o.grad_overlap)},
       {"parallelism.ep", bind(o.ep, {.min = 0, .max = 256})},
       {"data.source", bind(o.data)},
       {"data.input_dim", positive(o.input_dim)},
@@ -247,6 +248,9 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.schedule = {.peak = o.lr, .warmup_steps = o.warmup, .total_steps = o.steps, .min_ratio = o.min_lr_ratio};
   c.adamw.weight_decay = o.weight_decay;
   c.clip_norm = o.clip;
+  if (o.grad_overlap != "on" && o.grad_overlap != "off")
+    return invalid_argument("grad_overlap '{}' is not on or off", o.grad_overlap);
+  c.grad_overlap = o.grad_overlap == "on";
   c.save_dir = o.save_dir;
   c.save_every = o.save_every;
   c.keep_checkpoints = o.keep;
@@ -507,6 +511,11 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->capture_default_str();
   cmd->add_option("--clip", o.clip, "Gradient-norm clip (0 = off)")->capture_default_str();
+  cmd->add_option("--grad-overlap", o.grad_overlap,
+                  "on: each bucket of gradients is all-reduced on a thread as soon as the backward has made it "
+                  "final, beside the rest of the backward; off: after the backward (the same bits)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   cmd->add_option("--metrics", o.metrics_path,
                   "Write one JSON line per step to this file ('-' = stdout, and all other output goes to stderr). "
                   "Its folder is checked writable before step 1; a line that cannot be written stops the run at "

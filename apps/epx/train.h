@@ -62,6 +62,7 @@ struct TrainOptions {
   double min_lr_ratio = 0.1;
   double weight_decay = 0.01;
   double clip = 1.0;
+  std::string grad_overlap = "on";  // TrainConfig::grad_overlap: on or off
   // [output]
   std::string metrics_path;
   std::string trace_path;

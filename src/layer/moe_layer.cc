@@ -748,8 +748,11 @@ struct MoELayer::Impl {
     return std::span(v).subspan(static_cast<std::size_t>(local) * per_expert, per_expert);
   }
 
-  Status sum_replica_gradients() {
+  Status sum_replica_gradients(Transport& group, const Deadline& until) {
     if (num_replicated == 0) return Status::ok();
+    if (group.num_ranks() != transport.num_ranks() || group.rank() != transport.rank())
+      return invalid_argument("sum_replica_gradients on rank {} of {} ranks; the layer's experts live on rank {} of {}",
+                              group.rank(), group.num_ranks(), transport.rank(), transport.num_ranks());
     const std::size_t hf = static_cast<std::size_t>(config.hidden) * config.ffn_hidden;
     Parameter* params[3] = {&w1, &w3, &w2};
     std::vector<float> packed(static_cast<std::size_t>(num_replicated) * 3 * hf, 0.0f);
@@ -763,7 +766,7 @@ struct MoELayer::Impl {
         dst += hf;
       }
     }
-    EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(packed), ReduceOp::kSum, deadline()));
+    EPX_RETURN_IF_ERROR(group.all_reduce(std::span<float>(packed), ReduceOp::kSum, until));
     for (int l = 0; l < num_local; ++l) {
       const int e = local_logical(l);
       if (e < 0 || replicated_pos[e] < 0) continue;
@@ -956,7 +959,12 @@ Buffer& MoELayer::buffer() { return impl_->buffer; }
 const std::vector<int32_t>& MoELayer::slot_expert() const { return impl_->slot_expert; }
 int MoELayer::local_logical_expert(int local) const { return impl_->local_logical(local); }
 Status MoELayer::sum_replica_gradients() {
-  return detail::guard("MoELayer::sum_replica_gradients", [&] { return impl_->sum_replica_gradients(); });
+  return detail::guard("MoELayer::sum_replica_gradients",
+                       [&] { return impl_->sum_replica_gradients(impl_->transport, impl_->deadline()); });
+}
+Status MoELayer::sum_replica_gradients(Transport& transport, const Deadline& deadline) {
+  return detail::guard("MoELayer::sum_replica_gradients",
+                       [&] { return impl_->sum_replica_gradients(transport, deadline); });
 }
 double MoELayer::duplicate_grad_sq() const { return impl_->duplicate_grad_sq(); }
 namespace {

@@ -46,7 +46,9 @@ struct MoEModel::Impl {
   std::vector<std::unique_ptr<MoELayer>> layers;
   Parameter embed, final_norm, head;
   StepTimes times;
+  GradReadyHook grad_ready;
   void sum_layer_times();
+  Status gradients_ready(int layer) const { return grad_ready ? grad_ready(layer) : Status::ok(); }
   // Activations of the last forward: hidden[l] is the input of layer l.
   std::vector<std::vector<float>> hidden;
   std::vector<float> normed, rstd, outputs;
@@ -172,8 +174,10 @@ struct MoEModel::Impl {
     detail::rms_norm_backward(hidden.back().data(), final_norm.value.data(), rstd.data(), grad_normed.data(), T, h,
                               grad.data(), final_norm.grad.data());
     times.dense += watch.seconds();
+    EPX_RETURN_IF_ERROR(gradients_ready(config.num_layers));
     for (int l = config.num_layers - 1; l >= 0; --l) {
       EPX_RETURN_IF_ERROR(layers[l]->backward(matrix(grad, T, h), matrix(grad_in, T, h)));
+      EPX_RETURN_IF_ERROR(gradients_ready(l));
       grad.swap(grad_in);
     }
     watch.reset();
@@ -190,7 +194,7 @@ struct MoEModel::Impl {
       }
     }
     times.dense += watch.seconds();
-    return Status::ok();
+    return gradients_ready(-1);
   }
 };
 
@@ -238,6 +242,7 @@ MoEModel::~MoEModel() = default;
 const ModelConfig& MoEModel::config() const { return impl_->config; }
 const StepTimes& MoEModel::times() const { return impl_->times; }
 Buffer& MoEModel::buffer(int layer) { return impl_->layers[layer]->buffer(); }
+void MoEModel::set_grad_ready_hook(GradReadyHook hook) { impl_->grad_ready = std::move(hook); }
 
 Status MoEModel::replace_layer(int layer, std::vector<int32_t> slot_expert) {
   Impl& m = *impl_;

@@ -16,6 +16,7 @@
 #include "epx/core/clock.h"
 #include "core/guard.h"
 #include "train/checkpoint.h"
+#include "train/grad_sync.h"
 
 namespace epx {
 namespace {
@@ -74,7 +75,7 @@ class DataSource {
   std::optional<TextTask> text_;
 };
 
-constexpr int kTimeFields = 8;
+constexpr int kTimeFields = 10;
 
 // Where a rank is in the run, so a failure says it: "step 12, layer 1,
 // dispatch: rank 2 did not arrive ..." (the layer adds its part).
@@ -370,6 +371,8 @@ Status TrainConfig::validate() const {
   if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
   if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
   if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
+  if (grad_bucket_bytes < 4 || grad_bucket_bytes > (int64_t{1} << 40))
+    return invalid_argument("grad_bucket_bytes = {} is outside [4, 2^40]", grad_bucket_bytes);
   EPX_RETURN_IF_ERROR(schedule.validate());
   EPX_RETURN_IF_ERROR(adamw.validate());
   EPX_ASSIGN_OR_RETURN(ModelConfig m, resolved_model());
@@ -409,9 +412,10 @@ std::string StepReport::to_json() const {
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankTimes& t = ranks[r];
     ranks_json += fmt::format("{}{{\"rank\":{},\"router\":{},\"dispatch\":{},\"experts\":{},\"combine\":{},"
-                              "\"dense\":{},\"wait\":{},\"sync\":{},\"total\":{}}}",
+                              "\"dense\":{},\"wait\":{},\"sync\":{},\"total\":{},\"grad_reduce\":{},"
+                              "\"grad_wait\":{}}}",
                               r ? "," : "", r, t.router, t.dispatch, t.experts, t.combine, t.dense, t.wait, t.sync,
-                              t.total);
+                              t.total, t.grad_reduce, t.grad_wait);
   }
   std::string eplb_json;
   if (eplb)
@@ -555,36 +559,19 @@ ModelParts model_parts(MoEModel& model) {
   return parts;
 }
 
-// Sums `params`' gradients over `transport` as one packed all-reduce.
-Status all_reduce_gradients(Transport& transport, std::span<Parameter* const> params, std::vector<float>& packed,
-                            const Deadline& deadline) {
-  std::size_t size = 0;
-  for (const Parameter* p : params) size += p->grad.size();
-  packed.resize(std::max<std::size_t>(size, 1));
-  std::size_t at = 0;
-  for (const Parameter* p : params) {
-    std::copy(p->grad.begin(), p->grad.end(), packed.begin() + static_cast<std::ptrdiff_t>(at));
-    at += p->grad.size();
-  }
-  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<float>(packed.data(), size), ReduceOp::kSum, deadline));
-  at = 0;
-  for (Parameter* p : params) {
-    std::copy_n(packed.begin() + static_cast<std::ptrdiff_t>(at), p->grad.size(), p->grad.begin());
-    at += p->grad.size();
-  }
-  return Status::ok();
-}
-
-// The gradients of the global batch, synchronously after the backward: dense
-// ones (input, output, norms, routers, shared experts) summed over every
-// rank; each routed expert's replicas summed within the EP group, then routed
-// experts over the EDP group (the ranks holding the same experts). Collective.
-Status reduce_gradients(const RankGroups& groups, const ModelParts& parts, std::vector<float>& scratch,
-                        const Deadline& deadline) {
-  EPX_RETURN_IF_ERROR(all_reduce_gradients(*groups.world, parts.dense, scratch, deadline));
-  for (MoELayer* layer : parts.layers) EPX_RETURN_IF_ERROR(layer->sum_replica_gradients());
-  if (groups.edp != nullptr) EPX_RETURN_IF_ERROR(all_reduce_gradients(*groups.edp, parts.experts, scratch, deadline));
-  return Status::ok();
+// The rank's gradient reductions (train/grad_sync.h): dense over the world,
+// replicas over the EP group, routed experts over the EDP group; bucketed,
+// on a thread beside the backward with grad_overlap. Collective.
+Result<std::unique_ptr<detail::GradientSync>> make_grad_sync(const TrainConfig& config, const RankGroups& groups,
+                                                             MoEModel& model, const Deadline& deadline) {
+  EPX_ASSIGN_OR_RETURN(auto sync, detail::GradientSync::create(
+                                      {.world = groups.world, .ep = groups.ep, .edp = groups.edp},
+                                      {.bucket_bytes = static_cast<std::size_t>(config.grad_bucket_bytes),
+                                       .overlap = config.grad_overlap,
+                                       .timeout = model.config().timeout},
+                                      deadline));
+  EPX_RETURN_IF_ERROR(sync->plan(model));
+  return sync;
 }
 
 // One rank's part of the run.
@@ -601,7 +588,7 @@ struct Rank {
   detail::CheckpointMeta meta;
   int64_t first_step = 0;
   Batch batch;
-  std::vector<float> scratch;  // the gradient all-reduces' packing
+  std::unique_ptr<detail::GradientSync> grad_sync;  // after the model: destroyed before it
   Status stop;                 // rank 0: what on_step returned
   [[nodiscard]] int rank() const { return groups.world->rank(); }
   [[nodiscard]] const TrainConfig& config() const { return run.config; }
@@ -627,6 +614,7 @@ Status open_rank(Rank& r, Transport& world) {
   EPX_ASSIGN_OR_RETURN(r.data, DataSource::create(config));
   EPX_ASSIGN_OR_RETURN(r.model, MoEModel::create(r.run.model_config, *r.groups.world, *r.groups.ep));
   r.parts = model_parts(*r.model);
+  EPX_ASSIGN_OR_RETURN(r.grad_sync, make_grad_sync(config, r.groups, *r.model, r.deadline()));
   r.eplb = r.run.eplb;
   r.adam = AdamW(config.adamw);
   r.meta.num_ranks = world.num_ranks();
@@ -657,6 +645,7 @@ Status forward_backward(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
   {
     ScopedSpan span(tracer, r.rank(), "forward_backward");
     r.where.phase = "forward/backward";
+    r.grad_sync->start_step();
     EPX_ASSIGN_OR_RETURN(n->loss, r.model->forward_backward(r.batch, config.batch_tokens));
   }
   Stopwatch wait_watch;
@@ -675,7 +664,7 @@ Status update_parameters(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) 
   {
     ScopedSpan span(tracer, r.rank(), "sync");
     r.where.phase = "gradient all_reduce";
-    EPX_RETURN_IF_ERROR(reduce_gradients(r.groups, r.parts, r.scratch, r.deadline()));
+    EPX_RETURN_IF_ERROR(r.grad_sync->finish(r.deadline()));
     double duplicate_sq = 0;
     for (MoELayer* layer : r.parts.layers) duplicate_sq += layer->duplicate_grad_sq();
     r.where.phase = "gradient norm";
@@ -707,6 +696,7 @@ Status eplb_step(Rank& r, int64_t step, Tracer* tracer, StepNumbers* n) {
   n->eplb->num_moved_slots *= r.run.layout.edp();
   n->eplb->moved_bytes *= r.run.layout.edp();
   r.parts = model_parts(*r.model);
+  EPX_RETURN_IF_ERROR(r.grad_sync->plan(*r.model));
   for (MoELayer* layer : r.parts.layers) layer->set_tracer(tracer);
   return Status::ok();
 }
@@ -743,7 +733,8 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   EPX_RETURN_IF_ERROR(r.groups.world->all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, r.deadline()));
   const StepTimes& st = r.model->times();
   const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
-                                    st.dense, n.wait, n.sync + st.layers.stats, n.watch.seconds()};
+                                    st.dense, n.wait, n.sync + st.layers.stats, n.watch.seconds(),
+                                    r.grad_sync->times().reduce, r.grad_sync->times().wait};
   std::vector<double> all(static_cast<std::size_t>(kTimeFields) * R);
   EPX_RETURN_IF_ERROR(
       r.groups.world->all_gather(std::span<const double>(mine, kTimeFields), std::span<double>(all), r.deadline()));
@@ -761,7 +752,7 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   report.eplb = std::move(n.eplb);
   for (int q = 0; q < R; ++q) {
     const double* f = all.data() + static_cast<std::ptrdiff_t>(q) * kTimeFields;
-    report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]});
+    report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9]});
   }
   record_report(r, std::move(report));
   return Status::ok();

@@ -39,6 +39,7 @@ expect_usage_error "experts not a multiple of ranks" "experts = 16 must be a mul
 expect_usage_error "eplb slots not a multiple of ranks" "eplb_slots = 18 must be a multiple of ranks = 4" \
   --balance bias+eplb --eplb-slots 18
 expect_usage_error "eplb slots below experts" "eplb_slots = 12 is below experts = 16" --balance eplb --eplb-slots 12
+expect_usage_error "grad overlap neither on nor off" "--grad-overlap" --grad-overlap maybe
 
 # A small run with metrics, a trace and a checkpoint, then a resume.
 small=(--batch-tokens 64 --hidden 32 --ffn-hidden 32 --experts 8 -q)
@@ -49,6 +50,7 @@ else
   lines=$(wc -l < "$work/m.jsonl")
   [[ $lines -eq 6 ]] || { echo "FAIL metrics has $lines lines, want 6"; failures=$((failures + 1)); }
   grep -q '"max_vio"' "$work/m.jsonl" || { echo "FAIL metrics lack max_vio"; failures=$((failures + 1)); }
+  grep -q '"grad_wait"' "$work/m.jsonl" || { echo "FAIL metrics lack grad_wait"; failures=$((failures + 1)); }
   grep -q '"traceEvents"' "$work/t.json" || { echo "FAIL trace has no traceEvents"; failures=$((failures + 1)); }
   grep -q '"dispatch"' "$work/t.json" || { echo "FAIL trace has no dispatch span"; failures=$((failures + 1)); }
   [[ "$(cat "$work/ck/latest")" == step-000006 && -f "$work/ck/step-000006/meta.json" && -f "$work/ck/step-000006/rank-3.bin" ]] ||

@@ -170,6 +170,10 @@ class MoELayer {
   // gradients; a no-op without replicas), so that all replicas take the same
   // optimizer update and stay bit-identical. Collective; call after backward.
   [[nodiscard]] Status sum_replica_gradients();
+  // The same over `transport`: a duplicate of the layer's (same ranks, same
+  // rank numbers; InvalidArgument otherwise), e.g. one a gradient thread owns
+  // so its all-reduce runs beside the layer's own collectives.
+  [[nodiscard]] Status sum_replica_gradients(Transport& transport, const Deadline& deadline);
   // This rank's squared norm of the expert gradients that repeat another
   // replica (every replica but the lowest slot of its expert), to count each
   // logical expert once in a global gradient norm (clip_grad_norm).

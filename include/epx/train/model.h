@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -91,6 +92,15 @@ class MoEModel {
   [[nodiscard]] std::vector<MoELayer*> layers();
   [[nodiscard]] const StepTimes& times() const;
   [[nodiscard]] Buffer& buffer(int layer = 0);
+
+  // Called by forward_backward on the calling thread as gradients become
+  // final, in this order: num_layers (the head and the final norm), then each
+  // layer from the last to the first (its router, norm, shared and expert
+  // gradients), then -1 (the input projection). A non-OK status stops the
+  // backward and is returned. Empty (the default): no calls. Lets a gradient
+  // all-reduce start while the backward goes on (train/grad_sync.h).
+  using GradReadyHook = std::function<Status(int layer)>;
+  void set_grad_ready_hook(GradReadyHook hook);
 
   // Re-places layer `layer`'s experts: builds a new Buffer over `slot_expert`
   // (same slot count) and a new MoELayer that keeps the old one's dense

@@ -54,8 +54,10 @@ class AdamW {
 // expert gradients summed over ranks) is at most max_norm (0 = no clipping).
 // `duplicate_sq`: this rank's squared norm of expert gradients that repeat
 // another replica's (MoELayer::duplicate_grad_sq), left out of the norm so
-// that each logical expert counts once. Returns the norm before clipping.
-// Collective.
+// that each logical expert counts once. With expert-data parallelism pass the
+// EP group: after the EDP all-reduce every EP group holds each logical expert
+// once, with the same gradients, so the norm is the same in every group.
+// Returns the norm before clipping. Collective.
 [[nodiscard]] Result<double> clip_grad_norm(std::span<Parameter* const> params, double max_norm, Transport& transport,
                                             const Deadline& deadline, double duplicate_sq = 0.0);
 

@@ -102,6 +102,11 @@ struct TrainConfig {
   LearningRateSchedule schedule;
   AdamWConfig adamw;
   double clip_norm = 1.0;  // 0 = no clipping
+  // Gradient all-reduces start per bucket as soon as the backward has made its
+  // gradients final, on a thread beside the rest of the backward (the same
+  // bits as off, where they run after it); buckets of about grad_bucket_bytes.
+  bool grad_overlap = true;
+  int64_t grad_bucket_bytes = int64_t{4} << 20;
   std::string save_dir;    // write a checkpoint at the end (and every save_every steps)
   int64_t save_every = 0;
   int keep_checkpoints = 2;  // step folders kept in save_dir (>= 1)
@@ -129,8 +134,10 @@ struct TrainConfig {
 struct RankTimes {
   double router = 0, dispatch = 0, experts = 0, combine = 0, dense = 0;
   double wait = 0;  // in the barrier after forward/backward: waiting for the slowest rank
-  double sync = 0;  // gradient all-reduce, clipping, stats
+  double sync = 0;  // after the backward: the gradient all-reduce's exposed part, clipping, optimizer, stats
   double total = 0;
+  double grad_reduce = 0;  // in the gradient all-reduces (with grad_overlap on the thread, beside the backward)
+  double grad_wait = 0;    // waiting for them after the backward (part of sync): what overlap did not hide
   [[nodiscard]] double communication() const { return dispatch + combine + sync; }
 };
 
