@@ -7,6 +7,7 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -196,6 +197,102 @@ TEST(Transport, AnAbortEndsTheOthersWaitsWithItsReason) {
     if (!test_world().holds(r)) continue;
     EXPECT_EQ(result[r].code(), StatusCode::kAborted) << "rank " << r << ": " << result[r].to_string();
     EXPECT_NE(result[r].message().find("the test gives up on purpose"), std::string::npos) << result[r].to_string();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Groups (Transport::split)
+
+// The sum of the group's world ranks by all_reduce on the group, and its peer
+// memory: mapped for the group ranks of this node, holding their world ranks.
+Status check_group(Transport& group) {
+  int64_t sum = group.world_rank(group.rank());
+  EPX_RETURN_IF_ERROR(group.all_reduce(std::span<int64_t>(&sum, 1), ReduceOp::kSum, seconds(30)));
+  int64_t want = 0;
+  for (int r = 0; r < group.num_ranks(); ++r) want += group.world_rank(r);
+  if (sum != want) return internal_error("all_reduce on the group: {}, want {}", sum, want);
+  EPX_ASSIGN_OR_RETURN(auto memory, group.map_peer_memory(64, seconds(30)));
+  const int32_t mine = group.world_rank(group.rank());
+  std::memcpy(memory->local(), &mine, sizeof(mine));
+  EPX_RETURN_IF_ERROR(group.barrier(seconds(30)));
+  for (int r = 0; r < group.num_ranks(); ++r) {
+    const std::byte* peer = memory->peer(r);
+    if ((peer != nullptr) != group.topology().same_node(r, group.rank()))
+      return internal_error("peer({}) is {}mapped", r, peer ? "" : "not ");
+    int32_t seen = -1;
+    if (peer) std::memcpy(&seen, peer, sizeof(seen));
+    if (peer && seen != group.world_rank(r))
+      return internal_error("the region of group rank {} holds {}, want {}", r, seen, group.world_rank(r));
+  }
+  // A ring of messages: each sends its world rank to the next group rank.
+  const int next = (group.rank() + 1) % group.num_ranks();
+  const int prev = (group.rank() + group.num_ranks() - 1) % group.num_ranks();
+  EPX_ASSIGN_OR_RETURN(Request sent, group.send_async(next, 5, std::as_bytes(std::span(&mine, 1))));
+  int32_t got = -1;
+  EPX_RETURN_IF_ERROR(group.recv(prev, 5, std::as_writable_bytes(std::span(&got, 1)), seconds(30)).status());
+  EPX_RETURN_IF_ERROR(sent.wait(seconds(30)));
+  if (got != group.world_rank(prev)) return internal_error("got {} from group rank {}", got, prev);
+  return group.barrier(seconds(30));
+}
+
+// Groups inside a node (color: node) and across nodes (color: local rank).
+TEST(TransportGroups, InsideAndAcrossNodes) {
+  const int R = test_ranks();
+  const int nodes = R % 2 == 0 ? 2 : 1;
+  auto statuses = run(R, nodes, [&](Transport& t) -> Status {
+    EPX_ASSIGN_OR_RETURN(auto inside, t.split(t.node(), t.rank(), seconds(30)));
+    EPX_ASSIGN_OR_RETURN(auto across, t.split(t.local_rank(), t.rank(), seconds(30)));
+    if (inside->num_ranks() != t.topology().ranks_per_node() || inside->topology().num_nodes() != 1)
+      return internal_error("the group of node {} is {}", t.node(), inside->topology().describe());
+    if (across->num_ranks() != t.topology().num_nodes() || across->rank() != t.node())
+      return internal_error("the group of local rank {} is {}; rank {} in it", t.local_rank(),
+                            across->topology().describe(), across->rank());
+    EPX_RETURN_IF_ERROR(check_group(*inside));
+    EPX_RETURN_IF_ERROR(check_group(*across));
+    return t.barrier(seconds(30));
+  });
+  for (int r = 0; r < R; ++r) {
+    if (!test_world().holds(r)) continue;
+    EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+  }
+}
+
+// 8 ranks on 2 nodes, one group per node. World rank 5 (rank 1 of group 1)
+// stalls past the deadline of its group's barrier: its group names it by
+// world rank, and ranks blocked in the world (rank 0) and in the other group
+// (ranks 1-3, waiting for rank 0) end at once, not at their own 20 s deadlines.
+TEST(TransportGroups, AStallInAGroupEndsTheWorldsWaits) {
+  EPX_SKIP_UNLESS_RUNNABLE(8, 2);
+  std::vector<Status> result(8);
+  std::vector<double> waited(8, 0.0);
+  test_world().run(*Topology::create(8, 2), [&](Transport& t) -> Status {
+    const int r = t.rank();
+    auto group = t.split(t.node(), r, seconds(30));
+    if (!group.is_ok()) return result[r] = group.status();
+    const auto start = std::chrono::steady_clock::now();
+    if (r == 5) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      result[r] = (*group)->barrier(seconds(20));
+    } else if (t.node() == 1) {
+      result[r] = (*group)->barrier(Deadline::after(std::chrono::milliseconds(300)));
+    } else {
+      result[r] = r == 0 ? t.barrier(seconds(20)) : (*group)->barrier(seconds(20));
+    }
+    waited[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return result[r];
+  });
+  for (int r = 0; r < 8; ++r) {
+    if (!test_world().holds(r)) continue;
+    SCOPED_TRACE(fmt::format("rank {}: {}", r, result[r].to_string()));
+    const std::string& message = result[r].message();
+    if (r == 4 || r == 6 || r == 7) {
+      EXPECT_EQ(result[r].code(), StatusCode::kDeadlineExceeded);
+      EXPECT_NE(message.find("rank 5 (rank 1 of the group) did not arrive"), std::string::npos);
+    } else {
+      EXPECT_TRUE(result[r].code() == StatusCode::kDeadlineExceeded || result[r].code() == StatusCode::kAborted);
+      EXPECT_NE(message.find("rank 5 (rank 1 of the group)"), std::string::npos);
+      EXPECT_LT(waited[r], r == 5 ? 10.0 : 8.5) << "waited for its own deadline instead of hearing of group 1's";
+    }
   }
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -372,29 +373,60 @@ std::vector<Matrix> per_rank(int num_ranks, const std::function<Matrix(int)>& ma
   return out;
 }
 
+// One sub-case's exchange and inputs, and what its ranks returned.
+struct CaseRun {
+  std::optional<ExchangeSpec> spec;
+  std::vector<RankInputs> inputs;
+  std::vector<RankResult> results;
+  std::vector<Status> statuses;
+};
+
+// The spec and inputs of `c`; empty spec (and a failure) when the case is malformed.
+CaseRun prepare_case(const Case& c) {
+  CaseRun run;
+  const int R = c.shape.num_ranks;
+  auto topology = Topology::create(R, c.shape.num_nodes);
+  EXPECT_TRUE(topology.is_ok()) << topology.status().to_string();
+  auto placement = c.expert_map.empty() ? ExpertPlacement::contiguous(c.num_experts, R)
+                                        : ExpertPlacement::from_map(c.expert_map, R);
+  EXPECT_TRUE(placement.is_ok()) << placement.status().to_string();
+  if (!topology.is_ok() || !placement.is_ok()) return run;
+  run.spec.emplace(ExchangeSpec{*topology, *placement, c.shape.dtype, c.hidden, c.alignment});
+  run.inputs = make_inputs(*run.spec, c.routing, c.topk, kMaxTokens, c.with_weights, c.seed);
+  run.results.resize(static_cast<std::size_t>(R));
+  return run;
+}
+
+void check_results(const Case& c, const CaseRun& run, const std::function<bool(int)>& holds);
+
 // Runs one sub-case on a fresh world and checks every rank against the reference.
 void check_case(const Case& c) {
   SCOPED_TRACE(c.name());
-  const int R = c.shape.num_ranks;
-  auto topology = Topology::create(R, c.shape.num_nodes);
-  ASSERT_TRUE(topology.is_ok()) << topology.status().to_string();
-  auto placement = c.expert_map.empty() ? ExpertPlacement::contiguous(c.num_experts, R)
-                                        : ExpertPlacement::from_map(c.expert_map, R);
-  ASSERT_TRUE(placement.is_ok()) << placement.status().to_string();
-  const ExchangeSpec spec{*topology, *placement, c.shape.dtype, c.hidden, c.alignment};
-  const std::vector<RankInputs> inputs = make_inputs(spec, c.routing, c.topk, kMaxTokens, c.with_weights, c.seed);
-
+  CaseRun run = prepare_case(c);
+  ASSERT_TRUE(run.spec.has_value());
   TestWorld& world = test_world();
-  std::vector<RankResult> results(R);
-  const std::vector<Status> statuses =
-      world.run(*topology, [&](Transport& t) { return run_rank(t, c, inputs[t.rank()], &results[t.rank()]); });
+  run.statuses = world.run(run.spec->topology, [&](Transport& t) {
+    return run_rank(t, c, run.inputs[t.rank()], &run.results[t.rank()]);
+  });
+  check_results(c, run, [&](int r) { return world.holds(r); });
+}
+
+// Checks the ranks of `run` this process holds (holds(rank)) against the
+// reference; every process calls it, in the same order (it sums over them).
+void check_results(const Case& c, const CaseRun& run, const std::function<bool(int)>& holds) {
+  const int R = c.shape.num_ranks;
+  const ExchangeSpec& spec = *run.spec;
+  const std::vector<RankInputs>& inputs = run.inputs;
+  const std::vector<RankResult>& results = run.results;
+  const std::vector<Status>& statuses = run.statuses;
+  TestWorld& world = test_world();
   // Totals over every rank, summed over the processes (MPI) before any
   // check can return early: every process makes the same sum() calls.
   enum : int { kFailed, kDispatchBytes, kPayloadBytes, kMetaBytes, kCombineABytes, kCombineBBytes, kCombineEBytes,
                kNonzeroRecvX, kNonzeroA, kNonzeroB, kNonzeroE, kNonzeroGradX, kNumTotals };
   std::vector<int64_t> totals(kNumTotals, 0);
   for (int r = 0; r < R; ++r) {
-    if (!world.holds(r)) continue;
+    if (!holds(r)) continue;
     const RankResult& res = results[r];
     EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
     if (!statuses[r].is_ok()) {
@@ -432,7 +464,7 @@ void check_case(const Case& c) {
   bool dispatch_ok = true;
   for (int r = 0; r < R; ++r) {
     total_recv += recv[r].num_recv();
-    if (!world.holds(r)) continue;
+    if (!holds(r)) continue;
     SCOPED_TRACE(fmt::format("rank {}", r));
     const RankResult& res = results[r];
     const RefRecv& want = recv[r];
@@ -513,7 +545,7 @@ void check_case(const Case& c) {
   for (int r = 0; r < R; ++r) {
     SCOPED_TRACE(fmt::format("rank {}", r));
     const RankResult& res = results[r];
-    const bool held = world.holds(r);
+    const bool held = holds(r);
     const int64_t n = recv[r].num_recv();
     const RefExpanded ex = reference_expanded(recv[r], spec.placement.num_local_experts(r), c.alignment);
     const Matrix expanded_x = reference_expand(recv_x[r], ex);
@@ -545,7 +577,7 @@ void check_case(const Case& c) {
   const auto grad_y = gather_rows(grad_out, recv);
 
   for (int r = 0; r < R; ++r) {
-    if (!world.holds(r)) continue;
+    if (!holds(r)) continue;
     SCOPED_TRACE(fmt::format("rank {}", r));
     const RankResult& res = results[r];
     const bool multi_node = spec.topology.num_nodes() > 1;
@@ -617,6 +649,68 @@ std::vector<Shape> all_shapes() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Exchange, Conformance, ::testing::ValuesIn(all_shapes()), shape_name);
+
+// The exchange on groups of a world (Transport::split), several at once: 8
+// ranks on 2 nodes split into group 0 = ranks {0 1 4 5} (2 nodes x 2: it
+// spans the nodes), group 1 = {2 3} and group 2 = {6 7} (each inside a
+// node). Every group runs the same sub-cases of its shape at the same time
+// as the others, each checked against the reference of its own shape. A few
+// sub-cases only (CI time): the full table runs on worlds above.
+struct GroupOfTheWorld {
+  int color;
+  std::vector<int> members;  // world ranks, in group-rank order
+  int num_nodes;
+};
+const GroupOfTheWorld kGroups[] = {{0, {0, 1, 4, 5}, 2}, {1, {2, 3}, 1}, {2, {6, 7}, 1}};
+int group_color(const Transport& world) {
+  return world.local_rank() < 2 ? 0 : world.node() == 0 ? 1 : 2;
+}
+
+// Sub-case `i` of group g's shape: spread over the table, f32 and bf16 in turn.
+Case group_case(const GroupOfTheWorld& g, int i) {
+  const DType dtype = i % 2 == 0 ? DType::kF32 : DType::kBF16;
+  const std::vector<Case> cases =
+      make_cases({static_cast<int>(g.members.size()), g.num_nodes, DispatchAlgorithm::kAuto, dtype});
+  return cases[(static_cast<std::size_t>(i) * 11 + 3) % cases.size()];
+}
+
+// Every group's sub-case `i` at once, then each checked.
+void check_group_cases(int i) {
+  std::vector<Case> cases;
+  std::vector<CaseRun> runs;
+  for (const GroupOfTheWorld& g : kGroups) {
+    cases.push_back(group_case(g, i));
+    runs.push_back(prepare_case(cases.back()));
+    ASSERT_TRUE(runs.back().spec.has_value());
+    runs.back().statuses.resize(g.members.size());
+  }
+  TestWorld& world = test_world();
+  const std::vector<Status> statuses = world.run(*Topology::create(8, 2), [&](Transport& t) -> Status {
+    const int color = group_color(t);
+    EPX_ASSIGN_OR_RETURN(auto group, t.split(color, t.rank(), Deadline::after(std::chrono::seconds(30))));
+    CaseRun& run = runs[color];
+    const int r = group->rank();
+    run.statuses[r] = run_rank(*group, cases[color], run.inputs[r], &run.results[r]);
+    return run.statuses[r];
+  });
+  for (std::size_t g = 0; g < runs.size(); ++g) {
+    SCOPED_TRACE(fmt::format("group {} (world ranks {}): {}", g, fmt::join(kGroups[g].members, " "), cases[g].name()));
+    const std::vector<int>& members = kGroups[g].members;
+    for (std::size_t r = 0; r < members.size(); ++r) {
+      // A split that failed left the group's status unset: take the world's.
+      if (world.holds(members[r]) && runs[g].statuses[r].is_ok()) runs[g].statuses[r] = statuses[members[r]];
+    }
+    check_results(cases[g], runs[g], [&](int r) { return world.holds(members[r]); });
+  }
+}
+
+TEST(ConformanceOnGroups, ThreeGroupsOfAnEightRankWorldAtOnce) {
+  EPX_SKIP_UNLESS_RUNNABLE(8, 2);
+  for (int i = 0; i < 4; ++i) {
+    check_group_cases(i);
+    if (test_world().any(HasFailure())) return;
+  }
+}
 
 // Experts placed unevenly by ExpertPlacement::from_map (10 experts on 4 ranks:
 // 5, 0, 3 and 2, interleaved), so a rank may hold none and E need not divide

@@ -141,25 +141,35 @@ MpiState::~MpiState() {
 Status MpiState::aborted_now(std::string_view what) const {
   std::lock_guard lock(mutex);
   const std::string cause = failure.code() == StatusCode::kAborted ? failure.message() : failure.to_string();
-  return aborted("{} on rank {} aborted: {}", what, rank, cause);
+  return aborted("{} on {} aborted: {}", what, rank_name(rank), cause);
 }
 
-void MpiState::fail(const Status& reason) {
+void MpiState::fail_tree(const Status& reason, bool notify) {
   const Status first = reason.is_ok() ? internal_error("abort() was called with an OK status") : reason;
+  std::vector<std::shared_ptr<MpiState>> relatives;
   {
     std::lock_guard lock(mutex);
-    if (!failure.is_ok()) return;
+    if (!failure.is_ok()) return;  // this state, and so its tree, failed already
     failure = first;
     poisoned.store(true, std::memory_order_release);
+    for (const std::weak_ptr<MpiState>& child : children) {
+      if (std::shared_ptr<MpiState> alive = child.lock()) relatives.push_back(std::move(alive));
+    }
   }
   g_failed.store(true, std::memory_order_release);
+  if (notify) send_notices(first);
+  if (parent) parent->fail_tree(Status(first.code(), fmt::format("in {}: {}", label, first.message())), notify);
+  for (const std::shared_ptr<MpiState>& child : relatives) child->fail_tree(first, notify);
+}
+
+void MpiState::send_notices(const Status& first) {
   // Tell every other rank: code (4 bytes) + message. Small, so sent eagerly;
   // the requests are never waited for (a peer may be gone).
   if (ctrl == MPI_COMM_NULL) return;
   const int32_t code = static_cast<int32_t>(first.code());
   std::string notice(sizeof(code), '\0');
   std::memcpy(notice.data(), &code, sizeof(code));
-  notice += fmt::format("rank {}: {}", rank, first.message());
+  notice += fmt::format("{}: {}", rank_name(rank), first.message());
   notice_buffers.push_back(std::move(notice));
   const std::string& buffer = notice_buffers.back();
   for (int r = 0; r < topology.num_ranks(); ++r) {
@@ -182,36 +192,39 @@ void MpiState::fail(const Status& reason) {
   }
 }
 
-Status MpiState::check_world(std::string_view what, int64_t waited_ms, bool force_liveness) {
-  if (failed()) return aborted_now(what);
-  // A notice from a rank that failed.
+bool MpiState::take_notice(int32_t* code, std::string* message) {
   // Matched probe: a notice is received by the thread that found it.
   int flag = 0;
   MPI_Status status;
-  MPI_Message message = MPI_MESSAGE_NULL;
-  if (ctrl != MPI_COMM_NULL &&
-      MPI_Improbe(MPI_ANY_SOURCE, kNoticeTag, ctrl, &flag, &message, &status) == MPI_SUCCESS && flag) {
-    int bytes = 0;
-    MPI_Get_count(&status, MPI_BYTE, &bytes);
-    std::string notice(static_cast<std::size_t>(std::max(bytes, 0)), '\0');
-    MPI_Mrecv(notice.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE);
-    int32_t code = static_cast<int32_t>(StatusCode::kAborted);
-    if (notice.size() >= sizeof(code)) std::memcpy(&code, notice.data(), sizeof(code));
-    const std::string message = notice.size() >= sizeof(code) ? notice.substr(sizeof(code)) : notice;
+  MPI_Message probed = MPI_MESSAGE_NULL;
+  if (ctrl == MPI_COMM_NULL || MPI_Improbe(MPI_ANY_SOURCE, kNoticeTag, ctrl, &flag, &probed, &status) != MPI_SUCCESS ||
+      !flag)
+    return false;
+  int bytes = 0;
+  MPI_Get_count(&status, MPI_BYTE, &bytes);
+  std::string notice(static_cast<std::size_t>(std::max(bytes, 0)), '\0');
+  MPI_Mrecv(notice.data(), bytes, MPI_BYTE, &probed, MPI_STATUS_IGNORE);
+  *code = static_cast<int32_t>(StatusCode::kAborted);
+  if (notice.size() >= sizeof(*code)) std::memcpy(code, notice.data(), sizeof(*code));
+  *message = notice.size() >= sizeof(*code) ? notice.substr(sizeof(*code)) : notice;
+  return true;
+}
+
+Status MpiState::check_world(std::string_view what, int64_t waited_ms, bool force_liveness) {
+  if (failed()) return aborted_now(what);
+  // A notice from a rank that failed, on this state or an ancestor (every
+  // failure reaches the root world's ctrl).
+  for (MpiState* s = this; s != nullptr; s = s->parent.get()) {
+    int32_t code = 0;
+    std::string message;
+    if (!s->take_notice(&code, &message)) continue;
     // As in-process: a rank stalled by the same absent peer whose deadline
     // passed first reports a timeout too.
     Status cause = static_cast<StatusCode>(code) == StatusCode::kDeadlineExceeded
-                       ? deadline_exceeded("rank {} waited {} ms in {}; the deadline of another rank passed first: {}",
-                                           rank, waited_ms, what, message)
-                       : aborted("{} on rank {} aborted: {}", what, rank, message);
-    {
-      std::lock_guard lock(mutex);
-      if (failure.is_ok()) {
-        failure = aborted("{}", message);
-        poisoned.store(true, std::memory_order_release);
-      }
-    }
-    g_failed.store(true, std::memory_order_release);
+                       ? deadline_exceeded("{} waited {} ms in {}; the deadline of another rank passed first: {}",
+                                           rank_name(rank), waited_ms, what, message)
+                       : aborted("{} on {} aborted: {}", what, rank_name(rank), message);
+    s->fail_tree(aborted("{}", message), /*notify=*/false);
     return cause;
   }
   return check_host_peers(what, waited_ms, force_liveness);
@@ -223,8 +236,8 @@ Status MpiState::check_host_peers(std::string_view what, int64_t waited_ms, bool
   last_liveness = now;
   for (int r : host_ranks) {
     if (!process_gone(pids[r], start_ticks[r])) continue;
-    Status gone = aborted("rank {} (pid {} on {}) is gone: the process exited or was killed; rank {} noticed after {} ms in {}",
-                          r, pids[r], hosts[r], rank, waited_ms, what);
+    Status gone = aborted("{} (pid {} on {}) is gone: the process exited or was killed; {} noticed after {} ms in {}",
+                          rank_name(r), pids[r], hosts[r], rank_name(rank), waited_ms, what);
     fail(gone);
     return gone;
   }
@@ -274,7 +287,7 @@ std::string MpiState::arrival_report(uint64_t round) const {
   // holds it up as much as one that never came.
   const std::vector<int> stopped = stopped_host_ranks();
   for (int r : stopped) seen[r] = detail::Arrival::kMissing;
-  return detail::arrival_report(seen) + stopped_note(stopped);
+  return detail::arrival_report(seen, world_ranks) + stopped_note(stopped);
 }
 
 std::vector<int> MpiState::stopped_host_ranks() const {
@@ -287,9 +300,10 @@ std::vector<int> MpiState::stopped_host_ranks() const {
   return stopped;
 }
 
-std::string MpiState::stopped_note(const std::vector<int>& stopped) {
+std::string MpiState::stopped_note(const std::vector<int>& stopped) const {
   if (stopped.empty()) return "";
-  return fmt::format("; {} stopped (process state T: SIGSTOP or a debugger)", detail::rank_list(stopped));
+  return fmt::format("; {} stopped (process state T: SIGSTOP or a debugger)",
+                     detail::rank_list(stopped, world_ranks));
 }
 
 Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std::function<std::string()>& what,
@@ -317,7 +331,7 @@ Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std:
         if (status_out) *status_out = status;
         return resource_exhausted("{}: {}", what(), mpi_error_string(rc));
       }
-      Status error = internal_error("{} on rank {}: {}", what(), rank, mpi_error_string(rc));
+      Status error = internal_error("{} on {}: {}", what(), rank_name(rank), mpi_error_string(rc));
       fail(error);
       return give_up(error);
     }
@@ -332,11 +346,12 @@ Status MpiState::wait(MPI_Request* request, const Deadline& deadline, const std:
       if (deadline.expired()) {
         // Last look: a peer that died explains the wait better than the deadline.
         if (Status s = check_world(what(), waited, true); !s.is_ok()) return give_up(s);
-        Status late = peer >= 0  ? deadline_exceeded("rank {} waited {} ms in {}; rank {} did not answer{}", rank,
-                                                     waited, what(), peer, stopped_note(stopped_host_ranks()))
-                      : round > 0 ? deadline_exceeded("rank {} waited {} ms in {}: {}", rank, waited, what(),
+        const std::string me = rank_name(rank);
+        Status late = peer >= 0  ? deadline_exceeded("{} waited {} ms in {}; {} did not answer{}", me, waited, what(),
+                                                     rank_name(peer), stopped_note(stopped_host_ranks()))
+                      : round > 0 ? deadline_exceeded("{} waited {} ms in {}: {}", me, waited, what(),
                                                       arrival_report(round))
-                                : deadline_exceeded("rank {} waited {} ms in {}", rank, waited, what());
+                                : deadline_exceeded("{} waited {} ms in {}", me, waited, what());
         fail(late);
         return give_up(late);
       }
@@ -352,7 +367,7 @@ Status MpiState::wait_gate(MPI_Request* request, std::string_view what) {
     int done = 0;
     const int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) {
-      Status error = internal_error("{} on rank {}: {}", what, rank, mpi_error_string(rc));
+      Status error = internal_error("{} on {}: {}", what, rank_name(rank), mpi_error_string(rc));
       fail(error);
       return error;
     }
@@ -360,8 +375,8 @@ Status MpiState::wait_gate(MPI_Request* request, std::string_view what) {
     if (polls % 64 == 63) {
       if (Status s = check_host_peers(what, elapsed_ms(start), false); !s.is_ok()) return s;
       if (deadline.expired()) {
-        Status late = deadline_exceeded("rank {} waited {} ms in {} for every rank of its node (setup_timeout)", rank,
-                                        elapsed_ms(start), what);
+        Status late = deadline_exceeded("{} waited {} ms in {} for every rank of its node (setup_timeout)",
+                                        rank_name(rank), elapsed_ms(start), what);
         fail(late);
         return late;
       }
@@ -465,8 +480,8 @@ class MpiRequest final : public Request::Impl {
   Status wait(const Deadline& deadline) override {
     if (request_ == MPI_REQUEST_NULL) return Status::ok();
     return state_->wait(
-        &request_, deadline, [&] { return fmt::format("send to rank {} with tag {} ({} bytes)", peer_, tag_, bytes_); },
-        peer_);
+        &request_, deadline,
+        [&] { return fmt::format("send to {} with tag {} ({} bytes)", state_->rank_name(peer_), tag_, bytes_); }, peer_);
   }
 
  private:
@@ -499,7 +514,9 @@ Status MpiTransport::agree(CollectiveDescriptor mine, std::span<const std::byte>
   const uint64_t seq = s.next_seq++;
   mine.seq = seq;
   auto what = [&] { return fmt::format("{} #{}", detail::collective_op_name(mine.op), seq); };
-  if (s.failed()) return s.aborted_now(what());
+  // A failure already heard of, or a notice waiting (a rank that resumes
+  // after a stall hears of the failure it caused before it joins anything).
+  EPX_RETURN_IF_ERROR(s.check_world(what(), 0, false));
   const std::size_t R = static_cast<std::size_t>(num_ranks());
   const std::size_t slot = s.slot_bytes;
   const std::size_t capacity = slot - sizeof(CollectiveDescriptor);
@@ -725,7 +742,7 @@ Result<Request> MpiTransport::send_async(int peer, int tag, std::span<const std:
   EPX_RETURN_IF_ERROR(detail::check_peer_and_tag(peer, tag, num_ranks()));
   if (tag > s.tag_ub) return invalid_argument("tag = {} is above this MPI's MPI_TAG_UB = {}", tag, s.tag_ub);
   EPX_RETURN_IF_ERROR(check_message_size(data.size(), fmt::format("message to rank {}", peer)));
-  if (s.failed()) return s.aborted_now(fmt::format("send to rank {} with tag {}", peer, tag));
+  if (s.failed()) return s.aborted_now(fmt::format("send to {} with tag {}", s.rank_name(peer), tag));
   MPI_Request request = MPI_REQUEST_NULL;
   EPX_RETURN_IF_ERROR(fail_on_error(
       s, MPI_Isend(data.data(), static_cast<int>(data.size()), MPI_BYTE, peer, tag, s.comm, &request),
@@ -738,7 +755,7 @@ Result<std::size_t> MpiTransport::recv(int peer, int tag, std::span<std::byte> o
   MpiState& s = *state_;
   EPX_RETURN_IF_ERROR(detail::check_peer_and_tag(peer, tag, num_ranks()));
   if (tag > s.tag_ub) return invalid_argument("tag = {} is above this MPI's MPI_TAG_UB = {}", tag, s.tag_ub);
-  auto what = [&] { return fmt::format("recv from rank {} with tag {}", peer, tag); };
+  auto what = [&] { return fmt::format("recv from {} with tag {}", s.rank_name(peer), tag); };
   if (s.failed()) return s.aborted_now(what());
   const int capacity = static_cast<int>(std::min<std::size_t>(out.size(), INT_MAX));
   MPI_Request request = MPI_REQUEST_NULL;
@@ -799,7 +816,66 @@ Status map_arrivals(MpiState& state) {
   return Status::ok();
 }
 
+// The communicators, arrival words and liveness of `group`, split from
+// `parent` as `plan` says. Blocking MPI calls: every rank of the parent has
+// arrived (the split's all-gather), and each calls these in the same order.
+Status connect_group(MpiState& parent, const detail::GroupPlan& plan, MpiState& group) {
+  EPX_RETURN_IF_ERROR(
+      mpi_call(MPI_Comm_split(parent.comm, plan.color, plan.rank, &group.comm), "MPI_Comm_split(group)"));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(group.comm, &group.coll), "MPI_Comm_dup(group)"));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(group.comm, &group.ctrl), "MPI_Comm_dup(group)"));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_split(group.comm, group.topology.node_of(plan.rank), plan.rank, &group.node),
+                               "MPI_Comm_split(group node)"));
+  for (MPI_Comm c : {group.comm, group.coll, group.ctrl, group.node}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  int check = -1;
+  MPI_Comm_rank(group.comm, &check);
+  EPX_CHECK_EQ(check, plan.rank);
+  EPX_RETURN_IF_ERROR(map_arrivals(group));
+  group.tag_ub = parent.tag_ub;
+  group.slot_bytes = detail::collective_slot_bytes(group.topology.num_ranks());
+  for (int g = 0; g < group.topology.num_ranks(); ++g) {
+    const int p = plan.members[g];
+    group.pids.push_back(parent.pids[p]);
+    group.start_ticks.push_back(parent.start_ticks[p]);
+    group.hosts.push_back(parent.hosts[p]);
+    if (std::find(parent.host_ranks.begin(), parent.host_ranks.end(), p) != parent.host_ranks.end())
+      group.host_ranks.push_back(g);
+  }
+  return Status::ok();
+}
+
 }  // namespace
+
+Result<std::unique_ptr<Transport>> MpiTransport::split(int color, int key, const Deadline& deadline) {
+  MpiState& s = *state_;
+  EPX_ASSIGN_OR_RETURN(detail::GroupPlan plan, detail::plan_split(*this, color, key, deadline));
+  auto group = std::make_shared<MpiState>(plan.topology(), plan.rank, s.options);
+  group->world_ranks = plan.world_ranks;
+  group->parent = state_;
+  group->label = plan.label;
+  if (Status connected = connect_group(s, plan, *group); !connected.is_ok()) {
+    s.fail(connected);
+    new std::shared_ptr<MpiState>(std::move(group));  // MPI may hold parts of it: leaked, as a failed state is
+    return connected;
+  }
+  {
+    std::lock_guard lock(s.mutex);
+    if (s.failure.is_ok()) {
+      std::erase_if(s.children, [](const std::weak_ptr<MpiState>& child) { return child.expired(); });
+      s.children.push_back(group);
+    }
+  }
+  MpiState& made = *group;
+  std::unique_ptr<Transport> transport = std::make_unique<MpiTransport>(std::move(group));
+  if (s.failed()) {
+    // The parent failed before the group was registered: the group fails too
+    // (and its transport, going now, leaks it as any failed state).
+    Status failed = s.aborted_now(fmt::format("split into {}", plan.label));
+    made.fail_tree(failed, /*notify=*/false);
+    return failed;
+  }
+  return transport;
+}
 
 // ---------------------------------------------------------------------------
 // MpiSession

@@ -26,6 +26,20 @@
 // Failures poison the state as in-process: the first failure is kept, later
 // calls return Aborted naming it, and the failure is sent to every other
 // rank as a notice (status code + message), so their waits end at once.
+//
+// Groups (split): a group is an MpiState of its own, made once every rank of
+// the parent has arrived (the split's all-gather), so its blocking set-up
+// cannot wait for an absent rank: MPI_Comm_split of the parent's `comm` by
+// color (key: the group rank, so MPI ranks are group ranks), duplicates for
+// `coll` and `ctrl`, a `node` communicator per group node (its shared
+// windows), its own arrival words (a new window on each host, never freed),
+// and the parent's pids, hosts and liveness for its ranks. Failures spread
+// through the process's tree of states as in-process: a state that fails
+// fails its parent ("in group ...") and its children, and each sends its
+// notices, so every rank of the world hears of it on the world's `ctrl`;
+// a waiting rank checks the `ctrl` of its state and of every ancestor, and a
+// notice found poisons its whole tree here without sending more. Errors name
+// a group's ranks by world rank: "rank 5 (rank 1 of the group)".
 // After a failure no MPI object is freed and no request is cancelled whose
 // cancellation did not complete: the state is leaked on purpose (MPI may
 // still hold pointers into it: scratch, slots, notices). MpiSession then
@@ -65,6 +79,7 @@
 #include <mpi.h>
 
 #include "comm/collective.h"
+#include "comm/group.h"
 #include "epx/comm/mpi.h"
 #include "epx/comm/transport.h"
 
@@ -108,7 +123,7 @@ struct MpiState {
   // The other ranks of this host whose process is stopped (state T), and
   // "; rank 2 stopped (...)" naming them ("" when none).
   [[nodiscard]] std::vector<int> stopped_host_ranks() const;
-  static std::string stopped_note(const std::vector<int>& stopped);
+  [[nodiscard]] std::string stopped_note(const std::vector<int>& stopped) const;
   // Polls a request of a "gate" round: the polled round that lets a blocking
   // MPI call (window allocation or free) start only once every rank of the
   // node has arrived. Unlike wait() it ignores notices and an earlier
@@ -116,8 +131,18 @@ struct MpiState {
   // call, so every other rank must finish the gate too. It gives up only when
   // a process of this host is gone or `setup_timeout` passes.
   Status wait_gate(MPI_Request* request, std::string_view what);
-  // Records the first failure and sends it to every other rank.
-  void fail(const Status& reason);
+  // Records the first failure and sends it to every other rank, then fails
+  // the parent and the children (each sending its own notices).
+  void fail(const Status& reason) { fail_tree(reason, /*notify=*/true); }
+  // The same; `notify` false for a failure heard as a notice (the failed rank
+  // sent notices on every state of its tree: none need be sent again).
+  void fail_tree(const Status& reason, bool notify);
+  // Sends `failure` to every other rank of this state as a notice.
+  void send_notices(const Status& failure);
+  // Receives one notice on this state's ctrl: true and *code, *message set.
+  bool take_notice(int32_t* code, std::string* message);
+  // "rank 5 (rank 1 of the group)" in a group, "rank 5" in a world.
+  [[nodiscard]] std::string rank_name(int r) const { return detail::rank_name(r, world_ranks); }
   [[nodiscard]] bool failed() const { return poisoned.load(std::memory_order_acquire); }
   // Aborted: `what` on this rank could not run because of the first failure.
   [[nodiscard]] Status aborted_now(std::string_view what) const;
@@ -136,6 +161,11 @@ struct MpiState {
   const Topology topology;
   const int rank;
   const MpiOptions options;
+  // Groups: set once, before the state is shared. Empty / null / "the world" in a world.
+  std::vector<int> world_ranks;     // by rank: its rank in the root world
+  std::shared_ptr<MpiState> parent;
+  std::string label = "the world";
+  std::vector<std::weak_ptr<MpiState>> children;  // guarded by mutex
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm coll = MPI_COMM_NULL;
   MPI_Comm ctrl = MPI_COMM_NULL;
@@ -176,7 +206,8 @@ struct MpiState {
 
 }  // namespace detail
 
-// The transport of this process's rank. Used by one thread at a time.
+// The transport of this process's rank in a world or a group. Used by one
+// thread at a time; a group may be used by another thread than its parent.
 class MpiTransport final : public Transport {
  public:
   explicit MpiTransport(std::shared_ptr<detail::MpiState> state) : state_(std::move(state)) {}
@@ -197,6 +228,10 @@ class MpiTransport final : public Transport {
   Status all_reduce_raw(void* data, std::size_t count, DType dtype, ReduceOp op,
                         const Deadline& deadline) override;
   void abort(const Status& reason) override { state_->fail(reason); }
+  Result<std::unique_ptr<Transport>> split(int color, int key, const Deadline& deadline) override;
+  [[nodiscard]] int world_rank(int rank) const override {
+    return state_->world_ranks.empty() ? rank : state_->world_ranks[rank];
+  }
   [[nodiscard]] TransportCounters counters() const override { return state_->counters.snapshot(); }
   void reset_counters() override { state_->counters.reset(); }
 
