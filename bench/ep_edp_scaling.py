@@ -202,8 +202,13 @@ def measure(args):
     args.overlap_flag = train_has(args.epx, "--grad-overlap")
     work = tempfile.mkdtemp(prefix="epx-edp-m-")
     rows = []
+    if not args.overlap_flag:
+        print("epx train has no --grad-overlap (branch gradsync not merged): its gradients are reduced after the "
+              "backward, so only the 'overlap off' cases are measured", flush=True)
     for c in preds["cases"]:
-        if not args.overlap_flag and not c["overlap"]:
+        if not args.overlap_flag and c["overlap"]:
+            continue
+        if args.where != "all" and c["where"] != args.where:
             continue
         got = measure_case(args, c, work)
         rows.append({**c, "measured": got})
@@ -230,6 +235,7 @@ def main():
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     ap.add_argument("--nic-latency", type=float, default=1e-4, help="per ring step across the link (assumed)")
     ap.add_argument("--allreduce", default="ring", help="ring (what MPI_Allreduce does), hierarchical or auto")
+    ap.add_argument("--where", default="all", choices=["all", "inproc", "two_hosts"], help="measure: which runs")
     ap.add_argument("--out", default="ep_edp_predictions.json")
     ap.add_argument("--predictions", default="ep_edp_predictions.json")
     args = ap.parse_args()
