@@ -64,8 +64,10 @@ def read_metrics(path, skip):
     steps = [json.loads(line) for line in open(path) if line.strip()]
     timed = steps[skip:] if len(steps) > skip else steps
     seconds = [s["seconds"] for s in timed]
-    sync = [max(r.get("sync", 0.0) for r in s["ranks"]) for s in timed]
-    return {"steps": len(timed), "step_s": statistics.median(seconds), "sync_s": statistics.median(sync),
+    def per_step(field):  # the slowest rank's value, median over steps
+        return statistics.median(max(r.get(field, 0.0) for r in s["ranks"]) for s in timed)
+    return {"steps": len(timed), "step_s": statistics.median(seconds), "sync_s": per_step("sync"),
+            "grad_reduce_s": per_step("grad_reduce"), "grad_wait_s": per_step("grad_wait"),
             "step_s_min": min(seconds), "step_s_max": max(seconds)}
 
 
@@ -122,6 +124,8 @@ def cases(rate):
 def predict(args):
     work = tempfile.mkdtemp(prefix="epx-edp-")
     profile = os.path.join(work, "machine.toml")
+    if args.reuse:
+        return predict_again(args, work, profile)
     r = run([args.epx, "sim", "calibrate", "--mb", "64", "--out", profile])
     if r.returncode != 0:
         sys.exit(f"epx sim calibrate failed: {r.stderr}")
@@ -143,12 +147,29 @@ def predict(args):
     # Everything the simulator charges as compute is scaled to the measured step; the exchange and
     # the all-reduce keep their modelled (copy-rate) cost.
     flops = f0 * s0["compute_s"] / max(base["step_s"] - (s0["step_s"] - s0["compute_s"]), 1e-9)
+    write_predictions(args, scenario, profile, base, flops, work)
+
+
+def predict_again(args, work, profile):
+    """The calibration of an earlier prediction file, another --allreduce: marked post hoc."""
+    old = json.load(open(args.reuse))
+    with open(profile, "w") as f:
+        f.write(old["calibration"]["profile"])
+    scenario = os.path.join(work, "scenario.toml")
+    with open(scenario, "w") as f:
+        f.write('[hardware]\nprofile = "machine.toml"\n')
+    args.rate = old["cases"][-1]["rate"]
+    args.post_hoc = f"recomputed from {args.reuse}'s calibration after the measurements"
+    write_predictions(args, scenario, profile, old["calibration"]["measured"], old["calibration"]["flops"], work)
+
+
+def write_predictions(args, scenario, profile, base, flops, work):
     preds = []
     for case in cases(args.rate):
         p = simulate(args.epx, scenario, case, flops, args.rate, args)
         # The other algorithm too, as a second reading (never the headline): MPI_Allreduce's choice
         # for a given size is not known in advance.
-        other = "hierarchical" if args.allreduce == "ring" else "ring"
+        other = "ring" if args.allreduce == "hierarchical" else "hierarchical"
         saved, args.allreduce = args.allreduce, other
         p_other = simulate(args.epx, scenario, case, flops, args.rate, args)
         args.allreduce = saved
@@ -156,7 +177,7 @@ def predict(args):
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "model": MODEL, "ep": EP,
               "tokens_per_rank": TOKENS_PER_RANK, "calibration": {"measured": base, "flops": flops,
               "profile": open(profile).read()}, "nic_latency": args.nic_latency, "allreduce": args.allreduce,
-              "cases": preds}
+              "post_hoc": getattr(args, "post_hoc", ""), "cases": preds}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"calibration: EP 2 x EDP 1 in-process median step {1e3 * base['step_s']:.1f} ms -> "
@@ -216,8 +237,9 @@ def measure(args):
         if "step_s" in got:
             print(f"{c['where']:10} EDP {c['edp']} ranks {c['ranks']} overlap {'on ' if c['overlap'] else 'off'} "
                   f"measured {1e3 * got['step_s']:8.1f} ms  predicted {1e3 * p:8.1f} ms  "
-                  f"predicted/measured {p / got['step_s']:.2f}  sync {1e3 * got['sync_s']:.1f} ms  "
-                  f"veth {got.get('veth_bytes')}", flush=True)
+                  f"predicted/measured {p / got['step_s']:.2f}  all-reduce busy {1e3 * got['grad_reduce_s']:.1f} "
+                  f"exposed {1e3 * got['grad_wait_s']:.1f} (predicted {1e3 * c['predicted']['grad']['busy_s']['p50']:.1f} / "
+                  f"{1e3 * c['predicted']['grad']['exposed_s']['p50']:.1f}) ms  veth {got.get('veth_bytes')}", flush=True)
         else:
             print(f"{c['where']:10} EDP {c['edp']} overlap {c['overlap']}: {got}", flush=True)
     with open(args.out, "w") as f:
@@ -234,7 +256,8 @@ def main():
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     ap.add_argument("--nic-latency", type=float, default=1e-4, help="per ring step across the link (assumed)")
-    ap.add_argument("--allreduce", default="ring", help="ring (what MPI_Allreduce does), hierarchical or auto")
+    ap.add_argument("--allreduce", default="ring", help="ring (the textbook), hierarchical, auto, or allgather (what epx's transports run)")
+    ap.add_argument("--reuse", default="", help="predict: take the calibration of this earlier prediction file")
     ap.add_argument("--where", default="all", choices=["all", "inproc", "two_hosts"], help="measure: which runs")
     ap.add_argument("--out", default="ep_edp_predictions.json")
     ap.add_argument("--predictions", default="ep_edp_predictions.json")
