@@ -71,6 +71,27 @@ AllReduceCost hierarchical(double bytes, const GroupShape& g, const HardwareProf
   return c;
 }
 
+// epx's own all-reduce (both transports): every rank gathers every rank's
+// contribution (MPI_Iallgather, recursive doubling) and sums them in rank
+// order, so every rank and layout gets the same bits. Each rank receives
+// (n-1) x B; the (n-k) x B of the other nodes' members cross into its node
+// once per member; it then reads all n contributions to sum them.
+AllReduceCost allgather(double bytes, const GroupShape& g, const HardwareProfile& h) {
+  const int n = g.num_ranks, k = g.ranks_per_node, m = g.num_nodes;
+  AllReduceCost c{"allgather", 0, 0, 0};
+  c.bytes_sent = (n - 1.0) * bytes;
+  c.nic_bytes_sent = m > 1 ? (n - k) * bytes : 0.0;
+  double link = k > 1 ? (k - 1.0) * bytes / nvlink_rate(h) : 0.0;
+  if (m > 1) link = std::max(link, nic_seconds(c.nic_bytes_sent, k * g.groups_per_node, h));
+  int steps = 0;
+  while ((1 << steps) < n) ++steps;
+  const double latency = steps * ((m > 1 ? h.nic_latency : h.nvlink_latency) + h.message_overhead);
+  // The sum reads n contributions and writes one: a copy's worth of traffic per contribution.
+  const double reduce = h.host_copy_bandwidth > 0 ? g.world_ranks * n * bytes / h.host_copy_bandwidth : 0.0;
+  c.seconds = std::max(link, host_seconds(c.bytes_sent, c.nic_bytes_sent, g.world_ranks, h)) + reduce + latency;
+  return c;
+}
+
 // Buckets of one group, walked in backward order (last layer first): a
 // bucket takes layers while they fit in bucket_bytes (a layer larger than
 // that is a bucket of its own) and is ready when its last layer's backward
@@ -151,6 +172,7 @@ GroupShape world_shape(const Topology& topology) {
 AllReduceCost all_reduce_cost(double bytes, const GroupShape& group, const HardwareProfile& hardware,
                               const std::string& algorithm) {
   if (group.num_ranks <= 1 || bytes <= 0) return {"none", 0, 0, 0};
+  if (algorithm == "allgather") return allgather(bytes, group, hardware);
   const bool two_levels = group.num_nodes > 1 && group.ranks_per_node > 1;
   if (algorithm == "ring" || !two_levels) return ring(bytes, group, hardware);
   if (algorithm == "hierarchical") return hierarchical(bytes, group, hardware);

@@ -89,6 +89,24 @@ TEST(SimGradSync, RingSendsTwiceNMinusOneOverNTimesTheBytesOverTheSlowestLink) {
   EXPECT_EQ(alone.seconds, 0.0);
 }
 
+TEST(SimGradSync, EpxsOwnAllGatherSendsNMinusOneTimesTheBytes) {
+  Scenario s = two_node_scenario(2);
+  s.hardware.nic_shared_per_node = true;
+  const double B = 8e6;
+  // EDP {0 2 4 6} on 2 nodes (2 per node), two such groups per node: each rank receives 3 B,
+  // 2 B of it from the other node; the node's link carries 2 members x 2 groups x 2 B.
+  const GroupShape edp{4, 2, 2, 2, 8};
+  const AllReduceCost c = all_reduce_cost(B, edp, s.hardware, "allgather");
+  EXPECT_EQ(c.algorithm, "allgather");
+  EXPECT_DOUBLE_EQ(c.bytes_sent, 3 * B);
+  EXPECT_DOUBLE_EQ(c.nic_bytes_sent, 2 * B);
+  EXPECT_NEAR(c.seconds, 8 * B / 1e10 + 2 * 5e-6, 1e-12);
+  // Two ranks: the same bytes as the ring.
+  const GroupShape pair{2, 2, 1, 2, 4};
+  EXPECT_DOUBLE_EQ(all_reduce_cost(B, pair, s.hardware, "allgather").bytes_sent,
+                   all_reduce_cost(B, pair, s.hardware, "ring").bytes_sent);
+}
+
 TEST(SimGradSync, EdpGroupsFollowTheParallelLayout) {
   // 8 ranks on 2 nodes. EP 2: EDP {0 2 4 6}, two per node, two such groups per node.
   auto ep2 = edp_of(8, 2, 2);
@@ -218,7 +236,7 @@ TEST(SimGradSync, EdpOneSendsNoExpertGradientsAndTheStepIncludesTheExposedAllRed
 TEST(SimGradSync, ScenarioKeysAreCheckedByName) {
   Scenario s = two_node_scenario(2);
   s.parallelism.allreduce = "tree";
-  EXPECT_EQ(s.validate().message(), "parallelism.allreduce = 'tree' is not one of ring, hierarchical, auto");
+  EXPECT_EQ(s.validate().message(), "parallelism.allreduce = 'tree' is not one of ring, hierarchical, auto, allgather");
   s = two_node_scenario(2);
   s.model.grad_dtype = "fp8";
   EXPECT_EQ(s.validate().message(), "model.grad_dtype = 'fp8' is not one of f32, bf16");

@@ -20,7 +20,11 @@
 //   hierarchical:  reduce-scatter inside the node ((k-1)/k x B over NVLink),
 //                  ring all-reduce of B/k across the m nodes, all-gather
 //                  inside the node ((k-1)/k x B);
-//   auto:          the faster of the two.
+//   auto:          the faster of the two;
+//   allgather:     what epx's transports run (deterministic: every rank
+//                  gathers all n contributions and sums them in rank order):
+//                  each rank receives (n-1) x B, (n-k) x B of it across
+//                  nodes, then reads n x B to sum.
 // Every group of the stage reduces at once: when the node's ranks share one
 // NIC (hardware.nic.shared_per_node, emulated hosts) the bytes that all of
 // them send across nodes share its bandwidth; on an emulated host
@@ -61,12 +65,12 @@ GroupShape edp_shape(const ParallelLayout& layout, const Topology& topology);
 GroupShape world_shape(const Topology& topology);
 
 struct AllReduceCost {
-  std::string algorithm;     // "ring", "hierarchical" or "none" (one rank)
+  std::string algorithm;     // "ring", "hierarchical", "allgather" or "none" (one rank)
   double seconds = 0;
   double bytes_sent = 0;     // per rank, all links
   double nic_bytes_sent = 0; // per rank, across nodes
 };
-// algorithm: "ring", "hierarchical" or "auto".
+// algorithm: "ring", "hierarchical", "auto" or "allgather".
 AllReduceCost all_reduce_cost(double bytes, const GroupShape& group, const HardwareProfile& hardware,
                               const std::string& algorithm);
 

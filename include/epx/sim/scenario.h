@@ -101,7 +101,9 @@ struct ParallelismConfig {
   // (GPUs per stage / ep), dense parameters over all GPUs of the stage.
   bool grad_overlap = true;               // buckets start as the backward makes them ready
   int64_t grad_bucket_bytes = 25 << 20;   // at most, whole layers (a larger layer alone); 0 = one bucket per group
-  std::string allreduce = "auto";         // ring, hierarchical or auto (the faster)
+  // ring, hierarchical, auto (the faster of the two) or allgather (epx's own:
+  // every contribution gathered, summed in rank order).
+  std::string allreduce = "auto";
 };
 
 struct RoutingConfig {
