@@ -105,7 +105,7 @@ std::string grad_sync_lines(const sim::Scenario& base, const sim::SimResult& r) 
   const sim::Summary& s = r.summary;
   auto mib = [](double b) { return b / (1 << 20); };
   return fmt::format(
-      "gradient all-reduce per GPU: routed experts {:.2f} MiB over EDP {} ranks ({}, sends {:.2f} MiB, {:.3f} ms "
+      "gradient all-reduce per GPU of the first stage: routed experts {:.2f} MiB over EDP {} ranks ({}, sends {:.2f} MiB, {:.3f} ms "
       "alone); dense {:.2f} MiB over all {} ranks ({}, sends {:.2f} MiB, {:.3f} ms alone); {} buckets of at most "
       "{:.0f} MiB (whole layers), overlap {}\n"
       "gradient all-reduce in the step (p50): busy {} ms, exposed {} ms, hidden {}; gradients held {:.2f} MiB per "
