@@ -46,12 +46,13 @@ std::string describe(const sim::Scenario& s) {
   if (routing == "lognormal") routing += fmt::format("(sigma={})", s.routing.lognormal_sigma);
   if (s.routing.drift > 0) routing += fmt::format(", drift {}/step", s.routing.drift);
   return fmt::format(
-      "cluster: {} nodes x {} GPUs ({}), EP {} x PP {} x {} EP groups per stage (DP {})\n"
+      "cluster: {} nodes x {} GPUs ({}), EP {} x PP {} x {} EP groups per stage (EDP {}, dense DP {})\n"
       "model: {} layers ({} dense), hidden {}, {} experts (+{} shared) of width {}, top-{}{}, dispatch {} / "
       "combine {}, compute {}\n"
       "run: {} tokens per GPU per micro-batch, {} micro-batches, mode {}, dispatch {}, overlap {}{}; routing {}, "
       "balancing {}\n",
       s.cluster.nodes, s.cluster.gpus_per_node, s.hardware.name, p.ep, p.pp_stages, s.ep_groups_per_stage(), dp,
+      s.num_gpus() / p.pp_stages,
       m.layers, m.dense_layers, m.hidden, m.experts, m.shared_experts, m.expert_hidden, m.topk,
       m.groups > 1 ? fmt::format(" within {} of {} groups", m.topk_groups, m.groups) : "", m.dispatch_dtype,
       m.combine_dtype, m.compute_dtype, p.tokens_per_gpu, p.micro_batches, p.mode, p.dispatch, s.schedule.overlap,
@@ -76,6 +77,46 @@ std::vector<std::string> row_of(const sim::Percentiles& p, const std::string& na
 std::string num(double v) { return fmt::format("{:.4g}", v); }
 std::string tokens(double v) { return fmt::format("{:.0f}", v); }
 
+nlohmann::json cost_json(const sim::AllReduceCost& c) {
+  return {{"algorithm", c.algorithm}, {"seconds", c.seconds}, {"bytes_sent", c.bytes_sent},
+          {"nic_bytes_sent", c.nic_bytes_sent}};
+}
+
+nlohmann::json grad_sync_json(const sim::SimResult& r) {
+  auto p = [](const sim::Percentiles& x) { return nlohmann::json{{"p50", x.p50}, {"p99", x.p99}, {"mean", x.mean}}; };
+  const sim::Summary& s = r.summary;
+  return {{"edp_ranks", r.edp_ranks},
+          {"dp_ranks", r.dp_ranks},
+          {"expert_grad_bytes", r.expert_grad_bytes},
+          {"dense_grad_bytes", r.dense_grad_bytes},
+          {"edp", cost_json(r.grad_sync.edp)},
+          {"dense", cost_json(r.grad_sync.dense)},
+          {"buckets", r.grad_sync.buckets.size()},
+          {"busy_s", p(s.grad_sync_s)},
+          {"exposed_s", p(s.grad_exposed_s)},
+          {"hidden_share", p(s.grad_hidden)}};
+}
+
+// The gradient all-reduce of the first stage: groups, bytes, algorithms, and
+// how much the backward hides (training only).
+std::string grad_sync_lines(const sim::Scenario& base, const sim::SimResult& r) {
+  if (base.parallelism.mode != "train") return "";
+  const sim::GradSyncResult& g = r.grad_sync;
+  const sim::Summary& s = r.summary;
+  auto mib = [](double b) { return b / (1 << 20); };
+  return fmt::format(
+      "gradient all-reduce per GPU of the first stage: routed experts {:.2f} MiB over EDP {} ranks ({}, sends {:.2f} MiB, {:.3f} ms "
+      "alone); dense {:.2f} MiB over all {} ranks ({}, sends {:.2f} MiB, {:.3f} ms alone); {} buckets of at most "
+      "{:.0f} MiB (whole layers), overlap {}\n"
+      "gradient all-reduce in the step (p50): busy {} ms, exposed {} ms, hidden {}; gradients held {:.2f} MiB per "
+      "GPU\n",
+      mib(r.expert_grad_bytes), r.edp_ranks, g.edp.algorithm, mib(g.edp.bytes_sent), 1e3 * g.edp.seconds,
+      mib(r.dense_grad_bytes), r.dp_ranks, g.dense.algorithm, mib(g.dense.bytes_sent), 1e3 * g.dense.seconds,
+      g.buckets.size(), mib(static_cast<double>(base.parallelism.grad_bucket_bytes)),
+      base.parallelism.grad_overlap ? "on" : "off", ms(s.grad_sync_s.p50), ms(s.grad_exposed_s.p50),
+      pct(s.grad_hidden.p50), mib(r.expert_grad_bytes + r.dense_grad_bytes));
+}
+
 nlohmann::json to_json(const sim::SimResult& r) {
   auto p = [](const sim::Percentiles& x) { return nlohmann::json{{"p50", x.p50}, {"p99", x.p99}, {"mean", x.mean}}; };
   const sim::Summary& s = r.summary;
@@ -89,6 +130,7 @@ nlohmann::json to_json(const sim::SimResult& r) {
           {"mfu", p(s.mfu)},
           {"max_vio", p(s.max_vio)},
           {"phase_s", phases},
+          {"grad_sync", grad_sync_json(r)},
           {"sampled_tokens", r.sampled_tokens},
           {"sample_scale", r.sample_scale},
           {"routed_gpu_layers", r.routed_gpu_layers},
@@ -167,7 +209,8 @@ int run_scenario(const SimOptions& o) {
       }
       const sim::Summary& s = r->summary;
       rows.push_back({values[i], ms(s.step_s.p50), ms(s.step_s.p99), pct(s.worst_idle.p50), pct(s.exposed_comm.p50),
-                      tokens(s.tokens_per_s_per_gpu.p50), pct(s.mfu.p50), num(s.max_vio.p50)});
+                      tokens(s.tokens_per_s_per_gpu.p50), pct(s.mfu.p50), num(s.max_vio.p50),
+                      ms(s.grad_exposed_s.p50), pct(s.grad_hidden.p50)});
       nlohmann::json j = to_json(*r);
       j["value"] = values[i];
       all.push_back(j);
@@ -177,7 +220,7 @@ int run_scenario(const SimOptions& o) {
       fmt::print("{}\n", nlohmann::json{{"sweep", key}, {"rows", all}}.dump());
     } else {
       fmt::print("{}", format_table({key, "step ms p50", "step ms p99", "worst idle", "comm not hidden",
-                                     "tokens/s/GPU", "MFU", "max_vio"},
+                                     "tokens/s/GPU", "MFU", "max_vio", "grad AR exposed ms", "grad AR hidden"},
                                     rows));
     }
     return kExitOk;
@@ -210,7 +253,11 @@ int run_scenario(const SimOptions& o) {
                                    row_of(s.exposed_comm, "comm not hidden (share of stage)", pct),
                                    row_of(s.comm_share, "comm busy (share of stage)", pct),
                                    row_of(s.tokens_per_s_per_gpu, "tokens/s/GPU", tokens),
-                                   row_of(s.mfu, "MFU", pct), row_of(s.max_vio, "max_vio (expert load)", num)}));
+                                   row_of(s.mfu, "MFU", pct), row_of(s.max_vio, "max_vio (expert load)", num),
+                                   row_of(s.grad_sync_s, "grad all-reduce busy ms", ms),
+                                   row_of(s.grad_exposed_s, "grad all-reduce exposed ms", ms),
+                                   row_of(s.grad_hidden, "grad all-reduce hidden", pct)}));
+  fmt::print("{}\n", grad_sync_lines(base, r));
   std::vector<std::vector<std::string>> phases;
   for (const auto& [name, seconds] : s.phase_s) phases.push_back({name, ms(seconds)});
   fmt::print("{}", format_table({"time per GPU per stage unit (fwd+bwd)", "ms"}, phases));

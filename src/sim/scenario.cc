@@ -46,6 +46,8 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.comm.sms", &h.comm_sms},
       {"hardware.host.copy_bandwidth", &h.host_copy_bandwidth},
       {"hardware.host.nic_copies", &h.host_nic_copies},
+      {"hardware.host.cores", &h.host_cores},
+      {"hardware.nic.shared_per_node", &h.nic_shared_per_node},
       {"cluster.nodes", &s.cluster.nodes},
       {"cluster.gpus_per_node", &s.cluster.gpus_per_node},
       {"cluster.rail_aligned", &s.cluster.rail_aligned},
@@ -66,12 +68,19 @@ std::vector<Key> keys_of(Scenario& s) {
       {"model.combine_remote_dtype", &s.model.combine_remote_dtype},
       {"model.compute_dtype", &s.model.compute_dtype},
       {"model.attention_flops_per_token", &s.model.attention_flops_per_token},
+      {"model.attention", &s.model.attention},
+      {"model.grad_dtype", &s.model.grad_dtype},
+      {"model.embedding_params", &s.model.embedding_params},
+      {"model.head_params", &s.model.head_params},
       {"parallelism.ep", &s.parallelism.ep},
       {"parallelism.pp_stages", &s.parallelism.pp_stages},
       {"parallelism.micro_batches", &s.parallelism.micro_batches},
       {"parallelism.tokens_per_gpu", &s.parallelism.tokens_per_gpu},
       {"parallelism.dispatch", &s.parallelism.dispatch},
       {"parallelism.mode", &s.parallelism.mode},
+      {"parallelism.grad_overlap", &s.parallelism.grad_overlap},
+      {"parallelism.grad_bucket_bytes", &s.parallelism.grad_bucket_bytes},
+      {"parallelism.allreduce", &s.parallelism.allreduce},
       {"routing.distribution", &s.routing.distribution},
       {"routing.zipf_s", &s.routing.zipf_s},
       {"routing.lognormal_sigma", &s.routing.lognormal_sigma},
@@ -244,6 +253,11 @@ Result<int64_t> row_bytes(const std::string& dtype, int hidden) {
   return invalid_argument("dtype '{}' is not one of fp8, bf16, f32", dtype);
 }
 
+double attention_flops(const ModelConfig& m) {
+  if (!m.attention) return 0.0;
+  return m.attention_flops_per_token > 0 ? m.attention_flops_per_token : 8.0 * m.hidden * m.hidden;
+}
+
 Status Scenario::validate() const {
   const HardwareProfile& h = hardware;
   EPX_RETURN_IF_ERROR(positive("hardware.compute.bf16_flops", h.bf16_flops));
@@ -268,6 +282,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("hardware.comm.message_overhead", h.message_overhead, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.copy_bandwidth", h.host_copy_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.nic_copies", h.host_nic_copies, 1));
+  EPX_RETURN_IF_ERROR(at_least("hardware.host.cores", h.host_cores, 0));
 
   EPX_RETURN_IF_ERROR(at_least("cluster.nodes", cluster.nodes, 1));
   EPX_RETURN_IF_ERROR(at_least("cluster.gpus_per_node", cluster.gpus_per_node, 1));
@@ -301,6 +316,9 @@ Status Scenario::validate() const {
     EPX_RETURN_IF_ERROR(one_of("model.combine_remote_dtype", m.combine_remote_dtype, {"bf16", "f32"}));
   EPX_RETURN_IF_ERROR(one_of("model.compute_dtype", m.compute_dtype, {"bf16", "fp8"}));
   EPX_RETURN_IF_ERROR(at_least("model.attention_flops_per_token", m.attention_flops_per_token, 0));
+  EPX_RETURN_IF_ERROR(one_of("model.grad_dtype", m.grad_dtype, {"f32", "bf16"}));
+  EPX_RETURN_IF_ERROR(at_least("model.embedding_params", static_cast<double>(m.embedding_params), 0));
+  EPX_RETURN_IF_ERROR(at_least("model.head_params", static_cast<double>(m.head_params), 0));
 
   const ParallelismConfig& p = parallelism;
   EPX_RETURN_IF_ERROR(at_least("parallelism.pp_stages", p.pp_stages, 1));
@@ -321,6 +339,8 @@ Status Scenario::validate() const {
   if (p.dispatch == "two_hop" && !cluster.rail_aligned && p.ep > cluster.gpus_per_node)
     return invalid_argument("parallelism.dispatch = 'two_hop' needs cluster.rail_aligned = true");
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));
+  EPX_RETURN_IF_ERROR(at_least("parallelism.grad_bucket_bytes", static_cast<double>(p.grad_bucket_bytes), 0));
+  EPX_RETURN_IF_ERROR(one_of("parallelism.allreduce", p.allreduce, {"ring", "hierarchical", "auto", "allgather"}));
 
   const RoutingConfig& r = routing;
   EPX_RETURN_IF_ERROR(one_of("routing.distribution", r.distribution, {"uniform", "zipf", "lognormal", "trace"}));

@@ -13,6 +13,7 @@
 #include "epx/core/random.h"
 #include "epx/routing/expert_bias.h"
 #include "epx/sim/cost.h"
+#include "epx/sim/grad_sync.h"
 #include "epx/sim/traffic.h"
 #include "core/guard.h"
 #include "sim/routing_trace.h"
@@ -171,6 +172,15 @@ class Simulator {
   void run_pass(const LayerCosts& costs, bool backward, GroupClock& clock, std::vector<TraceSpan>* trace);
   double compute_seconds(Kind kind, const LayerCosts& costs, int gpu, double fraction, bool backward) const;
   Status end_of_step(int step);
+  Status prepare_grad_sync();
+
+  // The gradient all-reduce of each pipeline stage: its layout's group shapes
+  // and one rank's gradient bytes.
+  struct StageSync {
+    GroupShape edp, world;
+    GradientBytes bytes;
+  };
+  std::vector<StageSync> stage_sync_;
 
   const Scenario& s_;
   const SimOptions& o_;
@@ -322,7 +332,7 @@ double Simulator::compute_seconds(Kind kind, const LayerCosts& c, int gpu, doubl
   const HardwareProfile& h = s_.hardware;
   const double tokens = static_cast<double>(T_) * fraction;
   const double dense_rate = peak_ * gemm_efficiency(tokens, h);
-  const double attn = m.attention_flops_per_token > 0 ? m.attention_flops_per_token : 8.0 * m.hidden * m.hidden;
+  const double attn = attention_flops(m);
   const double expert_row = 6.0 * m.hidden * m.expert_hidden;
   double seconds = 0;
   switch (kind) {
@@ -338,6 +348,9 @@ double Simulator::compute_seconds(Kind kind, const LayerCosts& c, int gpu, doubl
     }
     default: break;
   }
+  // An emulated cluster's ranks share the host's cores.
+  const double cores = s_.hardware.host_cores;
+  if (cores > 0) seconds *= std::max(1.0, s_.num_gpus() / cores);
   return backward ? 2.0 * seconds : seconds;
 }
 
@@ -416,6 +429,32 @@ Status Simulator::end_of_step(int step) {
   return Status::ok();
 }
 
+// The latest layer output of any micro-batch on any GPU of the group.
+double latest_ready(const GroupClock& clk) {
+  double t = 0;
+  for (const std::vector<double>& mb : clk.ready)
+    for (double v : mb) t = std::max(t, v);
+  return t;
+}
+
+// The ranks of one pipeline stage as a Topology: its share of the nodes (a
+// stage inside one node when there are more stages than nodes).
+Result<Topology> stage_topology(const Scenario& s) {
+  const int pp = s.parallelism.pp_stages, nodes = s.cluster.nodes;
+  const int ranks = s.num_gpus() / pp;
+  const int stage_nodes = nodes % pp == 0 ? nodes / pp : (pp % nodes == 0 ? 1 : std::gcd(nodes, ranks));
+  return Topology::create(ranks, std::max(1, stage_nodes));
+}
+
+Status Simulator::prepare_grad_sync() {
+  EPX_ASSIGN_OR_RETURN(Topology topo, stage_topology(s_));
+  EPX_ASSIGN_OR_RETURN(ParallelLayout layout, ParallelLayout::create(topo, s_.parallelism.ep));
+  stage_sync_.clear();
+  for (int stage = 0; stage < s_.parallelism.pp_stages; ++stage)
+    stage_sync_.push_back({edp_shape(layout, topo), world_shape(topo), gradient_bytes(s_, stage)});
+  return Status::ok();
+}
+
 double max_vio_of(const std::vector<int64_t>& load) {
   if (load.empty()) return 0.0;
   const double total = std::accumulate(load.begin(), load.end(), 0.0);
@@ -427,6 +466,7 @@ double max_vio_of(const std::vector<int64_t>& load) {
 Result<SimResult> Simulator::run() {
   const auto wall_start = std::chrono::steady_clock::now();
   EPX_RETURN_IF_ERROR(prepare());
+  EPX_RETURN_IF_ERROR(prepare_grad_sync());
   const ModelConfig& m = s_.model;
   const int pp = s_.parallelism.pp_stages;
   const bool train = s_.parallelism.mode == "train";
@@ -436,7 +476,7 @@ Result<SimResult> Simulator::run() {
   result.sample_scale = static_cast<double>(T_) / result.sampled_tokens;
   result.simulated_groups = groups_;
   {
-    const double attn = m.attention_flops_per_token > 0 ? m.attention_flops_per_token : 8.0 * m.hidden * m.hidden;
+    const double attn = attention_flops(m);
     const double moe = attn + 2.0 * m.hidden * m.experts + (m.topk + m.shared_experts) * 6.0 * m.hidden * m.expert_hidden;
     const double dense = attn + 6.0 * m.hidden * m.dense_hidden;
     result.model_flops_per_token = m.dense_layers * dense + (m.layers - m.dense_layers) * moe;
@@ -456,6 +496,9 @@ Result<SimResult> Simulator::run() {
     std::array<double, kNumKinds> kinds{};
     for (int stage = 0; stage < pp; ++stage) {
       const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
+      // When each layer's backward has ended on every simulated GPU (its gradients are ready).
+      std::vector<double> layer_bwd_end(l1 - l0, 0.0);
+      double bwd_start = 0, stage_end = 0;
       for (int group = 0; group < groups_; ++group) {
         // The trace shows the first stage that holds an MoE layer.
         const bool moe_stage = l0 <= m.dense_layers && m.dense_layers < l1;
@@ -479,11 +522,17 @@ Result<SimResult> Simulator::run() {
           }
           run_pass(costs[l - l0], false, clk, tracing ? &result.trace : nullptr);
         }
-        if (train)
-          for (int l = l1 - 1; l >= l0; --l) run_pass(costs[l - l0], true, clk, tracing ? &result.trace : nullptr);
+        bwd_start = std::max(bwd_start, latest_ready(clk));
+        if (train) {
+          for (int l = l1 - 1; l >= l0; --l) {
+            run_pass(costs[l - l0], true, clk, tracing ? &result.trace : nullptr);
+            layer_bwd_end[l - l0] = std::max(layer_bwd_end[l - l0], latest_ready(clk));
+          }
+        }
         double end = 0;
         for (int g = 0; g < R_; ++g) end = std::max({end, clk.compute_free[g], clk.comm_free[g]});
         st.stage_s = std::max(st.stage_s, end);
+        stage_end = std::max(stage_end, end);
         for (int g = 0; g < R_; ++g) {
           idle.push_back(end > 0 ? 1.0 - clk.busy[g] / end : 0.0);
           const double exposed = clk.comm_time[g] - overlap_of(clk.comm[g], clk.compute[g]);
@@ -510,8 +559,19 @@ Result<SimResult> Simulator::run() {
           result.trace.insert(result.trace.end(), gaps.begin(), gaps.end());
         }
       }
+      if (train) {
+        const StageSync& ss = stage_sync_[stage];
+        GradSyncResult sync = schedule_grad_sync({ss.bytes, layer_bwd_end, bwd_start, stage_end, ss.edp, ss.world}, s_);
+        if (stage == 0 || sync.exposed_s > st.grad_exposed_s) {
+          st.grad_sync_s = sync.busy_s;
+          st.grad_exposed_s = sync.exposed_s;
+          st.grad_hidden = sync.hidden_share;
+        }
+        if (step == 0 && stage == 0) result.grad_sync = std::move(sync);
+      }
     }
-    st.step_s = (units_ + pp - 1) * st.stage_s;
+    // The gradient all-reduce ends the step: what the last unit's backward does not hide.
+    st.step_s = (units_ + pp - 1) * st.stage_s + st.grad_exposed_s;
     st.worst_idle = *std::max_element(idle.begin(), idle.end());
     st.mean_idle = std::accumulate(idle.begin(), idle.end(), 0.0) / static_cast<double>(idle.size());
     st.exposed_comm = exposed_sum / static_cast<double>(gpus);
@@ -537,6 +597,15 @@ Result<SimResult> Simulator::run() {
   sum.tokens_per_s_per_gpu = collect(&StepStats::tokens_per_s_per_gpu);
   sum.mfu = collect(&StepStats::mfu);
   sum.max_vio = collect(&StepStats::max_vio);
+  sum.grad_sync_s = collect(&StepStats::grad_sync_s);
+  sum.grad_exposed_s = collect(&StepStats::grad_exposed_s);
+  sum.grad_hidden = collect(&StepStats::grad_hidden);
+  if (train) {
+    result.edp_ranks = stage_sync_[0].edp.num_ranks;
+    result.dp_ranks = stage_sync_[0].world.num_ranks;
+    result.expert_grad_bytes = stage_sync_[0].bytes.expert();
+    result.dense_grad_bytes = stage_sync_[0].bytes.dense();
+  }
   for (int k = 0; k < kNumKinds; ++k)
     if (kind_total[k] > 0) sum.phase_s.emplace_back(kKindNames[k], kind_total[k] / s_.run.steps);
   result.routed_gpu_layers = routed_;

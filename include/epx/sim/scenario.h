@@ -52,6 +52,12 @@ struct HardwareProfile {
   // cores that all ranks share. 0 = no such limit (real GPUs).
   double host_copy_bandwidth = 0;  // bytes copied per second by the whole host
   int host_nic_copies = 1;         // copies per byte that crosses an emulated node boundary
+  // The ranks of a node share one NIC of nic.bandwidth (emulated hosts joined
+  // by one link), instead of nic.per_gpu NICs each.
+  bool nic_shared_per_node = false;
+  // Cores that run every rank's compute (emulated clusters: more ranks than
+  // cores run slower by ranks / cores). 0 = a GPU per rank.
+  int host_cores = 0;
 };
 
 struct ClusterConfig {
@@ -78,6 +84,10 @@ struct ModelConfig {
   std::string combine_remote_dtype;      // between nodes; empty = combine_dtype
   std::string compute_dtype = "bf16";    // bf16 or fp8: which peak the GEMMs use
   double attention_flops_per_token = 0;  // forward, per layer; 0 = 8 * hidden^2 (Q, K, V, O)
+  bool attention = true;                 // false: MoE blocks without attention (epx train's model)
+  std::string grad_dtype = "f32";        // gradients as all-reduced: f32 or bf16
+  int64_t embedding_params = 0;          // input embedding (dense, all ranks; first stage)
+  int64_t head_params = 0;               // output head (dense, all ranks; last stage), final norm added
 };
 
 struct ParallelismConfig {
@@ -87,6 +97,13 @@ struct ParallelismConfig {
   int64_t tokens_per_gpu = 4096;   // per micro-batch
   std::string dispatch = "two_hop";  // two_hop or flat
   std::string mode = "train";        // train (forward + backward) or forward
+  // Gradient all-reduces (grad_sync.h): routed experts over the EDP group
+  // (GPUs per stage / ep), dense parameters over all GPUs of the stage.
+  bool grad_overlap = true;               // buckets start as the backward makes them ready
+  int64_t grad_bucket_bytes = 25 << 20;   // at most, whole layers (a larger layer alone); 0 = one bucket per group
+  // ring, hierarchical, auto (the faster of the two) or allgather (epx's own:
+  // every contribution gathered, summed in rank order).
+  std::string allreduce = "auto";
 };
 
 struct RoutingConfig {
@@ -140,6 +157,10 @@ struct Scenario {
 // Bytes of one row of `hidden` elements of dtype "fp8" (with f32 scales per
 // 128 channels), "bf16" or "f32".
 Result<int64_t> row_bytes(const std::string& dtype, int hidden);
+
+// Forward FLOPs per token of one layer's attention: attention_flops_per_token,
+// or 8 x hidden^2 (Q, K, V, O) when that is 0; 0 without attention.
+double attention_flops(const ModelConfig& model);
 
 // Reads a scenario (and the hardware profile it names), then validates it.
 Result<Scenario> load_scenario(const std::string& path);

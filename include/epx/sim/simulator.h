@@ -28,6 +28,7 @@
 
 #include "epx/core/status.h"
 #include "epx/core/trace.h"
+#include "epx/sim/grad_sync.h"
 #include "epx/sim/scenario.h"
 
 namespace epx::sim {
@@ -43,6 +44,12 @@ struct StepStats {
   double mfu = 0;                  // model FLOPs / (step time x peak), per GPU
   double max_vio = 0;              // max over layers: max expert load / mean - 1 (logical experts)
   int64_t dropped = 0;             // (token, slot) pairs dropped by capacity, in the sample
+  // Gradient all-reduces (EDP experts + all-ranks dense), the stage that
+  // exposes most: their busy time, what the backward leaves exposed (in
+  // step_s), and the share hidden (1 - exposed / busy).
+  double grad_sync_s = 0;
+  double grad_exposed_s = 0;
+  double grad_hidden = 1;
 };
 
 struct Percentiles {
@@ -51,6 +58,7 @@ struct Percentiles {
 
 struct Summary {
   Percentiles step_s, worst_idle, exposed_comm, comm_share, tokens_per_s_per_gpu, mfu, max_vio;
+  Percentiles grad_sync_s, grad_exposed_s, grad_hidden;
   // Mean seconds per GPU per step in each task kind ("attention", "router",
   // "dispatch", "shared", "experts", "combine", "dense"), forward + backward.
   std::vector<std::pair<std::string, double>> phase_s;
@@ -69,6 +77,11 @@ struct SimResult {
   int64_t routed_gpu_layers = 0;    // route + layout calls
   double model_flops_per_token = 0; // forward (x3 for training in MFU)
   double wall_s = 0;                // how long simulate() took
+  // Training: the first stage's gradient all-reduce (bytes per GPU, the
+  // group sizes, each group's whole-gradient cost and step 0's buckets).
+  int edp_ranks = 0, dp_ranks = 0;
+  double expert_grad_bytes = 0, dense_grad_bytes = 0;
+  GradSyncResult grad_sync;
 };
 
 struct SimOptions {
