@@ -77,7 +77,15 @@ def train_has(epx, flag):
 
 
 # ---- the prediction side ---------------------------------------------------------------------------
-def sim_sets(case, flops, rate, nic_latency, allreduce):
+def algorithm_of(case, allreduce):
+    """`epx`: what epx's transports run for gradient buckets (in-process: every contribution gathered;
+    MPI: an all-to-all of chunks, rank-order sums, an all-gather)."""
+    if allreduce != "epx":
+        return allreduce
+    return "allgather" if case["where"] == "inproc" else "chunked"
+
+
+def sim_sets(case, flops, rate, nic_latency, allreduce, nic_efficiency=0.94):
     ranks, nodes = case["ranks"], case["nodes"]
     m = MODEL
     sets = {
@@ -90,19 +98,20 @@ def sim_sets(case, flops, rate, nic_latency, allreduce):
         "parallelism.ep": EP, "parallelism.tokens_per_gpu": TOKENS_PER_RANK, "parallelism.micro_batches": 1,
         "parallelism.dispatch": "two_hop" if nodes > 1 and EP > ranks // nodes else "flat",
         "parallelism.grad_overlap": "true" if case["overlap"] else "false",
-        "parallelism.allreduce": allreduce, "parallelism.grad_bucket_bytes": 4 << 20,  # epx train's default
+        "parallelism.allreduce": algorithm_of(case, allreduce), "parallelism.grad_bucket_bytes": 4 << 20,  # epx train's default
         "routing.distribution": "uniform", "routing.sample_tokens": TOKENS_PER_RANK,
         "schedule.overlap": "none", "run.steps": 3, "run.threads": 1,
         "hardware.compute.bf16_flops": flops, "hardware.compute.gemm_efficiency": 1.0,
         "hardware.compute.gemm_half_rows": 0, "hardware.compute.gemm_tile": 1, "hardware.host.cores": 2,
         "hardware.nic.shared_per_node": "true", "hardware.nic.bandwidth": rate_bytes(rate),
-        "hardware.nic.efficiency": 0.94, "hardware.nic.latency": nic_latency,
+        "hardware.nic.efficiency": nic_efficiency, "hardware.nic.latency": nic_latency,
     }
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
 def simulate(epx, scenario, case, flops, rate, args):
-    r = run([epx, "sim", "run", scenario, "--json"] + sim_sets(case, flops, rate, args.nic_latency, args.allreduce))
+    r = run([epx, "sim", "run", scenario, "--json"] +
+            sim_sets(case, flops, rate, args.nic_latency, args.allreduce, args.nic_efficiency))
     if r.returncode != 0:
         sys.exit(f"epx sim failed ({r.returncode}): {r.stderr}")
     j = json.loads(r.stdout)
@@ -129,6 +138,8 @@ def predict(args):
     r = run([args.epx, "sim", "calibrate", "--mb", "64", "--out", profile])
     if r.returncode != 0:
         sys.exit(f"epx sim calibrate failed: {r.stderr}")
+    if args.link_probe:
+        args.nic_efficiency = link_efficiency(args.link_probe, args.rate)
     scenario = os.path.join(work, "scenario.toml")
     with open(scenario, "w") as f:
         f.write('[hardware]\nprofile = "machine.toml"\n')
@@ -150,6 +161,17 @@ def predict(args):
     write_predictions(args, scenario, profile, base, flops, work)
 
 
+def link_efficiency(probe, rate):
+    """The capped link's efficiency, measured on its own before any prediction: 32 MiB each way
+    between the two emulated hosts (tests/mpi/check_two_hosts.sh with the MPI probe)."""
+    r = run([os.path.join(ROOT, "tests", "mpi", "check_two_hosts.sh"), probe, "--bytes", "33554432", "--rate", rate])
+    m = re.search(r"\(([0-9.]+)% of the cap\)", r.stdout)
+    if r.returncode != 0 or not m:
+        sys.exit(f"link calibration failed ({r.returncode}): {r.stdout[-400:]}")
+    print(f"link: {m.group(1)}% of the {rate} cap (MPI probe, 32 MiB each way)", flush=True)
+    return float(m.group(1)) / 100
+
+
 def predict_again(args, work, profile):
     """The calibration of an earlier prediction file, another --allreduce: marked post hoc."""
     old = json.load(open(args.reuse))
@@ -159,6 +181,7 @@ def predict_again(args, work, profile):
     with open(scenario, "w") as f:
         f.write('[hardware]\nprofile = "machine.toml"\n')
     args.rate = old["cases"][-1]["rate"]
+    args.nic_efficiency = old.get("nic_efficiency", args.nic_efficiency)
     args.post_hoc = f"recomputed from {args.reuse}'s calibration after the measurements"
     write_predictions(args, scenario, profile, old["calibration"]["measured"], old["calibration"]["flops"], work)
 
@@ -169,14 +192,14 @@ def write_predictions(args, scenario, profile, base, flops, work):
         p = simulate(args.epx, scenario, case, flops, args.rate, args)
         # The other algorithm too, as a second reading (never the headline): MPI_Allreduce's choice
         # for a given size is not known in advance.
-        other = "ring" if args.allreduce == "hierarchical" else "hierarchical"
+        other = "ring" if args.allreduce in ("hierarchical", "epx") else "hierarchical"
         saved, args.allreduce = args.allreduce, other
         p_other = simulate(args.epx, scenario, case, flops, args.rate, args)
         args.allreduce = saved
         preds.append({**case, "predicted": p, "predicted_" + other: p_other})
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "model": MODEL, "ep": EP,
               "tokens_per_rank": TOKENS_PER_RANK, "calibration": {"measured": base, "flops": flops,
-              "profile": open(profile).read()}, "nic_latency": args.nic_latency, "allreduce": args.allreduce,
+              "profile": open(profile).read()}, "nic_latency": args.nic_latency, "nic_efficiency": args.nic_efficiency, "allreduce": args.allreduce,
               "post_hoc": getattr(args, "post_hoc", ""), "cases": preds}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -256,7 +279,12 @@ def main():
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     ap.add_argument("--nic-latency", type=float, default=1e-4, help="per ring step across the link (assumed)")
-    ap.add_argument("--allreduce", default="ring", help="ring (the textbook), hierarchical, auto, or allgather (what epx's transports run)")
+    ap.add_argument("--allreduce", default="epx",
+                    help="epx (what epx's transports run: allgather in-process, chunked under MPI), ring, "
+                         "hierarchical, auto, allgather or chunked")
+    ap.add_argument("--nic-efficiency", type=float, default=0.94, help="of the link's cap (assumed, unless --link-probe)")
+    ap.add_argument("--link-probe", default="", help="predict: measure the link's efficiency first with this MPI "
+                    "probe (build/tests/mpi/epx_probe_mpi)")
     ap.add_argument("--reuse", default="", help="predict: take the calibration of this earlier prediction file")
     ap.add_argument("--where", default="all", choices=["all", "inproc", "two_hosts"], help="measure: which runs")
     ap.add_argument("--out", default="ep_edp_predictions.json")

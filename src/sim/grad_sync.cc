@@ -92,6 +92,25 @@ AllReduceCost allgather(double bytes, const GroupShape& g, const HardwareProfile
   return c;
 }
 
+// epx's MPI all-reduce of data larger than its first round's slots: one
+// chunk of B/n per rank; rank c receives chunk c of every rank
+// (all-to-all), sums them in rank order, and every rank gathers the n
+// reduced chunks (all-gather). Each rank sends 2 (n-1)/n x B, as a ring
+// does, in two rounds of n-1 messages; 2 (n-k)/n x B of it to the other
+// nodes' members; the sum reads n chunks of B/n.
+AllReduceCost chunked(double bytes, const GroupShape& g, const HardwareProfile& h) {
+  const int n = g.num_ranks, k = g.ranks_per_node, m = g.num_nodes;
+  AllReduceCost c{"chunked", 0, 0, 0};
+  c.bytes_sent = 2.0 * (n - 1) / n * bytes;
+  c.nic_bytes_sent = m > 1 ? 2.0 * (n - k) / n * bytes : 0.0;
+  double link = k > 1 ? 2.0 * (k - 1) / n * bytes / nvlink_rate(h) : 0.0;
+  if (m > 1) link = std::max(link, nic_seconds(c.nic_bytes_sent, k * g.groups_per_node, h));
+  const double latency = 2.0 * ((m > 1 ? h.nic_latency : h.nvlink_latency) + (n - 1) * h.message_overhead);
+  const double reduce = h.host_copy_bandwidth > 0 ? g.world_ranks * bytes / h.host_copy_bandwidth : 0.0;
+  c.seconds = std::max(link, host_seconds(c.bytes_sent, c.nic_bytes_sent, g.world_ranks, h)) + reduce + latency;
+  return c;
+}
+
 // Buckets of one group, walked in backward order (last layer first): a
 // bucket takes layers while they fit in bucket_bytes (a layer larger than
 // that is a bucket of its own) and is ready when its last layer's backward
@@ -173,6 +192,7 @@ AllReduceCost all_reduce_cost(double bytes, const GroupShape& group, const Hardw
                               const std::string& algorithm) {
   if (group.num_ranks <= 1 || bytes <= 0) return {"none", 0, 0, 0};
   if (algorithm == "allgather") return allgather(bytes, group, hardware);
+  if (algorithm == "chunked") return chunked(bytes, group, hardware);
   const bool two_levels = group.num_nodes > 1 && group.ranks_per_node > 1;
   if (algorithm == "ring" || !two_levels) return ring(bytes, group, hardware);
   if (algorithm == "hierarchical") return hierarchical(bytes, group, hardware);

@@ -340,7 +340,7 @@ Status Scenario::validate() const {
     return invalid_argument("parallelism.dispatch = 'two_hop' needs cluster.rail_aligned = true");
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));
   EPX_RETURN_IF_ERROR(at_least("parallelism.grad_bucket_bytes", static_cast<double>(p.grad_bucket_bytes), 0));
-  EPX_RETURN_IF_ERROR(one_of("parallelism.allreduce", p.allreduce, {"ring", "hierarchical", "auto", "allgather"}));
+  EPX_RETURN_IF_ERROR(one_of("parallelism.allreduce", p.allreduce, {"ring", "hierarchical", "auto", "allgather", "chunked"}));
 
   const RoutingConfig& r = routing;
   EPX_RETURN_IF_ERROR(one_of("routing.distribution", r.distribution, {"uniform", "zipf", "lognormal", "trace"}));

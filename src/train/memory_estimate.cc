@@ -34,7 +34,7 @@ std::string driver(std::initializer_list<Setting> settings) {
 // The shape every item is computed from. R: the ranks of one EP group (its
 // Buffers span them); local: experts (slots) per rank, E / R or slots / R.
 struct Shape {
-  int64_t R, nodes, L, H, F, E, K, S, T, local, inputs, outputs, batch_tokens, dtype_bytes, bucket_bytes;
+  int64_t R, nodes, L, H, F, E, K, S, T, local, inputs, outputs, batch_tokens, dtype_bytes, bucket_bytes, edp;
 };
 
 Shape shape_of(const TrainConfig& config, const ModelConfig& m) {
@@ -47,7 +47,7 @@ Shape shape_of(const TrainConfig& config, const ModelConfig& m) {
   return {R, R > per_node ? R / per_node : 1, m.num_layers, l.hidden, l.ffn_hidden, E, l.router.topk,
           l.num_shared_experts, m.max_tokens_per_rank, slots / R, m.num_inputs(),
           m.num_outputs(), config.batch_tokens, static_cast<int64_t>(dtype_size(l.dtype)),
-          config.grad_bucket_bytes};
+          config.grad_bucket_bytes, config.num_ranks / R};
 }
 
 void add_parameters(const Shape& s, MemoryEstimate* e) {
@@ -68,9 +68,10 @@ void add_parameters(const Shape& s, MemoryEstimate* e) {
   e->add("dense gradients", dense_bytes, dense_driver);
   e->add("dense AdamW moments", saturating_product({dense_bytes, 2}), dense_driver);
   // GradientSync packs one bucket at a time (at most grad_bucket_bytes, or
-  // all the gradients when they are fewer); the transport stages a copy of
-  // it and, under MPI, receives up to twice it.
-  const int64_t grads = saturating_sum(dense_bytes, expert);
+  // all the gradients it reduces when they are fewer: the experts' only with
+  // EDP > 1); the transport stages a copy of it and, under MPI, receives up
+  // to twice it.
+  const int64_t grads = s.edp > 1 ? saturating_sum(dense_bytes, expert) : dense_bytes;
   e->add("gradient all-reduce buckets", saturating_product({std::min(grads, s.bucket_bytes), 3}),
          driver({{"grad_bucket_bytes", s.bucket_bytes, 4 << 20}}));
 }

@@ -107,6 +107,20 @@ TEST(SimGradSync, EpxsOwnAllGatherSendsNMinusOneTimesTheBytes) {
                    all_reduce_cost(B, pair, s.hardware, "ring").bytes_sent);
 }
 
+TEST(SimGradSync, EpxsMpiChunkedAllReduceSendsWhatARingSends) {
+  Scenario s = two_node_scenario(2);
+  s.hardware.nic_shared_per_node = true;
+  const double B = 8e6;
+  // EDP {0 2 4 6} on 2 nodes (2 per node), two groups per node: each rank sends 2 x 3/4 B, to the
+  // other node 2 x 2/4 B; the node's link carries 2 members x 2 groups x B.
+  const GroupShape edp{4, 2, 2, 2, 8};
+  const AllReduceCost c = all_reduce_cost(B, edp, s.hardware, "chunked");
+  EXPECT_EQ(c.algorithm, "chunked");
+  EXPECT_DOUBLE_EQ(c.bytes_sent, all_reduce_cost(B, edp, s.hardware, "ring").bytes_sent);
+  EXPECT_DOUBLE_EQ(c.nic_bytes_sent, B);
+  EXPECT_LT(c.nic_bytes_sent, all_reduce_cost(B, edp, s.hardware, "allgather").nic_bytes_sent);
+}
+
 TEST(SimGradSync, EdpGroupsFollowTheParallelLayout) {
   // 8 ranks on 2 nodes. EP 2: EDP {0 2 4 6}, two per node, two such groups per node.
   auto ep2 = edp_of(8, 2, 2);
@@ -236,7 +250,7 @@ TEST(SimGradSync, EdpOneSendsNoExpertGradientsAndTheStepIncludesTheExposedAllRed
 TEST(SimGradSync, ScenarioKeysAreCheckedByName) {
   Scenario s = two_node_scenario(2);
   s.parallelism.allreduce = "tree";
-  EXPECT_EQ(s.validate().message(), "parallelism.allreduce = 'tree' is not one of ring, hierarchical, auto, allgather");
+  EXPECT_EQ(s.validate().message(), "parallelism.allreduce = 'tree' is not one of ring, hierarchical, auto, allgather, chunked");
   s = two_node_scenario(2);
   s.model.grad_dtype = "fp8";
   EXPECT_EQ(s.validate().message(), "model.grad_dtype = 'fp8' is not one of f32, bf16");

@@ -21,10 +21,14 @@
 //                  ring all-reduce of B/k across the m nodes, all-gather
 //                  inside the node ((k-1)/k x B);
 //   auto:          the faster of the two;
-//   allgather:     what epx's transports run (deterministic: every rank
-//                  gathers all n contributions and sums them in rank order):
-//                  each rank receives (n-1) x B, (n-k) x B of it across
-//                  nodes, then reads n x B to sum.
+//   allgather:     what epx's in-process transport runs (deterministic:
+//                  every rank gathers all n contributions and sums them in
+//                  rank order): each rank receives (n-1) x B, (n-k) x B of it
+//                  across nodes, then reads n x B to sum;
+//   chunked:       what epx's MPI transport runs for large data (the same
+//                  rank-order bits): an all-to-all of B/n chunks, each rank
+//                  sums its chunk, an all-gather of the sums: 2 (n-1)/n x B
+//                  sent per rank (a ring's), 2 (n-k)/n x B across nodes.
 // Every group of the stage reduces at once: when the node's ranks share one
 // NIC (hardware.nic.shared_per_node, emulated hosts) the bytes that all of
 // them send across nodes share its bandwidth; on an emulated host
@@ -65,12 +69,12 @@ GroupShape edp_shape(const ParallelLayout& layout, const Topology& topology);
 GroupShape world_shape(const Topology& topology);
 
 struct AllReduceCost {
-  std::string algorithm;     // "ring", "hierarchical", "allgather" or "none" (one rank)
+  std::string algorithm;     // "ring", "hierarchical", "allgather", "chunked" or "none" (one rank)
   double seconds = 0;
   double bytes_sent = 0;     // per rank, all links
   double nic_bytes_sent = 0; // per rank, across nodes
 };
-// algorithm: "ring", "hierarchical", "auto" or "allgather".
+// algorithm: "ring", "hierarchical", "auto", "allgather" or "chunked".
 AllReduceCost all_reduce_cost(double bytes, const GroupShape& group, const HardwareProfile& hardware,
                               const std::string& algorithm);
 

@@ -101,8 +101,10 @@ struct ParallelismConfig {
   // (GPUs per stage / ep), dense parameters over all GPUs of the stage.
   bool grad_overlap = true;               // buckets start as the backward makes them ready
   int64_t grad_bucket_bytes = 25 << 20;   // at most, whole layers (a larger layer alone); 0 = one bucket per group
-  // ring, hierarchical, auto (the faster of the two) or allgather (epx's own:
-  // every contribution gathered, summed in rank order).
+  // ring, hierarchical, auto (the faster of the two), allgather (epx's
+  // in-process transport: every contribution gathered, summed in rank order)
+  // or chunked (epx's MPI transport: all-to-all of chunks, rank-order sums,
+  // all-gather).
   std::string allreduce = "auto";
 };
 
