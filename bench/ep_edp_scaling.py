@@ -272,11 +272,14 @@ def measure(args):
 
 
 def main():
+    global TOKENS_PER_RANK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("phase", choices=["predict", "measure"])
     ap.add_argument("--epx", default=os.path.join(ROOT, "build", "bin", "epx"))
     ap.add_argument("--rate", default="1gbit", help="tc rate of the link between the two hosts")
     ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--tokens-per-rank", type=int, default=TOKENS_PER_RANK,
+                    help="the fixed batch per rank (more tokens: more backward to hide the all-reduce behind)")
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     ap.add_argument("--nic-latency", type=float, default=1e-4, help="per ring step across the link (assumed)")
     ap.add_argument("--allreduce", default="epx",
@@ -290,6 +293,7 @@ def main():
     ap.add_argument("--out", default="ep_edp_predictions.json")
     ap.add_argument("--predictions", default="ep_edp_predictions.json")
     args = ap.parse_args()
+    TOKENS_PER_RANK = args.tokens_per_rank
     if args.phase == "measure" and args.out == "ep_edp_predictions.json":
         args.out = "ep_edp_measured.json"
     (predict if args.phase == "predict" else measure)(args)
