@@ -18,6 +18,7 @@
 #include "epx/comm/inproc.h"
 #include "epx/comm/parallel_layout.h"
 #include "epx/core/clock.h"
+#include "comm/inproc_helpers.h"
 #include "epx/exchange/buffer.h"
 
 namespace epx {
@@ -26,13 +27,8 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-Topology make_topology(int num_ranks, int num_nodes = 1) {
-  Result<Topology> topology = Topology::create(num_ranks, num_nodes);
-  EPX_CHECK(topology.is_ok());
-  return *topology;
-}
-
-Deadline generous() { return Deadline::after(seconds(30)); }
+using comm_test::generous;
+using comm_test::make_topology;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

@@ -16,6 +16,7 @@
 #include <fmt/ranges.h>
 
 #include "epx/core/clock.h"
+#include "comm/inproc_helpers.h"
 
 namespace epx {
 namespace {
@@ -23,13 +24,8 @@ namespace {
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-Topology make_topology(int num_ranks, int num_nodes = 1) {
-  Result<Topology> topology = Topology::create(num_ranks, num_nodes);
-  EPX_CHECK(topology.is_ok());
-  return *topology;
-}
-
-Deadline generous() { return Deadline::after(seconds(30)); }
+using comm_test::generous;
+using comm_test::make_topology;
 
 void expect_all_ok(const std::vector<Status>& statuses) {
   const Status first = first_error(statuses);
