@@ -1007,4 +1007,6 @@ std::vector<Parameter*> MoELayer::parameters() {
   return out;
 }
 
+std::vector<Parameter*> MoELayer::expert_parameters() { return {&impl_->w1, &impl_->w3, &impl_->w2}; }
+
 }  // namespace epx

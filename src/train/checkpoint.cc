@@ -696,21 +696,6 @@ Status prepare_save(const fs::path& dir, const fs::path& tmp) {
   return Status::ok();
 }
 
-// `p`'s AdamW moments, sized to its values (zeros before its first step).
-AdamW::Moments& moments_of(AdamW& adam, const Parameter& p) {
-  AdamW::Moments& m = adam.moments()[p.name];
-  m.m.resize(p.value.size(), 0.0f);
-  m.v.resize(p.value.size(), 0.0f);
-  return m;
-}
-
-std::vector<Parameter*> expert_params(MoELayer& layer) {
-  std::vector<Parameter*> out;
-  for (Parameter* p : layer.parameters())
-    if (p->kind == ParamKind::kExpert) out.push_back(p);
-  return out;
-}
-
 // Values [local * n, (local + 1) * n) of v.
 std::span<float> block(std::vector<float>& v, int local, std::size_t n) {
   return std::span<float>(v).subspan(static_cast<std::size_t>(local) * n, n);
@@ -727,7 +712,7 @@ PartState collect_dense(std::span<Parameter* const> params, AdamW& adam, std::sp
   state.adam_steps = adam.num_steps();
   for (const Parameter* p : params) {
     if (p->kind != ParamKind::kDense) continue;
-    const AdamW::Moments& m = moments_of(adam, *p);
+    const AdamW::Moments& m = adam.moments_of(*p);
     state.params.push_back({p->name, p->value, m.m, m.v});
   }
   for (MoELayer* layer : layers) state.biases.push_back(layer->bias().values());
@@ -760,9 +745,9 @@ PartState collect_experts(AdamW& adam, std::span<MoELayer* const> layers, int ep
       if (e >= 0 && layer.buffer().placement().global_id(ep_rank, local) == first[l][e]) mine[e] = local;
     }
     for (const auto& [e, local] : mine)
-      for (Parameter* p : expert_params(layer)) {
+      for (Parameter* p : layer.expert_parameters()) {
         const std::size_t n = p->value.size() / static_cast<std::size_t>(layer.num_local_experts());
-        AdamW::Moments& m = moments_of(adam, *p);
+        AdamW::Moments& m = adam.moments_of(*p);
         state.params.push_back({expert_entry_name(p->name, e), copy_block(p->value, local, n),
                                 copy_block(m.m, local, n), copy_block(m.v, local, n)});
       }
@@ -946,7 +931,7 @@ Status check_expert_fit(const std::string& where, RankPart& part, std::span<MoEL
     for (int local = 0; local < layer->num_local_experts(); ++local) {
       const int e = layer->local_logical_expert(local);
       if (e < 0) continue;
-      for (const Parameter* p : expert_params(*layer)) {
+      for (const Parameter* p : layer->expert_parameters()) {
         const std::size_t n = p->value.size() / static_cast<std::size_t>(layer->num_local_experts());
         const std::string name = expert_entry_name(p->name, e);
         const auto it = part.entries.find(name);
@@ -988,10 +973,10 @@ void apply(RankPart& part, std::span<Parameter* const> params, AdamW& adam, std:
     m.v = std::move(q.v);
   }
   for (MoELayer* layer : layers)
-    for (Parameter* p : expert_params(*layer)) {
+    for (Parameter* p : layer->expert_parameters()) {
       const int num_local = layer->num_local_experts();
       const std::size_t n = p->value.size() / static_cast<std::size_t>(num_local);
-      AdamW::Moments& m = moments_of(adam, *p);
+      AdamW::Moments& m = adam.moments_of(*p);
       for (int local = 0; local < num_local; ++local) {
         const int e = layer->local_logical_expert(local);
         const PartState::Param* q = e < 0 ? nullptr : part.entries.at(expert_entry_name(p->name, e));

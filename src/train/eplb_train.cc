@@ -22,18 +22,9 @@ Result<std::vector<int32_t>> place(const PlacementConfig& pc, std::vector<double
   return p.slot_expert();
 }
 
-std::vector<Parameter*> expert_params(MoELayer& layer) {
-  std::vector<Parameter*> out;
-  for (Parameter* p : layer.parameters())
-    if (p->kind == ParamKind::kExpert) out.push_back(p);
-  return out;
-}
-
 // The value, first and second moment of `p`, moments sized to the values.
 std::array<std::vector<float>*, 3> state_of(AdamW& adam, Parameter& p) {
-  AdamW::Moments& m = adam.moments()[p.name];
-  m.m.resize(p.value.size(), 0.0f);
-  m.v.resize(p.value.size(), 0.0f);
+  AdamW::Moments& m = adam.moments_of(p);
   return {&p.value, &m.m, &m.v};
 }
 
@@ -46,7 +37,7 @@ void pack_first_replicas(MoELayer& layer, AdamW& adam, const RedundantPlacement&
     const int e = layer.local_logical_expert(local);
     if (e < 0 || layer.buffer().placement().global_id(ep_rank, local) != current.replicas(e).front()) continue;
     float* dst = table.data() + static_cast<std::size_t>(e) * row;
-    for (Parameter* p : expert_params(layer))
+    for (Parameter* p : layer.expert_parameters())
       for (std::vector<float>* v : state_of(adam, *p)) {
         std::copy_n(v->begin() + static_cast<std::ptrdiff_t>(local * hf), hf, dst);
         dst += hf;
@@ -60,7 +51,7 @@ void unpack_slots(MoELayer& layer, AdamW& adam, std::size_t hf, const std::vecto
   for (int local = 0; local < layer.num_local_experts(); ++local) {
     const int e = layer.local_logical_expert(local);
     const float* src = e < 0 ? nullptr : table.data() + static_cast<std::size_t>(e) * row;
-    for (Parameter* p : expert_params(layer))
+    for (Parameter* p : layer.expert_parameters())
       for (std::vector<float>* v : state_of(adam, *p)) {
         const auto at = v->begin() + static_cast<std::ptrdiff_t>(local * hf);
         if (src) {

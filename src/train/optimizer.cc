@@ -15,15 +15,20 @@ Status AdamWConfig::validate() const {
   return Status::ok();
 }
 
+AdamW::Moments& AdamW::moments_of(const Parameter& p) {
+  Moments& s = moments_[p.name];
+  s.m.resize(p.value.size(), 0.0f);
+  s.v.resize(p.value.size(), 0.0f);
+  return s;
+}
+
 void AdamW::step(std::span<Parameter* const> params, double lr) {
   ++num_steps_;
   const double c1 = 1.0 - std::pow(config_.beta1, static_cast<double>(num_steps_));
   const double c2 = 1.0 - std::pow(config_.beta2, static_cast<double>(num_steps_));
   const auto b1 = static_cast<float>(config_.beta1), b2 = static_cast<float>(config_.beta2);
   for (Parameter* p : params) {
-    Moments& s = moments_[p->name];
-    s.m.resize(p->value.size(), 0.0f);
-    s.v.resize(p->value.size(), 0.0f);
+    Moments& s = moments_of(*p);
     const double decay = p->rows == 1 ? 0.0 : config_.weight_decay;
     const auto shrink = static_cast<float>(1.0 - lr * decay);
     const auto step_size = static_cast<float>(lr / c1);

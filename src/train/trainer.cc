@@ -441,13 +441,14 @@ Result<RankGroups> make_groups(Transport& world, const ParallelLayout& layout, c
 
 // The model's parameters by how their gradients are summed.
 struct ModelParts {
-  std::vector<Parameter*> params{}, dense{}, experts{};
+  std::vector<Parameter*> params{}, dense{};
   std::vector<MoELayer*> layers{};
 };
 
 ModelParts model_parts(MoEModel& model) {
   ModelParts parts{.params = model.parameters(), .layers = model.layers()};
-  for (Parameter* p : parts.params) (p->kind == ParamKind::kDense ? parts.dense : parts.experts).push_back(p);
+  for (Parameter* p : parts.params)
+    if (p->kind == ParamKind::kDense) parts.dense.push_back(p);
   return parts;
 }
 
@@ -689,8 +690,7 @@ void keep_rank_parameters(Rank& r) {
   for (MoELayer* layer : r.parts.layers) {
     const Buffer& buffer = layer->buffer();
     const int local = buffer.num_local_experts();
-    for (Parameter* p : layer->parameters()) {
-      if (p->kind != ParamKind::kExpert) continue;
+    for (Parameter* p : layer->expert_parameters()) {
       const int64_t per_expert = p->numel() / std::max(local, 1);
       for (int l = 0; l < local; ++l)
         run.summary.parameters[fmt::format("{}#{}", p->name, buffer.placement().global_id(ep_rank, l))].assign(

@@ -182,6 +182,8 @@ class MoELayer {
 
   // Dense: norm, router, shared experts; expert: w1, w3, w2 of the local experts.
   [[nodiscard]] std::vector<Parameter*> parameters();
+  // The expert ones alone: w1, w3, w2, each num_local_experts() blocks.
+  [[nodiscard]] std::vector<Parameter*> expert_parameters();
 
  private:
   struct Impl;

@@ -42,6 +42,8 @@ class AdamW {
   [[nodiscard]] int64_t num_steps() const { return num_steps_; }
   // State, by parameter name, for checkpoints.
   [[nodiscard]] std::map<std::string, Moments>& moments() { return moments_; }
+  // `p`'s moments, sized to its values (zeros before its first step).
+  [[nodiscard]] Moments& moments_of(const Parameter& p);
   void set_num_steps(int64_t n) { num_steps_ = n; }
 
  private:
