@@ -1,6 +1,7 @@
 #include "epx/train/trainer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -330,7 +331,8 @@ std::string StepReport::to_json() const {
 }
 
 namespace {
-Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters);
+Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters,
+                                 bool* stopped_together);
 
 // Collective, after every step: rank 0 tells the others whether its on_step
 // failed. Rank 0 returns that Status, the others Aborted naming it, so every
@@ -351,11 +353,15 @@ Status stop_status(int rank, const Status& stop, int64_t step) {
 }  // namespace
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
-  Result<TrainSummary> result =
-      detail::guard("train", [&] { return train_ranks(config, on_step, keep_parameters); });
+  bool stopped_together = false;
+  Result<TrainSummary> result = detail::guard(
+      "train", [&] { return train_ranks(config, on_step, keep_parameters, &stopped_together); });
   // On an external transport (MPI) an error on this process alone (a file,
   // a config) must end the other ranks' waits too: they hear of it at once.
-  if (!result.is_ok() && config.transport != nullptr)
+  // A stop every rank agreed on needs no notice, and one would race the
+  // agreement: it may overtake the all-reduce a slower rank is still
+  // finishing, which would then fail with the notice instead of the stop.
+  if (!result.is_ok() && config.transport != nullptr && !stopped_together)
     config.transport->abort(aborted("rank {} stopped training: {}", config.transport->rank(), result.status().to_string()));
   return result;
 }
@@ -378,6 +384,7 @@ struct RunState {
   std::vector<StepReport> recent;  // the last 10 reports
   double run_seconds = 0, comm_seconds = 0, total_seconds = 0;
   int64_t timed_tokens = 0;
+  std::atomic<bool> stopped_together{false};  // every rank agreed to stop after rank 0's on_step failed
 };
 
 // EPLB's start: each layer's slot map into `m` (it decides the Buffers, so
@@ -710,6 +717,7 @@ Status run_rank(RunState& run, Transport& world, StepContext& where) {
     EPX_ASSIGN_OR_RETURN(const bool stopped, agree_on_stop(world, r.stop, r.deadline()));
     if (stopped) {
       where.step = -1;
+      run.stopped_together.store(true);
       return stop_status(r.rank(), r.stop, step);
     }
     where.phase = "checkpoint";
@@ -769,10 +777,13 @@ Status run_on_transport(RunState& run, Transport& transport) {
   return Status::ok();
 }
 
-Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
+Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters,
+                                 bool* stopped_together) {
   EPX_ASSIGN_OR_RETURN(std::unique_ptr<RunState> run, prepare_run(config, on_step, keep_parameters));
   if (config.transport != nullptr) {
-    EPX_RETURN_IF_ERROR(run_on_transport(*run, *config.transport));
+    Status status = run_on_transport(*run, *config.transport);
+    *stopped_together = run->stopped_together.load();
+    EPX_RETURN_IF_ERROR(status);
   } else {
     EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
     InprocWorld world(topology);
