@@ -1,7 +1,7 @@
 // Who waited for whom (WaitRecord): a delay injected on one rank is
 // attributed to that rank, as an arrival wait when the rank comes late to the
 // operations, as a data wait when its rows leave late (its link is slow).
-// The delays are real sleeps; the bounds leave 10 ms of a 50 ms delay for a
+// The delays are real sleeps; the bounds leave 20 ms of a 100 ms delay to a
 // busy machine's scheduling.
 #include <gtest/gtest.h>
 
@@ -21,9 +21,9 @@ namespace {
 constexpr int kRanks = 4;
 constexpr int kHidden = 16;
 constexpr int kTokens = 8;
-constexpr auto kDelay = std::chrono::milliseconds(50);
-constexpr double kAttributed = 0.040;  // at least this much of kDelay lands on the delayed rank
-constexpr double kSmall = 0.020;       // no other wait comes near the delay
+constexpr auto kDelay = std::chrono::milliseconds(100);
+constexpr double kAttributed = 0.080;  // at least this much of kDelay lands on the delayed rank
+constexpr double kSmall = 0.040;       // no other wait comes near the delay
 
 // A transport whose inter-node messages from one rank leave `delay` late: a
 // slow link of that rank, below the exchange (which does not know).
@@ -134,7 +134,7 @@ TEST(Waits, ALateRankIsAnArrivalWaitOfEveryOther) {
       if (r != kLate) EXPECT_GE(w.arrival[kLate], kAttributed);
       EXPECT_LT(max_except(w.arrival, kLate), kSmall);
       EXPECT_LT(max_except(w.data, -1), kSmall);
-      for (int s = 0; s < kRanks; ++s) EXPECT_GE(w.blocked, w.arrival[s] + w.data[s]);
+      for (int s = 0; s < kRanks; ++s) EXPECT_GE(w.blocked, (w.arrival[s] + w.data[s]) * (1 - 1e-12));
     }
     // The sum covers the dispatches and the combines.
     EXPECT_EQ(sums[r].num_ops, 2 * kRounds);

@@ -48,15 +48,17 @@ void check_line_against_matrix(const nlohmann::json& line) {
     EXPECT_EQ(arrival[r * R + r], 0.0);
     EXPECT_DOUBLE_EQ(rank["late"].get<double>(), late) << "rank " << r;
     EXPECT_DOUBLE_EQ(rank["slow_data"].get<double>(), slow_data) << "rank " << r;
-    EXPECT_GE(rank["exchange_wait"].get<double>(), most) << "rank " << r;
+    // The same seconds summed in another order: equal within rounding.
+    EXPECT_GE(rank["exchange_wait"].get<double>(), most * (1 - 1e-12)) << "rank " << r;
   }
 }
 
 TEST(WaitReport, ALateRankIsNamedAndTheMatrixComesEveryNSteps) {
   TrainConfig c = testing::tiny_config({.num_ranks = kRanks, .steps = 4});
   c.wait_matrix_every = 2;
-  c.before_step = [](int rank, int64_t) -> Status {
-    if (rank == kLate) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Not in step 0: its first GEMMs (oneDNN's JIT) take every rank longer than the sleep.
+  c.before_step = [](int rank, int64_t step) -> Status {
+    if (rank == kLate && step > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     return Status::ok();
   };
   std::vector<nlohmann::json> lines;
@@ -68,14 +70,15 @@ TEST(WaitReport, ALateRankIsNamedAndTheMatrixComesEveryNSteps) {
     const nlohmann::json& line = lines[step];
     EXPECT_EQ(line.contains("wait_matrix"), step % 2 == 1);  // steps 2 and 4 of the run
     if (line.contains("wait_matrix")) check_line_against_matrix(line);
+    if (step == 0) continue;
     for (int r = 0; r < kRanks; ++r) {
       const auto& rank = line["ranks"][r];
       if (r == kLate) continue;
-      // Every other rank waited ~50 ms for rank 1 at the first dispatch of the step.
+      // Every other rank waited ~100 ms for rank 1 at the first dispatch of the step.
       EXPECT_EQ(rank["waited_for"].get<int>(), kLate) << "rank " << r;
-      EXPECT_GE(rank["exchange_wait"].get<double>(), 0.040) << "rank " << r;
+      EXPECT_GE(rank["exchange_wait"].get<double>(), 0.080) << "rank " << r;
     }
-    EXPECT_GE(line["ranks"][kLate]["late"].get<double>(), 3 * 0.040);
+    EXPECT_GE(line["ranks"][kLate]["late"].get<double>(), 3 * 0.080);
   }
 }
 
