@@ -86,9 +86,16 @@ struct Inputs {
 };
 
 BufferConfig config(DispatchAlgorithm algorithm = DispatchAlgorithm::kAuto, bool record = true) {
-  return {.num_experts = kRanks, .hidden = kHidden, .dtype = DType::kF32, .max_topk = kRanks,
-          .max_tokens_per_rank = kTokens, .algorithm = algorithm, .timeout = Milliseconds(20000),
-          .record_waits = record};
+  BufferConfig c;
+  c.num_experts = kRanks;
+  c.hidden = kHidden;
+  c.dtype = DType::kF32;
+  c.max_topk = kRanks;
+  c.max_tokens_per_rank = kTokens;
+  c.algorithm = algorithm;
+  c.timeout = Milliseconds(20000);
+  c.record_waits = record;
+  return c;
 }
 
 double max_except(const std::vector<double>& v, int skip) {
@@ -131,14 +138,18 @@ TEST(Waits, ALateRankIsAnArrivalWaitOfEveryOther) {
       ASSERT_EQ(w.arrival.size(), static_cast<std::size_t>(kRanks));
       EXPECT_EQ(w.num_ops, 1);
       EXPECT_EQ(w.arrival[r], 0.0);  // never itself
-      if (r != kLate) EXPECT_GE(w.arrival[kLate], kAttributed);
+      if (r != kLate) {
+        EXPECT_GE(w.arrival[kLate], kAttributed);
+      }
       EXPECT_LT(max_except(w.arrival, kLate), kSmall);
       EXPECT_LT(max_except(w.data, -1), kSmall);
       for (int s = 0; s < kRanks; ++s) EXPECT_GE(w.blocked, (w.arrival[s] + w.data[s]) * (1 - 1e-12));
     }
     // The sum covers the dispatches and the combines.
     EXPECT_EQ(sums[r].num_ops, 2 * kRounds);
-    if (r != kLate) EXPECT_GE(sums[r].arrival[kLate], kRounds * kAttributed);
+    if (r != kLate) {
+      EXPECT_GE(sums[r].arrival[kLate], kRounds * kAttributed);
+    }
     EXPECT_GE(sums[r].blocked, sums[r].arrival[kLate]);
   }
 }
@@ -175,8 +186,11 @@ TEST(Waits, ASlowLinkIsADataWaitOfItsReceivers) {
     // Flat: both ranks of node 1 receive rank 1's rows themselves; two-hop:
     // rank 3 receives them and forwards them to rank 2.
     EXPECT_GE(waits[3].data[kSlow], kAttributed);
-    if (algorithm == DispatchAlgorithm::kFlat) EXPECT_GE(waits[2].data[kSlow], kAttributed);
-    else EXPECT_GE(std::max(waits[2].data[kSlow], waits[2].data[3]), kAttributed);
+    if (algorithm == DispatchAlgorithm::kFlat) {
+      EXPECT_GE(waits[2].data[kSlow], kAttributed);
+    } else {
+      EXPECT_GE(std::max(waits[2].data[kSlow], waits[2].data[3]), kAttributed);
+    }
     // Rank 1's own node waited for it to finish in the closing sync.
     EXPECT_GE(waits[0].data[kSlow], kAttributed);
   }
@@ -185,22 +199,25 @@ TEST(Waits, ASlowLinkIsADataWaitOfItsReceivers) {
 TEST(Waits, OffRecordsNothing) {
   auto topology = Topology::create(2, 1);
   ASSERT_TRUE(topology.is_ok());
-  EXPECT_TRUE(first_error(run_ranks(*topology, [&](Transport& t) -> Status {
+  const Status status = first_error(run_ranks(*topology, [&](Transport& t) -> Status {
                 BufferConfig c = config(DispatchAlgorithm::kAuto, /*record=*/false);
                 c.num_experts = 2;
+                c.max_topk = 2;
                 EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(t, c));
                 std::vector<float> x(kHidden, 1.0f);
                 std::vector<int32_t> idx = {0, 1};
                 DispatchResult recv;
                 EPX_RETURN_IF_ERROR(buffer->dispatch({.x = TensorView::contiguous(x.data(), DType::kF32, {1, kHidden}),
-                                                      .topk_idx = TensorView::contiguous(idx.data(), DType::kI32, {1, 2})},
+                                                      .topk_idx = TensorView::contiguous(idx.data(), DType::kI32, {1, 2}),
+                                                      .topk_weights = {}},
                                                      &recv));
                 WaitRecord sum;
                 buffer->take_waits(&sum);
                 if (!recv.stats.waits.arrival.empty() || sum.num_ops != 0 || !sum.arrival.empty())
                   return internal_error("rank {} recorded waits with record_waits off", t.rank());
                 return Status::ok();
-              })).is_ok());
+              }));
+  EXPECT_TRUE(status.is_ok()) << status.to_string();
 }
 
 // Ranks that disagree about recording would exchange headers of different
