@@ -461,7 +461,6 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   {
     ScopedSpan sync_span(m.config.tracer, m.rank, "dispatch:sync");
     EPX_RETURN_IF_ERROR(m.close_op(deadline));
-    if (m.op_waits.on()) stats.waits = m.op_waits.record();
   }
 
   // Per-local-expert counts come from the senders' layouts.
@@ -484,6 +483,8 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   stats.rows_received = num_recv;
   stats.seconds = watch.seconds();
   out->stats = stats;
+  // Assigned, not copied with stats: the caller's vectors keep their capacity.
+  if (m.op_waits.on()) out->stats.waits = m.op_waits.record();
   out->handle = Handle(std::move(h));
   return Status::ok();
 }
