@@ -248,7 +248,7 @@ error_code read_wait_matrix(od::value value, WaitMatrix& matrix, FieldPath& wher
   const std::size_t cells = static_cast<std::size_t>(std::max(matrix.num_ranks, 0)) * std::max(matrix.num_ranks, 0);
   if (matrix.num_ranks < 0 || matrix.arrival.size() != cells || matrix.data.size() != cells) {
     where.field = "num_ranks";
-    return simdjson::INDEX_OUT_OF_BOUNDS;  // reworded by wait_matrix_message
+    return simdjson::INDEX_OUT_OF_BOUNDS;  // reworded by failure_message
   }
   where = FieldPath{};
   return simdjson::SUCCESS;
