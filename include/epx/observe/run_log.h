@@ -17,6 +17,7 @@
 // written as null and read back as NaN.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -85,6 +86,7 @@ struct StepRecord {
   double loss = std::numeric_limits<double>::quiet_NaN();
   double main_loss = std::numeric_limits<double>::quiet_NaN();
   double lr = 0, grad_norm = 0, seconds = 0, tokens_per_s = 0;
+  int num_nodes = 0;  // of the run, ranks node-major; 0: not written (runs before issue 17)
   std::vector<LayerRecord> layers;
   std::vector<RankRecord> ranks;
   std::optional<WaitMatrix> wait_matrix;
@@ -110,7 +112,11 @@ struct StepRecord {
 // of the lines completed since the last one (none when nothing new), and
 // keeps a partial last line for later. A file that does not exist yet reads
 // as empty until it appears; one that shrinks (a new run over the path)
-// starts over from its beginning.
+// starts over from its beginning (so does a file replaced at the path, or
+// rewritten so that the last byte read is no longer a newline).
+// A malformed line is reported once: a poll returns the records before it,
+// the next one its InvalidArgument (with the line number), and the one after
+// goes on past it.
 class MetricsFollower {
  public:
   [[nodiscard]] static Result<MetricsFollower> open(const std::string& path);
@@ -121,7 +127,10 @@ class MetricsFollower {
   ~MetricsFollower();
 
   [[nodiscard]] Result<std::vector<StepRecord>> poll();
-  // Lines read so far (whole ones).
+  // The same, reading at most `max_bytes` new bytes of the file: a big file
+  // is then caught up over several polls, with bounded memory each.
+  [[nodiscard]] Result<std::vector<StepRecord>> poll(std::size_t max_bytes);
+  // Lines read so far (whole ones) of the file now at the path.
   [[nodiscard]] int64_t lines_read() const;
 
  private:
