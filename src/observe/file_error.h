@@ -13,4 +13,9 @@ namespace epx::observe_detail {
 
 Status file_error(int err, std::string_view what, const std::string& path);
 
+// Writes `data` to a temporary file next to `path` (mode 0644), then renames
+// it over `path`; on failure the temporary file is removed and `path` is
+// untouched. Errors as file_error's.
+Status write_file_atomically(const std::string& path, const std::string& data);
+
 }  // namespace epx::observe_detail
