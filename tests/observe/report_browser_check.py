@@ -7,10 +7,11 @@ object ended by a NUL byte), with the standard library only. Checks: no console
 error, no uncaught exception and no error log entry; every <section class="chart">
 drew something (data-rendered > 0, no chart-error class, its SVG or canvas
 present and non-empty); the kinds asked for are all there. Keeps a full-page
-screenshot and prints one JSON line (charts, render time in ms).
+screenshot and prints one JSON line per page (charts, render time in ms).
 
-Exit 0: the page passed; 1: it did not (each problem printed); 77: no
-Chromium (ctest's SKIP_RETURN_CODE).
+One browser serves every page given (each in a fresh tab). Exit 0: every
+--page passed and every --must-fail page showed a problem; 1: not (each
+problem printed); 77: no Chromium (ctest's SKIP_RETURN_CODE).
 """
 import argparse
 import base64
@@ -103,12 +104,12 @@ class Browser:
                 return reply.get("result", {})
             self.events.append(reply)
 
-    def wait_event(self, method, timeout=60):
+    def wait_event(self, method, session, timeout=60):
         deadline = time.monotonic() + timeout
         seen = 0
         while True:
             for e in self.events[seen:]:
-                if e.get("method") == method:
+                if e.get("method") == method and e.get("sessionId") == session:
                     return e
             seen = len(self.events)
             self.events.append(self._read_message(deadline))
@@ -161,16 +162,19 @@ def problems_in_charts(charts, expect_kinds):
 
 
 def check_page(browser, html, screenshot, expect_kinds, timeout):
-    target = next(t for t in browser.send("Target.getTargets")["targetInfos"] if t["type"] == "page")
-    session = browser.send("Target.attachToTarget", {"targetId": target["targetId"], "flatten": True})["sessionId"]
+    """Opens `html` in a fresh tab; the page's inspection and its problems."""
+    target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    browser.events = []
     for domain in ("Runtime.enable", "Log.enable", "Page.enable"):
         browser.send(domain, session=session)
     started = time.monotonic()
     browser.send("Page.navigate", {"url": "file://" + os.path.abspath(html)}, session=session)
-    browser.wait_event("Page.loadEventFired", timeout=timeout)
+    browser.wait_event("Page.loadEventFired", session, timeout=timeout)
     load_ms = 1e3 * (time.monotonic() - started)
     result = browser.send("Runtime.evaluate", {"expression": INSPECT, "returnByValue": True}, session=session)
     if "exceptionDetails" in result:
+        browser.send("Target.closeTarget", {"targetId": target})
         return None, ["inspecting the page failed: %s" % result["exceptionDetails"]]
     page = json.loads(result["result"]["value"])
     page["loadMs"] = round(load_ms, 1)
@@ -181,15 +185,18 @@ def check_page(browser, html, screenshot, expect_kinds, timeout):
     shot = browser.send("Page.captureScreenshot", {"format": "png"}, session=session, timeout=timeout)
     with open(screenshot, "wb") as f:
         f.write(base64.b64decode(shot["data"]))
-    problems = problems_in_events(browser.events) + problems_in_charts(page["charts"], expect_kinds)
+    problems = problems_in_events([e for e in browser.events if e.get("sessionId") == session]) + problems_in_charts(page["charts"], expect_kinds)
+    browser.send("Target.closeTarget", {"targetId": target})
     return page, problems
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("html")
-    ap.add_argument("--screenshot", required=True)
-    ap.add_argument("--expect-kinds", default="", help="comma-separated chart kinds that must be on the page")
+    ap.add_argument("--page", nargs=3, action="append", default=[], metavar=("HTML", "SCREENSHOT", "KINDS"),
+                    help="a page that must render cleanly, where to keep its screenshot, and the chart kinds "
+                         "(comma-separated) it must hold; repeatable")
+    ap.add_argument("--must-fail", action="append", default=[], metavar="HTML",
+                    help="a page that must show a problem (checks that the checker can fail); repeatable")
     ap.add_argument("--chromium", default=os.environ.get("EPX_CHROMIUM", "chromium"))
     ap.add_argument("--timeout", type=float, default=60)
     a = ap.parse_args()
@@ -199,19 +206,28 @@ def main():
         return SKIP
     profile = tempfile.mkdtemp(prefix="epx-chromium-")
     browser = Browser(chromium, profile)
+    failed = False
     try:
-        page, problems = check_page(browser, a.html, a.screenshot,
-                                    [k for k in a.expect_kinds.split(",") if k], a.timeout)
+        for html, screenshot, kinds in a.page:
+            page, problems = check_page(browser, html, screenshot, [k for k in kinds.split(",") if k], a.timeout)
+            for p in problems:
+                print("FAIL: %s: %s" % (html, p))
+            failed = failed or bool(problems)
+            if page:
+                print(json.dumps({"page": html, "bytes": os.path.getsize(html), "charts": len(page["charts"]),
+                                  "kinds": sorted({c["kind"] for c in page["charts"]}),
+                                  "render_ms": page["renderMs"], "load_ms": page["loadMs"],
+                                  "screenshot": screenshot}))
+        for html in a.must_fail:
+            _, problems = check_page(browser, html, os.devnull, [], a.timeout)
+            print("%s: %s" % (html, "; ".join(problems) if problems else "no problem found"))
+            if not problems:
+                print("FAIL: %s has a broken chart, but the check found no problem" % html)
+                failed = True
     finally:
         browser.close()
         shutil.rmtree(profile, ignore_errors=True)
-    for p in problems:
-        print("FAIL: %s: %s" % (a.html, p))
-    if page:
-        print(json.dumps({"page": a.html, "bytes": os.path.getsize(a.html), "charts": len(page["charts"]),
-                          "kinds": sorted({c["kind"] for c in page["charts"]}), "render_ms": page["renderMs"],
-                          "load_ms": page["loadMs"], "screenshot": a.screenshot}))
-    return 1 if problems else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
