@@ -14,45 +14,66 @@
 
 namespace epx {
 
-StepBins::StepBins(int width, int max_bins) : width_(width), max_bins_(std::max(2, max_bins)) {}
+StepBins::StepBins(int width, int max_bins, Values values)
+    : width_(width), max_bins_(std::max(2, max_bins)), values_(values) {
+  // Room for every bin at once: growing never moves the sums.
+  const std::size_t cells = static_cast<std::size_t>(max_bins_) * static_cast<std::size_t>(width_);
+  steps_.reserve(static_cast<std::size_t>(max_bins_));
+  records_.reserve(static_cast<std::size_t>(max_bins_));
+  counts_.reserve(cells);
+  if (values_ == Values::kReal) sums_.reserve(cells);
+}
 
-void StepBins::add(int64_t step, std::span<const double> values) {
+std::size_t StepBins::open_row(int64_t step) {
   if (bin_of(added_) >= max_bins_) merge_pairs();
   const int bin = bin_of(added_++);
   if (bin == num_bins()) {
     steps_.push_back(0);
     records_.push_back(0);
-    sums_.resize(sums_.size() + static_cast<std::size_t>(width_), 0.0);
     counts_.resize(counts_.size() + static_cast<std::size_t>(width_), 0);
+    if (values_ == Values::kReal) sums_.resize(sums_.size() + static_cast<std::size_t>(width_), 0.0);
   }
   steps_[static_cast<std::size_t>(bin)] += static_cast<double>(step);
   ++records_[static_cast<std::size_t>(bin)];
-  const std::size_t base = static_cast<std::size_t>(bin) * static_cast<std::size_t>(width_);
-  const std::size_t n = std::min(values.size(), static_cast<std::size_t>(width_));
+  return static_cast<std::size_t>(bin) * static_cast<std::size_t>(width_);
+}
+
+void StepBins::add(int64_t step, std::span<const double> values) {
+  EPX_CHECK(values_ == Values::kReal);
+  const std::size_t row = open_row(step), n = std::min(values.size(), static_cast<std::size_t>(width_));
+  double* sums = sums_.data() + row;
+  int64_t* counts = counts_.data() + row;
   for (std::size_t c = 0; c < n; ++c) {
     if (std::isnan(values[c])) continue;
-    sums_[base + c] += values[c];
-    ++counts_[base + c];
+    sums[c] += values[c];
+    ++counts[c];
   }
+}
+
+void StepBins::add(int64_t step, std::span<const int64_t> values) {
+  EPX_CHECK(values_ == Values::kCounts);
+  const std::size_t row = open_row(step), n = std::min(values.size(), static_cast<std::size_t>(width_));
+  int64_t* sums = counts_.data() + row;
+  for (std::size_t c = 0; c < n; ++c) sums[c] += values[c];
 }
 
 // Bin 2k and 2k+1 become bin k; the size doubles.
 void StepBins::merge_pairs() {
-  const std::size_t w = static_cast<std::size_t>(width_);
-  const std::size_t halves = (steps_.size() + 1) / 2;
+  const std::size_t w = static_cast<std::size_t>(width_), bins = steps_.size();
+  const std::size_t halves = (bins + 1) / 2;
   for (std::size_t k = 0; k < halves; ++k) {
     const std::size_t a = 2 * k, b = 2 * k + 1;
-    steps_[k] = steps_[a] + (b < steps_.size() ? steps_[b] : 0);
-    records_[k] = records_[a] + (b < records_.size() ? records_[b] : 0);
-    for (std::size_t c = 0; c < w; ++c) {
-      sums_[k * w + c] = sums_[a * w + c] + (b < steps_.size() ? sums_[b * w + c] : 0);
-      counts_[k * w + c] = counts_[a * w + c] + (b < steps_.size() ? counts_[b * w + c] : 0);
-    }
+    const bool pair = b < bins;
+    steps_[k] = steps_[a] + (pair ? steps_[b] : 0);
+    records_[k] = records_[a] + (pair ? records_[b] : 0);
+    for (std::size_t c = 0; c < w; ++c) counts_[k * w + c] = counts_[a * w + c] + (pair ? counts_[b * w + c] : 0);
+    if (values_ == Values::kReal)
+      for (std::size_t c = 0; c < w; ++c) sums_[k * w + c] = sums_[a * w + c] + (pair ? sums_[b * w + c] : 0);
   }
   steps_.resize(halves);
   records_.resize(halves);
-  sums_.resize(halves * w);
   counts_.resize(halves * w);
+  if (values_ == Values::kReal) sums_.resize(halves * w);
   bin_size_ *= 2;
 }
 
@@ -60,9 +81,15 @@ double StepBins::mean_step(int bin) const {
   return steps_[static_cast<std::size_t>(bin)] / static_cast<double>(records_[static_cast<std::size_t>(bin)]);
 }
 
+double StepBins::sum(int bin, int column) const {
+  const std::size_t i = static_cast<std::size_t>(bin) * static_cast<std::size_t>(width_) + static_cast<std::size_t>(column);
+  return values_ == Values::kReal ? sums_[i] : static_cast<double>(counts_[i]);
+}
+
 double StepBins::mean(int bin, int column) const {
   const std::size_t i = static_cast<std::size_t>(bin) * static_cast<std::size_t>(width_) + static_cast<std::size_t>(column);
-  return counts_[i] > 0 ? sums_[i] / static_cast<double>(counts_[i]) : std::nan("");
+  const int64_t n = values_ == Values::kReal ? counts_[i] : records_[static_cast<std::size_t>(bin)];
+  return n > 0 ? sum(bin, column) / static_cast<double>(n) : std::nan("");
 }
 
 namespace observe_detail {

@@ -46,7 +46,7 @@ struct RunReport::State {
   StepBins series;
   std::unique_ptr<StepBins> load;       // [layer][expert] tokens
   std::unique_ptr<StepBins> layer_vio;  // [layer] max_vio
-  std::vector<double> load_total;       // [layer][expert] over the run
+  std::vector<double> scratch_vio;  // one record's max_vio per layer, reused
   int num_layers = 0, num_experts = 0;
   int64_t num_records = 0, first_step = 0, last_step = 0, odd_layouts = 0;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
@@ -98,9 +98,9 @@ void RunReport::State::add_layers(const StepRecord& r) {
   if (!load) {
     num_layers = static_cast<int>(r.layers.size());
     num_experts = static_cast<int>(r.layers[0].tokens_per_expert.size());
-    load = std::make_unique<StepBins>(num_layers * num_experts, options.max_heatmap_columns);
+    load = std::make_unique<StepBins>(num_layers * num_experts, options.max_heatmap_columns,
+                                      StepBins::Values::kCounts);
     layer_vio = std::make_unique<StepBins>(num_layers, 4 * options.max_heatmap_columns);
-    load_total.assign(static_cast<std::size_t>(num_layers * num_experts), 0.0);
   }
   bool same = static_cast<int>(r.layers.size()) == num_layers;
   for (const LayerRecord& l : r.layers) same = same && static_cast<int>(l.tokens_per_expert.size()) == num_experts;
@@ -108,15 +108,14 @@ void RunReport::State::add_layers(const StepRecord& r) {
     ++odd_layouts;
     return;
   }
-  std::vector<double> tokens(load_total.size()), vio(static_cast<std::size_t>(num_layers));
-  for (int l = 0; l < num_layers; ++l) {
-    const LayerRecord& layer = r.layers[static_cast<std::size_t>(l)];
-    vio[static_cast<std::size_t>(l)] = layer.max_vio;
-    for (int e = 0; e < num_experts; ++e)
-      tokens[static_cast<std::size_t>(l * num_experts + e)] = static_cast<double>(layer.tokens_per_expert[static_cast<std::size_t>(e)]);
-  }
-  for (std::size_t i = 0; i < tokens.size(); ++i) load_total[i] += tokens[i];
-  load->add(r.step, tokens);
+  std::vector<double>& vio = scratch_vio;
+  vio.resize(static_cast<std::size_t>(num_layers));
+  for (int l = 0; l < num_layers; ++l) vio[static_cast<std::size_t>(l)] = r.layers[static_cast<std::size_t>(l)].max_vio;
+  load->add_counts(r.step, [&](int64_t* sums) {
+    for (const LayerRecord& layer : r.layers) {
+      for (int64_t tokens : layer.tokens_per_expert) *sums++ += tokens;
+    }
+  });
   layer_vio->add(r.step, vio);
 }
 
@@ -159,6 +158,8 @@ void RunReport::add(StepRecord&& r) {
     s.wait_matrix_step = r.step;
   }
   ++s.num_records;
+  // The diagnosis needs the ranks and tokens_per_rank, not the expert loads.
+  for (LayerRecord& l : r.layers) std::vector<int64_t>().swap(l.tokens_per_expert);
   s.window.push_back(std::move(r));
   if (static_cast<int>(s.window.size()) > s.options.straggler_window) s.window.pop_front();
 }
@@ -273,6 +274,9 @@ void RunReport::State::add_expert_load(ReportPage& page) const {
                        kLoadScaleMax, load->bin_size());
   page.add(std::move(h));
 
+  std::vector<double> load_total(static_cast<std::size_t>(L) * E, 0.0);
+  for (int b = 0; b < bins; ++b)
+    for (int i = 0; i < L * E; ++i) load_total[static_cast<std::size_t>(i)] += load->sum(b, i);
   Heatmap all{.title = "Expert load over the whole run", .x_label = "expert", .y_label = "layer", .note = {},
               .unit = "x mean", .rows = L, .cols = E, .slice_names = {"all steps"}, .values = {}, .min = 0,
               .max = kLoadScaleMax, .row_names = {}, .col_names = {}, .mark_cols = {}};

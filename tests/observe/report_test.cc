@@ -77,6 +77,25 @@ TEST(StepBins, NanIsLeftOutOfTheMean) {
   EXPECT_DOUBLE_EQ(bins.mean(1, 1), 3.5);
 }
 
+TEST(StepBins, CountsSumExactlyAndAddCountsMatchesAdd) {
+  StepBins a(3, 2, StepBins::Values::kCounts), b(3, 2, StepBins::Values::kCounts);
+  const int64_t big = int64_t{1} << 60;  // beyond a double's exact integers once summed
+  for (int s = 0; s < 5; ++s) {
+    const std::vector<int64_t> row = {s, 10 * s, s == 0 ? big : 1};
+    a.add(s, std::span<const int64_t>(row));
+    b.add_counts(s, [&](int64_t* sums) {
+      for (std::size_t c = 0; c < row.size(); ++c) sums[c] += row[c];
+    });
+  }
+  ASSERT_EQ(a.bin_size(), 4);  // 5 records in 2 bins
+  ASSERT_EQ(a.num_bins(), 2);
+  for (int bin = 0; bin < 2; ++bin)
+    for (int c = 0; c < 3; ++c) EXPECT_EQ(a.sum(bin, c), b.sum(bin, c)) << bin << "," << c;
+  EXPECT_DOUBLE_EQ(a.mean(0, 1), 15.0);  // (0 + 10 + 20 + 30) / 4
+  EXPECT_DOUBLE_EQ(a.mean(1, 0), 4.0);
+  EXPECT_EQ(a.sum(0, 2), static_cast<double>(big + 3));
+}
+
 TEST(ReportEncoding, Base64AndScriptSafety) {
   const std::vector<uint8_t> bytes = {'M', 'a', 'n', 0xff, 0};
   EXPECT_EQ(observe_detail::base64(bytes), "TWFu/wA=");
