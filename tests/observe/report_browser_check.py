@@ -161,7 +161,7 @@ def problems_in_charts(charts, expect_kinds):
     return out
 
 
-def check_page(browser, html, screenshot, expect_kinds, timeout):
+def check_page(browser, html, screenshot, expect_kinds, timeout, scale=1.0):
     """Opens `html` in a fresh tab; the page's inspection and its problems."""
     target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
@@ -181,7 +181,7 @@ def check_page(browser, html, screenshot, expect_kinds, timeout):
     metrics = browser.send("Page.getLayoutMetrics", session=session)
     height = min(int(metrics["cssContentSize"]["height"]) + 1, 8000)
     browser.send("Emulation.setDeviceMetricsOverride",
-                 {"width": 1200, "height": height, "deviceScaleFactor": 1, "mobile": False}, session=session)
+                 {"width": 1200, "height": height, "deviceScaleFactor": scale, "mobile": False}, session=session)
     shot = browser.send("Page.captureScreenshot", {"format": "png"}, session=session, timeout=timeout)
     with open(screenshot, "wb") as f:
         f.write(base64.b64decode(shot["data"]))
@@ -199,6 +199,7 @@ def main():
                     help="a page that must show a problem (checks that the checker can fail); repeatable")
     ap.add_argument("--chromium", default=os.environ.get("EPX_CHROMIUM", "chromium"))
     ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--scale", type=float, default=1.0, help="screenshot pixels per CSS pixel (0.5: half size)")
     a = ap.parse_args()
     chromium = shutil.which(a.chromium)
     if not chromium:
@@ -209,7 +210,8 @@ def main():
     failed = False
     try:
         for html, screenshot, kinds in a.page:
-            page, problems = check_page(browser, html, screenshot, [k for k in kinds.split(",") if k], a.timeout)
+            page, problems = check_page(browser, html, screenshot, [k for k in kinds.split(",") if k], a.timeout,
+                                        a.scale)
             for p in problems:
                 print("FAIL: %s: %s" % (html, p))
             failed = failed or bool(problems)
