@@ -8,23 +8,6 @@
 #include <cstring>
 
 namespace epx::observe_detail {
-namespace {
-
-// Writes all of `data` to `fd`, retrying short writes and EINTR.
-bool write_all(int fd, const std::string& data) {
-  std::size_t written = 0;
-  while (written < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + written, data.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    written += static_cast<std::size_t>(n);
-  }
-  return true;
-}
-
-}  // namespace
 
 Status file_error(int err, std::string_view what, const std::string& path) {
   StatusCode code = StatusCode::kInternal;
@@ -43,6 +26,20 @@ Status file_error(int err, std::string_view what, const std::string& path) {
   return make_status(code, "cannot {} '{}': {}", what, path, std::strerror(err));
 }
 
+int write_all(int fd, std::string_view data) {
+  std::size_t written = 0;
+  while (written < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + written, data.size() - written);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (n == 0) return EIO;
+    written += static_cast<std::size_t>(n);
+  }
+  return 0;
+}
+
 // Writes `data` to a temporary file next to `path`, then renames it over
 // `path`; on failure the temporary file is removed and `path` is untouched.
 Status write_file_atomically(const std::string& path, const std::string& data) {
@@ -55,8 +52,9 @@ Status write_file_atomically(const std::string& path, const std::string& data) {
     ::unlink(tmp.c_str());
     return file_error(err, what, path);
   };
-  if (!write_all(fd, data)) {
+  if (const int err = write_all(fd, data); err != 0) {
     ::close(fd);
+    errno = err;
     return fail("write");
   }
   if (::close(fd) != 0) return fail("write");
