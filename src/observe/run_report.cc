@@ -2,7 +2,6 @@
 // bounded binned series, and the page built from them.
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <limits>
 
 #include <fmt/format.h>
@@ -41,7 +40,8 @@ std::string number(double v) { return std::isfinite(v) ? fmt::format("{:.4g}", v
 }  // namespace
 
 struct RunReport::State {
-  explicit State(RunReportOptions o) : options(o), series(kNumColumns, o.max_points) {}
+  explicit State(RunReportOptions o)
+      : options(o), series(kNumColumns, o.max_points), window(static_cast<std::size_t>(std::max(1, o.straggler_window))) {}
   RunReportOptions options;
   StepBins series;
   std::unique_ptr<StepBins> load;       // [layer][expert] tokens
@@ -56,12 +56,13 @@ struct RunReport::State {
   std::vector<RankSums> ranks;
   std::optional<WaitMatrix> wait_matrix;
   int64_t wait_matrix_step = -1;
-  std::deque<StepRecord> window;
+  StragglerWindow window;
+  std::vector<std::vector<int64_t>> set_aside;  // the expert loads, out of a record while it is copied
 
   void add_series(const StepRecord& r);
   void add_layers(const StepRecord& r);
   void add_ranks(const StepRecord& r);
-  [[nodiscard]] std::vector<Straggler> stragglers() const;
+  void keep_for_diagnosis(StepRecord& r);
 
   // The page's sections.
   void add_summary(ReportPage& page, const RunSummary& sum) const;
@@ -130,9 +131,13 @@ void RunReport::State::add_ranks(const StepRecord& r) {
   }
 }
 
-std::vector<Straggler> RunReport::State::stragglers() const {
-  const std::vector<StepRecord> steps(window.begin(), window.end());
-  return diagnose_stragglers(steps);
+// A copy of the record without its expert loads (the diagnosis reads the
+// ranks and tokens_per_rank); the record itself stays the reader's to reuse.
+void RunReport::State::keep_for_diagnosis(StepRecord& r) {
+  set_aside.resize(r.layers.size());
+  for (std::size_t l = 0; l < r.layers.size(); ++l) set_aside[l].swap(r.layers[l].tokens_per_expert);
+  window.add(r);
+  for (std::size_t l = 0; l < r.layers.size(); ++l) set_aside[l].swap(r.layers[l].tokens_per_expert);
 }
 
 RunReport::RunReport(RunReportOptions options) : state_(std::make_unique<State>(options)) {}
@@ -154,14 +159,11 @@ void RunReport::add(StepRecord&& r) {
     if (s.marks.size() < kMaxMarks) s.marks.push_back({s.num_records, r.step});
   }
   if (r.wait_matrix) {
-    s.wait_matrix = std::move(r.wait_matrix);
+    s.wait_matrix = *r.wait_matrix;
     s.wait_matrix_step = r.step;
   }
   ++s.num_records;
-  // The diagnosis needs the ranks and tokens_per_rank, not the expert loads.
-  for (LayerRecord& l : r.layers) std::vector<int64_t>().swap(l.tokens_per_expert);
-  s.window.push_back(std::move(r));
-  if (static_cast<int>(s.window.size()) > s.options.straggler_window) s.window.pop_front();
+  s.keep_for_diagnosis(r);
 }
 
 RunSummary RunReport::summary() const {
@@ -183,10 +185,8 @@ RunSummary RunReport::summary() const {
   out.heatmap_bin = s.load ? static_cast<int>(s.load->bin_size()) : 1;
   out.has_wait_matrix = s.wait_matrix.has_value();
   out.wait_matrix_step = s.wait_matrix_step;
-  const std::vector<Straggler> found = s.stragglers();
-  if (!found.empty())
-    out.straggler = fmt::format("rank {}: {} ({:.0f}% of the wait, {:.3g} ms per step)", found[0].rank,
-                                cause_name(found[0].cause), 100 * found[0].share, 1e3 * found[0].seconds_per_step);
+  const std::vector<Straggler> found = s.window.diagnose();
+  if (!found.empty()) out.straggler = describe(found[0]);
   return out;
 }
 

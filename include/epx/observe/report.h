@@ -158,13 +158,13 @@ struct RunSummary {
   int step_bin = 1, heatmap_bin = 1;  // steps per point of the line charts / per heatmap column
   bool has_wait_matrix = false;
   int64_t wait_matrix_step = -1;
-  std::string straggler;  // "rank 3: compute (61% of the wait)"; empty: none
+  std::string straggler;  // describe() of the worst straggler, "rank 3 (compute): ..."; empty: none
 };
 
 struct RunReportOptions {
   int max_points = 1000;        // per line chart
   int max_heatmap_columns = 64;  // step bins of the expert-load heatmap
-  int straggler_window = 100;   // last steps given to diagnose_stragglers
+  int straggler_window = 100;    // last steps given to diagnose_stragglers
 };
 
 // Accumulates a run's records, one at a time, into bounded binned series.
