@@ -20,17 +20,11 @@ fail() {
   exit 1
 }
 
-# 1. The metrics of a real run; with who-waited-for-whom matrices when the
-# trainer writes them, else the checked-in file of such a run.
+# 1. The metrics of a real run, with a who-waited-for-whom matrix every step.
 metrics=$out/metrics.jsonl
-if "$epx" train --help 2>/dev/null | grep -q -- --wait-matrix-every; then
-  "$epx" -q train --ranks 4 --steps 12 --layers 2 --experts 8 --topk 2 --hidden 32 --ffn-hidden 32 \
-    --batch-tokens 256 --balance eplb --eplb-every 4 --wait-matrix-every 1 --metrics "$metrics" >"$out/train.log" 2>&1 ||
-    fail "epx train exited $? (log: $out/train.log)"
-else
-  metrics=$src/tests/observe/data/report_metrics.jsonl
-  echo "epx train writes no wait matrix yet: using $metrics"
-fi
+"$epx" -q train --ranks 4 --steps 12 --layers 2 --experts 8 --topk 2 --hidden 32 --ffn-hidden 32 \
+  --batch-tokens 256 --balance eplb --eplb-every 4 --wait-matrix-every 1 --metrics "$metrics" >"$out/train.log" 2>&1 ||
+  fail "epx train exited $? (log: $out/train.log)"
 
 # 2. Its report, and a simulated run's.
 msg=$("$epx" report "$metrics" -o "$out/report.html" 2>&1)
