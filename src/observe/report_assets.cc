@@ -71,6 +71,7 @@ function lineChart(sec,plot,d){
     s.y.forEach((v,k)=>{if(v===null||!isFinite(v)){pen=false;return;}p+=(pen?"L":"M")+sx(d.x[k]).toFixed(1)+" "+sy(v).toFixed(1);pen=true;drawn++;});
     if(p)el("path",{d:p,fill:"none",stroke:PALETTE[i%10],"stroke-width":1.5},svg);});
   el("rect",{x:L,y:T,width:W-L-R,height:H-T-B,fill:"none",stroke:"#c9ced6"},svg);
+  if(!drawn)el("text",{x:(L+W-R)/2,y:T+(H-T-B)/2,"text-anchor":"middle"},svg).textContent="no finite values";
   const cursor=el("line",{y1:T,y2:H-B,stroke:"#1d2230","stroke-opacity":0.3,visibility:"hidden"},svg);
   svg.addEventListener("mousemove",ev=>{const b=svg.getBoundingClientRect(),x=x0+((ev.clientX-b.left)*W/b.width-L)/(W-L-R)*(x1-x0);
     let k=0;for(let j=1;j<n;j++)if(Math.abs(d.x[j]-x)<Math.abs(d.x[k]-x))k=j;
