@@ -16,6 +16,7 @@ packages=(
   openmpi-bin libopenmpi-dev
   slurmctld slurmd slurm-client munge libpmix-dev iproute2
   ccache
+  chromium  # the report's browser test (tests/observe/report_browser_test.sh)
 )
 
 if [[ "${EPX_SKIP_SETUP:-0}" == 1 ]]; then

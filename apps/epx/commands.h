@@ -79,9 +79,19 @@ struct EplbOptions {
   bool json = false;
 };
 
+struct ReportOptions {
+  std::string metrics_path;
+  std::string output_path = "report.html";
+  int max_points = 1000;
+  int heatmap_columns = 64;
+  int straggler_window = 100;
+  bool json = false;
+};
+
 int run_demo(const DemoOptions& options);
 int run_bench_exchange(const BenchExchangeOptions& options);
 int run_bench_routing(const BenchRoutingOptions& options);
 int run_eplb(const EplbOptions& options);
+int run_report(const ReportOptions& options);
 
 }  // namespace epx::app

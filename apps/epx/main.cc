@@ -7,6 +7,7 @@
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
 //   epx train [--config F.toml]   train an MoE model on in-process ranks, with load balancing
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
+//   epx report METRICS.jsonl      a run's metrics as one HTML page
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +17,7 @@
 
 #include "bench_lowlat.h"
 #include "commands.h"
+#include "report.h"
 #include "sim.h"
 #include "train.h"
 
@@ -200,12 +202,17 @@ int main(int argc, char** argv) {
   epx::app::SimOptions sim;
   const epx::app::SimCommands sim_cmds = epx::app::add_sim_command(app, sim);
 
+  // epx report
+  epx::app::ReportOptions report;
+  CLI::App* report_cmd = epx::app::add_report_command(app, report);
+
   // A word where a command belongs that is not one: say so plainly.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.empty() || arg[0] == '-') continue;
-    if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim") {
-      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, demo, bench and eplb (see epx --help)\n",
+    if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim" &&
+        arg != "report") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, report, demo, bench and eplb (see epx --help)\n",
                  arg);
       return kExitUsage;
     }
@@ -231,6 +238,7 @@ int main(int argc, char** argv) {
   if (*routing_cmd) return epx::app::run_bench_routing(routing);
   if (*lowlat_cmd) return epx::app::run_bench_lowlat(lowlat);
   if (*eplb_cmd) return epx::app::run_eplb(eplb);
+  if (*report_cmd) return epx::app::run_report(report);
   if (*train_cmd) {
     train.compare_given = train_cmd->get_option("--compare-balancing")->count() > 0;
     train.quiet = quiet;

@@ -11,10 +11,12 @@
 
 #include "commands.h"
 #include "epx/observe/chrome_trace.h"
+#include "epx/observe/output_path.h"
 #include "epx/observe/table.h"
 #include "epx/sim/calibration.h"
 #include "epx/sim/memory.h"
 #include "epx/sim/simulator.h"
+#include "sim_report.h"
 
 namespace epx::app {
 namespace {
@@ -158,6 +160,13 @@ Result<sim::Scenario> scenario_from(const SimOptions& o) {
   return s;
 }
 
+// --report is for one run (not --sweep), to a place that can be written.
+Status check_report_option(const SimOptions& o) {
+  if (o.report_path.empty()) return Status::ok();
+  if (!o.sweep.empty()) return invalid_argument("--report '{}' shows one run; it cannot be used with --sweep", o.report_path);
+  return check_output_writable(o.report_path, "--report", /*renamed_into_place=*/true);
+}
+
 // A simulation that fails on its input (a malformed trace, a missing file) is a
 // usage error: exit 2, nothing written; anything else is a failed run.
 int exit_code_of(const Status& status) {
@@ -172,6 +181,10 @@ int run_scenario(const SimOptions& o) {
     return kExitUsage;
   }
   const sim::Scenario& base = *loaded;
+  if (Status st = check_report_option(o); !st.is_ok()) {
+    fmt::print(stderr, "epx sim: {}\n", st.message());
+    return kExitUsage;
+  }
   if (!o.sweep.empty()) {
     auto kv = split_setting(o.sweep, "--sweep");
     if (!kv.is_ok()) {
@@ -226,7 +239,7 @@ int run_scenario(const SimOptions& o) {
     return kExitOk;
   }
   sim::SimOptions so;
-  so.keep_trace = !o.trace_path.empty();
+  so.keep_trace = !o.trace_path.empty() || !o.report_path.empty();
   auto result = sim::simulate(base, so);
   if (!result.is_ok()) {
     fmt::print(stderr, "epx sim: {}\n", result.status().message());
@@ -237,6 +250,13 @@ int run_scenario(const SimOptions& o) {
     Status st = write_chrome_trace(r.trace, o.trace_path);
     if (!st.is_ok()) {
       fmt::print(stderr, "epx sim: --trace: {}\n", st.message());
+      return kExitFailed;
+    }
+  }
+  if (!o.report_path.empty()) {
+    Status st = write_sim_report(base, r, describe(base) + sampling_note(base, r), o.report_path);
+    if (!st.is_ok()) {
+      fmt::print(stderr, "epx sim: --report: {}\n", st.message());
       return kExitFailed;
     }
   }
@@ -264,6 +284,7 @@ int run_scenario(const SimOptions& o) {
   if (!o.trace_path.empty())
     fmt::print("\ntrace of step {} (the first stage with an MoE layer, EP group 0; track 2g = GPU g compute, 2g+1 = its communication): {}\n",
                base.run.trace_step, o.trace_path);
+  if (!o.report_path.empty()) fmt::print("\nreport: {}\n", o.report_path);
   return kExitOk;
 }
 
@@ -408,6 +429,9 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
                     "KEY=V1,V2,...: run once per value and print one row per setting (any key; epx sim keys)");
   c.run->add_option("--steps", o.steps, "Simulated steps (overrides run.steps)")->check(CLI::Range(1, 1000000));
   c.run->add_option("--trace", o.trace_path, "Write a Chrome trace of one step (run.trace_step) to this file");
+  c.run->add_option("--report", o.report_path,
+                    "Also write the run as one self-contained HTML page: per-GPU timelines of the traced step, idle "
+                    "and exposed communication per GPU, step time over the steps, a summary (not with --sweep)");
   c.run->add_flag("--json", o.json, "Print one JSON object instead of the tables");
 
   c.keys = sim->add_subcommand("keys", "List every scenario key (--set/--sweep take them)");

@@ -18,6 +18,7 @@ struct SimOptions {
   std::string sweep;              // key=v1,v2,...
   int steps = 0;                  // 0 = the scenario's run.steps
   std::string trace_path;
+  std::string report_path;  // --report: the run as an HTML page
   bool json = false;
   // calibrate
   int64_t calibrate_mb = 256;

@@ -13,4 +13,13 @@ namespace epx::observe_detail {
 
 Status file_error(int err, std::string_view what, const std::string& path);
 
+// Writes all of `data` to `fd`: one write() call, repeated only for what a
+// short write left (and on EINTR). Returns 0 or the errno of the failure.
+int write_all(int fd, std::string_view data);
+
+// Writes `data` to a temporary file next to `path` (mode 0644), then renames
+// it over `path`; on failure the temporary file is removed and `path` is
+// untouched. Errors as file_error's.
+Status write_file_atomically(const std::string& path, const std::string& data);
+
 }  // namespace epx::observe_detail
