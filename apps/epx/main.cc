@@ -7,6 +7,7 @@
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
 //   epx train [--config F.toml]   train an MoE model on in-process ranks, with load balancing
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
+//   epx monitor METRICS.jsonl     watch a run's metrics: live view, alerts, Prometheus (docs/operations.md)
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +17,7 @@
 
 #include "bench_lowlat.h"
 #include "commands.h"
+#include "monitor.h"
 #include "sim.h"
 #include "train.h"
 
@@ -195,12 +197,17 @@ int main(int argc, char** argv) {
   epx::app::SimOptions sim;
   const epx::app::SimCommands sim_cmds = epx::app::add_sim_command(app, sim);
 
+  // epx monitor
+  epx::app::MonitorOptions monitor;
+  CLI::App* monitor_cmd = epx::app::add_monitor_command(app, monitor);
+
   // A word where a command belongs that is not one: say so plainly.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg.empty() || arg[0] == '-') continue;
-    if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim") {
-      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, demo, bench and eplb (see epx --help)\n",
+    if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim" &&
+        arg != "monitor") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, monitor, demo, bench and eplb (see epx --help)\n",
                  arg);
       return kExitUsage;
     }
@@ -232,6 +239,7 @@ int main(int argc, char** argv) {
     return epx::app::run_train(train);
   }
   if (app.got_subcommand("sim")) return epx::app::run_sim(sim_cmds, sim);
+  if (*monitor_cmd) return epx::app::run_monitor(monitor);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
 }

@@ -1,5 +1,9 @@
 #include "observe/file_error.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 
@@ -20,6 +24,43 @@ Status file_error(int err, std::string_view what, const std::string& path) {
     default: break;
   }
   return make_status(code, "cannot {} '{}': {}", what, path, std::strerror(err));
+}
+
+namespace {
+
+// Writes all of `data` to `fd`, retrying short writes and EINTR.
+bool write_all(int fd, const std::string& data) {
+  std::size_t written = 0;
+  while (written < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + written, data.size() - written);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    written += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+Status write_file_atomically(const std::string& path, const std::string& data) {
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) return file_error(errno, "create a temporary file for", path);
+  ::fchmod(fd, 0644);  // mkstemp makes the file 0600; these files are for reading.
+  const auto fail = [&](std::string_view what) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return file_error(err, what, path);
+  };
+  if (!write_all(fd, data)) {
+    ::close(fd);
+    return fail("write");
+  }
+  if (::close(fd) != 0) return fail("write");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename a temporary file to");
+  return Status::ok();
 }
 
 }  // namespace epx::observe_detail

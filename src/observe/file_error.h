@@ -13,4 +13,10 @@ namespace epx::observe_detail {
 
 Status file_error(int err, std::string_view what, const std::string& path);
 
+// Writes `data` to a temporary file next to `path` (`path`.tmp.XXXXXX, mode
+// 0644), then renames it over `path`, so a reader sees the old file or the
+// new one, never a part; on failure the temporary file is removed and `path`
+// is untouched.
+Status write_file_atomically(const std::string& path, const std::string& data);
+
 }  // namespace epx::observe_detail
