@@ -11,7 +11,7 @@ packages=(
   build-essential cmake g++ make pkg-config
   clang libclang-rt-14-dev libomp-dev  # make fuzz: libFuzzer and OpenMP for clang
   libgtest-dev libgmock-dev libbenchmark-dev
-  libfmt-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libtomlplusplus-dev
+  libfmt-dev libcli11-dev nlohmann-json3-dev libspdlog-dev libtomlplusplus-dev libsimdjson-dev
   libopenblas-dev libdnnl-dev libxxhash-dev
   openmpi-bin libopenmpi-dev
   slurmctld slurmd slurm-client munge libpmix-dev iproute2

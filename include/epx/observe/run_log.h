@@ -17,6 +17,7 @@
 // written as null and read back as NaN.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -110,7 +111,11 @@ struct StepRecord {
 // of the lines completed since the last one (none when nothing new), and
 // keeps a partial last line for later. A file that does not exist yet reads
 // as empty until it appears; one that shrinks (a new run over the path)
-// starts over from its beginning.
+// starts over from its beginning (so does a file replaced at the path, or
+// rewritten so that the last byte read is no longer a newline).
+// A malformed line is reported once: a poll returns the records before it,
+// the next one its InvalidArgument (with the line number), and the one after
+// goes on past it.
 class MetricsFollower {
  public:
   [[nodiscard]] static Result<MetricsFollower> open(const std::string& path);
@@ -121,7 +126,10 @@ class MetricsFollower {
   ~MetricsFollower();
 
   [[nodiscard]] Result<std::vector<StepRecord>> poll();
-  // Lines read so far (whole ones).
+  // The same, reading at most `max_bytes` new bytes of the file: a big file
+  // is then caught up over several polls, with bounded memory each.
+  [[nodiscard]] Result<std::vector<StepRecord>> poll(std::size_t max_bytes);
+  // Lines read so far (whole ones) of the file now at the path.
   [[nodiscard]] int64_t lines_read() const;
 
  private:
