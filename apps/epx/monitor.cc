@@ -29,6 +29,9 @@ namespace epx::app {
 namespace {
 
 constexpr std::size_t kRecentAlerts = 8;  // alert lines kept in the terminal view
+// --follow reads at most this much per poll, so catching up on a long run's
+// file keeps memory bounded and the view refreshing.
+constexpr std::size_t kMaxPollBytes = std::size_t{64} << 20;
 
 std::atomic<bool> g_stop{false};
 extern "C" void on_stop_signal(int) { g_stop = true; }
@@ -216,14 +219,16 @@ int follow(Monitor& m) {
   const double poll_s = std::min(m.options.interval, 0.1);
   double last_news = now_seconds(), last_refresh = -1e300;
   while (!g_stop) {
-    Result<std::vector<StepRecord>> fresh = follower->poll();
-    if (!fresh.is_ok()) {
-      fmt::print(stderr, "epx monitor: {}: {}\n", m.options.metrics_path, fresh.status().message());
-      return kExitFailed;
-    }
-    for (const StepRecord& r : *fresh) feed(m, r);
+    // A malformed line is said once and skipped: the follower goes on past it.
+    Result<std::vector<StepRecord>> fresh = follower->poll(kMaxPollBytes);
     const double now = now_seconds();
-    if (!fresh->empty()) last_news = now;
+    if (!fresh.is_ok()) {
+      fmt::print(stderr, "epx monitor: {}: {} (skipped)\n", m.options.metrics_path, fresh.status().message());
+      last_news = now;
+    } else {
+      for (const StepRecord& r : *fresh) feed(m, r);
+      if (!fresh->empty()) last_news = now;
+    }
     if (now - last_refresh >= m.options.interval) {
       if (Status st = refresh(m, true); !st.is_ok()) fmt::print(stderr, "epx monitor: {}\n", st.message());
       last_refresh = now;
@@ -232,7 +237,7 @@ int follow(Monitor& m) {
     std::this_thread::sleep_for(std::chrono::duration<double>(poll_s));
   }
   // The lines written since the last poll, then a last refresh.
-  if (Result<std::vector<StepRecord>> last = follower->poll(); last.is_ok())
+  if (Result<std::vector<StepRecord>> last = follower->poll(kMaxPollBytes); last.is_ok())
     for (const StepRecord& r : *last) feed(m, r);
   if (Status st = refresh(m, true); !st.is_ok()) {
     fmt::print(stderr, "epx monitor: {}\n", st.message());
@@ -285,7 +290,7 @@ CLI::App* add_monitor_command(CLI::App& app, MonitorOptions& o) {
       "or --idle-exit; without it the file is read once and its last state shown");
   cmd->add_flag("--plain", o.plain,
                 "One plain line per update (UTC time, step, loss, tokens/s, balance, drops, worst idle and wait, "
-                "straggler) instead of the view redrawn in place; the default when stdout is not a terminal");
+                "straggler) instead of the view; with --follow the default when stdout is not a terminal");
   cmd->add_flag("--once", o.once,
                 "Check the whole file against --alerts and exit: alert lines and a verdict on stdout, exit 1 when any "
                 "rule fired, 0 when none did (for cron and CI)")
@@ -337,6 +342,8 @@ int run_monitor(const MonitorOptions& o) {
     fmt::print(stderr, "epx monitor: {}\n", st.message());
     return st.code() == StatusCode::kNotFound ? kExitUsage : kExitFailed;
   }
+  // Read once: the whole view (also into a pipe or a file) unless --plain.
+  m.terminal = !o.plain;
   if (Status st = refresh(m, false); !st.is_ok()) {
     fmt::print(stderr, "epx monitor: {}\n", st.message());
     return kExitFailed;
