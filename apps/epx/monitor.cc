@@ -2,6 +2,7 @@
 // Prometheus textfile, all from one RunSnapshot (run_snapshot.h).
 #include "monitor.h"
 
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,7 +29,7 @@
 namespace epx::app {
 namespace {
 
-constexpr std::size_t kRecentAlerts = 8;  // alert lines kept in the terminal view
+constexpr std::size_t kRecentAlerts = 8;  // alert lines (recent, and firing) listed in the terminal view
 // --follow reads at most this much per poll, so catching up on a long run's
 // file keeps memory bounded and the view refreshing.
 constexpr std::size_t kMaxPollBytes = std::size_t{64} << 20;
@@ -130,13 +131,32 @@ std::string plain_line(const RunSnapshot& s) {
   return line;
 }
 
-std::string layer_table(const RunSnapshot& s) {
+// At most `max_rows` layers (0: all): the worst by MaxVio, in layer order, when there are more.
+std::string layer_table(const RunSnapshot& s, std::size_t max_rows) {
+  std::vector<const LayerSnapshot*> shown;
+  for (const LayerSnapshot& l : s.layers) shown.push_back(&l);
+  std::string note;
+  if (max_rows > 0 && shown.size() > max_rows) {
+    std::partial_sort(shown.begin(), shown.begin() + static_cast<std::ptrdiff_t>(max_rows), shown.end(),
+                      [](const LayerSnapshot* a, const LayerSnapshot* b) { return a->max_vio > b->max_vio; });
+    shown.resize(max_rows);
+    std::sort(shown.begin(), shown.end(), [](const LayerSnapshot* a, const LayerSnapshot* b) { return a->layer < b->layer; });
+    note = fmt::format("({} of {} layers: the worst by MaxVio; a taller terminal shows more)\n", max_rows, s.layers.size());
+  }
   std::vector<std::vector<std::string>> rows;
-  for (const LayerSnapshot& l : s.layers)
-    rows.push_back({std::to_string(l.layer), fmt::format("{:.3f}", l.max_vio), fmt::format("{:.3f}", l.balancedness),
-                    std::to_string(l.dropped), std::to_string(l.dropped_total), hot_text(l)});
+  for (const LayerSnapshot* l : shown)
+    rows.push_back({std::to_string(l->layer), fmt::format("{:.3f}", l->max_vio), fmt::format("{:.3f}", l->balancedness),
+                    std::to_string(l->dropped), std::to_string(l->dropped_total), hot_text(*l)});
   return format_table({"layer", "MaxVio", "balancedness", "dropped", "dropped total", "hot experts (share of tokens)"},
-                      rows);
+                      rows) +
+         note;
+}
+
+// Rows of the terminal, 0 when unknown (not a terminal).
+std::size_t terminal_rows() {
+  struct winsize ws {};
+  if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) != 0 || ws.ws_row == 0) return 0;
+  return ws.ws_row;
 }
 
 std::string rank_table(const RunSnapshot& s) {
@@ -147,8 +167,9 @@ std::string rank_table(const RunSnapshot& s) {
   return format_table({"rank", "step s", "idle", "exchange wait s", "waited for"}, rows);
 }
 
-// The full view: headline, layers, ranks, straggler, alerts.
-std::string view_text(const Monitor& m, const RunSnapshot& s) {
+// The full view: headline, layers, ranks, straggler, alerts. `max_layer_rows`
+// bounds the layer table (0: every layer).
+std::string view_text(const Monitor& m, const RunSnapshot& s, std::size_t max_layer_rows) {
   std::string out = fmt::format("epx monitor  {}  {}{}\n", m.options.metrics_path, utc_now(),
                                 m.options.follow ? "  (following; Ctrl-C ends)" : "");
   if (s.records == 0) return out + "no step yet\n";
@@ -156,10 +177,11 @@ std::string view_text(const Monitor& m, const RunSnapshot& s) {
                      "MaxVio {:.3f}  dropped {}  ({} steps read)\n\n",
                      s.step, s.loss, s.main_loss, s.tokens_per_s, s.seconds, s.balancedness, s.max_vio,
                      s.dropped_total, s.records);
-  out += layer_table(s) + "\n" + rank_table(s) + "\nstraggler: " + straggler_text(s) + "\n";
+  out += layer_table(s, max_layer_rows) + "\n" + rank_table(s) + "\nstraggler: " + straggler_text(s) + "\n";
   const std::vector<Alert> firing = m.alerts.firing();
   out += fmt::format("\nalerts firing: {}\n", firing.empty() ? "none" : "");
-  for (const Alert& a : firing) out += "  " + format_alert(a) + "\n";
+  for (std::size_t i = 0; i < firing.size() && i < kRecentAlerts; ++i) out += "  " + format_alert(firing[i]) + "\n";
+  if (firing.size() > kRecentAlerts) out += fmt::format("  ... and {} more\n", firing.size() - kRecentAlerts);
   if (!m.recent.empty()) out += "recent alert lines:\n";
   for (const std::string& line : m.recent) out += "  " + line + "\n";
   return out;
@@ -191,8 +213,13 @@ Status write_prometheus(const Monitor& m, const RunSnapshot& s) {
 Status refresh(Monitor& m, bool in_place) {
   const RunSnapshot s = m.tracker.snapshot();
   if (m.terminal) {
-    if (in_place) draw_terminal(view_text(m, s));
-    else fmt::print("{}", view_text(m, s));
+    if (in_place) {
+      // The layer table gets the rows the rest of the view leaves (ranks, alerts, headline).
+      const std::size_t rows = terminal_rows(), others = s.ranks.size() + 2 * kRecentAlerts + 16;
+      draw_terminal(view_text(m, s, rows > others + 4 ? rows - others : (rows > 0 ? 4 : 0)));
+    } else {
+      fmt::print("{}", view_text(m, s, 0));
+    }
   } else if (m.dirty && s.records > 0) {
     fmt::print("{}\n", plain_line(s));
   }

@@ -145,6 +145,23 @@ if [[ $code -ne 0 ]]; then fail "SIGTERM: exit $code"
 elif ! grep -q " step 11 " "$work/term.out"; then fail "SIGTERM: no update: $(cat "$work/term.out")"
 else echo "ok   --follow ends on SIGTERM with exit 0"; fi
 
+# On a terminal (a pty from `script`): the view is redrawn in place (ANSI
+# cursor home); --plain never writes an escape sequence.
+if command -v script > /dev/null; then
+  esc=$'\x1b'
+  timeout 20 script -qec "'$epx' monitor --follow --interval 0.1 --idle-exit 0.5 '$work/clean.jsonl'" /dev/null \
+    > "$work/tty.out" 2>&1
+  code=$?
+  timeout 20 script -qec "'$epx' monitor --follow --plain --interval 0.1 --idle-exit 0.5 '$work/clean.jsonl'" /dev/null \
+    > "$work/tty_plain.out" 2>&1
+  if [[ $code -ne 0 ]]; then fail "terminal view: exit $code: $(cat -v "$work/tty.out")"
+  elif ! grep -q "${esc}\[H" "$work/tty.out" || ! grep -q "step 11  loss" "$work/tty.out"; then
+    fail "terminal view: no in-place redraw of step 11: $(cat -v "$work/tty.out" | head -5)"
+  elif grep -q "$esc" "$work/tty_plain.out" || ! grep -q " step 11 loss " "$work/tty_plain.out"; then
+    fail "--plain on a terminal: $(cat -v "$work/tty_plain.out" | head -5)"
+  else echo "ok   on a terminal: the view redrawn in place; --plain without escapes"; fi
+fi
+
 # An MPI run's metrics (rank 0 writes the file): nothing special, the same checks.
 if [[ -n "$mpiexec" ]]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
