@@ -209,7 +209,8 @@ class RankBench {
                                .max_combine_dtype = config_.dtype,
                                .placement = plan_.placement,
                                .timeout = config_.timeout,
-                               .tracer = config_.tracer};
+                               .tracer = config_.tracer,
+                               .record_waits = config_.record_waits};
     EPX_ASSIGN_OR_RETURN(buffer_, Buffer::create(t_, buffer_config));
     inputs_ = DispatchInputs{.x = x_view_, .topk_idx = routing.idx(), .topk_weights = routing.weights()};
     EPX_RETURN_IF_ERROR(t_.barrier(deadline()));

@@ -49,6 +49,7 @@ struct ExchangeBenchConfig {
   bool verify = true;  // check every method's output after the first warm-up
   Milliseconds timeout{300000};
   Tracer* tracer = nullptr;  // when set: the Buffer's spans plus one "bench.*" span per timed operation
+  bool record_waits = true;  // BufferConfig::record_waits of epx's Buffers
   // Share of MemAvailable a shape may plan to use. Above it the methods run
   // one after the other (epx, then naive + memcpy) instead of interleaved;
   // when even that does not fit the shape fails with ResourceExhausted.

@@ -163,6 +163,7 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
                                    .skew = o.skew,
                                    .seed = o.seed,
                                    .verify = !o.no_verify,
+                                   .record_waits = o.record_waits == "on",
                                    .memory_fraction = o.memory_fraction};
       if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
       // A shape that cannot fit is refused now, before any is planned or run.
@@ -252,6 +253,7 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
                    {"hidden", o.hidden},        {"experts", o.num_experts}, {"topk", o.topk},
                    {"dtype", o.dtype},          {"reps", o.reps},     {"warmup", o.warmup},
                    {"skew", o.skew},            {"seed", o.seed},     {"verify", !o.no_verify},
+                   {"record_waits", o.record_waits},
                    {"routing", o.skew == 0 ? "uniform random distinct experts per token" : "zipf-skewed"},
                    {"bandwidth", "logical: received rows x row bytes / median time"}};
     j["shapes"] = shapes_json;

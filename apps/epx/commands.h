@@ -40,6 +40,7 @@ struct BenchExchangeOptions {
   double skew = 0.0;
   uint64_t seed = 1;
   bool no_verify = false;
+  std::string record_waits = "on";  // BufferConfig::record_waits: on or off
   double memory_fraction = 0.85;
   bool phases = false;
   std::string trace_path;

@@ -96,6 +96,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   exchange_cmd->add_option("--seed", bench.seed, "Routing seed")->capture_default_str();
   exchange_cmd->add_flag("--no-verify", bench.no_verify, "Skip the check of every method's output after the warm-up");
+  exchange_cmd->add_option("--record-waits", bench.record_waits,
+                           "on: epx's operations record who waited for whom (BufferConfig::record_waits, the "
+                           "default); off: not, to measure what recording costs")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   exchange_cmd->add_option("--memory-fraction", bench.memory_fraction,
                            "Share of available memory a shape may use; above it methods run one after the other")
       ->check(CLI::Range(0.05, 1.0))

@@ -135,6 +135,8 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"output.metrics", bind(o.metrics_path)},
       {"output.trace", bind(o.trace_path)},
       {"output.trace_steps", non_negative(o.trace_steps)},
+      {"output.wait_matrix_every", non_negative(o.wait_matrix_every)},
+      {"output.record_waits", bind(o.record_waits)},
       {"output.save", bind(o.save_dir)},
       {"output.save_every", non_negative(o.save_every)},
       {"output.keep", bind(o.keep, {.min = 1, .max = 1000000})},
@@ -251,6 +253,10 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   if (o.grad_overlap != "on" && o.grad_overlap != "off")
     return invalid_argument("grad_overlap '{}' is not on or off", o.grad_overlap);
   c.grad_overlap = o.grad_overlap == "on";
+  if (o.record_waits != "on" && o.record_waits != "off")
+    return invalid_argument("record_waits '{}' is not on or off", o.record_waits);
+  m.record_waits = o.record_waits == "on";
+  c.wait_matrix_every = o.wait_matrix_every;
   c.save_dir = o.save_dir;
   c.save_every = o.save_every;
   c.keep_checkpoints = o.keep;
@@ -527,6 +533,17 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "Write Chrome trace events of a few steps to this file (Perfetto); checked writable before step "
                   "1, written to a temporary file and renamed");
   cmd->add_option("--trace-steps", o.trace_steps, "Steps traced (from step 1)")->capture_default_str();
+  cmd->add_option("--wait-matrix-every", o.wait_matrix_every,
+                  "Every N steps a --metrics line also carries the full who-waited-for-whom matrices (\"wait_matrix\": "
+                  "ranks x ranks seconds of arrival and data waits; docs/operations.md); every line carries each "
+                  "rank's summary (exchange_wait, waited_for, late, slow_data). 0 = never")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->capture_default_str();
+  cmd->add_option("--record-waits", o.record_waits,
+                  "on: every dispatch and combine records who waited for whom (the fields above); off: not (they "
+                  "stay 0), only to measure what recording costs")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   cmd->add_option("--save", o.save_dir,
                   "Checkpoint folder that epx owns: new, empty, or written by epx before (anything else is refused, "
                   "nothing touched). Each save adds a verified step-NNNNNN folder and updates 'latest'; checked "

@@ -67,6 +67,8 @@ struct TrainOptions {
   std::string metrics_path;
   std::string trace_path;
   int64_t trace_steps = 3;
+  int64_t wait_matrix_every = 100;  // TrainConfig::wait_matrix_every (0 = never)
+  std::string record_waits = "on";  // ModelConfig::record_waits: on or off (off only to measure its cost)
   std::string save_dir;
   int64_t save_every = 0;
   int keep = 2;

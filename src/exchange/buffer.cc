@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 
 #include "epx/core/buffer.h"
@@ -15,6 +16,7 @@
 #include "exchange/payload.h"
 #include "exchange/row_kernels.h"
 #include "exchange/split.h"
+#include "exchange/waits.h"
 
 namespace epx {
 namespace {
@@ -150,6 +152,13 @@ struct Buffer::Impl {
   // The last dispatch's handle data: reused (its vectors keep their capacity)
   // once nobody else holds it, so steady-state dispatches allocate nothing.
   std::shared_ptr<detail::HandleData> last_handle;
+  // Who this rank waited for: the running operation's record, and the sum
+  // take_waits hands out (asynchronous operations add to it on the progress
+  // thread).
+  detail::OpWaits op_waits;
+  std::vector<int64_t> stamps;  // every rank's header or sync stamp
+  std::mutex waits_mu;
+  WaitRecord waits_sum;
 
   const Region& local() const { return regions[rank]; }
   int meta_words(int topk, bool has_weights) const { return 1 + topk + (has_weights ? topk : 0); }
@@ -159,18 +168,50 @@ struct Buffer::Impl {
     return detail::block_base(h.counts, num_ranks, s, d);
   }
 
+  // Starts recording the waits of an operation (op_waits).
+  void start_op() { op_waits.start(config.record_waits, num_ranks, rank); }
   // Exchanges one header per rank whose first word says whether that rank's
-  // input was valid. A rank that rejected its input returns its own error;
-  // the others return Aborted: nothing is sent by anyone.
+  // input was valid; recording waits, its last word is the rank's arrival
+  // stamp. Each rank's header is all->size() / num_ranks words. A rank that
+  // rejected its input returns its own error; the others return Aborted:
+  // nothing is sent by anyone.
   Status gather_header(const Status& local_status, std::vector<int64_t> words, std::vector<int64_t>* all,
                        std::string_view op, const Deadline& deadline) {
     words.insert(words.begin(), local_status.is_ok() ? 0 : 1);
+    if (op_waits.on()) words.push_back(op_waits.stamp());
     all->assign(words.size() * num_ranks, 0);
+    Stopwatch watch;
     EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(words), std::span<int64_t>(*all), deadline));
     if (!local_status.is_ok()) return local_status;
     for (int r = 0; r < num_ranks; ++r)
       if ((*all)[r * words.size()] != 0)
         return aborted("rank {} rejected its {} input, so no rank sent anything", r, op);
+    if (op_waits.on()) {
+      stamps.resize(num_ranks);
+      for (int r = 0; r < num_ranks; ++r) stamps[r] = (*all)[(r + 1) * words.size() - 1];
+      op_waits.header_done(stamps, watch.seconds());
+    }
+    return Status::ok();
+  }
+  // transport.recv, its blocked time recorded as a wait for `peer`'s data.
+  Result<std::size_t> recv_from(int peer, int tag, std::span<std::byte> out, const Deadline& deadline) {
+    const Clock::time_point since = op_waits.on() ? Clock::now() : Clock::time_point();
+    Result<std::size_t> got = transport.recv(peer, tag, out, deadline);
+    op_waits.received(peer, since);
+    return got;
+  }
+  // The closing sync: no rank goes on before every rank has finished writing
+  // into (and reading from) its node's regions. Recording waits, a gather of
+  // "done" stamps says who this rank waited for; otherwise a barrier.
+  Status close_op(const Deadline& deadline) {
+    if (!op_waits.on()) return transport.barrier(deadline);
+    const int64_t mine = op_waits.stamp();
+    stamps.resize(num_ranks);
+    Stopwatch watch;
+    EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const int64_t>(&mine, 1), std::span<int64_t>(stamps), deadline));
+    op_waits.sync_done(stamps, watch.seconds());
+    std::lock_guard lock(waits_mu);
+    waits_sum += op_waits.record();
     return Status::ok();
   }
 
@@ -263,12 +304,13 @@ Result<std::unique_ptr<Buffer>> Buffer::create_now(Transport& transport, BufferC
     const bool hierarchical = topo.num_nodes() > 1 && config.algorithm != DispatchAlgorithm::kFlat;
     fields = {config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
               config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
-              detail::placement_hash(*config.placement), static_cast<int64_t>(config.fp8_scales)};
+              detail::placement_hash(*config.placement), static_cast<int64_t>(config.fp8_scales),
+              config.record_waits ? 1 : 0};
   }
   static constexpr const char* kNames[] = {"num_experts",      "hidden",           "dtype",
                                            "max_topk",         "max_recv_tokens",  "expert_alignment",
                                            "max_combine_dtype", "algorithm",       "placement (hash)",
-                                           "fp8_scales"};
+                                           "fp8_scales",       "record_waits"};
   EPX_RETURN_IF_ERROR(
       detail::agree_on_config(transport, local_status, fields, kNames, "BufferConfig", "Buffer", deadline));
 
@@ -335,6 +377,7 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   Stopwatch watch;
   const Deadline deadline = Deadline::after(m.config.timeout);
   const int R = m.num_ranks, N = m.num_nodes, E = m.config.num_experts;
+  m.start_op();
 
   Status local_status = out ? m.validate_dispatch(in, given) : invalid_argument("dispatch needs an output");
   TensorView send_x;  // x, or its rows quantised (fp8)
@@ -355,7 +398,7 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
     ScopedSpan header_span(m.config.tracer, m.rank, "dispatch:header");
     EPX_RETURN_IF_ERROR(m.gather_header(local_status, words, &all, "dispatch", deadline));
   }
-  const std::size_t stride = words.size() + 1;
+  const std::size_t stride = all.size() / R;
   auto header = [&](int r, std::size_t i) { return all[r * stride + 1 + i]; };
 
   const int topk = static_cast<int>(header(m.rank, 1));
@@ -417,7 +460,8 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   }
   {
     ScopedSpan sync_span(m.config.tracer, m.rank, "dispatch:sync");
-    EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
+    EPX_RETURN_IF_ERROR(m.close_op(deadline));
+    if (m.op_waits.on()) stats.waits = m.op_waits.record();
   }
 
   // Per-local-expert counts come from the senders' layouts.
@@ -532,12 +576,12 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       const int64_t n = h.counts[static_cast<std::size_t>(s) * R + rank];
       if (n == 0) continue;
       const int64_t base = block_base(h, R, s, rank);
-      EPX_ASSIGN_OR_RETURN(std::size_t got, transport.recv(s, kTagPayload,
+      EPX_ASSIGN_OR_RETURN(std::size_t got, recv_from(s, kTagPayload,
                                                             {local().recv_x + base * row_bytes, n * row_bytes}, deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a dispatch payload"));
       if (!with_meta) continue;
       EPX_RETURN_IF_ERROR(recv_meta.reserve(n * meta_bytes, "the dispatch metadata from another node"));
-      EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
+      EPX_ASSIGN_OR_RETURN(got, recv_from(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "dispatch metadata"));
       for (int64_t j = 0; j < n; ++j) {
         const auto* meta = reinterpret_cast<const int32_t*>(recv_meta.data() + j * meta_bytes);
@@ -561,11 +605,11 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       if (n == 0) continue;
       EPX_RETURN_IF_ERROR(recv_payload.reserve(n * row_bytes, "the rows forwarded from another node"));
       EPX_ASSIGN_OR_RETURN(std::size_t got,
-                           transport.recv(s, kTagPayload, {recv_payload.data(), n * row_bytes}, deadline));
+                           recv_from(s, kTagPayload, {recv_payload.data(), n * row_bytes}, deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a forwarded dispatch payload"));
       if (plan) {
         EPX_RETURN_IF_ERROR(recv_meta.reserve(n * meta_bytes, "the metadata forwarded from another node"));
-        EPX_ASSIGN_OR_RETURN(got, transport.recv(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
+        EPX_ASSIGN_OR_RETURN(got, recv_from(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
         EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "forwarded dispatch metadata"));
         // Decide each row's destinations: ascending local rank, rows in source order.
         for (int l = 0; l < ranks_per_node; ++l) {
@@ -671,6 +715,7 @@ Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView&
                                           TensorView* recv_x, std::string_view op, std::string_view x_name) {
   ScopedSpan span(config.tracer, rank, std::string(op));
   const Deadline deadline = Deadline::after(config.timeout);
+  start_op();
   if (local_status.is_ok()) local_status = check_handle(handle, op);
   if (local_status.is_ok()) local_status = payload.check_input(x, x_name, handle.num_tokens());
   if (local_status.is_ok() && recv_x == nullptr) local_status = invalid_argument("{} needs an output", op);
@@ -679,11 +724,11 @@ Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView&
   std::vector<int64_t> all;
   EPX_RETURN_IF_ERROR(
       gather_header(local_status, {local_status.is_ok() ? handle.data().dispatch_seq : 0}, &all, op, deadline));
-  EPX_RETURN_IF_ERROR(check_same_dispatch(all, 2, 1, op));
+  EPX_RETURN_IF_ERROR(check_same_dispatch(all, all.size() / num_ranks, 1, op));
   const detail::HandleData& h = handle.data();
   ExchangeStats stats;
   EPX_RETURN_IF_ERROR(move_rows(send_x, nullptr, nullptr, h, nullptr, deadline, &stats));
-  EPX_RETURN_IF_ERROR(transport.barrier(deadline));
+  EPX_RETURN_IF_ERROR(close_op(deadline));
   *recv_x = payload.values(local().recv_x, h.num_recv);
   return Status::ok();
 }
@@ -748,6 +793,7 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
   const std::size_t yrow = static_cast<std::size_t>(H) * dtype_size(ydtype);
   const int K = h.topk;
   const Region& mine = local();
+  start_op();
 
   // Put y in this rank's combine region, where peers read it.
   if (local_status.is_ok()) {
@@ -760,12 +806,14 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
   std::vector<int64_t> all;
   EPX_RETURN_IF_ERROR(gather_header(local_status, {static_cast<int64_t>(ydtype), slots ? 1 : 0, h.dispatch_seq}, &all,
                                     op, deadline));
-  EPX_RETURN_IF_ERROR(check_same_dispatch(all, 4, 3, op));
+  const std::size_t stride = all.size() / R;
+  EPX_RETURN_IF_ERROR(check_same_dispatch(all, stride, 3, op));
   for (int r = 0; r < R; ++r)
-    if (all[r * 4 + 1] != static_cast<int64_t>(ydtype) || all[r * 4 + 2] != (slots ? 1 : 0))
+    if (all[r * stride + 1] != static_cast<int64_t>(ydtype) || all[r * stride + 2] != (slots ? 1 : 0))
       return invalid_argument("{} inputs differ between ranks: rank {} has y {}{} and rank {} has y {}{}", op, rank,
                               dtype_name(ydtype), slots ? " with weight gradients" : "", r,
-                              dtype_name(static_cast<DType>(all[r * 4 + 1])), all[r * 4 + 2] ? " with weight gradients" : "");
+                              dtype_name(static_cast<DType>(all[r * stride + 1])),
+                              all[r * stride + 2] ? " with weight gradients" : "");
 
   const std::size_t prow = hierarchical ? static_cast<std::size_t>(H) * sizeof(float) : yrow;  // row on the wire
   SendGroup sends(transport, deadline, op);
@@ -845,11 +893,11 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
     const int peer = hierarchical ? topology.rank_of(static_cast<int>(i), local_rank) : static_cast<int>(i);
     const int64_t rows = hierarchical ? h.node_counts[static_cast<std::size_t>(rank) * num_nodes + i]
                                       : h.counts[static_cast<std::size_t>(rank) * R + i];
-    EPX_ASSIGN_OR_RETURN(std::size_t got, transport.recv(peer, kTagCombine,
+    EPX_ASSIGN_OR_RETURN(std::size_t got, recv_from(peer, kTagCombine,
                                                           {recv_payload.data() + stage_first[i] * prow, rows * prow}, deadline));
     EPX_RETURN_IF_ERROR(expect_size(got, rows * prow, peer, "combine rows"));
     if (slots) {
-      EPX_ASSIGN_OR_RETURN(got, transport.recv(peer, kTagCombineSlots,
+      EPX_ASSIGN_OR_RETURN(got, recv_from(peer, kTagCombineSlots,
                                                {recv_meta.data() + stage_first[i] * K * sizeof(float), rows * K * sizeof(float)},
                                                deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, rows * K * sizeof(float), peer, "combine weight gradients"));
@@ -919,7 +967,7 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
   }
   EPX_RETURN_IF_ERROR(sends.finish());
   // No rank may overwrite its combine region while a peer still reads it.
-  return transport.barrier(deadline);
+  return close_op(deadline);
 }
 
 Status Buffer::dispatch_backward_now(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
@@ -1065,6 +1113,14 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
     }
   }
   return Status::ok();
+}
+
+void Buffer::take_waits(WaitRecord* sum) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.waits_mu);
+  if (m.waits_sum.num_ops == 0) return;
+  *sum += m.waits_sum;
+  m.waits_sum.clear(m.num_ranks);
 }
 
 }  // namespace epx

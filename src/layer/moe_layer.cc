@@ -170,6 +170,7 @@ struct MoELayer::Impl {
   double aux_loss = 0.0;
   LoadStats stats;
   LayerTimes times;
+  WaitRecord waits;  // the last forward's and backward's exchanges
   Tracer* tracer = nullptr;
 
   // Times one phase into `slot` and, with a tracer, records it as a span.
@@ -980,17 +981,21 @@ Status in_phase(Status status, int layer_index, std::string_view phase) {
 
 Status MoELayer::forward(const TensorView& x, const TensorView& out) {
   impl_->phase_name = "forward";
+  impl_->waits.clear(impl_->transport.num_ranks());
   Status status = detail::guard("MoELayer::forward", [&] { return impl_->forward(x, out); });
+  impl_->buffer.take_waits(&impl_->waits);
   return in_phase(std::move(status), impl_->layer_index, impl_->phase_name);
 }
 Status MoELayer::backward(const TensorView& grad_out, const TensorView& grad_x) {
   impl_->phase_name = "backward";
   Status status = detail::guard("MoELayer::backward", [&] { return impl_->backward(grad_out, grad_x); });
+  impl_->buffer.take_waits(&impl_->waits);
   return in_phase(std::move(status), impl_->layer_index, impl_->phase_name);
 }
 double MoELayer::aux_loss() const { return impl_->aux_loss; }
 const LoadStats& MoELayer::load_stats() const { return impl_->stats; }
 const LayerTimes& MoELayer::times() const { return impl_->times; }
+const WaitRecord& MoELayer::waits() const { return impl_->waits; }
 ExpertBias& MoELayer::bias() { return impl_->bias; }
 void MoELayer::set_tracer(Tracer* tracer) { impl_->tracer = tracer; }
 

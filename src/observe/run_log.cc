@@ -56,18 +56,77 @@ error_code read_int(od::value value, int& out) {
   return simdjson::SUCCESS;
 }
 
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+// How many of the 8 bytes at `p` are leading digits, and their value: the
+// digits and their count found without a branch per byte (SWAR, as simdjson's
+// own parse_eight_digits_unrolled).
+int leading_digits(const char* p, uint64_t& value) {
+  uint64_t chunk = 0;
+  std::memcpy(&chunk, p, 8);
+  const uint64_t digits = chunk ^ 0x3030303030303030ULL;  // '0'..'9' -> 0..9
+  const uint64_t not_digit =
+      (((digits & 0x7F7F7F7F7F7F7F7FULL) + 0x7676767676767676ULL) | digits) & 0x8080808080808080ULL;
+  const int n = not_digit == 0 ? 8 : __builtin_ctzll(not_digit) / 8;
+  if (n == 0) return 0;
+  uint64_t v = digits << (8 * (8 - n));  // the n digits as the last of eight, after zeros
+  v = (v * 10) + (v >> 8);
+  v = (((v & 0x000000FF000000FFULL) * 0x000F424000000064ULL) +
+       (((v >> 16) & 0x000000FF000000FFULL) * 0x0000271000000001ULL)) >> 32;
+  value = v;
+  return n;
+}
+
+// One JSON integer at `p` (-?(0|[1-9][0-9]*)), for the arrays below; the
+// buffer is padded, so the 8 bytes at any p before `end` are readable.
+error_code parse_int(const char*& p, const char* end, int64_t& out) {
+  const bool negative = p < end && *p == '-';
+  if (negative) ++p;
+  const char* digits = p;
+  uint64_t x = 0;
+  const int n8 = leading_digits(p, x);
+  p += std::min<std::ptrdiff_t>(n8, end - p);
+  if (n8 == 8 || p == end)  // a long number (or one cut by `end`): the rest digit by digit
+    for (p = digits, x = 0; p < end && *p >= '0' && *p <= '9';) x = x * 10 + static_cast<uint64_t>(*p++ - '0');
+  const std::ptrdiff_t n = p - digits;
+  if (n == 0 || (n > 1 && *digits == '0')) return simdjson::INCORRECT_TYPE;
+  if (p < end && (*p == '.' || *p == 'e' || *p == 'E')) return simdjson::INCORRECT_TYPE;  // not an integer
+  if (n > 19 || (n == 19 && x > static_cast<uint64_t>(INT64_MAX) + (negative ? 1 : 0)))
+    return simdjson::NUMBER_OUT_OF_RANGE;
+  out = negative ? static_cast<int64_t>(0 - x) : static_cast<int64_t>(x);
+  return simdjson::SUCCESS;
+}
+
+// An array of integers, the bulk of a metrics line (tokens per expert): its
+// text taken whole from simdjson and parsed in one tight loop, about twice
+// as fast as an On Demand iteration per element.
 error_code read_ints(od::value value, std::vector<int64_t>& out) {
+  out.clear();
   od::array array;
   SIMDJSON_TRY(value.get_array().get(array));
-  for (auto element : array) {
+  std::string_view text;
+  SIMDJSON_TRY(array.raw_json().get(text));
+  const char* p = text.data() + 1;  // after '['
+  const char* end = text.data() + text.size();
+  while (end > p && is_space(end[-1])) --end;
+  --end;  // at ']'
+  while (p < end && is_space(*p)) ++p;
+  while (p < end) {
     int64_t x = 0;
-    SIMDJSON_TRY(element.get_int64().get(x));
+    SIMDJSON_TRY(parse_int(p, end, x));
     out.push_back(x);
+    while (p < end && is_space(*p)) ++p;
+    if (p == end) break;
+    if (*p != ',') return simdjson::INCORRECT_TYPE;
+    ++p;
+    while (p < end && is_space(*p)) ++p;
+    if (p == end) return simdjson::TAPE_ERROR;  // a comma before ']'
   }
   return simdjson::SUCCESS;
 }
 
 error_code read_doubles(od::value value, std::vector<double>& out) {
+  out.clear();
   od::array array;
   SIMDJSON_TRY(value.get_array().get(array));
   for (auto element : array) {
@@ -140,7 +199,19 @@ error_code read_rank(od::value value, RankRecord& rank, FieldPath& where) {
   });
 }
 
+// A record of an earlier line made new again, its vectors' memory kept.
+void reset(LayerRecord& layer) {
+  std::vector<int64_t> experts = std::move(layer.tokens_per_expert), ranks = std::move(layer.tokens_per_rank);
+  experts.clear();
+  ranks.clear();
+  layer = LayerRecord{};
+  layer.tokens_per_expert = std::move(experts);
+  layer.tokens_per_rank = std::move(ranks);
+}
+void reset(RankRecord& rank) { rank = RankRecord{}; }
+
 // Reads an array of objects, each with read_one, numbering them in `where`.
+// The entries `out` already holds are reused (reset) and the rest dropped.
 template <typename Record, typename ReadOne>
 error_code read_records(od::value value, std::string_view name, std::vector<Record>& out, FieldPath& where,
                         ReadOne read_one) {
@@ -148,13 +219,20 @@ error_code read_records(od::value value, std::string_view name, std::vector<Reco
   SIMDJSON_TRY(value.get_array().get(array));
   where.outer = name;
   where.index = 0;
+  std::size_t count = 0;
   for (auto element : array) {
     od::value v;
     SIMDJSON_TRY(std::move(element).get(v));
-    Record& record = out.emplace_back();
-    SIMDJSON_TRY(read_one(v, record, where));
+    if (count < out.size()) {
+      reset(out[count]);
+    } else {
+      out.emplace_back();
+    }
+    SIMDJSON_TRY(read_one(v, out[count], where));
+    ++count;
     ++where.index;
   }
+  out.resize(count);
   where = FieldPath{};
   return simdjson::SUCCESS;
 }
@@ -187,6 +265,16 @@ error_code read_eplb(od::value value, EplbRecord& eplb, FieldPath& where) {
   }));
   where = FieldPath{};
   return simdjson::SUCCESS;
+}
+
+// The step made new again for another line; its layers and ranks are kept
+// for read_records to reuse (dropped by the caller when the line has none).
+void reset_keeping_memory(StepRecord& step) {
+  std::vector<LayerRecord> layers = std::move(step.layers);
+  std::vector<RankRecord> ranks = std::move(step.ranks);
+  step = StepRecord{};
+  step.layers = std::move(layers);
+  step.ranks = std::move(ranks);
 }
 
 error_code read_step_field(std::string_view key, od::value v, StepRecord& step, FieldPath& where) {
@@ -227,6 +315,8 @@ namespace observe_detail {
 
 // One line whose buffer holds at least SIMDJSON_PADDING readable bytes after it.
 Status parse_padded_line(LineParser& parser, std::string_view line, std::size_t capacity, StepRecord& step) {
+  reset_keeping_memory(step);
+  bool has_layers = false, has_ranks = false;
   od::document doc;
   FieldPath where;
   error_code err = parser.parser.iterate(simdjson::padded_string_view(line.data(), line.size(), capacity)).get(doc);
@@ -240,6 +330,8 @@ Status parse_padded_line(LineParser& parser, std::string_view line, std::size_t 
         if ((err = field.unescaped_key().get(key)) != simdjson::SUCCESS) break;
         where.field = key;
         if ((err = field.value().get(v)) != simdjson::SUCCESS) break;
+        has_layers = has_layers || key == "layers";
+        has_ranks = has_ranks || key == "ranks";
         if ((err = read_step_field(key, v, step, where)) != simdjson::SUCCESS) break;
         where.field = {};
       }
@@ -247,6 +339,8 @@ Status parse_padded_line(LineParser& parser, std::string_view line, std::size_t 
     // Anything after the object (a second one, stray text) is an error.
     if (!err && doc.current_location().error() == simdjson::SUCCESS) err = simdjson::TRAILING_CONTENT;
   }
+  if (!has_layers) step.layers.clear();
+  if (!has_ranks) step.ranks.clear();
   if (!err) return Status::ok();
   return invalid_argument("{} in line '{}'", failure_message(err, where, step), line_start(line));
 }
@@ -264,8 +358,12 @@ bool is_blank(std::string_view line) {
 }
 }  // namespace
 
-ParsedLines parse_lines(LineParser& parser, std::string_view text, std::size_t capacity) {
-  ParsedLines out;
+void parse_lines(LineParser& parser, std::string_view text, std::size_t capacity, ParsedLines& out) {
+  std::size_t& num_records = out.num_records;
+  num_records = 0;
+  out.num_lines = 0;
+  out.error = Status::ok();
+  out.error_line = 0;
   std::size_t begin = 0;
   while (begin < text.size()) {
     const void* nl = std::memchr(text.data() + begin, '\n', text.size() - begin);
@@ -274,7 +372,8 @@ ParsedLines parse_lines(LineParser& parser, std::string_view text, std::size_t c
     const std::string_view line = text.substr(begin, end - begin);
     ++out.num_lines;
     if (!is_blank(line)) {
-      StepRecord step;
+      if (num_records == out.records.size()) out.records.emplace_back();
+      StepRecord& step = out.records[num_records];
       // The line's own buffer pads it when enough of the text follows;
       // otherwise (the last line or so) a copy in the parser's scratch does.
       const std::size_t room = capacity - begin;
@@ -284,15 +383,13 @@ ParsedLines parse_lines(LineParser& parser, std::string_view text, std::size_t c
       if (!status.is_ok()) {
         out.error = std::move(status);
         out.error_line = out.num_lines;
-        out.consumed = begin;
-        return out;
+        break;
       }
-      out.records.push_back(std::move(step));
+      ++num_records;
     }
     begin = end + 1;
   }
   out.consumed = begin;
-  return out;
 }
 
 }  // namespace observe_detail

@@ -1,5 +1,5 @@
 // read_metrics and MetricsFollower: the files under the line parser
-// (run_log_parse.h). read_metrics reads blocks of whole lines and parses two
+// (run_log_parse.h). read_metrics reads and parses two regions of the file
 // at a time, one on a helper thread, delivering the records in file order.
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -8,7 +8,6 @@
 #include <cerrno>
 #include <cstring>
 #include <future>
-#include <optional>
 
 #include <simdjson.h>
 
@@ -24,7 +23,8 @@ using observe_detail::ParsedLines;
 
 namespace {
 
-constexpr std::size_t kBlockBytes = std::size_t{8} << 20;  // per parse; two are in flight
+constexpr std::size_t kRegionBytes = std::size_t{8} << 20;  // per parse; two are in flight
+constexpr std::size_t kTailBytes = std::size_t{256} << 10;   // read at a time past a region for its last line
 constexpr std::size_t kPadding = simdjson::SIMDJSON_PADDING;
 
 class Fd {
@@ -41,13 +41,12 @@ class Fd {
   int fd_;
 };
 
-// Reads up to `n` bytes at `at` into `out` (read() or pread() repeated until n
-// or the end of the file); the count read, or -errno.
-ssize_t read_fully(int fd, char* out, std::size_t n, std::optional<off_t> at) {
+// Reads up to `n` bytes at `at` into `out` (pread() repeated until n or the
+// end of the file); the count read, or -errno.
+ssize_t read_fully(int fd, char* out, std::size_t n, off_t at) {
   std::size_t done = 0;
   while (done < n) {
-    const ssize_t got = at ? ::pread(fd, out + done, n - done, *at + static_cast<off_t>(done))
-                           : ::read(fd, out + done, n - done);
+    const ssize_t got = ::pread(fd, out + done, n - done, at + static_cast<off_t>(done));
     if (got < 0) {
       if (errno == EINTR) continue;
       return -errno;
@@ -64,92 +63,121 @@ struct Block {
   std::size_t size = 0;
   [[nodiscard]] std::string_view text() const { return {bytes.data(), size}; }
   void reserve_more(std::size_t n) {
-    if (bytes.size() < size + n + kPadding) bytes.resize(size + n + kPadding);
+    // With slack, so that a block of kBlockBytes after a carried line does not grow it each time.
+    if (bytes.size() < size + n + kPadding) bytes.resize(size + n + kPadding + n / 8);
   }
 };
 
-// The file as blocks of whole lines, about kBlockBytes each; a last line
-// without its newline is never handed out.
-class LineBlocks {
- public:
-  LineBlocks(int fd, const std::string& path) : fd_(fd), path_(path) {}
+// One lane of the reader: the lines that start in one region of the file,
+// read with pread and parsed by one thread; its buffer, parser and records
+// are reused region after region.
+struct Lane {
+  Block block;
+  LineParser parser;
+  ParsedLines parsed;
+  Status read_error;
 
-  // Fills `block` with the next lines; false when none are left.
-  Result<bool> next(Block& block) {
+  // Reads [from, to) of the file into the block (to <= file_size); the count read.
+  Result<std::size_t> read(int fd, int64_t from, int64_t to, const std::string& path) {
+    const std::size_t n = static_cast<std::size_t>(to - from);
+    block.reserve_more(n);
+    const ssize_t got = read_fully(fd, block.bytes.data() + block.size, n, static_cast<off_t>(from));
+    if (got < 0) return file_error(static_cast<int>(-got), "read the metrics file", path);
+    block.size += static_cast<std::size_t>(got);
+    return static_cast<std::size_t>(got);
+  }
+
+  // The lines that start in [begin, end) of a file of `file_size` bytes: a
+  // line starts at 0 or after a newline. The last one is read to its newline
+  // past `end`; one without a newline before file_size (a run still writing)
+  // is left out.
+  void load_and_parse(int fd, int64_t begin, int64_t end, int64_t file_size, const std::string& path) {
     block.size = 0;
-    block.reserve_more(carry_.size());
-    std::memcpy(block.bytes.data(), carry_.data(), carry_.size());
-    block.size = carry_.size();
-    std::size_t searched = 0;  // bytes of block known to hold no newline
-    for (;;) {
-      if (!eof_) {
-        block.reserve_more(kBlockBytes);
-        const ssize_t got = read_fully(fd_, block.bytes.data() + block.size, kBlockBytes, std::nullopt);
-        if (got < 0) return file_error(static_cast<int>(-got), "read the metrics file", path_);
-        block.size += static_cast<std::size_t>(got);
-        eof_ = static_cast<std::size_t>(got) < kBlockBytes;
-      }
-      const void* nl = memrchr(block.bytes.data() + searched, '\n', block.size - searched);
-      if (nl != nullptr) {
-        const std::size_t end = static_cast<const char*>(nl) - block.bytes.data() + 1;
-        carry_.assign(block.bytes.data() + end, block.size - end);
-        block.size = end;
-        return true;
-      }
-      if (eof_) return false;  // only a partial line (or nothing) is left
-      searched = block.size;
-    }
+    first = 0;
+    parsed.num_records = 0;
+    parsed.num_lines = 0;
+    parsed.error = Status::ok();
+    read_error = load(fd, begin, end, file_size, path);
+    if (read_error.is_ok() && block.size > first)
+      observe_detail::parse_lines(parser, std::string_view(block.bytes.data() + first, block.size - first),
+                                  block.bytes.size() - first, parsed);
   }
 
  private:
-  int fd_;
-  const std::string& path_;
-  std::string carry_;
-  bool eof_ = false;
+  Status load(int fd, int64_t begin, int64_t end, int64_t file_size, const std::string& path) {
+    const int64_t from = begin == 0 ? 0 : begin - 1;  // the byte before: is a line starting at `begin`?
+    EPX_ASSIGN_OR_RETURN(std::size_t got, read(fd, from, std::min(end, file_size), path));
+    if (begin > 0) {
+      const void* nl = std::memchr(block.bytes.data(), '\n', got);
+      if (nl == nullptr) return drop_all();  // inside a line that started earlier
+      first = static_cast<const char*>(nl) - block.bytes.data() + 1;
+      if (first >= got) return drop_all();  // the next line starts at `end`: the next region's
+    }
+    // Read on until the newline that ends the line holding byte end - 1.
+    int64_t at = from + static_cast<int64_t>(got);
+    std::size_t searched = std::max(first, block.size > 0 ? block.size - 1 : 0);
+    const void* nl = std::memchr(block.bytes.data() + searched, '\n', block.size - searched);
+    while (nl == nullptr && at < file_size) {
+      searched = block.size;
+      EPX_ASSIGN_OR_RETURN(got, read(fd, at, std::min(at + static_cast<int64_t>(kTailBytes), file_size), path));
+      at += static_cast<int64_t>(got);
+      nl = std::memchr(block.bytes.data() + searched, '\n', block.size - searched);
+    }
+    // Without it the region's last line is unfinished: end at the last newline.
+    if (nl == nullptr) nl = first < block.size ? memrchr(block.bytes.data() + first, '\n', block.size - first) : nullptr;
+    if (nl == nullptr) return drop_all();
+    block.size = static_cast<const char*>(nl) - block.bytes.data() + 1;
+    return Status::ok();
+  }
+  Status drop_all() {
+    block.size = first = 0;
+    return Status::ok();
+  }
+  std::size_t first = 0;  // where the region's first line starts in block
 };
 
-// Hands a block's records to the callback; its error (a malformed line) with
-// the file's line number. `lines_before` counts the lines of earlier blocks.
-Status deliver(ParsedLines& parsed, int64_t& lines_before, const std::string& path,
+// Hands a lane's records to the callback; its error (a malformed line) with
+// the file's line number. `lines_before` counts the lines of earlier regions.
+Status deliver(Lane& lane, int64_t& lines_before, const std::string& path,
                const std::function<Status(StepRecord&&)>& on_record) {
-  for (StepRecord& record : parsed.records) EPX_RETURN_IF_ERROR(on_record(std::move(record)));
+  EPX_RETURN_IF_ERROR(lane.read_error);
+  ParsedLines& parsed = lane.parsed;
+  for (std::size_t i = 0; i < parsed.num_records; ++i) EPX_RETURN_IF_ERROR(on_record(std::move(parsed.records[i])));
   if (!parsed.error.is_ok())
     return invalid_argument("{}:{}: {}", path, lines_before + parsed.error_line, parsed.error.message());
   lines_before += parsed.num_lines;
   return Status::ok();
 }
 
-ParsedLines parse_block(LineParser& parser, const Block& block) {
-  return observe_detail::parse_lines(parser, block.text(), block.bytes.size());
-}
-
 }  // namespace
 
+// Regions of kRegionBytes go to two lanes in turn: this thread parses one
+// while a helper parses the next, then this thread delivers both in order.
 Status read_metrics(const std::string& path, const std::function<Status(StepRecord&&)>& on_record) {
   const Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return file_error(errno, "open the metrics file", path);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return file_error(errno, "stat the metrics file", path);
+  const int64_t file_size = st.st_size;  // what a run appends later is not read
   ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
-  LineBlocks blocks(fd.get(), path);
-  LineParser parsers[2];
-  Block first, second;
+  Lane lanes[2];
   int64_t lines_before = 0;
-  for (;;) {
-    EPX_ASSIGN_OR_RETURN(const bool have_first, blocks.next(first));
-    if (!have_first) return Status::ok();
-    Result<bool> have_second = blocks.next(second);
-    std::future<ParsedLines> parsing_second;
-    if (have_second.is_ok() && *have_second)
-      parsing_second = std::async(std::launch::async, [&] { return parse_block(parsers[1], second); });
-    ParsedLines parsed = parse_block(parsers[0], first);
-    Status status = deliver(parsed, lines_before, path, on_record);
-    if (parsing_second.valid()) {
-      ParsedLines parsed_second = parsing_second.get();
-      if (status.is_ok()) status = deliver(parsed_second, lines_before, path, on_record);
+  const auto region = static_cast<int64_t>(kRegionBytes);
+  for (int64_t begin = 0; begin < file_size; begin += 2 * region) {
+    std::future<void> second;
+    if (begin + region < file_size)
+      second = std::async(std::launch::async, [&, begin] {
+        lanes[1].load_and_parse(fd.get(), begin + region, begin + 2 * region, file_size, path);
+      });
+    lanes[0].load_and_parse(fd.get(), begin, begin + region, file_size, path);
+    Status status = deliver(lanes[0], lines_before, path, on_record);
+    if (second.valid()) {
+      second.get();
+      if (status.is_ok()) status = deliver(lanes[1], lines_before, path, on_record);
     }
     EPX_RETURN_IF_ERROR(status);
-    if (!have_second.is_ok()) return have_second.status();
-    if (!*have_second) return Status::ok();
   }
+  return Status::ok();
 }
 
 // ---- MetricsFollower ------------------------------------------------------
@@ -188,10 +216,12 @@ bool MetricsFollower::State::replaced(int fd, const struct stat& st) const {
 // records before it come first (the bad line stays for the next poll), then
 // its error alone, after which the follower goes on past it.
 Result<std::vector<StepRecord>> MetricsFollower::State::parse_pending() {
-  ParsedLines parsed = observe_detail::parse_lines(parser, pending.text(), pending.bytes.size());
+  ParsedLines parsed;
+  observe_detail::parse_lines(parser, pending.text(), pending.bytes.size(), parsed);
   std::size_t consumed = parsed.consumed;
   int64_t lines_done = parsed.num_lines;
   Status error;
+  parsed.records.resize(parsed.num_records);
   if (!parsed.error.is_ok()) {
     if (!parsed.records.empty()) {
       --lines_done;  // the bad line is read again next time
@@ -240,7 +270,7 @@ Result<std::vector<StepRecord>> MetricsFollower::poll(std::size_t max_bytes) {
       st.st_size - s.offset, static_cast<int64_t>(std::min<std::size_t>(max_bytes, INT64_MAX))));
   if (fresh > 0) {
     s.pending.reserve_more(fresh);
-    const ssize_t got = read_fully(fd.get(), s.pending.bytes.data() + s.pending.size, fresh, s.offset);
+    const ssize_t got = read_fully(fd.get(), s.pending.bytes.data() + s.pending.size, fresh, static_cast<off_t>(s.offset));
     if (got < 0) return file_error(static_cast<int>(-got), "read the metrics file", s.path);
     s.pending.size += static_cast<std::size_t>(got);
     s.offset += got;

@@ -27,13 +27,17 @@ Status parse_line(LineParser& parser, std::string_view line, StepRecord& step);
 
 // The whole lines of `text` (each ended by '\n'; blank ones skipped), in order,
 // up to the first malformed one. `capacity` readable bytes start at text.data().
+// The records `out` holds from an earlier call are parsed into again, their
+// memory kept: a reader that hands records on and gets them back (moved from
+// or not) allocates nothing per line once warm.
 struct ParsedLines {
-  std::vector<StepRecord> records;
+  std::vector<StepRecord> records;  // the first num_records are this call's; the rest spares
+  std::size_t num_records = 0;
   int64_t num_lines = 0;   // lines read, blank ones and a malformed one included
   std::size_t consumed = 0;  // bytes of the lines read well: where to go on
   Status error;            // the malformed line's, without its number
   int64_t error_line = 0;  // 1-based within `text` when !error.is_ok()
 };
-ParsedLines parse_lines(LineParser& parser, std::string_view text, std::size_t capacity);
+void parse_lines(LineParser& parser, std::string_view text, std::size_t capacity, ParsedLines& out);
 
 }  // namespace epx::observe_detail

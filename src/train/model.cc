@@ -73,7 +73,8 @@ struct MoEModel::Impl {
                                       .max_topk = lc.router.topk,
                                       .max_tokens_per_rank = config.max_tokens_per_rank,
                                       .placement = placement,
-                                      .timeout = config.timeout});
+                                      .timeout = config.timeout,
+                                      .record_waits = config.record_waits});
   }
 
   Status check_batch(const Batch& b) const {

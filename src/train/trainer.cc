@@ -19,6 +19,7 @@
 #include "train/checkpoint.h"
 #include "train/eplb_train.h"
 #include "train/grad_sync.h"
+#include "train/wait_report.h"
 
 namespace epx {
 namespace {
@@ -272,6 +273,8 @@ Status TrainConfig::validate() const {
   if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
   if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
   if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
+  if (wait_matrix_every < 0)
+    return invalid_argument("wait_matrix_every = {} is below 0 (0: never)", wait_matrix_every);
   if (grad_bucket_bytes < 4 || grad_bucket_bytes > (int64_t{1} << 40))
     return invalid_argument("grad_bucket_bytes = {} is outside [4, 2^40]", grad_bucket_bytes);
   EPX_RETURN_IF_ERROR(schedule.validate());
@@ -300,23 +303,26 @@ Status TrainConfig::validate() const {
 // Every number in its shortest form that reads back to the same double, so
 // equal text is equal bits (the same-loss tests compare these lines).
 std::string StepReport::to_json() const {
+  using detail::json_number;
   std::string layers_json;
   for (std::size_t l = 0; l < layers.size(); ++l) {
     const LoadStats& s = layers[l];
     layers_json += fmt::format("{}{{\"layer\":{},\"max_vio\":{},\"cv\":{},\"dropped\":{},\"worst_rank\":{},"
                                "\"worst_rank_share\":{},\"idle_fraction\":{},\"tokens_per_expert\":[{}],"
                                "\"tokens_per_rank\":[{}]}}",
-                               l ? "," : "", l, s.max_vio, s.cv, s.num_dropped, s.worst_rank, s.worst_rank_share,
-                               s.idle_fraction, fmt::join(s.tokens_per_expert, ","), fmt::join(s.tokens_per_rank, ","));
+                               l ? "," : "", l, json_number(s.max_vio), json_number(s.cv), s.num_dropped,
+                               s.worst_rank, json_number(s.worst_rank_share), json_number(s.idle_fraction), fmt::join(s.tokens_per_expert, ","), fmt::join(s.tokens_per_rank, ","));
   }
   std::string ranks_json;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const RankTimes& t = ranks[r];
     ranks_json += fmt::format("{}{{\"rank\":{},\"router\":{},\"dispatch\":{},\"experts\":{},\"combine\":{},"
                               "\"dense\":{},\"wait\":{},\"sync\":{},\"total\":{},\"grad_reduce\":{},"
-                              "\"grad_wait\":{},\"grad_bytes\":{}}}",
+                              "\"grad_wait\":{},\"grad_bytes\":{},\"exchange_wait\":{},\"waited_for\":{},\"late\":{},"
+                              "\"slow_data\":{}}}",
                               r ? "," : "", r, t.router, t.dispatch, t.experts, t.combine, t.dense, t.wait, t.sync,
-                              t.total, t.grad_reduce, t.grad_wait, t.grad_bytes);
+                              t.total, t.grad_reduce, t.grad_wait, t.grad_bytes, t.exchange_wait, t.waited_for, t.late,
+                              t.slow_data);
   }
   std::string eplb_json;
   if (eplb)
@@ -325,9 +331,10 @@ std::string StepReport::to_json() const {
                             fmt::join(eplb->balance_before, ","), fmt::join(eplb->balance_after, ","),
                             eplb->num_moved_slots, eplb->moved_bytes);
   return fmt::format("{{\"step\":{},\"loss\":{},\"main_loss\":{},\"lr\":{},\"grad_norm\":{},"
-                     "\"seconds\":{},\"tokens_per_s\":{},\"layers\":[{}],\"ranks\":[{}]{}}}",
-                     step, loss, main_loss, learning_rate, grad_norm, seconds, tokens_per_second, layers_json,
-                     ranks_json, eplb_json);
+                     "\"seconds\":{},\"tokens_per_s\":{},\"layers\":[{}],\"ranks\":[{}]{}{}}}",
+                     step, json_number(loss), json_number(main_loss), json_number(learning_rate),
+                     json_number(grad_norm), json_number(seconds), json_number(tokens_per_second), layers_json,
+                     ranks_json, eplb_json, detail::wait_matrix_json(wait_matrix));
 }
 
 namespace {
@@ -539,6 +546,7 @@ struct StepNumbers {
   double wait = 0, sync = 0;  // seconds
   std::vector<LoadStats> stats;
   std::optional<EplbReport> eplb;
+  std::vector<double> wait_row;  // who this rank waited for (train/wait_report.h)
 };
 
 // This rank's share of the global batch, forward and backward, then the
@@ -637,13 +645,15 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   r.where.phase = "step report (all_reduce, all_gather)";
   EPX_RETURN_IF_ERROR(r.groups.world->all_reduce(std::span<double>(losses, 2), ReduceOp::kSum, r.deadline()));
   const StepTimes& st = r.model->times();
-  const double mine[kTimeFields] = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
-                                    st.dense, n.wait, n.sync + st.layers.stats, n.watch.seconds(),
-                                    r.grad_sync->times().reduce, r.grad_sync->times().wait,
-                                    static_cast<double>(r.grad_sync->reduced_bytes())};
-  std::vector<double> all(static_cast<std::size_t>(kTimeFields) * R);
+  std::vector<double> mine = {st.layers.router, st.layers.dispatch, st.layers.experts, st.layers.combine,
+                              st.dense, n.wait, n.sync + st.layers.stats, n.watch.seconds(),
+                              r.grad_sync->times().reduce, r.grad_sync->times().wait,
+                              static_cast<double>(r.grad_sync->reduced_bytes())};
+  mine.insert(mine.end(), n.wait_row.begin(), n.wait_row.end());
+  const std::size_t stride = mine.size();
+  std::vector<double> all(stride * R);
   EPX_RETURN_IF_ERROR(
-      r.groups.world->all_gather(std::span<const double>(mine, kTimeFields), std::span<double>(all), r.deadline()));
+      r.groups.world->all_gather(std::span<const double>(mine), std::span<double>(all), r.deadline()));
   if (r.rank() != 0) return Status::ok();
   StepReport report;
   report.step = step;
@@ -657,9 +667,13 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   report.layers = std::move(n.stats);
   report.eplb = std::move(n.eplb);
   for (int q = 0; q < R; ++q) {
-    const double* f = all.data() + static_cast<std::ptrdiff_t>(q) * kTimeFields;
-    report.ranks.push_back({f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10]});
+    const double* f = all.data() + static_cast<std::ptrdiff_t>(q) * stride;
+    RankTimes& t = report.ranks.emplace_back();
+    t.router = f[0], t.dispatch = f[1], t.experts = f[2], t.combine = f[3], t.dense = f[4], t.wait = f[5];
+    t.sync = f[6], t.total = f[7], t.grad_reduce = f[8], t.grad_wait = f[9], t.grad_bytes = f[10];
   }
+  detail::fill_wait_fields(all, stride, kTimeFields, detail::wait_matrix_due(step, r.config().wait_matrix_every),
+                           &report.ranks, &report.wait_matrix);
   record_report(r, std::move(report));
   return Status::ok();
 }
@@ -674,6 +688,8 @@ Status run_step(Rank& r, int64_t step) {
   if (config.before_step) EPX_RETURN_IF_ERROR(config.before_step(r.rank(), step));
   StepNumbers n;
   EPX_RETURN_IF_ERROR(forward_backward(r, step, tracer, &n));
+  // Now: a re-placement later in the step rebuilds the layers.
+  detail::append_wait_row(r.parts.layers, *r.groups.ep, r.groups.world->num_ranks(), &n.wait_row);
   Stopwatch sync_watch;
   EPX_RETURN_IF_ERROR(update_parameters(r, step, tracer, &n));
   for (MoELayer* layer : r.parts.layers) n.stats.push_back(layer->load_stats());

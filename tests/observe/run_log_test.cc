@@ -292,6 +292,32 @@ TEST(RunLog, ReadMetricsKeepsTheOrderAcrossBlocksAndThreads) {
   EXPECT_EQ(expected, num_steps);
 }
 
+// Lines of exactly 1 KiB: a line starts exactly where each of the reader's
+// 8 MiB regions starts, and one ends exactly where each ends.
+TEST(RunLog, ReadMetricsSplitsExactlyAtRegionBoundaries) {
+  TempDir dir;
+  const std::string path = dir.file("aligned.jsonl");
+  const int num_steps = 3 * 8192 + 5;
+  {
+    std::ofstream out(path, std::ios::binary);
+    for (int s = 0; s < num_steps; ++s) {
+      std::string line = fmt::format(R"({{"step":{},"pad":")", s);
+      line += std::string(1024 - line.size() - 3, 'x') + "\"}";
+      ASSERT_EQ(line.size(), 1023u);
+      out << line << '\n';
+    }
+  }
+  int64_t expected = 0;
+  bool in_order = true;
+  Status status = read_metrics(path, [&](StepRecord&& r) {
+    in_order = in_order && r.step == expected++;
+    return Status::ok();
+  });
+  ASSERT_TRUE(status.is_ok()) << status.to_string();
+  EXPECT_TRUE(in_order);
+  EXPECT_EQ(expected, num_steps);
+}
+
 std::vector<int64_t> steps_of(const Result<std::vector<StepRecord>>& records) {
   std::vector<int64_t> out;
   for (const StepRecord& r : *records) out.push_back(r.step);

@@ -84,6 +84,35 @@ struct BufferConfig {
   DispatchAlgorithm algorithm = DispatchAlgorithm::kAuto;
   Milliseconds timeout{30000};         // for each whole operation
   Tracer* tracer = nullptr;            // spans "dispatch", "combine", ... per rank when set
+  // Record who waited for whom (WaitRecord) in every operation. On by
+  // default (it costs a timestamp in the header and one in the closing sync);
+  // off only to measure that cost. Every rank must pass the same.
+  bool record_waits = true;
+};
+
+// Who one rank waited for in exchange operations, per rank s of the
+// Buffer's transport, in seconds (docs/operations.md, "Metrics: who waited
+// for whom"):
+//  - arrival[s]: this rank had arrived at an operation and waited for s to
+//    arrive. Each rank stamps its arrival on the system clock into the
+//    header the ranks exchange first; the wait is s's stamp minus this
+//    rank's, clamped to [0, the time this rank spent in that exchange].
+//    Exact between processes of one host; across hosts as good as their
+//    clock sync (NTP: about a millisecond, PTP: microseconds).
+//  - data[s]: both had arrived and this rank was blocked on s's data: in the
+//    receives of s's rows (two-hop: s is the peer that sent or forwarded
+//    them) and in the closing sync, where ranks exchange "done" stamps in
+//    place of a barrier and the wait for s is clamped as above.
+// blocked is the time this rank was blocked on others in all: the longest
+// arrival wait, every receive, the closing sync's longest wait; so
+// blocked >= arrival[s] + data[s] for every s. Never counts this rank itself.
+struct WaitRecord {
+  std::vector<double> arrival, data;  // [num_ranks]
+  double blocked = 0;
+  int64_t num_ops = 0;  // operations summed
+  void clear(int num_ranks);  // zeros of num_ranks entries
+  // Adds `other` (an empty record takes its size; sizes must match).
+  WaitRecord& operator+=(const WaitRecord& other);
 };
 
 // What one rank moved in one operation.
@@ -94,6 +123,7 @@ struct ExchangeStats {
   int64_t inter_node_payload_bytes = 0;   // row bytes this rank sent to other nodes
   int64_t inter_node_meta_bytes = 0;      // routing metadata sent with them
   double seconds = 0;
+  WaitRecord waits;                       // empty when BufferConfig::record_waits is off
 };
 
 namespace detail {
@@ -295,6 +325,12 @@ class Buffer {
   [[nodiscard]] Status combine_send(const TensorView& y, const Handle& handle, const TensorView& out,
                                     const CombineOptions& options = {});
   [[nodiscard]] Status combine_recv(const Deadline& deadline);
+
+  // Adds the waits of every operation finished since the last call (all
+  // kinds: blocking, asynchronous, split, backward) into `*sum`, then starts
+  // anew. Nothing when record_waits is off. Call it between operations, or
+  // after wait() of the asynchronous ones to be counted.
+  void take_waits(WaitRecord* sum);
 
   // Bytes of peer-mapped memory this rank holds.
   [[nodiscard]] std::size_t region_bytes() const;

@@ -157,6 +157,10 @@ class MoELayer {
   // worst_rank is such an EP rank.
   [[nodiscard]] const LoadStats& load_stats() const;
   [[nodiscard]] const LayerTimes& times() const;
+  // Who this rank waited for in the last forward's and backward's dispatches
+  // and combines, summed (WaitRecord, over the ranks of the layer's EP
+  // group); zeros when the Buffer's record_waits is off.
+  [[nodiscard]] const WaitRecord& waits() const;
   // Records spans "router", "dispatch", "experts", "combine" (forward) and
   // "*_backward" per rank while set; null turns it off.
   void set_tracer(Tracer* tracer);

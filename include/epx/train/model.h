@@ -49,6 +49,7 @@ struct ModelConfig {
   // `placement`.
   std::vector<std::vector<int32_t>> layer_slots;
   Milliseconds timeout{60000};
+  bool record_waits = true;  // BufferConfig::record_waits of the layers' Buffers (off: to measure its cost)
 
   [[nodiscard]] int num_inputs() const { return task == TaskKind::kRegression ? input_dim : window * 256; }
   [[nodiscard]] int num_outputs() const { return task == TaskKind::kRegression ? output_dim : 256; }

@@ -121,6 +121,10 @@ struct TrainConfig {
   // it must have num_ranks ranks on num_nodes nodes. The summary and
   // on_step are then filled on rank 0 only.
   Transport* transport = nullptr;
+  // Every this many steps (0: never) a step's report carries the full
+  // who-waited-for-whom matrices (StepReport::wait_matrix); every report
+  // carries each rank's summary of them (RankTimes::exchange_wait ...).
+  int64_t wait_matrix_every = 100;
   // A test hook for fault injection: when set, every rank calls it before
   // each step (from the rank's own thread). Sleeping in it stalls the rank;
   // a non-OK status makes the rank fail as a crashed one would. The other
@@ -142,7 +146,23 @@ struct RankTimes {
   double grad_reduce = 0;  // in the gradient all-reduces (with grad_overlap on the thread, beside the backward)
   double grad_wait = 0;    // waiting for them after the backward (part of sync): what overlap did not hide
   double grad_bytes = 0;   // not a time: bytes this rank contributed to them (TransportCounters::collective_bytes)
+  // Who waited for whom in the step's dispatches and combines (every layer,
+  // forward and backward; WaitRecord in epx/exchange/buffer.h, meanings in
+  // docs/operations.md), over world ranks.
+  double exchange_wait = 0;  // seconds this rank was blocked on others (WaitRecord::blocked)
+  int waited_for = -1;       // the rank it waited for most (arrival + data); -1: none
+  double late = 0;           // seconds the others waited for this rank to arrive (a column sum of arrival)
+  double slow_data = 0;      // seconds the others waited for this rank's data (a column sum of data)
   [[nodiscard]] double communication() const { return dispatch + combine + sync; }
+};
+
+// The full who-waited-for-whom picture of one step, world ranks x world
+// ranks, row-major [r * num_ranks + s], seconds summed over the step's
+// dispatches and combines: arrival[r][s], rank r waited for s to arrive;
+// data[r][s], for s's data (WaitRecord). Ranks of different EP groups: 0.
+struct WaitMatrixReport {
+  int num_ranks = 0;
+  std::vector<double> arrival, data;
 };
 
 // An EPLB re-placement done at the end of a step.
@@ -170,6 +190,8 @@ struct StepReport {
   std::vector<LoadStats> layers;  // global, per layer
   std::vector<RankTimes> ranks;
   std::optional<EplbReport> eplb;  // set on the steps that end with a re-placement
+  std::optional<WaitMatrixReport> wait_matrix;  // every TrainConfig::wait_matrix_every steps
+  // One JSON object (docs/operations.md); non-finite numbers (a NaN loss) as null.
   [[nodiscard]] std::string to_json() const;
 };
 

@@ -1,0 +1,135 @@
+#include "epx/observe/straggler.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace epx {
+namespace {
+
+// `num_steps` steps of 50 ms on `num_ranks` ranks; every rank causes
+// `base` seconds of others' arrival wait per step, and `rank` in addition
+// `late` and `slow_data`.
+std::vector<StepRecord> window_of(int num_steps, int num_ranks, int rank, double late, double slow_data,
+                                  double base = 2e-4) {
+  std::vector<StepRecord> steps(static_cast<std::size_t>(num_steps));
+  for (int s = 0; s < num_steps; ++s) {
+    StepRecord& step = steps[static_cast<std::size_t>(s)];
+    step.step = s;
+    step.seconds = 0.05;
+    for (int r = 0; r < num_ranks; ++r) {
+      RankRecord& rr = step.ranks.emplace_back();
+      rr.rank = r;
+      rr.late = base + (r == rank ? late : 0);
+      rr.slow_data = base / 2 + (r == rank ? slow_data : 0);
+    }
+  }
+  return steps;
+}
+
+void set_rows(std::vector<StepRecord>& steps, const std::vector<int64_t>& tokens_per_rank) {
+  for (StepRecord& step : steps) {
+    for (int l = 0; l < 2; ++l) {
+      LayerRecord& layer = step.layers.emplace_back();
+      layer.layer = l;
+      layer.tokens_per_rank = tokens_per_rank;
+    }
+  }
+}
+
+TEST(Straggler, APausedRankIsCompute) {
+  std::vector<StepRecord> steps = window_of(20, 4, 2, 0.030, 0.001);
+  set_rows(steps, {100, 100, 110, 100});
+  const std::vector<Straggler> found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 2);
+  EXPECT_EQ(found[0].cause, StragglerCause::kCompute);
+  EXPECT_EQ(cause_name(found[0].cause), "compute");
+  // 31.3 ms/step of 31.3 + 4 x 0.3 ms of everybody's base.
+  EXPECT_NEAR(found[0].seconds_per_step, 0.0313, 1e-9);
+  EXPECT_NEAR(found[0].share, 0.0313 / (0.0313 + 3 * 0.0003), 1e-9);
+  EXPECT_NE(found[0].explanation.find("31.3 ms/step"), std::string::npos) << found[0].explanation;
+  EXPECT_NE(found[0].explanation.find("30.2 ms for it to arrive, 1.1 ms for its data"), std::string::npos)
+      << found[0].explanation;
+  EXPECT_NE(found[0].explanation.find("1.07x the mean rows"), std::string::npos) << found[0].explanation;
+}
+
+TEST(Straggler, SlowDataIsTheLink) {
+  const std::vector<Straggler> found = diagnose_stragglers(window_of(10, 4, 1, 0.002, 0.020));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 1);
+  EXPECT_EQ(found[0].cause, StragglerCause::kLink);
+  EXPECT_EQ(cause_name(found[0].cause), "link");
+}
+
+TEST(Straggler, LateWithManyRowsIsAHotExpert) {
+  std::vector<StepRecord> steps = window_of(10, 4, 3, 0.020, 0.0);
+  set_rows(steps, {100, 100, 100, 400});
+  std::vector<Straggler> found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 3);
+  EXPECT_EQ(found[0].cause, StragglerCause::kHotExpert);
+  EXPECT_EQ(cause_name(found[0].cause), "hot expert");
+  EXPECT_NE(found[0].explanation.find("2.29x the mean rows"), std::string::npos) << found[0].explanation;
+
+  // EP 2 on 4 ranks: tokens_per_rank has an entry per EP rank; world rank 3
+  // is EP rank 1, which receives 1.5x the mean: still hot. Rank 2 (EP rank 0)
+  // would not be.
+  steps = window_of(10, 4, 3, 0.020, 0.0);
+  set_rows(steps, {100, 300});
+  found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].cause, StragglerCause::kHotExpert);
+  steps = window_of(10, 4, 2, 0.020, 0.0);
+  set_rows(steps, {100, 300});
+  found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 2);
+  EXPECT_EQ(found[0].cause, StragglerCause::kCompute);
+}
+
+TEST(Straggler, NobodyWhenTheWaitIsEvenOrBelowTheNoiseFloor) {
+  EXPECT_TRUE(diagnose_stragglers(window_of(10, 4, 0, 0.0, 0.0)).empty());  // every rank the same
+  EXPECT_TRUE(diagnose_stragglers(window_of(10, 4, 0, 0.0004, 0.0, 1e-5)).empty());  // clear share, 0.4 ms/step
+  EXPECT_TRUE(diagnose_stragglers(window_of(10, 4, 0, 0.0, 0.0, 0.0)).empty());      // nobody waited at all
+  EXPECT_TRUE(diagnose_stragglers(std::span<const StepRecord>()).empty());
+  // Two ranks: 60/40 is jitter, not a straggler (a share must be 1.5x the fair half).
+  std::vector<StepRecord> two = window_of(10, 2, 0, 0.003, 0.0, 0.01);
+  EXPECT_TRUE(diagnose_stragglers(two).empty());
+  two = window_of(10, 2, 0, 0.05, 0.0, 0.01);
+  ASSERT_EQ(diagnose_stragglers(two).size(), 1u);
+}
+
+TEST(Straggler, TwoStragglersWorstFirstAndNaNIgnored) {
+  std::vector<StepRecord> steps = window_of(10, 8, 5, 0.010, 0.0);
+  for (StepRecord& step : steps) {
+    step.ranks[1].slow_data += 0.020;
+    step.ranks[4].late = std::nan("");
+  }
+  const std::vector<Straggler> found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 2u);
+  EXPECT_EQ(found[0].rank, 1);
+  EXPECT_EQ(found[0].cause, StragglerCause::kLink);
+  EXPECT_EQ(found[1].rank, 5);
+  EXPECT_EQ(found[1].cause, StragglerCause::kCompute);
+  EXPECT_GT(found[0].share, found[1].share);
+}
+
+TEST(Straggler, TheWaitMatrixNamesWhoWaited) {
+  std::vector<StepRecord> steps = window_of(4, 3, 1, 0.010, 0.0, 0.0);
+  for (StepRecord& step : steps) {
+    WaitMatrix& m = step.wait_matrix.emplace();
+    m.num_ranks = 3;
+    m.arrival.assign(9, 0.0);
+    m.data.assign(9, 0.0);
+    m.arrival[2 * 3 + 1] = 0.007;  // rank 2 waited for rank 1 the most
+    m.arrival[0 * 3 + 1] = 0.003;
+  }
+  const std::vector<Straggler> found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 1);
+  EXPECT_NE(found[0].explanation.find("waited for by ranks 2, 0"), std::string::npos) << found[0].explanation;
+}
+
+}  // namespace
+}  // namespace epx
