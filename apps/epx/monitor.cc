@@ -10,7 +10,6 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
-#include <ctime>
 #include <deque>
 #include <string>
 #include <thread>
@@ -25,6 +24,7 @@
 #include "epx/observe/run_log.h"
 #include "epx/observe/run_snapshot.h"
 #include "epx/observe/table.h"
+#include "machine.h"
 
 namespace epx::app {
 namespace {
@@ -51,15 +51,6 @@ double now_seconds() {
 }
 double unix_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char text[32];
-  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return text;
 }
 
 // One monitor run: what it has read and where it writes.
