@@ -54,7 +54,7 @@ const std::vector<KindSpec>& kind_specs() {
       {AlertKind::kStraggler,
        "straggler",
        {{Key::kWindow, "window", 2, kMaxWindow, false, true, 20.0},
-        {Key::kMinShare, "min_share", 0, 1, true, false, 0.5},
+        {Key::kMinShare, "min_share", 0, 1, true, false, 0.3},
         {Key::kForSteps, "for_steps", 1, kMaxSteps, false, true, 5.0}}},
       {AlertKind::kSlowStep,
        "slow_step",

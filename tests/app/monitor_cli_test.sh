@@ -54,6 +54,20 @@ expect "--once: the verdict counts it" 1 "^epx monitor --once: 1 alerts fired ov
 expect "--once: a NaN loss fires" 1 "FIRING loss-not-finite value=nan threshold=0 step=7" \
   --once --alerts "$rules" "$work/nan.jsonl"
 
+# A real straggler: steps 20-64 of a 4-process MPI run whose rank 2 was paused
+# from outside 30 ms in every 100 ms (SIGSTOP/SIGCONT; the runlog branch's
+# straggler_compute.sh). The straggler rule names rank 2 and its cause.
+printf '[[rule]]\nname = "straggler"\nkind = "straggler"\nwindow = 20\nfor_steps = 5\n' > "$work/straggler.toml"
+expect "a paused rank: the straggler rule names rank 2, cause compute" 1 \
+  "FIRING straggler rank=2 value=0\.[0-9]+ threshold=0\.3 step=[0-9]+ \(compute, " \
+  --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl"
+expect "a paused rank: no other rank is named" 1 "^epx monitor --once: 2 alerts fired over 45 steps" \
+  --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl"
+if "$epx" monitor --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl" |
+  grep "FIRING" | grep -qv "rank=2 "; then
+  fail "a paused rank: the straggler rule named another rank"
+fi
+
 printf '[[rule]]\nname = "vio"\nkind = "max_vio"\nabove = 1\nabov = 2\n' > "$work/unknown_key.toml"
 expect "bad rules: an unknown key is named (exit 2)" 2 \
   "unknown_key.toml: rule 'vio': unknown key 'abov' \(a max_vio rule takes name, kind, above, for_steps\)" \
