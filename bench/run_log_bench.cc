@@ -5,7 +5,6 @@
 // copy out of the page cache, the floor for any reader of the file) and (2)
 // read_metrics with a callback that only touches each record.
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -50,14 +49,6 @@ epx::StepReport make_step(int64_t step, int layers, int experts, int ranks, std:
   report.ranks.resize(static_cast<std::size_t>(ranks), epx::RankTimes{0.001, 0.01, 0.05, 0.01, 0.02, 0.001, 0.002,
                                                                        0.1, 0.003, 0.001, 1e6});
   return report;
-}
-
-// User + system CPU seconds of the process so far (every thread).
-double cpu_seconds() {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
-         static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
 }
 
 double read_only_seconds(const std::string& path) {
@@ -120,18 +111,20 @@ int main(int argc, char** argv) {
     std::fclose(out);
   }
   const double mb = static_cast<double>(std::filesystem::file_size(path)) / 1e6;
-  std::vector<double> read_times, parse_times, parse_cpu;
+  std::vector<double> read_times, parse_times, parse_cpu, others_share;
   int64_t checksum = 0;
   for (int r = 0; r < reps; ++r) {
     read_times.push_back(read_only_seconds(path));
     const auto start = Clock::now();
-    const double cpu_start = cpu_seconds();
+    const epx::bench::CpuSnapshot before = epx::bench::cpu_snapshot();
     const epx::Status status = epx::read_metrics(path, [&](epx::StepRecord&& record) {
       checksum += record.layers.back().tokens_per_expert.back();
       return epx::Status::ok();
     });
     parse_times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-    parse_cpu.push_back(cpu_seconds() - cpu_start);
+    const epx::bench::CpuSnapshot after = epx::bench::cpu_snapshot();
+    parse_cpu.push_back(after.self_s - before.self_s);
+    others_share.push_back(epx::bench::other_cpu_share(before, after));
     if (!status.is_ok()) {
       fmt::print(stderr, "{}\n", status.to_string());
       return 1;
@@ -147,7 +140,9 @@ int main(int argc, char** argv) {
   fmt::print("read_metrics:  {:8.3f} s  {:8.0f} MB/s  {:8.0f} steps/s  (checksum {})\n", t_parse, mb / t_parse,
              static_cast<double>(steps) / t_parse, checksum);
   const double t_cpu = epx::bench::median(parse_cpu);
-  fmt::print("read_metrics CPU time: {:.3f} s (both threads): {:.0f} MB per CPU-second\n", t_cpu, mb / t_cpu);
+  fmt::print("read_metrics CPU time: {:.3f} s (both threads): {:.0f} MB per CPU-second; other processes used "
+             "{:.0f}% of the machine meanwhile\n",
+             t_cpu, mb / t_cpu, 100 * epx::bench::median(others_share));
   fmt::print("simdjson DOM parse_many, 1 thread, file in memory: {:.3f} s {:.0f} MB/s (checksum {})\n", t_dom,
              mb / t_dom, dom_checksum);
   fmt::print("100,000 steps of these lines at this rate: {:.1f} s\n", 1e5 * (t_parse / static_cast<double>(steps)));

@@ -25,6 +25,8 @@
 #include "epx/observe/metrics.h"
 #include "epx/observe/output_path.h"
 #include "epx/observe/progress.h"
+#include "epx/observe/run_log.h"
+#include "epx/observe/straggler.h"
 #include "epx/observe/table.h"
 #include "epx/train/memory_estimate.h"
 #include "epx/train/trainer.h"
@@ -361,6 +363,8 @@ int compare_balancing(const TrainOptions& o, const TrainConfig& base, bool root)
 }
 
 // With --metrics -, stdout carries the JSON lines only; the rest goes to stderr.
+constexpr std::size_t kStragglerWindowSteps = 50;  // the summary's straggler line looks at these last steps
+
 std::FILE* text_stream(const TrainOptions& o) { return o.metrics_path == "-" ? stderr : stdout; }
 
 void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
@@ -375,11 +379,24 @@ void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
              c.balancing.name(), o.data);
 }
 
-void print_summary(const TrainOptions& o, const TrainSummary& summary, double wall_seconds) {
+// The straggler diagnosis of the run's last steps (docs/operations.md,
+// Finding a straggler): one line per straggler, or one saying there is none.
+void print_stragglers(std::FILE* out, const StragglerWindow& recent) {
+  if (recent.size() == 0) return;
+  const std::vector<Straggler> found = recent.diagnose();
+  for (const Straggler& s : found) fmt::print(out, "straggler: {}\n", describe(s));
+  if (found.empty())
+    fmt::print(out, "straggler: none (no rank caused a clear share of the waiting over the last {} steps)\n",
+               recent.size());
+}
+
+void print_summary(const TrainOptions& o, const TrainSummary& summary, double wall_seconds,
+                   const StragglerWindow& recent) {
   std::FILE* out = text_stream(o);
   auto rows = summary_rows(summary);
   rows.push_back({"wall time (s)", fixed(wall_seconds, 2)});
   fmt::print(out, "{}", format_table({"summary", "value"}, rows));
+  print_stragglers(out, recent);
   if (!o.metrics_path.empty() && o.metrics_path != "-") fmt::print(out, "metrics: {}\n", o.metrics_path);
   if (!o.trace_path.empty()) fmt::print(out, "trace: {} (open in https://ui.perfetto.dev)\n", o.trace_path);
   if (!o.save_dir.empty()) fmt::print(out, "checkpoint: {}\n", o.save_dir);
@@ -642,12 +659,18 @@ int run_train(const TrainOptions& options) {
     fmt::print(stderr, "epx train: {}\n", *note);
   ProgressBar progress(config->steps, "train");
   Stopwatch wall;
+  // The last steps as the metrics reader sees them, for the straggler line
+  // (the first step left out: every rank's first GEMMs are slow).
+  StragglerWindow recent(kStragglerWindowSteps);
   // A metrics line that cannot be written stops the run at that step.
   auto summary = train(*config, [&](const StepReport& r) -> Status {
+    const std::string line = r.to_json();
     if (metrics) {
-      Status s = metrics->write(r.to_json());
+      Status s = metrics->write(line);
       if (!s.is_ok()) return Status(s.code(), fmt::format("writing metrics: {}", s.message()));
     }
+    if (Result<StepRecord> record = parse_step_record(line); record.is_ok() && r.step > 0)
+      recent.add(std::move(record).value());
     double vio = 0;
     for (const LoadStats& s : r.layers) vio += s.max_vio;
     vio /= static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
@@ -667,7 +690,7 @@ int run_train(const TrainOptions& options) {
     }
   }
   if (!root) return kExitOk;
-  print_summary(o, *summary, wall.seconds());
+  print_summary(o, *summary, wall.seconds(), recent);
   return kExitOk;
 }
 

@@ -248,7 +248,7 @@ error_code read_wait_matrix(od::value value, WaitMatrix& matrix, FieldPath& wher
   const std::size_t cells = static_cast<std::size_t>(std::max(matrix.num_ranks, 0)) * std::max(matrix.num_ranks, 0);
   if (matrix.num_ranks < 0 || matrix.arrival.size() != cells || matrix.data.size() != cells) {
     where.field = "num_ranks";
-    return simdjson::INDEX_OUT_OF_BOUNDS;  // reworded by wait_matrix_message
+    return simdjson::INDEX_OUT_OF_BOUNDS;  // reworded by failure_message
   }
   where = FieldPath{};
   return simdjson::SUCCESS;
@@ -285,6 +285,7 @@ error_code read_step_field(std::string_view key, od::value v, StepRecord& step, 
   if (key == "grad_norm") return read_double(v, step.grad_norm);
   if (key == "seconds") return read_double(v, step.seconds);
   if (key == "tokens_per_s") return read_double(v, step.tokens_per_s);
+  if (key == "num_nodes") return read_int(v, step.num_nodes);
   if (key == "layers") return read_records(v, "layers", step.layers, where, read_layer);
   if (key == "ranks") return read_records(v, "ranks", step.ranks, where, read_rank);
   if (key == "wait_matrix") return read_wait_matrix(v, step.wait_matrix.emplace(), where);

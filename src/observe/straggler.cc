@@ -30,6 +30,7 @@ struct Blame {
 struct Window {
   std::map<int, Blame> blame;  // by world rank
   int num_ranks = 0;
+  bool one_node = false;  // every step on one node: no link between any two ranks
   double step_seconds = 0;  // summed
   std::vector<double> rows_per_ep_rank;  // received rows (tokens_per_rank), summed over layers and steps
 };
@@ -52,7 +53,9 @@ void add_rows(const StepRecord& step, Window& w) {
 
 Window summarize(std::span<const StepRecord> steps) {
   Window w;
+  w.one_node = true;
   for (const StepRecord& step : steps) {
+    w.one_node = w.one_node && step.num_nodes == 1;
     w.step_seconds += finite_or_zero(step.seconds);
     w.num_ranks = std::max(w.num_ranks, static_cast<int>(step.ranks.size()));
     for (const RankRecord& r : step.ranks) {
@@ -78,8 +81,10 @@ double rows_over_mean(const Window& w, int rank) {
   return w.rows_per_ep_rank[static_cast<std::size_t>(rank) % ep] / (sum / static_cast<double>(ep));
 }
 
-StragglerCause classify(const Blame& b, double rows_ratio) {
-  if (b.slow_data > b.late) return StragglerCause::kLink;
+// On one node the ranks' data moves through memory, copied by the ranks
+// themselves: a rank slow with its data there is slow itself, not its link.
+StragglerCause classify(const Blame& b, double rows_ratio, bool one_node) {
+  if (b.slow_data > b.late && !one_node) return StragglerCause::kLink;
   return rows_ratio >= kHotRowsOverMean ? StragglerCause::kHotExpert : StragglerCause::kCompute;
 }
 
@@ -94,12 +99,13 @@ std::string waiters_text(const Blame& b) {
   return fmt::format("; waited for by rank{} {}", ranks.size() > 1 ? "s" : "", fmt::join(ranks, ", "));
 }
 
-std::string explain(const Blame& b, double share, double num_steps, double rows_ratio) {
+std::string explain(const Blame& b, double share, double num_steps, double rows_ratio, bool one_node) {
   std::string rows = rows_ratio > 0 ? fmt::format("; receives {:.2f}x the mean rows", rows_ratio) : "";
   return fmt::format("the others waited {:.1f} ms/step for it ({:.0f}% of all waiting over {} steps): {:.1f} ms for it "
-                     "to arrive, {:.1f} ms for its data{}{}",
+                     "to arrive, {:.1f} ms for its data{}{}{}",
                      1e3 * b.total() / num_steps, 100 * share, num_steps, 1e3 * b.late / num_steps,
-                     1e3 * b.slow_data / num_steps, rows, waiters_text(b));
+                     1e3 * b.slow_data / num_steps, one_node ? " (one node: no link between ranks)" : "", rows,
+                     waiters_text(b));
 }
 
 }  // namespace
@@ -111,6 +117,26 @@ std::string_view cause_name(StragglerCause cause) {
     case StragglerCause::kHotExpert: return "hot expert";
   }
   return "unknown";
+}
+
+std::string describe(const Straggler& straggler) {
+  return fmt::format("rank {} ({}): {}", straggler.rank, cause_name(straggler.cause), straggler.explanation);
+}
+
+Result<std::vector<Straggler>> diagnose_metrics_file(const std::string& path, int64_t last_steps) {
+  if (last_steps < 1) return invalid_argument("last_steps = {} is below 1", last_steps);
+  StragglerWindow window(static_cast<std::size_t>(last_steps));
+  EPX_RETURN_IF_ERROR(read_metrics(path, [&](StepRecord&& record) {
+    window.add(std::move(record));
+    return Status::ok();
+  }));
+  return window.diagnose();
+}
+
+void StragglerWindow::add(StepRecord step) {
+  if (capacity_ == 0) return;
+  if (steps_.size() == capacity_) steps_.erase(steps_.begin());
+  steps_.push_back(std::move(step));
 }
 
 std::vector<Straggler> diagnose_stragglers(std::span<const StepRecord> window) {
@@ -128,7 +154,8 @@ std::vector<Straggler> diagnose_stragglers(std::span<const StepRecord> window) {
     const double per_step = b.total() / num_steps;
     if (share < min_share || per_step < min_per_step) continue;
     const double rows_ratio = rows_over_mean(w, rank);
-    out.push_back(Straggler{rank, classify(b, rows_ratio), share, per_step, explain(b, share, num_steps, rows_ratio)});
+    out.push_back(Straggler{rank, classify(b, rows_ratio, w.one_node), share, per_step,
+                            explain(b, share, num_steps, rows_ratio, w.one_node)});
   }
   std::sort(out.begin(), out.end(), [](const Straggler& a, const Straggler& b) { return a.share > b.share; });
   return out;

@@ -331,9 +331,9 @@ std::string StepReport::to_json() const {
                             fmt::join(eplb->balance_before, ","), fmt::join(eplb->balance_after, ","),
                             eplb->num_moved_slots, eplb->moved_bytes);
   return fmt::format("{{\"step\":{},\"loss\":{},\"main_loss\":{},\"lr\":{},\"grad_norm\":{},"
-                     "\"seconds\":{},\"tokens_per_s\":{},\"layers\":[{}],\"ranks\":[{}]{}{}}}",
+                     "\"seconds\":{},\"tokens_per_s\":{},\"num_nodes\":{},\"layers\":[{}],\"ranks\":[{}]{}{}}}",
                      step, json_number(loss), json_number(main_loss), json_number(learning_rate),
-                     json_number(grad_norm), json_number(seconds), json_number(tokens_per_second), layers_json,
+                     json_number(grad_norm), json_number(seconds), json_number(tokens_per_second), num_nodes, layers_json,
                      ranks_json, eplb_json, detail::wait_matrix_json(wait_matrix));
 }
 
@@ -658,6 +658,7 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   StepReport report;
   report.step = step;
   report.steps = r.config().steps;
+  report.num_nodes = r.config().num_nodes;
   report.loss = losses[0];
   report.main_loss = losses[1];
   report.learning_rate = n.lr;

@@ -20,6 +20,8 @@
 #   --np-per-host N, --ranks-per-host N   ranks per host (default 2)
 #   --hosts N          only 2 is supported (one veth pair)
 #   --rate RATE        tc tbf on both veth ends, e.g. 1gbit (default: none)
+#   --rate-host H      apply --rate (and --delay) only to host H's egress (a or b):
+#                      one host's link capped, the other's not (default: both)
 #   --burst B          tbf burst (default 256kb), --tbf-latency L (default 20ms)
 #   --delay D          netem delay on both ends (with --rate: netem's rate, no tbf);
 #                      needs sch_netem, which this machine's kernel lacks (exit 77)
@@ -39,7 +41,7 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 me=two_hosts.sh
 
-np=2 hosts=2 rate='' burst=256kb tbf_latency=20ms delay='' timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
+np=2 hosts=2 rate='' rate_host='' burst=256kb tbf_latency=20ms delay='' timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
 extra=()
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -47,6 +49,7 @@ while [ $# -gt 0 ]; do
     --np-per-host|--ranks-per-host) np=$2; shift 2 ;;
     --hosts) hosts=$2; shift 2 ;;
     --rate) rate=$2; shift 2 ;;
+    --rate-host) rate_host=$2; shift 2 ;;
     --burst) burst=$2; shift 2 ;;
     --tbf-latency) tbf_latency=$2; shift 2 ;;
     --delay) delay=$2; shift 2 ;;
@@ -65,6 +68,7 @@ done
 [ $# -ge 1 ] || usage
 [ "$hosts" = 2 ] || { echo "$me: --hosts $hosts: only 2 hosts (one veth pair) are supported" >&2; exit 2; }
 case $np in ''|*[!0-9]*|0) echo "$me: --np-per-host needs a positive number" >&2; exit 2 ;; esac
+case $rate_host in ''|a|b) ;; *) echo "$me: --rate-host $rate_host: expected a or b" >&2; exit 2 ;; esac
 if [ -n "$rate" ] && ! [[ $rate =~ ^[0-9]+(\.[0-9]+)?([kKmMgGtT]?(bit|bps))?$ ]]; then
   echo "$me: --rate $rate: expected a tc rate such as 1gbit or 200mbit" >&2; exit 2
 fi
@@ -159,7 +163,10 @@ if [ -n "$rate$delay" ]; then
   else
     qdisc=(tbf rate "$rate" burst "$burst" latency "$tbf_latency")
   fi
-  for ns in "$ns_a" "$ns_b"; do
+  capped=("$ns_a" "$ns_b")
+  [ "$rate_host" = a ] && capped=("$ns_a")
+  [ "$rate_host" = b ] && capped=("$ns_b")
+  for ns in "${capped[@]}"; do
     tc -n "$ns" qdisc add dev eth0 root "${qdisc[@]}" ||
       skip "tc qdisc add dev eth0 root ${qdisc[*]} failed (kernel without sch_${qdisc[0]}, or a bad value)"
   done

@@ -48,6 +48,7 @@ StepReport sample_report() {
   report.grad_norm = 0.125;
   report.seconds = 0.0123456789;
   report.tokens_per_second = 98765.4321;
+  report.num_nodes = 2;
   for (int l = 0; l < 2; ++l) {
     LoadStats s;
     s.tokens_per_expert = {10 + l, 0, 7, 123456789012};
@@ -73,9 +74,14 @@ StepReport sample_report() {
     t.grad_reduce = 0.001;
     t.grad_wait = 0.0005;
     t.grad_bytes = 4096 * (r + 1);
+    t.exchange_wait = 0.0031 * (r + 1);
+    t.waited_for = 1 - r;
+    t.late = 0.25 * r;
+    t.slow_data = 1e-7 * (r + 3);
     report.ranks.push_back(t);
   }
   report.eplb = EplbReport{{1.5, 1.25}, {1.0625, 1.0}, 6, 123456};
+  report.wait_matrix = WaitMatrixReport{2, {0, 0.125, 1.0 / 3.0, 0}, {0, 2e-6, 0.0625, 0}};
   return report;
 }
 
@@ -92,6 +98,7 @@ TEST(RunLog, ReadsBackWhatTheTrainerWrites) {
   EXPECT_EQ(r.grad_norm, report.grad_norm);
   EXPECT_EQ(r.seconds, report.seconds);
   EXPECT_EQ(r.tokens_per_s, report.tokens_per_second);
+  EXPECT_EQ(r.num_nodes, 2);
   ASSERT_EQ(r.layers.size(), 2u);
   for (int l = 0; l < 2; ++l) {
     const LayerRecord& got = r.layers[l];
@@ -122,15 +129,36 @@ TEST(RunLog, ReadsBackWhatTheTrainerWrites) {
     EXPECT_EQ(got.grad_reduce, want.grad_reduce);
     EXPECT_EQ(got.grad_wait, want.grad_wait);
     EXPECT_EQ(got.grad_bytes, want.grad_bytes);
+    EXPECT_EQ(got.exchange_wait, want.exchange_wait);
+    EXPECT_EQ(got.waited_for, want.waited_for);
+    EXPECT_EQ(got.late, want.late);
+    EXPECT_EQ(got.slow_data, want.slow_data);
   }
   ASSERT_TRUE(r.eplb.has_value());
   EXPECT_EQ(r.eplb->balance_before, report.eplb->balance_before);
   EXPECT_EQ(r.eplb->balance_after, report.eplb->balance_after);
   EXPECT_EQ(r.eplb->moved_slots, 6);
   EXPECT_EQ(r.eplb->moved_bytes, 123456);
-  EXPECT_FALSE(r.wait_matrix.has_value());
+  ASSERT_TRUE(r.wait_matrix.has_value());
+  EXPECT_EQ(r.wait_matrix->num_ranks, 2);
+  EXPECT_EQ(r.wait_matrix->arrival, report.wait_matrix->arrival);
+  EXPECT_EQ(r.wait_matrix->data, report.wait_matrix->data);
   EXPECT_DOUBLE_EQ(r.balancedness(), 1.0 - (0.25 + 0.5) / 2);
   EXPECT_DOUBLE_EQ(r.max_vio(), (0.75 + 1.75) / 2);
+}
+
+// A diverged run: the trainer writes its NaN loss as null, read back as NaN.
+TEST(RunLog, ReadsBackTheTrainersNaNLoss) {
+  StepReport report = sample_report();
+  report.loss = std::nan("");
+  report.grad_norm = std::numeric_limits<double>::infinity();
+  const std::string line = report.to_json();
+  EXPECT_NE(line.find("\"loss\":null"), std::string::npos) << line;
+  Result<StepRecord> parsed = parse_step_record(line);
+  ASSERT_TRUE(parsed.is_ok()) << parsed.status().to_string();
+  EXPECT_TRUE(std::isnan(parsed->loss));
+  EXPECT_TRUE(std::isnan(parsed->grad_norm));
+  EXPECT_EQ(parsed->main_loss, report.main_loss);
 }
 
 TEST(RunLog, ReadsTheWaitFieldsAndTheWaitMatrix) {

@@ -17,6 +17,7 @@ std::vector<StepRecord> window_of(int num_steps, int num_ranks, int rank, double
     StepRecord& step = steps[static_cast<std::size_t>(s)];
     step.step = s;
     step.seconds = 0.05;
+    step.num_nodes = 2;
     for (int r = 0; r < num_ranks; ++r) {
       RankRecord& rr = step.ranks.emplace_back();
       rr.rank = r;
@@ -60,6 +61,22 @@ TEST(Straggler, SlowDataIsTheLink) {
   EXPECT_EQ(found[0].rank, 1);
   EXPECT_EQ(found[0].cause, StragglerCause::kLink);
   EXPECT_EQ(cause_name(found[0].cause), "link");
+}
+
+// On one node data moves through memory: a rank slow with its data there is
+// slow itself (a paused process caught inside an exchange), not its link.
+TEST(Straggler, SlowDataOnOneNodeIsCompute) {
+  std::vector<StepRecord> steps = window_of(10, 4, 1, 0.002, 0.020);
+  for (StepRecord& step : steps) step.num_nodes = 1;
+  std::vector<Straggler> found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 1);
+  EXPECT_EQ(found[0].cause, StragglerCause::kCompute);
+  EXPECT_NE(found[0].explanation.find("one node"), std::string::npos) << found[0].explanation;
+  steps[3].num_nodes = 2;  // not every step on one node: a link is possible
+  found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].cause, StragglerCause::kLink);
 }
 
 TEST(Straggler, LateWithManyRowsIsAHotExpert) {

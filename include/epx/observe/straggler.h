@@ -15,6 +15,7 @@
 //   hot expert swamps it: a balancing problem, not a hardware one).
 #pragma once
 
+#include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
@@ -40,5 +41,27 @@ struct Straggler {
 [[nodiscard]] std::vector<Straggler> diagnose_stragglers(std::span<const StepRecord> window);
 
 [[nodiscard]] std::string_view cause_name(StragglerCause cause);  // "compute", "link", "hot expert"
+
+// The last `capacity` steps of a run, for a diagnosis that follows it
+// (epx train's summary; a monitor's current straggler).
+class StragglerWindow {
+ public:
+  explicit StragglerWindow(std::size_t capacity) : capacity_(capacity) {}
+  void add(StepRecord step);  // drops the oldest beyond capacity
+  [[nodiscard]] std::vector<Straggler> diagnose() const { return diagnose_stragglers(steps_); }
+  [[nodiscard]] std::size_t size() const { return steps_.size(); }
+
+ private:
+  std::size_t capacity_;
+  std::vector<StepRecord> steps_;  // oldest first
+};
+
+// The line epx prints for a straggler: "rank 2 (compute): the others waited ...".
+[[nodiscard]] std::string describe(const Straggler& straggler);
+
+// The stragglers of the last `last_steps` (>= 1) steps of a metrics file
+// (read_metrics' errors). `epx train` prints the same diagnosis at the end of
+// a run, from its last steps.
+[[nodiscard]] Result<std::vector<Straggler>> diagnose_metrics_file(const std::string& path, int64_t last_steps);
 
 }  // namespace epx

@@ -181,6 +181,7 @@ struct EplbReport {
 struct StepReport {
   int64_t step = 0;  // 0-based
   int64_t steps = 0;
+  int num_nodes = 1;  // of the run (ranks node-major); the straggler diagnosis tells links from ranks by it
   double loss = 0;       // main + auxiliary, summed over ranks
   double main_loss = 0;  // the task loss of the global batch
   double learning_rate = 0;
