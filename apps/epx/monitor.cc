@@ -23,6 +23,7 @@
 #include "epx/observe/prometheus.h"
 #include "epx/observe/run_log.h"
 #include "epx/observe/run_snapshot.h"
+#include "epx/observe/straggler.h"
 #include "epx/observe/table.h"
 #include "machine.h"
 
@@ -88,9 +89,7 @@ std::string hot_text(const LayerSnapshot& l) {
 
 std::string straggler_text(const RunSnapshot& s) {
   if (s.stragglers.empty()) return fmt::format("none over the last {} steps", s.window_steps);
-  const Straggler& t = s.stragglers.front();
-  return fmt::format("rank {} ({}, {:.0f}% of the waiting, {:.3g} s/step over the last {} steps)", t.rank,
-                     cause_name(t.cause), 100 * t.share, t.seconds_per_step, s.window_steps);
+  return describe(s.stragglers.front());
 }
 
 // The worst of the ranks by `value` (rank -1 when there are none).

@@ -6,13 +6,11 @@
 #include <ctime>
 #include <filesystem>
 #include <optional>
-#include <span>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
 #include "epx/observe/run_snapshot.h"
-#include "epx/observe/straggler.h"
 
 namespace epx {
 namespace {
@@ -233,10 +231,11 @@ std::string format_alert(const Alert& a) {
 
 AlertEvaluator::AlertEvaluator(std::vector<AlertRule> rules)
     : rules_(std::move(rules)), now_([] { return std::chrono::system_clock::now(); }) {
-  for (const AlertRule& r : rules_) {
-    const auto w = static_cast<std::size_t>(std::max(0, r.window));
-    if (r.kind == AlertKind::kStraggler) straggler_window_ = std::max(straggler_window_, w);
-    if (r.kind == AlertKind::kLossSpike || r.kind == AlertKind::kSlowStep) median_window_ = std::max(median_window_, w);
+  for (std::size_t i = 0; i < rules_.size(); ++i) {
+    const auto w = static_cast<std::size_t>(std::max(0, rules_[i].window));
+    if (rules_[i].kind == AlertKind::kStraggler) straggler_windows_.emplace(i, StragglerWindow(w));
+    if (rules_[i].kind == AlertKind::kLossSpike || rules_[i].kind == AlertKind::kSlowStep)
+      median_window_ = std::max(median_window_, w);
   }
 }
 
@@ -267,19 +266,15 @@ void AlertEvaluator::observe(std::size_t rule_idx, int layer, int rank, bool hol
 
 void AlertEvaluator::evaluate_straggler(std::size_t rule_idx, const StepRecord& record, std::vector<Alert>* out) {
   const AlertRule& rule = rules_[rule_idx];
-  const auto w = static_cast<std::size_t>(rule.window);
-  std::vector<Straggler> found;
-  if (window_.size() >= w) {
-    found = diagnose_stragglers(std::span<const StepRecord>(window_).last(w));
-  }
+  const StragglerWindow& window = straggler_windows_.at(rule_idx);
+  // Quiet until the window is full.
+  const std::vector<Straggler> found =
+      window.size() >= static_cast<std::size_t>(rule.window) ? window.diagnose() : std::vector<Straggler>{};
   for (const RankRecord& r : record.ranks) {
     auto s = std::find_if(found.begin(), found.end(), [&](const Straggler& x) { return x.rank == r.rank; });
     const bool holds = s != found.end() && s->share >= rule.min_share;
-    const std::string detail =
-        s == found.end() ? std::string()
-                         : fmt::format("{}, {:.3g} s/step of the others' wait over {} steps: {}", cause_name(s->cause),
-                                       s->seconds_per_step, w, s->explanation);
-    observe(rule_idx, -1, r.rank, holds, s == found.end() ? 0.0 : s->share, detail, record, out);
+    observe(rule_idx, -1, r.rank, holds, s == found.end() ? 0.0 : s->share,
+            s == found.end() ? std::string() : describe(*s), record, out);
   }
 }
 
@@ -324,10 +319,7 @@ void AlertEvaluator::evaluate_rule(std::size_t rule_idx, const StepRecord& recor
 }
 
 std::vector<Alert> AlertEvaluator::add(const StepRecord& record) {
-  if (straggler_window_ > 0) {
-    if (window_.size() == straggler_window_) window_.erase(window_.begin());
-    window_.push_back(record);
-  }
+  for (auto& [idx, window] : straggler_windows_) window.add(record);
   std::vector<Alert> out;
   for (std::size_t i = 0; i < rules_.size(); ++i) evaluate_rule(i, record, &out);
   if (median_window_ > 0) {

@@ -45,23 +45,22 @@ double rank_idle_fraction(const RankRecord& rank) {
   return std::clamp((rank.wait + rank.exchange_wait) / rank.total, 0.0, 1.0);
 }
 
-RunTracker::RunTracker(RunTrackerOptions options) : options_(options) {
-  options_.window = std::max(1, options_.window);
-}
+RunTracker::RunTracker(RunTrackerOptions options)
+    : options_(options), window_(static_cast<std::size_t>(std::max(1, options.window))) {}
 
 void RunTracker::add(const StepRecord& record) {
   ++records_;
   if (dropped_total_.size() < record.layers.size()) dropped_total_.resize(record.layers.size(), 0);
   for (std::size_t l = 0; l < record.layers.size(); ++l) dropped_total_[l] += record.layers[l].dropped;
-  window_.push_back(record);
-  while (window_.size() > static_cast<std::size_t>(options_.window)) window_.pop_front();
+  last_ = record;
+  window_.add(record);
 }
 
 RunSnapshot RunTracker::snapshot() const {
   RunSnapshot s;
   s.records = records_;
-  if (window_.empty()) return s;
-  const StepRecord& last = window_.back();
+  if (records_ == 0) return s;
+  const StepRecord& last = last_;
   s.step = last.step;
   s.loss = last.loss;
   s.main_loss = last.main_loss;
@@ -73,9 +72,8 @@ RunSnapshot RunTracker::snapshot() const {
     s.layers.push_back(layer_snapshot(last.layers[l], dropped_total_[l], options_.hot_experts));
   for (int64_t d : dropped_total_) s.dropped_total += d;
   for (const RankRecord& r : last.ranks) s.ranks.push_back(rank_snapshot(r));
-  const std::vector<StepRecord> window(window_.begin(), window_.end());
-  s.stragglers = diagnose_stragglers(window);
-  s.window_steps = static_cast<int>(window.size());
+  s.stragglers = window_.diagnose();
+  s.window_steps = static_cast<int>(window_.size());
   return s;
 }
 

@@ -59,7 +59,7 @@ expect "--once: a NaN loss fires" 1 "FIRING loss-not-finite value=nan threshold=
 # straggler_compute.sh). The straggler rule names rank 2 and its cause.
 printf '[[rule]]\nname = "straggler"\nkind = "straggler"\nwindow = 20\nfor_steps = 5\n' > "$work/straggler.toml"
 expect "a paused rank: the straggler rule names rank 2, cause compute" 1 \
-  "FIRING straggler rank=2 value=0\.[0-9]+ threshold=0\.3 step=[0-9]+ \(compute, " \
+  "FIRING straggler rank=2 value=0\.[0-9]+ threshold=0\.3 step=[0-9]+ \(rank 2 \(compute\): the others waited " \
   --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl"
 expect "a paused rank: no other rank is named" 1 "^epx monitor --once: 2 alerts fired over 45 steps" \
   --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl"

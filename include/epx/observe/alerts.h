@@ -39,6 +39,7 @@
 
 #include "epx/core/status.h"
 #include "epx/observe/run_log.h"
+#include "epx/observe/straggler.h"
 
 namespace epx {
 
@@ -108,8 +109,8 @@ class AlertEvaluator {
   std::vector<AlertRule> rules_;
   std::map<Key, Instance> instances_;
   std::deque<double> losses_, seconds_;  // the previous steps' finite losses and step times
-  std::vector<StepRecord> window_;       // the last steps, for the straggler rules
-  std::size_t median_window_ = 0, straggler_window_ = 0;
+  std::size_t median_window_ = 0;
+  std::map<std::size_t, StragglerWindow> straggler_windows_;  // per straggler rule (by index)
   int64_t num_fired_ = 0;
   std::function<std::chrono::system_clock::time_point()> now_;
 };

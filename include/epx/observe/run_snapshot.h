@@ -12,7 +12,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <string>
 #include <vector>
 
@@ -76,7 +75,8 @@ class RunTracker {
 
  private:
   RunTrackerOptions options_;
-  std::deque<StepRecord> window_;
+  StepRecord last_;
+  StragglerWindow window_;
   std::vector<int64_t> dropped_total_;  // per layer
   int64_t records_ = 0;
 };
