@@ -26,23 +26,19 @@ Status file_error(int err, std::string_view what, const std::string& path) {
   return make_status(code, "cannot {} '{}': {}", what, path, std::strerror(err));
 }
 
-namespace {
-
-// Writes all of `data` to `fd`, retrying short writes and EINTR.
-bool write_all(int fd, const std::string& data) {
+int write_all(int fd, std::string_view data) {
   std::size_t written = 0;
   while (written < data.size()) {
     const ssize_t n = ::write(fd, data.data() + written, data.size() - written);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return false;
+      return errno;
     }
+    if (n == 0) return EIO;
     written += static_cast<std::size_t>(n);
   }
-  return true;
+  return 0;
 }
-
-}  // namespace
 
 Status write_file_atomically(const std::string& path, const std::string& data) {
   std::string tmp = path + ".tmp.XXXXXX";
@@ -54,8 +50,9 @@ Status write_file_atomically(const std::string& path, const std::string& data) {
     ::unlink(tmp.c_str());
     return file_error(err, what, path);
   };
-  if (!write_all(fd, data)) {
+  if (const int err = write_all(fd, data); err != 0) {
     ::close(fd);
+    errno = err;
     return fail("write");
   }
   if (::close(fd) != 0) return fail("write");

@@ -13,6 +13,10 @@ namespace epx::observe_detail {
 
 Status file_error(int err, std::string_view what, const std::string& path);
 
+// Writes all of `data` to `fd`: one write() call, repeated only for what a
+// short write left (and EINTR). Returns 0 or the errno of the failure.
+int write_all(int fd, std::string_view data);
+
 // Writes `data` to a temporary file next to `path` (`path`.tmp.XXXXXX, mode
 // 0644), then renames it over `path`, so a reader sees the old file or the
 // new one, never a part; on failure the temporary file is removed and `path`

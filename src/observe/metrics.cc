@@ -16,26 +16,7 @@
 namespace epx {
 
 using observe_detail::file_error;
-
-namespace {
-
-// Writes all of `data` to `fd`: one write() call, repeated only for what a
-// short write left. Returns 0 or the errno of the failure.
-int write_all(int fd, std::string_view data) {
-  std::size_t written = 0;
-  while (written < data.size()) {
-    const ssize_t n = ::write(fd, data.data() + written, data.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (n == 0) return EIO;
-    written += static_cast<std::size_t>(n);
-  }
-  return 0;
-}
-
-}  // namespace
+using observe_detail::write_all;
 
 Result<MetricsWriter> MetricsWriter::open(const std::string& path, bool append) {
   if (path.empty()) return invalid_argument("the metrics path is empty; pass a file name or \"-\" for stdout");
