@@ -11,10 +11,9 @@ namespace epx {
 namespace {
 
 // The thresholds of docs/operations.md (## Finding a straggler).
-constexpr double kMinShare = 0.3;             // of all the window's waiting ...
-constexpr double kShareOverFair = 1.5;        // ... and 1.5x a fair 1/num_ranks share
-constexpr double kMinSecondsPerStep = 1e-3;   // the others' wait it caused, per step ...
-constexpr double kMinShareOfStep = 0.02;      // ... and 2% of the mean step time
+constexpr double kMinNetShare = 0.3;          // of the ranks' positive net blame (at most 3 stragglers)
+constexpr double kMinSecondsPerStep = 1e-3;   // its net blame per step at least this ...
+constexpr double kMinShareOfStep = 0.05;      // ... and 5% of the mean step time
 constexpr double kHotRowsOverMean = 1.5;      // received rows vs the mean EP rank: a hot expert
 
 double finite_or_zero(double x) { return std::isfinite(x) ? x : 0.0; }
@@ -23,8 +22,12 @@ double finite_or_zero(double x) { return std::isfinite(x) ? x : 0.0; }
 struct Blame {
   double late = 0;       // others' wait for it to arrive, summed over the window
   double slow_data = 0;  // others' wait for its data
+  double waited = 0;     // its own wait for the others (exchange_wait)
   std::map<int, double> waiters;  // from the wait matrices: who waited for it, how long
   [[nodiscard]] double total() const { return late + slow_data; }
+  // What it made the others wait beyond what they made it wait: about 0 for
+  // every rank when the waiting is noise, large for the one everybody waits for.
+  [[nodiscard]] double net() const { return total() - waited; }
 };
 
 struct Window {
@@ -62,6 +65,7 @@ Window summarize(std::span<const StepRecord> steps) {
       Blame& b = w.blame[r.rank];
       b.late += finite_or_zero(r.late);
       b.slow_data += finite_or_zero(r.slow_data);
+      b.waited += finite_or_zero(r.exchange_wait);
     }
     if (step.wait_matrix) add_matrix(*step.wait_matrix, w);
     add_rows(step, w);
@@ -102,10 +106,10 @@ std::string waiters_text(const Blame& b) {
 std::string explain(const Blame& b, double share, double num_steps, double rows_ratio, bool one_node) {
   std::string rows = rows_ratio > 0 ? fmt::format("; receives {:.2f}x the mean rows", rows_ratio) : "";
   return fmt::format("the others waited {:.1f} ms/step for it ({:.0f}% of all waiting over {} steps): {:.1f} ms for it "
-                     "to arrive, {:.1f} ms for its data{}{}{}",
+                     "to arrive, {:.1f} ms for its data{}; it waited {:.1f} ms/step for them{}{}",
                      1e3 * b.total() / num_steps, 100 * share, num_steps, 1e3 * b.late / num_steps,
-                     1e3 * b.slow_data / num_steps, one_node ? " (one node: no link between ranks)" : "", rows,
-                     waiters_text(b));
+                     1e3 * b.slow_data / num_steps, one_node ? " (one node: no link between ranks)" : "",
+                     1e3 * b.waited / num_steps, rows, waiters_text(b));
 }
 
 }  // namespace
@@ -143,16 +147,18 @@ std::vector<Straggler> diagnose_stragglers(std::span<const StepRecord> window) {
   std::vector<Straggler> out;
   if (window.empty()) return out;
   const Window w = summarize(window);
-  double total = 0;
-  for (const auto& entry : w.blame) total += entry.second.total();
-  if (total <= 0 || w.num_ranks < 2) return out;
+  double total = 0, positive_net = 0;
+  for (const auto& entry : w.blame) {
+    total += entry.second.total();
+    positive_net += std::max(entry.second.net(), 0.0);
+  }
+  if (total <= 0 || positive_net <= 0 || w.num_ranks < 2) return out;
   const double num_steps = static_cast<double>(window.size());
-  const double min_share = std::max(kMinShare, kShareOverFair / w.num_ranks);
   const double min_per_step = std::max(kMinSecondsPerStep, kMinShareOfStep * w.step_seconds / num_steps);
   for (const auto& [rank, b] : w.blame) {
+    if (b.net() < kMinNetShare * positive_net || b.net() / num_steps < min_per_step) continue;
     const double share = b.total() / total;
     const double per_step = b.total() / num_steps;
-    if (share < min_share || per_step < min_per_step) continue;
     const double rows_ratio = rows_over_mean(w, rank);
     out.push_back(Straggler{rank, classify(b, rows_ratio, w.one_node), share, per_step,
                             explain(b, share, num_steps, rows_ratio, w.one_node)});

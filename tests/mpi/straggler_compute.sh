@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A real straggler: one of 4 MPI processes of `epx train` is paused from
-# outside, 30 ms in every 100 ms (SIGSTOP/SIGCONT in a loop), for the whole
+# outside, 50 ms in every 100 ms (SIGSTOP/SIGCONT in a loop), for the whole
 # run. epx train must exit 0 and its summary must name that rank with cause
 # compute ("straggler: rank 2 (compute): ..."), and no other rank.
 # Usage: straggler_compute.sh EPX MPIEXEC CONFIG [STEPS]
 set -uo pipefail
-epx=$1 mpiexec=$2 config=$3 steps=${4:-80}
+epx=$1 mpiexec=$2 config=$3 steps=${4:-150}
 victim_rank=2
 work=$(mktemp -d)
 job= victim= pauser=
@@ -14,7 +14,7 @@ cleanup() {
   [[ -n "$victim" ]] && kill -CONT "$victim" 2>/dev/null
   [[ -n "$job" ]] && kill -9 "$job" 2>/dev/null
   for pid in $(pgrep -f "^$work/epx train"); do kill -9 "$pid" 2>/dev/null; done
-  rm -rf "$work"
+  [[ -n "${KEEP_WORK:-}" ]] && cp "$work/m.jsonl" "$KEEP_WORK" 2>/dev/null; rm -rf "$work"
 }
 trap cleanup EXIT
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -36,9 +36,9 @@ for _ in $(seq 600); do
 done
 [[ -n "$victim" && -s "$work/m.jsonl" ]] || fail "the job did not start training in 30 s"
 ( while kill -STOP "$victim" 2>/dev/null; do
-    sleep 0.03
+    sleep 0.05
     kill -CONT "$victim" 2>/dev/null
-    sleep 0.07
+    sleep 0.05
   done ) &
 pauser=$!
 wait "$job"

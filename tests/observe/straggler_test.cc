@@ -8,8 +8,9 @@ namespace epx {
 namespace {
 
 // `num_steps` steps of 50 ms on `num_ranks` ranks; every rank causes
-// `base` seconds of others' arrival wait per step, and `rank` in addition
-// `late` and `slow_data`.
+// `base` seconds of others' arrival wait per step (and half that of data
+// wait), and `rank` in addition `late` and `slow_data`. What a rank causes is
+// waited by the others evenly (their exchange_wait).
 std::vector<StepRecord> window_of(int num_steps, int num_ranks, int rank, double late, double slow_data,
                                   double base = 2e-4) {
   std::vector<StepRecord> steps(static_cast<std::size_t>(num_steps));
@@ -24,6 +25,9 @@ std::vector<StepRecord> window_of(int num_steps, int num_ranks, int rank, double
       rr.late = base + (r == rank ? late : 0);
       rr.slow_data = base / 2 + (r == rank ? slow_data : 0);
     }
+    for (int r = 0; r < num_ranks; ++r)
+      for (int p = 0; p < num_ranks; ++p)
+        if (p != r) step.ranks[r].exchange_wait += (step.ranks[p].late + step.ranks[p].slow_data) / (num_ranks - 1);
   }
   return steps;
 }
@@ -110,11 +114,14 @@ TEST(Straggler, NobodyWhenTheWaitIsEvenOrBelowTheNoiseFloor) {
   EXPECT_TRUE(diagnose_stragglers(window_of(10, 4, 0, 0.0004, 0.0, 1e-5)).empty());  // clear share, 0.4 ms/step
   EXPECT_TRUE(diagnose_stragglers(window_of(10, 4, 0, 0.0, 0.0, 0.0)).empty());      // nobody waited at all
   EXPECT_TRUE(diagnose_stragglers(std::span<const StepRecord>()).empty());
-  // Two ranks: 60/40 is jitter, not a straggler (a share must be 1.5x the fair half).
-  std::vector<StepRecord> two = window_of(10, 2, 0, 0.003, 0.0, 0.01);
+  // Two ranks: rank 0 makes rank 1 wait 16 ms/step, rank 1 rank 0 15 ms:
+  // 1 ms/step net is jitter (below 5% of the 50 ms step); 4 ms more is not.
+  std::vector<StepRecord> two = window_of(10, 2, 0, 0.001, 0.0, 0.01);
   EXPECT_TRUE(diagnose_stragglers(two).empty());
-  two = window_of(10, 2, 0, 0.05, 0.0, 0.01);
+  two = window_of(10, 2, 0, 0.005, 0.0, 0.01);
   ASSERT_EQ(diagnose_stragglers(two).size(), 1u);
+  // Everybody waits a lot, evenly: nobody (net blame about 0 for all).
+  EXPECT_TRUE(diagnose_stragglers(window_of(10, 4, 0, 0.0, 0.0, 0.02)).empty());
 }
 
 TEST(Straggler, TwoStragglersWorstFirstAndNaNIgnored) {
