@@ -61,7 +61,7 @@ printf '[[rule]]\nname = "straggler"\nkind = "straggler"\nwindow = 20\nfor_steps
 expect "a paused rank: the straggler rule names rank 2, cause compute" 1 \
   "FIRING straggler rank=2 value=0\.[0-9]+ threshold=0\.3 step=[0-9]+ \(rank 2 \(compute\): the others waited " \
   --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl"
-expect "a paused rank: no other rank is named" 1 "^epx monitor --once: 2 alerts fired over 45 steps" \
+expect "a paused rank: the verdict" 1 "^epx monitor --once: [1-9][0-9]* alerts fired over 45 steps" \
   --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl"
 if "$epx" monitor --once --alerts "$work/straggler.toml" "$src/tests/app/data/monitor/paused_rank2.jsonl" |
   grep "FIRING" | grep -qv "rank=2 "; then
