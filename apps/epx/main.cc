@@ -7,6 +7,7 @@
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
 //   epx train [--config F.toml]   train an MoE model on in-process ranks, with load balancing
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
+//   epx monitor METRICS.jsonl     watch a run's metrics: live view, alerts, Prometheus (docs/operations.md)
 //   epx report METRICS.jsonl      a run's metrics as one HTML page
 #include <string>
 
@@ -17,6 +18,7 @@
 
 #include "bench_lowlat.h"
 #include "commands.h"
+#include "monitor.h"
 #include "report.h"
 #include "sim.h"
 #include "train.h"
@@ -202,6 +204,10 @@ int main(int argc, char** argv) {
   epx::app::SimOptions sim;
   const epx::app::SimCommands sim_cmds = epx::app::add_sim_command(app, sim);
 
+  // epx monitor
+  epx::app::MonitorOptions monitor;
+  CLI::App* monitor_cmd = epx::app::add_monitor_command(app, monitor);
+
   // epx report
   epx::app::ReportOptions report;
   CLI::App* report_cmd = epx::app::add_report_command(app, report);
@@ -211,8 +217,8 @@ int main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg.empty() || arg[0] == '-') continue;
     if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim" &&
-        arg != "report") {
-      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, report, demo, bench and eplb (see epx --help)\n",
+        arg != "monitor" && arg != "report") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, monitor, report, demo, bench and eplb (see epx --help)\n",
                  arg);
       return kExitUsage;
     }
@@ -245,6 +251,7 @@ int main(int argc, char** argv) {
     return epx::app::run_train(train);
   }
   if (app.got_subcommand("sim")) return epx::app::run_sim(sim_cmds, sim);
+  if (*monitor_cmd) return epx::app::run_monitor(monitor);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
 }
