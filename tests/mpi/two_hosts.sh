@@ -74,7 +74,7 @@ done
 [ $# -ge 1 ] || usage
 case $hosts in 2|3) ;; *) echo "$me: --hosts $hosts: expected 2 or 3" >&2; exit 2 ;; esac
 case $np in ''|*[!0-9]*|0) echo "$me: --np-per-host needs a positive number" >&2; exit 2 ;; esac
-case $hosts$rate_host in 2|3|2a|2b|3a|3b|3c) ;; *) echo "$me: --rate-host $rate_host: expected a host of the $hosts (a, b or c)" >&2; exit 2 ;; esac
+case $hosts$rate_host in 2|3|2a|2b|3a|3b|3c) ;; *) echo "$me: --rate-host $rate_host: expected a or b (a, b or c with --hosts 3)" >&2; exit 2 ;; esac
 if [ -n "$rate" ] && ! [[ $rate =~ ^[0-9]+(\.[0-9]+)?([kKmMgGtT]?(bit|bps))?$ ]]; then
   echo "$me: --rate $rate: expected a tc rate such as 1gbit or 200mbit" >&2; exit 2
 fi
@@ -209,6 +209,7 @@ done
 
 counter() { ip netns exec "$1" cat "/sys/class/net/eth0/statistics/$2"; }
 tx_a0=$(counter "$ns_a" tx_bytes) tx_b0=$(counter "$ns_b" tx_bytes)
+[ "$hosts" = 3 ] && tx_c0=$(counter "$ns_c" tx_bytes)
 txp_a0=$(counter "$ns_a" tx_packets) txp_b0=$(counter "$ns_b" tx_packets)
 
 # ---- the run ----------------------------------------------------------------
@@ -266,8 +267,8 @@ txp_a1=$(counter "$ns_a" tx_packets) txp_b1=$(counter "$ns_b" tx_packets)
 if [ "$hosts" = 2 ]; then
   echo "veth_bytes a_to_b=$((tx_a1 - tx_a0)) b_to_a=$((tx_b1 - tx_b0))"
   echo "veth_packets a_to_b=$((txp_a1 - txp_a0)) b_to_a=$((txp_b1 - txp_b0))"
-else  # what each host sent (a and b's counters: before and after; c's total)
-  echo "host_bytes_sent a=$((tx_a1 - tx_a0)) b=$((tx_b1 - tx_b0)) c=$(counter "$ns_c" tx_bytes)"
+else  # what each host sent into the switch
+  echo "host_bytes_sent a=$((tx_a1 - tx_a0)) b=$((tx_b1 - tx_b0)) c=$(($(counter "$ns_c" tx_bytes) - tx_c0))"
 fi
 echo "two_hosts_seconds=$(echo "$t1 $t0" | awk '{printf "%.2f", $1 - $2}')"
 exit "$rc"
