@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -15,6 +16,7 @@ constexpr double kMinNetShare = 0.3;          // of the ranks' positive net blam
 constexpr double kMinSecondsPerStep = 1e-3;   // its net blame per step at least this ...
 constexpr double kMinShareOfStep = 0.05;      // ... and 5% of the mean step time
 constexpr double kHotRowsOverMean = 1.5;      // received rows vs the mean EP rank: a hot expert
+constexpr double kSlowNodeOverNext = 1.5;     // a slow node's link: every other node waits this much more for it
 
 double finite_or_zero(double x) { return std::isfinite(x) ? x : 0.0; }
 
@@ -33,6 +35,9 @@ struct Blame {
 struct Window {
   std::map<int, Blame> blame;  // by world rank
   int num_ranks = 0;
+  int num_nodes = 0;  // the same in every step, else 0 (no node-level view)
+  std::vector<double> data;  // the wait matrices' data waits summed, num_ranks^2 (row: the waiter)
+  int matrix_steps = 0;
   bool one_node = false;  // every step on one node: no link between any two ranks
   double step_seconds = 0;  // summed
   std::vector<double> rows_per_ep_rank;  // received rows (tokens_per_rank), summed over layers and steps
@@ -44,6 +49,12 @@ void add_matrix(const WaitMatrix& m, Window& w) {
       const double waited = finite_or_zero(m.arrival_at(r, s)) + finite_or_zero(m.data_at(r, s));
       if (r != s && waited > 0) w.blame[s].waiters[r] += waited;
     }
+  if (m.num_ranks != w.num_ranks) return;  // a window mixing run sizes: no node-level view
+  const std::size_t cells = static_cast<std::size_t>(m.num_ranks) * m.num_ranks;
+  if (w.data.empty()) w.data.resize(cells);
+  if (w.data.size() != cells || m.data.size() != cells) return;
+  for (std::size_t i = 0; i < w.data.size(); ++i) w.data[i] += finite_or_zero(m.data[i]);
+  ++w.matrix_steps;
 }
 
 void add_rows(const StepRecord& step, Window& w) {
@@ -57,8 +68,10 @@ void add_rows(const StepRecord& step, Window& w) {
 Window summarize(std::span<const StepRecord> steps) {
   Window w;
   w.one_node = true;
+  w.num_nodes = steps.front().num_nodes;
   for (const StepRecord& step : steps) {
     w.one_node = w.one_node && step.num_nodes == 1;
+    if (step.num_nodes != w.num_nodes) w.num_nodes = 0;
     w.step_seconds += finite_or_zero(step.seconds);
     w.num_ranks = std::max(w.num_ranks, static_cast<int>(step.ranks.size()));
     for (const RankRecord& r : step.ranks) {
@@ -112,6 +125,79 @@ std::string explain(const Blame& b, double share, double num_steps, double rows_
                      1e3 * b.waited / num_steps, rows, waiters_text(b));
 }
 
+// Data waits between nodes, summed from the wait matrices: at(x, y) is what
+// the ranks of node x waited for the data of node y's ranks (ranks node-major).
+struct NodeWaits {
+  int num_nodes = 0, per_node = 0;
+  std::vector<double> sum;
+  [[nodiscard]] double at(int x, int y) const { return sum[static_cast<std::size_t>(x) * num_nodes + y]; }
+  // What every other node waited for node y's data: the least of them.
+  [[nodiscard]] double every_other(int y) const {
+    double least = -1;
+    for (int x = 0; x < num_nodes; ++x)
+      if (x != y && (least < 0 || at(x, y) < least)) least = at(x, y);
+    return least;
+  }
+};
+
+NodeWaits node_waits(const Window& w) {
+  NodeWaits n{w.num_nodes, w.num_ranks / w.num_nodes, {}};
+  n.sum.assign(static_cast<std::size_t>(n.num_nodes) * n.num_nodes, 0.0);
+  for (int r = 0; r < w.num_ranks; ++r)
+    for (int s = 0; s < w.num_ranks; ++s)
+      if (r / n.per_node != s / n.per_node)
+        n.sum[static_cast<std::size_t>(r / n.per_node) * n.num_nodes + s / n.per_node] +=
+            w.data[static_cast<std::size_t>(r) * w.num_ranks + s];
+  return n;
+}
+
+// The rank of node y whose data the other nodes waited for most.
+int most_waited_rank(const Window& w, const NodeWaits& n, int y) {
+  int best = y * n.per_node;
+  double best_wait = -1;
+  for (int s = y * n.per_node; s < (y + 1) * n.per_node; ++s) {
+    double wait = 0;
+    for (int r = 0; r < w.num_ranks; ++r)
+      if (r / n.per_node != y) wait += w.data[static_cast<std::size_t>(r) * w.num_ranks + s];
+    if (wait > best_wait) best = s, best_wait = wait;
+  }
+  return best;
+}
+
+// A node whose link is slow: every other node waited for its data, and at
+// least kSlowNodeOverNext times what every other node waited for any other
+// node's. Needs 3 nodes or more and the wait matrices: with 2 nodes the one
+// link is both ends' (a slow direction delays the other too, docs/operations.md),
+// and without matrices the waits are not known per pair of nodes.
+std::optional<Straggler> slow_node_link(const Window& w, double min_per_step) {
+  if (w.num_nodes < 3 || w.matrix_steps == 0 || w.num_ranks % w.num_nodes != 0 ||
+      w.data.size() != static_cast<std::size_t>(w.num_ranks) * w.num_ranks)
+    return std::nullopt;
+  const NodeWaits n = node_waits(w);
+  int slow = 0;
+  double next = 0;
+  for (int y = 1; y < n.num_nodes; ++y)
+    if (n.every_other(y) > n.every_other(slow)) slow = y;
+  for (int y = 0; y < n.num_nodes; ++y)
+    if (y != slow) next = std::max(next, n.every_other(y));
+  const double steps = static_cast<double>(w.matrix_steps);
+  const double wait = n.every_other(slow);
+  if (wait / steps < min_per_step || wait < kSlowNodeOverNext * next) return std::nullopt;
+  double all = 0, on_slow = 0;
+  for (int x = 0; x < n.num_nodes; ++x)
+    for (int y = 0; y < n.num_nodes; ++y) {
+      all += n.at(x, y);
+      if (y == slow) on_slow += n.at(x, y);
+    }
+  const int rank = most_waited_rank(w, n, slow);
+  return Straggler{rank, StragglerCause::kLink, all > 0 ? on_slow / all : 0, on_slow / steps,
+                   fmt::format("every other node waited for the data of node {} (ranks {}-{}): at least {:.1f} ms/step, "
+                               "{:.1f}x the most every other node waited for any other node's; {:.0f}% of the data "
+                               "waits between nodes over {} steps with wait matrices; its link is slow",
+                               slow, slow * n.per_node, (slow + 1) * n.per_node - 1, 1e3 * wait / steps,
+                               next > 0 ? wait / next : 0.0, 100 * (all > 0 ? on_slow / all : 0), w.matrix_steps)};
+}
+
 }  // namespace
 
 std::string_view cause_name(StragglerCause cause) {
@@ -152,16 +238,22 @@ std::vector<Straggler> diagnose_stragglers(std::span<const StepRecord> window) {
     total += entry.second.total();
     positive_net += std::max(entry.second.net(), 0.0);
   }
-  if (total <= 0 || positive_net <= 0 || w.num_ranks < 2) return out;
+  if (total <= 0 || w.num_ranks < 2) return out;
   const double num_steps = static_cast<double>(window.size());
   const double min_per_step = std::max(kMinSecondsPerStep, kMinShareOfStep * w.step_seconds / num_steps);
   for (const auto& [rank, b] : w.blame) {
-    if (b.net() < kMinNetShare * positive_net || b.net() / num_steps < min_per_step) continue;
+    if (positive_net <= 0 || b.net() < kMinNetShare * positive_net || b.net() / num_steps < min_per_step) continue;
     const double share = b.total() / total;
     const double per_step = b.total() / num_steps;
     const double rows_ratio = rows_over_mean(w, rank);
     out.push_back(Straggler{rank, classify(b, rows_ratio, w.one_node), share, per_step,
                             explain(b, share, num_steps, rows_ratio, w.one_node)});
+  }
+  // A slow node's link delays every rank that exchanges over it: the link
+  // stragglers the blame finds are its shadows, the node is the cause.
+  if (std::optional<Straggler> link = slow_node_link(w, min_per_step)) {
+    std::erase_if(out, [](const Straggler& s) { return s.cause == StragglerCause::kLink; });
+    out.push_back(std::move(*link));
   }
   std::sort(out.begin(), out.end(), [](const Straggler& a, const Straggler& b) { return a.share > b.share; });
   return out;

@@ -12,16 +12,22 @@
 # that crossed the veth during the run:
 #   veth_bytes a_to_b=N b_to_a=M
 #   veth_packets a_to_b=N b_to_a=M
+# (with --hosts 3: host_bytes_sent a=N b=M c=K)
 #   two_hosts_seconds=T
 # (Ethernet frames as counted by the kernel: headers, TCP acks, launch and
 # wire-up traffic included.)
 #
 # Options:
 #   --np-per-host N, --ranks-per-host N   ranks per host (default 2)
-#   --hosts N          only 2 is supported (one veth pair)
+#   --hosts N          2 (one veth pair; the default) or 3: hosts a, b, c (SUBNET.3),
+#                      each joined by a veth pair to a bridge in a fourth, "switch"
+#                      namespace; ranks 2*NP.. on host c
 #   --rate RATE        tc tbf on both veth ends, e.g. 1gbit (default: none)
-#   --rate-host H      apply --rate (and --delay) only to host H's egress (a or b):
-#                      one host's link capped, the other's not (default: both)
+#   --rate-host H      apply --rate (and --delay) only to host H's link (a, b or c):
+#                      with 2 hosts only H's egress (the link is the one pair, so
+#                      capping both directions would cap the other host alike);
+#                      with 3 hosts both directions, H's egress and the switch's
+#                      port toward H, as a slow NIC is (default: every host's egress)
 #   --burst B          tbf burst (default 256kb), --tbf-latency L (default 20ms)
 #   --delay D          netem delay on both ends (with --rate: netem's rate, no tbf);
 #                      needs sch_netem, which this machine's kernel lacks (exit 77)
@@ -66,9 +72,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ $# -ge 1 ] || usage
-[ "$hosts" = 2 ] || { echo "$me: --hosts $hosts: only 2 hosts (one veth pair) are supported" >&2; exit 2; }
+case $hosts in 2|3) ;; *) echo "$me: --hosts $hosts: expected 2 or 3" >&2; exit 2 ;; esac
 case $np in ''|*[!0-9]*|0) echo "$me: --np-per-host needs a positive number" >&2; exit 2 ;; esac
-case $rate_host in ''|a|b) ;; *) echo "$me: --rate-host $rate_host: expected a or b" >&2; exit 2 ;; esac
+case $hosts$rate_host in 2|3|2a|2b|3a|3b|3c) ;; *) echo "$me: --rate-host $rate_host: expected a or b (a, b or c with --hosts 3)" >&2; exit 2 ;; esac
 if [ -n "$rate" ] && ! [[ $rate =~ ^[0-9]+(\.[0-9]+)?([kKmMgGtT]?(bit|bps))?$ ]]; then
   echo "$me: --rate $rate: expected a tc rate such as 1gbit or 200mbit" >&2; exit 2
 fi
@@ -82,10 +88,11 @@ done
 mpirun --version 2>/dev/null | grep -q 'Open MPI' || skip "mpirun is not OpenMPI's (this harness drives OpenMPI's rsh launcher)"
 
 id=$$
-ns_a=epx2h-$id-a ns_b=epx2h-$id-b
-host_a=epx-$id-a host_b=epx-$id-b
-addr_a=$subnet.1 addr_b=$subnet.2
-veth_a=e2h${id}a veth_b=e2h${id}b   # temporary names (<= 15 chars), renamed eth0
+ns_a=epx2h-$id-a ns_b=epx2h-$id-b ns_c=epx2h-$id-c ns_s=epx2h-$id-s
+host_a=epx-$id-a host_b=epx-$id-b host_c=epx-$id-c
+addr_a=$subnet.1 addr_b=$subnet.2 addr_c=$subnet.3
+veth_a=e2h${id}a veth_b=e2h${id}b veth_c=e2h${id}c   # temporary names (<= 15 chars), renamed eth0
+names=(a b); [ "$hosts" = 3 ] && names=(a b c)
 made_ns=()
 child=
 tmp=
@@ -125,7 +132,7 @@ trap 'exit 129' HUP
 
 # A run killed with SIGKILL (a ctest timeout, say) cannot clean up after itself:
 # remove the namespaces of runs whose script is gone.
-for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^epx2h-[0-9]+-[ab]$'); do
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^epx2h-[0-9]+-[abcs]$'); do
   pid=${ns#epx2h-}; pid=${pid%-*}
   if ! kill -0 "$pid" 2>/dev/null; then
     echo "$me: removing $ns, left by run $pid" >&2
@@ -141,12 +148,23 @@ for d in /tmp/epx2h-[0-9]*.*; do
 done
 
 # ---- the two hosts ----------------------------------------------------------
-for ns in "$ns_a" "$ns_b"; do
+ns_of() { local v=ns_$1; echo "${!v}"; }
+all_ns=("$ns_a" "$ns_b"); [ "$hosts" = 3 ] && all_ns=("$ns_a" "$ns_b" "$ns_c" "$ns_s")
+for ns in "${all_ns[@]}"; do
   ip netns add "$ns" 2>/dev/null || skip "cannot create network namespace $ns (ip netns add failed)"
   made_ns+=("$ns")
 done
-ip link add "$veth_a" netns "$ns_a" type veth peer name "$veth_b" netns "$ns_b" ||
-  skip "cannot create a veth pair"
+if [ "$hosts" = 2 ]; then
+  ip link add "$veth_a" netns "$ns_a" type veth peer name "$veth_b" netns "$ns_b" ||
+    skip "cannot create a veth pair"
+else  # each host's eth0 to port pH of bridge br0 in the switch namespace
+  ip -n "$ns_s" link add br0 type bridge && ip -n "$ns_s" link set br0 up || skip "cannot create a bridge"
+  for h in "${names[@]}"; do
+    v=veth_$h
+    ip link add "${!v}" netns "$(ns_of "$h")" type veth peer name "p$h" netns "$ns_s" || skip "cannot create a veth pair"
+    ip -n "$ns_s" link set "p$h" master br0 && ip -n "$ns_s" link set "p$h" up || skip "cannot attach p$h to the bridge"
+  done
+fi
 setup() {  # ns tmpname addr
   local ns=$1 tmp=$2 addr=$3
   ip netns exec "$ns" sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 >/dev/null 2>&1
@@ -155,39 +173,53 @@ setup() {  # ns tmpname addr
     ip -n "$ns" link set lo up &&
     ip -n "$ns" link set eth0 up
 }
-setup "$ns_a" "$veth_a" "$addr_a" || { echo "$me: setting up $ns_a failed" >&2; exit 1; }
-setup "$ns_b" "$veth_b" "$addr_b" || { echo "$me: setting up $ns_b failed" >&2; exit 1; }
+for h in "${names[@]}"; do
+  v=veth_$h a=addr_$h
+  setup "$(ns_of "$h")" "${!v}" "${!a}" || { echo "$me: setting up $(ns_of "$h") failed" >&2; exit 1; }
+done
 if [ -n "$rate$delay" ]; then
   if [ -n "$delay" ]; then
     qdisc=(netem delay "$delay" ${rate:+rate "$rate"})
   else
     qdisc=(tbf rate "$rate" burst "$burst" latency "$tbf_latency")
   fi
-  capped=("$ns_a" "$ns_b")
-  [ "$rate_host" = a ] && capped=("$ns_a")
-  [ "$rate_host" = b ] && capped=("$ns_b")
-  for ns in "${capped[@]}"; do
-    tc -n "$ns" qdisc add dev eth0 root "${qdisc[@]}" ||
-      skip "tc qdisc add dev eth0 root ${qdisc[*]} failed (kernel without sch_${qdisc[0]}, or a bad value)"
+  capped=()  # "namespace device" pairs
+  for h in "${names[@]}"; do capped+=("$(ns_of "$h") eth0"); done
+  [ -n "$rate_host" ] && capped=("$(ns_of "$rate_host") eth0")
+  [ -n "$rate_host" ] && [ "$hosts" = 3 ] && capped+=("$ns_s p$rate_host")
+  for nd in "${capped[@]}"; do
+    tc -n "${nd% *}" qdisc add dev "${nd#* }" root "${qdisc[@]}" ||
+      skip "tc qdisc add dev ${nd#* } root ${qdisc[*]} failed (kernel without sch_${qdisc[0]}, or a bad value)"
   done
 fi
 # /etc/netns/NS/hosts is bind-mounted over /etc/hosts by "ip netns exec NS".
-for ns in "$ns_a" "$ns_b"; do
+for h in "${names[@]}"; do
+  ns=$(ns_of "$h")
   mkdir -p "/etc/netns/$ns" || mkdir -p "/etc/netns/$ns"   # a parallel run may rmdir /etc/netns between the two levels
-  printf '127.0.0.1\tlocalhost\n%s\t%s\n%s\t%s\n' "$addr_a" "$host_a" "$addr_b" "$host_b" >"/etc/netns/$ns/hosts"
+  { printf '127.0.0.1\tlocalhost\n'
+    for g in "${names[@]}"; do a=addr_$g n=host_$g; printf '%s\t%s\n' "${!a}" "${!n}"; done; } >"/etc/netns/$ns/hosts"
 done
-# Wait for the link (veth carrier is immediate, but be sure).
+# Wait for the links (veth carrier is immediate, but be sure).
 for _ in $(seq 50); do
-  ip -n "$ns_a" -o link show eth0 | grep -q LOWER_UP && ip -n "$ns_b" -o link show eth0 | grep -q LOWER_UP && break
+  up=1
+  for h in "${names[@]}"; do ip -n "$(ns_of "$h")" -o link show eth0 | grep -q LOWER_UP || up=; done
+  [ -n "$up" ] && break
   sleep 0.1
 done
 
 counter() { ip netns exec "$1" cat "/sys/class/net/eth0/statistics/$2"; }
 tx_a0=$(counter "$ns_a" tx_bytes) tx_b0=$(counter "$ns_b" tx_bytes)
+[ "$hosts" = 3 ] && tx_c0=$(counter "$ns_c" tx_bytes)
 txp_a0=$(counter "$ns_a" tx_packets) txp_b0=$(counter "$ns_b" tx_packets)
 
 # ---- the run ----------------------------------------------------------------
-export EPX_FAKE_SSH_HOSTS="$host_a=$ns_a $host_b=$ns_b $addr_a=$ns_a $addr_b=$ns_b"
+EPX_FAKE_SSH_HOSTS= host_list=
+for h in "${names[@]}"; do
+  n=host_$h a=addr_$h
+  EPX_FAKE_SSH_HOSTS+="${!n}=$(ns_of "$h") ${!a}=$(ns_of "$h") "
+  host_list+="${host_list:+,}${!n}:$np"
+done
+export EPX_FAKE_SSH_HOSTS
 if [ "$verbose" = 1 ]; then export EPX_FAKE_SSH_LOG=/dev/stderr; fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 [ "$uts" = 1 ] || export EPX_FAKE_SSH_NO_UTS=1
@@ -197,7 +229,7 @@ tmp=$(mktemp -d "/tmp/epx2h-$id.XXXXXX") && export TMPDIR=$tmp
 
 mpirun_cmd=(
   mpirun
-  --host "$host_a:$np,$host_b:$np" -np $((2 * np))
+  --host "$host_list" -np $((hosts * np))
   --oversubscribe --map-by slot
   --mca plm_rsh_agent "$here/fake-ssh"
 )
@@ -232,7 +264,11 @@ t1=$(date +%s.%N)
 
 tx_a1=$(counter "$ns_a" tx_bytes) tx_b1=$(counter "$ns_b" tx_bytes)
 txp_a1=$(counter "$ns_a" tx_packets) txp_b1=$(counter "$ns_b" tx_packets)
-echo "veth_bytes a_to_b=$((tx_a1 - tx_a0)) b_to_a=$((tx_b1 - tx_b0))"
-echo "veth_packets a_to_b=$((txp_a1 - txp_a0)) b_to_a=$((txp_b1 - txp_b0))"
+if [ "$hosts" = 2 ]; then
+  echo "veth_bytes a_to_b=$((tx_a1 - tx_a0)) b_to_a=$((tx_b1 - tx_b0))"
+  echo "veth_packets a_to_b=$((txp_a1 - txp_a0)) b_to_a=$((txp_b1 - txp_b0))"
+else  # what each host sent into the switch
+  echo "host_bytes_sent a=$((tx_a1 - tx_a0)) b=$((tx_b1 - tx_b0)) c=$(($(counter "$ns_c" tx_bytes) - tx_c0))"
+fi
 echo "two_hosts_seconds=$(echo "$t1 $t0" | awk '{printf "%.2f", $1 - $2}')"
 exit "$rc"

@@ -155,5 +155,40 @@ TEST(Straggler, TheWaitMatrixNamesWhoWaited) {
   EXPECT_NE(found[0].explanation.find("waited for by ranks 2, 0"), std::string::npos) << found[0].explanation;
 }
 
+// 3 nodes x 2 ranks; node_data[x][y]: what node x's ranks waited for node y's
+// data per step, put on the same-local-rank pairs.
+void set_node_waits(std::vector<StepRecord>& steps, const double (&node_data)[3][3]) {
+  for (StepRecord& step : steps) {
+    step.num_nodes = 3;
+    WaitMatrix& m = step.wait_matrix.emplace();
+    m.num_ranks = 6;
+    m.arrival.assign(36, 0.0);
+    m.data.assign(36, 0.0);
+    for (int r = 0; r < 6; ++r)
+      for (int s = 0; s < 6; ++s)
+        if (r / 2 != s / 2 && r % 2 == s % 2) m.data[static_cast<std::size_t>(r * 6 + s)] = node_data[r / 2][s / 2] / 2;
+  }
+}
+
+TEST(Straggler, ASlowHostLinkIsTheOneEveryOtherHostWaitsFor) {
+  // By blame, rank 5 (node 2) is a link straggler: the shadow of node 1's slow
+  // link, whose far ends wait for it and then make the others wait.
+  std::vector<StepRecord> steps = window_of(10, 6, 5, 0.0, 0.040);
+  set_node_waits(steps, {{0, 0.040, 0.012}, {0.040, 0, 0.040}, {0.004, 0.038, 0}});
+  std::vector<Straggler> found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_TRUE(found[0].rank == 2 || found[0].rank == 3) << describe(found[0]);
+  EXPECT_EQ(found[0].cause, StragglerCause::kLink);
+  EXPECT_NE(found[0].explanation.find("every other node waited for the data of node 1"), std::string::npos)
+      << found[0].explanation;
+
+  // No node clearly the one every other waits for (node 0 and 2 too): the
+  // blame's answer stands.
+  set_node_waits(steps, {{0, 0.040, 0.030}, {0.040, 0, 0.040}, {0.030, 0.038, 0}});
+  found = diagnose_stragglers(steps);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 5);
+}
+
 }  // namespace
 }  // namespace epx
