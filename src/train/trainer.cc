@@ -311,7 +311,8 @@ std::string StepReport::to_json() const {
                                "\"worst_rank_share\":{},\"idle_fraction\":{},\"tokens_per_expert\":[{}],"
                                "\"tokens_per_rank\":[{}]}}",
                                l ? "," : "", l, json_number(s.max_vio), json_number(s.cv), s.num_dropped,
-                               s.worst_rank, json_number(s.worst_rank_share), json_number(s.idle_fraction), fmt::join(s.tokens_per_expert, ","), fmt::join(s.tokens_per_rank, ","));
+                               s.worst_rank, json_number(s.worst_rank_share), json_number(s.idle_fraction),
+                               fmt::join(s.tokens_per_expert, ","), fmt::join(s.tokens_per_rank, ","));
   }
   std::string ranks_json;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
