@@ -349,7 +349,7 @@ Status parse_padded_line(LineParser& parser, std::string_view line, std::size_t 
 Status parse_line(LineParser& parser, std::string_view line, StepRecord& step) {
   if (line.size() + simdjson::SIMDJSON_PADDING > parser.scratch.size())
     parser.scratch.resize(line.size() + simdjson::SIMDJSON_PADDING);
-  std::memcpy(parser.scratch.data(), line.data(), line.size());
+  if (!line.empty()) std::memcpy(parser.scratch.data(), line.data(), line.size());  // an empty view's data() may be null
   return parse_padded_line(parser, std::string_view(parser.scratch.data(), line.size()), parser.scratch.size(), step);
 }
 

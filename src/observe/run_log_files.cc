@@ -231,7 +231,8 @@ Result<std::vector<StepRecord>> MetricsFollower::State::parse_pending() {
       error = invalid_argument("{}:{}: {}", path, lines + parsed.error_line, parsed.error.message());
     }
   }
-  std::memmove(pending.bytes.data(), pending.bytes.data() + consumed, pending.size - consumed);
+  if (pending.size > consumed)  // an empty buffer's data() may be null, which memmove must not get
+    std::memmove(pending.bytes.data(), pending.bytes.data() + consumed, pending.size - consumed);
   pending.size -= consumed;
   lines += lines_done;
   if (!error.is_ok()) return error;
