@@ -66,7 +66,9 @@ done
 elapsed_ms=$(( ($(date +%s%N) - killed_at) / 1000000 ))
 echo "--- what the ranks printed after rank 2 (pid $victim) was killed:"
 grep "epx train" "$work/out.txt" || true
-named=$(grep -c "rank 2 (pid $victim on .*) is gone" "$work/out.txt" || true)
+# A loss seen on a group (the gradient all-reduce's duplicate of the world)
+# names the rank in both numberings: "rank 2 (rank 2 of the group) (pid N on host)".
+named=$(grep -cE "rank 2 (\(rank [0-9]+ of the group\) )?\(pid $victim on [^)]*\) is gone" "$work/out.txt" || true)
 if [[ $named -ne 3 ]]; then
   echo "FAIL: expected each of ranks 0, 1 and 3 to name the lost rank 2 (pid $victim); $named did"
   cat "$work/out.txt"
