@@ -17,6 +17,7 @@ packages=(
   slurmctld slurmd slurm-client munge libpmix-dev iproute2
   ccache
   chromium  # the report's browser test (tests/observe/report_browser_test.sh)
+  python3-dev pybind11-dev libdlpack-dev python3-numpy python3-torch python3-pytest  # import epx, epx.torch
 )
 
 if [[ "${EPX_SKIP_SETUP:-0}" == 1 ]]; then
