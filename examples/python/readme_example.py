@@ -9,11 +9,10 @@ import epx.torch
 
 
 def train_step(transport):
-    torch.manual_seed(transport.rank)  # each rank its own tokens
     layer = epx.torch.MoE(hidden=64, ffn_hidden=128, num_experts=8, topk=2, transport=transport,
                           num_shared_experts=1, aux_loss_coeff=0.01, expert_bias=True)
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-    x = torch.randn(32, 64)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(transport.rank))  # this rank's tokens
     out = layer(x)  # [32, 64]
     loss = out.square().mean() + layer.aux_loss
     loss.backward()

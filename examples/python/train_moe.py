@@ -105,17 +105,35 @@ class Block(nn.Module):
 class MoELanguageModel(nn.Module):
     def __init__(self, args, transport):
         super().__init__()
-        torch.manual_seed(args.seed)  # dense weights: the same on every rank
         self.embed = nn.Embedding(256, args.hidden)
         self.blocks = nn.ModuleList(Block(args, transport, i) for i in range(args.layers))
         self.norm = nn.LayerNorm(args.hidden)
         self.head = nn.Linear(args.hidden, 256)
+        self.init_dense(args.seed)
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def init_dense(self, seed):
+        """The dense weights from a private generator: the same on every rank (in-process ranks share
+        torch's global one). Biases 0, norms 1, the embedding N(0, 1), matrices U(+-1/sqrt(fan_in))."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if ".moe." in name:
+                    continue  # the MoE layers draw their own (seed, layer, expert) streams
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.dim() == 1:
+                    p.fill_(1.0)
+                elif name.startswith("embed"):
+                    p.normal_(generator=g)
+                else:
+                    bound = 1.0 / math.sqrt(p.shape[1])
+                    p.uniform_(-bound, bound, generator=g)
 
     def moe_layers(self):
         return [block.moe for block in self.blocks]

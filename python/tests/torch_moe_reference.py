@@ -28,6 +28,9 @@ CASES = {
     "aux_global": dict(dtype="f32", aux_loss_coeff=0.1, aux_loss="global-batch"),
     "capacity_bias": dict(dtype="f32", capacity_factor=1.0, expert_bias=True, bias_rate=0.05, steps=2),
     "normalized": dict(dtype="f32", normalize_weights=True, topk=3, num_shared_experts=2),
+    # Ranks of 1, 2, 0, 1 tokens ((rank + 1) % 3): empty inputs, single rows.
+    "few_tokens": dict(dtype="f32", few_tokens=True, num_shared_experts=1, aux_loss_coeff=0.1,
+                       aux_loss="global-batch"),
 }
 
 
@@ -37,15 +40,16 @@ def case_config(name):
     return config
 
 
-def tokens_of(rank, num_ranks, seed, hidden, step):
+def tokens_of(rank, num_ranks, config, step):
     """Rank `rank`'s tokens and the gradient of its output, the same in every process."""
-    count = 5 + 3 * rank + num_ranks % 2
-    g = torch.Generator().manual_seed(1000 * seed + 97 * rank + step)
+    count = (rank + 1) % 3 if config.get("few_tokens") else 5 + 3 * rank + num_ranks % 2
+    g = torch.Generator().manual_seed(1000 * config["seed"] + 97 * rank + step)
+    hidden = config["hidden"]
     return torch.randn((count, hidden), generator=g), torch.randn((count, hidden), generator=g)
 
 
 def moe_kwargs(config):
-    return {k: v for k, v in config.items() if k != "steps"}
+    return {k: v for k, v in config.items() if k not in ("steps", "few_tokens")}
 
 
 def run_epx_rank(transport, config):
@@ -55,7 +59,7 @@ def run_epx_rank(transport, config):
     steps = []
     for step in range(config.get("steps", 1)):
         moe.zero_grad()
-        x, g = tokens_of(transport.rank, transport.num_ranks, config["seed"], config["hidden"], step)
+        x, g = tokens_of(transport.rank, transport.num_ranks, config, step)
         x.requires_grad_(True)
         out = moe(x)
         loss = (out * g).sum() + moe.aux_loss
@@ -168,7 +172,7 @@ def eager_steps(config, num_ranks):
     for step in range(config.get("steps", 1)):
         for p in eager.params():
             p.grad = None
-        data = [tokens_of(r, num_ranks, config["seed"], config["hidden"], step) for r in range(num_ranks)]
+        data = [tokens_of(r, num_ranks, config, step) for r in range(num_ranks)]
         xs = [x.clone().requires_grad_(True) for x, _ in data]
         outs, aux, load = eager.forward(xs)
         loss = sum((o * g).sum() for o, (_, g) in zip(outs, data)) + aux

@@ -26,6 +26,25 @@ import epx
 _PAYLOAD_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
+def dense(t, dtype=None):
+    """t detached, of `dtype`, with row-major strides (what epx's checks want): torch calls a
+    tensor contiguous whatever the stride of a dimension of size 1, epx does not."""
+    t = t.detach()
+    if dtype is not None:
+        t = t.to(dtype)
+    if t.is_contiguous() and all(s == c for s, c in zip(t.stride(), _row_major(t.shape))):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+
+def _row_major(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return list(reversed(strides))
+
+
 def payload_dtype(name):
     """The torch dtype of an epx payload dtype name ("f32" or "bf16")."""
     if name not in _PAYLOAD_DTYPES:
@@ -56,7 +75,7 @@ def _layout_tensor(values):
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_idx, topk_weights, buffer, box):
-        result = buffer.dispatch(x.detach().contiguous(), topk_idx, topk_weights.detach().contiguous())
+        result = buffer.dispatch(dense(x), dense(topk_idx), dense(topk_weights))
         handle = result.handle
         layout = buffer.expanded_layout(handle)
         offsets = _layout_tensor(layout.expert_offsets)
@@ -82,8 +101,8 @@ class _Dispatch(torch.autograd.Function):
             grad_recv_weights = torch.zeros((num_recv, ctx.topk), dtype=torch.float32)
         grad_x = torch.empty((ctx.num_tokens, hidden), dtype=torch.float32)
         grad_weights = torch.empty((ctx.num_tokens, ctx.topk), dtype=torch.float32)
-        ctx.buffer.dispatch_backward(grad_recv_x, ctx.handle, out=grad_x,
-                                     grad_recv_topk_weights=grad_recv_weights.float().contiguous(),
+        ctx.buffer.dispatch_backward(grad_recv_x, ctx.handle, grad_x=grad_x,
+                                     grad_recv_topk_weights=dense(grad_recv_weights, torch.float32),
                                      grad_topk_weights=grad_weights)
         return grad_x.to(ctx.x_dtype), None, grad_weights, None, None
 
@@ -111,8 +130,8 @@ def dispatch(buffer, x, topk_idx, topk_weights):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_expanded, recv_weights, buffer, handle, num_tokens, payload):
-        y = y_expanded.detach().float().contiguous()
-        w = recv_weights.detach().float().contiguous()
+        y = dense(y_expanded, torch.float32)
+        w = dense(recv_weights, torch.float32)
         out = torch.empty((num_tokens, y.shape[1]), dtype=torch.float32)
         buffer.combine_expanded(y, handle, out=out, weights=w)
         ctx.buffer, ctx.handle, ctx.payload = buffer, handle, payload
@@ -124,7 +143,7 @@ class _Combine(torch.autograd.Function):
         y, w = ctx.saved_tensors
         grad_y = torch.empty_like(y)
         grad_w = torch.empty_like(w)
-        ctx.buffer.combine_expanded_backward(grad_out.to(ctx.payload).contiguous(), ctx.handle, y, w,
+        ctx.buffer.combine_expanded_backward(dense(grad_out, ctx.payload), ctx.handle, y, w,
                                              grad_y_expanded=grad_y, grad_weights=grad_w)
         return grad_y, grad_w, None, None, None, None
 
@@ -139,7 +158,7 @@ def combine(buffer, y_expanded, recv_topk_weights, dispatched):
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, config, expert_bias, box):
-        routed = epx.route(config, logits.detach().float().contiguous(), expert_bias=expert_bias)
+        routed = epx.route(config, dense(logits, torch.float32), expert_bias=expert_bias)
         idx = torch.as_tensor(routed.topk_idx).to(torch.int32).clone()
         weights = torch.as_tensor(routed.topk_weights).float().clone()
         box.routed = routed
@@ -149,8 +168,8 @@ class _Route(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_idx, grad_weights):
-        grad = epx.route_backward(ctx.config, ctx.routed, grad_weights.float().contiguous())
-        return torch.as_tensor(grad).float().reshape(ctx.routed.num_tokens, -1), None, None, None
+        grad = epx.route_backward(ctx.config, ctx.routed, dense(grad_weights, torch.float32))
+        return torch.as_tensor(grad).float().reshape(ctx.routed.num_tokens, ctx.routed.num_experts), None, None, None
 
 
 class _RoutedBox:

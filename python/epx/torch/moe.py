@@ -74,7 +74,7 @@ def rms_norm(x, weight, eps):
 
 def all_reduce_sum(transport, tensor):
     """Sum of `tensor` over every rank of `transport` (a new f64 tensor; not differentiable)."""
-    data = tensor.detach().to(torch.float64).contiguous().clone()
+    data = functions.dense(tensor, torch.float64).clone()
     result = transport.all_reduce(data, op="sum")
     return data if result is None else torch.as_tensor(result)
 
@@ -84,7 +84,7 @@ def all_reduce_grads(parameters, transport):
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return
-    flat = torch.cat([p.grad.reshape(-1).float() for p in params])
+    flat = functions.dense(torch.cat([p.grad.reshape(-1).float() for p in params]))
     result = transport.all_reduce(flat, op="sum")
     flat = flat if result is None else torch.as_tensor(result)
     offset = 0
