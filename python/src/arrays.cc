@@ -81,7 +81,8 @@ ArrayArg view_torch(pb::handle obj, std::string_view name) {
   int64_t stride = 1;
   for (int d = t.ndim - 1; d >= 0; --d) {
     sizes[d] = t.shape[d];
-    strides[d] = t.strides != nullptr ? t.strides[d] : stride;
+    // A dimension of size 0 or 1 has no meaningful stride (torch exports 1 there): the row-major one.
+    strides[d] = t.strides != nullptr && t.shape[d] > 1 ? t.strides[d] : stride;
     stride *= t.shape[d];
   }
   arg.view = make_view(static_cast<std::byte*>(t.data) + t.byte_offset, *dtype, t.ndim, sizes, strides);
