@@ -25,6 +25,7 @@
 #include "epx/core/fp8.h"
 #include "epx/exchange/buffer.h"
 #include "errors.h"
+#include "pending.h"
 #include "transport.h"
 
 namespace pb = pybind11;
@@ -215,42 +216,6 @@ ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType
   return new_array(kind, dtype, shape);
 }
 
-// ---- PendingOp -----------------------------------------------------------------------
-
-struct PyPendingOp {
-  PendingOp op;
-  std::vector<pb::object> keep;          // the arguments, alive until the operation ends
-  std::function<pb::object()> finish;    // builds the result (with the GIL) once it succeeded
-  std::optional<pb::object> result;
-
-  PyPendingOp(PendingOp o, std::vector<pb::object> k, std::function<pb::object()> f)
-      : op(std::move(o)), keep(std::move(k)), finish(std::move(f)) {}
-  PyPendingOp(const PyPendingOp&) = delete;
-  PyPendingOp& operator=(const PyPendingOp&) = delete;
-  // A dropped operation is waited for: its arguments must outlive it.
-  ~PyPendingOp() {
-    if (result || op.done()) return;
-    pb::gil_scoped_release release;
-    op.wait().ignore();
-  }
-  pb::object wait(pb::handle timeout) {
-    if (result) return *result;
-    Status status;
-    if (timeout.is_none()) {
-      call([&] { return op.wait(); });
-    } else {
-      const Deadline deadline = deadline_after(timeout, 0);
-      call([&] { return op.wait(deadline); });
-    }
-    result = finish();
-    keep.clear();
-    return *result;
-  }
-};
-
-pb::object pending(PendingOp op, std::vector<pb::object> keep, std::function<pb::object()> finish) {
-  return pb::cast(std::make_unique<PyPendingOp>(std::move(op), std::move(keep), std::move(finish)));
-}
 
 
 // ---- creation --------------------------------------------------------------------------
@@ -573,9 +538,6 @@ void register_results(pb::module_& m) {
       .def_readonly("row_of", &PyExpandedLayout::row_of)
       .def_readonly("recv_row", &PyExpandedLayout::recv_row)
       .def_readonly("num_rows", &PyExpandedLayout::num_rows);
-  pb::class_<PyPendingOp>(m, "PendingOp", "An asynchronous exchange operation; wait() gives its result.")
-      .def("wait", &PyPendingOp::wait, pb::arg("timeout") = pb::none())
-      .def("done", [](const PyPendingOp& p) { return p.result.has_value() || p.op.done(); });
 }
 
 using R = PyDispatchResult;

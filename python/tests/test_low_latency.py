@@ -120,3 +120,19 @@ def test_bad_arguments_raise_before_anything_is_sent():
         return True
 
     assert epx.InprocWorld(num_ranks=1).run(fn) == [True]
+
+
+def test_one_token_torch_rows():
+    """torch exports a [1, H] tensor with strides (1, 1): still a matrix (a decode step of one token)."""
+    import torch
+
+    def fn(t):
+        buf = epx.LowLatencyBuffer(t, E, H, dtype="bf16", max_tokens_per_rank=1, max_topk=K)
+        x = torch.arange(H, dtype=torch.float32).reshape(1, H).bfloat16()
+        r = buf.dispatch(x, torch.tensor([[t.rank, -1, 7 - t.rank]], dtype=torch.int32))
+        out = buf.combine(r.recv_x.float(), r.handle)
+        assert out.shape == (1, H)
+        return out
+
+    for out in epx.InprocWorld(num_ranks=2).run(fn):
+        assert torch.equal(out, 2 * torch.arange(H, dtype=torch.float32).reshape(1, H))
