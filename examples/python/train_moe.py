@@ -33,9 +33,11 @@ from torch import nn
 import epx
 import epx.torch as et
 
-# |loss(R ranks) - loss(1 rank)| allowed per step (the default model, 50 steps): f32 differs in
-# summation order only (measured 6e-7); bf16 also rounds the gradients that travel (measured 1e-3).
-CURVE_TOLERANCE = {"f32": 1e-4, "bf16": 5e-3}
+# |loss(R ranks) - loss(1 rank)| allowed per step. The ranks sum in another order (f32 curves
+# agree to 1e-6 at first), and top-k routing is discontinuous: once a last-bit difference moves a
+# near-tied token to another expert the curves differ by ~1e-3 (measured over 60 steps of the
+# default model: 1.8e-3 with f32 on 4 ranks, 1.1e-3 with bf16), while the loss falls by ~2.8.
+CURVE_TOLERANCE = 5e-3
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
@@ -61,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--losses-out", help="write the loss curve here (JSON)")
     p.add_argument("--compare", help="a curve from --losses-out: exit 1 if a step differs by more than the tolerance")
-    p.add_argument("--tolerance", type=float, help=f"for --compare; default by dtype: {CURVE_TOLERANCE}")
+    p.add_argument("--tolerance", type=float, default=CURVE_TOLERANCE, help="for --compare, per step")
     return p.parse_args(argv)
 
 
@@ -211,8 +213,7 @@ def main(argv=None):
     print(f"{ranks} rank(s): loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps")
     if args.losses_out:
         json.dump({"ranks": ranks, "losses": losses}, open(args.losses_out, "w"))
-    tolerance = args.tolerance if args.tolerance is not None else CURVE_TOLERANCE[args.dtype]
-    return compare_curves(losses, args.compare, tolerance) if args.compare else 0
+    return compare_curves(losses, args.compare, args.tolerance) if args.compare else 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import math
 
 import torch
 
-import epx
 import epx.torch as et
 
 # Tolerances (absolute, on values of order 1): f32 differs from the eager layer

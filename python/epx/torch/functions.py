@@ -63,9 +63,8 @@ class Dispatched:
 
 
 class _HandleBox:
-    """Carries the dispatch's handle and layout out of _Dispatch.forward."""
+    """Carries the dispatch's handle out of _Dispatch.forward (autograd passes tensors only)."""
     handle = None
-    layout = None
 
 
 def _layout_tensor(values):
@@ -85,7 +84,7 @@ class _Dispatch(torch.autograd.Function):
         recv_weights = torch.as_tensor(result.recv_topk_weights).clone()
         del result  # no view of the receive region survives this call
         row_of = _layout_tensor(layout.row_of).reshape(recv_weights.shape)
-        box.handle, box.layout = handle, offsets
+        box.handle = handle
         ctx.buffer, ctx.handle, ctx.x_dtype = buffer, handle, x.dtype
         ctx.num_tokens, ctx.topk = x.shape[0], topk_weights.shape[1]
         ctx.save_for_backward(row_of)
