@@ -82,3 +82,34 @@ def test_weights_do_not_depend_on_the_number_of_ranks():
     one = epx.InprocWorld(num_ranks=1).run(local_w1)[0]
     four = torch.cat(epx.InprocWorld(num_ranks=4).run(local_w1))
     assert torch.equal(one, four)
+
+
+def test_functions_alone_match_a_dense_computation():
+    """et.dispatch + experts y = (l + 1) x (l: the local expert) + et.combine, against
+    out[t] = sum_k w[t, k] (e_k + 1) x[t] computed directly, with both gradients."""
+    E, K, H, R = 8, 3, 4, 2
+
+    def fn(transport):
+        g = torch.Generator().manual_seed(transport.rank)
+        x = torch.randn(5, H, generator=g, requires_grad=True)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(5)]).to(torch.int32)
+        idx[0, 1] = -1
+        w = torch.rand(5, K, generator=g).requires_grad_(True)
+        buffer = epx.Buffer(transport, num_experts=E, hidden=H, dtype="f32", max_tokens_per_rank=5)
+        d = et.dispatch(buffer, x, idx, w)
+        first = transport.rank * (E // R)
+        scale = torch.cat([torch.full((int(d.expert_offsets[l + 1] - d.expert_offsets[l]), 1), first + l + 1.0)
+                           for l in range(E // R)])
+        out = et.combine(buffer, d.x_expanded * scale, d.recv_topk_weights, d)
+        (out * torch.arange(H)).sum().backward()
+        return out.detach(), x.grad, w.grad, x.detach(), idx, w.detach()
+
+    for out, grad_x, grad_w, x, idx, w in epx.InprocWorld(num_ranks=R).run(fn):
+        x = x.clone().requires_grad_(True)
+        w = w.clone().requires_grad_(True)
+        factor = torch.where(idx >= 0, idx.float() + 1, torch.zeros(()))
+        want = ((w * factor).sum(1, keepdim=True)) * x
+        (want * torch.arange(H)).sum().backward()
+        assert torch.allclose(out, want.detach(), atol=1e-5)
+        assert torch.allclose(grad_x, x.grad, atol=1e-5)
+        assert torch.allclose(grad_w, w.grad, atol=1e-5)
