@@ -210,7 +210,13 @@ CombineArgs combine_args(ArrayKind kind, const Handle& handle, pb::handle bias, 
 
 // `out` or a new [rows, hidden] array of `dtype`.
 ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType dtype, int64_t rows, int64_t cols) {
-  if (!out.is_none()) return view_array(out, name);
+  if (!out.is_none()) {
+    ArrayArg arg = view_array(out, name);
+    if (arg.kind == ArrayKind::kNumpy && pb::hasattr(out, "flags") && !out.attr("flags").attr("writeable").cast<bool>()) {
+      throw_error("InvalidArgumentError", fmt::format("{}: the array is read-only", name));
+    }
+    return arg;
+  }
   const std::array<int64_t, 2> shape{rows, cols};
   return new_array(kind, dtype, shape);
 }

@@ -60,6 +60,12 @@ def test_int64_ids_in_range_are_taken():
     assert got.dtype == np.int32 and got.shape == (3, 2)
 
 
+def read_only(shape):
+    a = np.zeros(shape, np.float32)
+    a.flags.writeable = False
+    return a
+
+
 def test_bad_combine_inputs():
     x, idx = good()
 
@@ -67,7 +73,8 @@ def test_bad_combine_inputs():
         res = buf.dispatch(x, idx)
         for args, name in [((np.ones((3, H), np.float32), "not a handle"), "handle"),
                            ((np.ones((2, H), np.float32), res.handle), "y"),
-                           ((np.ones((3, H), np.float32), res.handle, np.ones((3, H + 1), np.float32)), "out")]:
+                           ((np.ones((3, H), np.float32), res.handle, np.ones((3, H + 1), np.float32)), "out"),
+                           ((np.ones((3, H), np.float32), res.handle, read_only((3, H))), "out")]:
             with pytest.raises(epx.InvalidArgumentError) as info:
                 buf.combine(*args)
             assert name in str(info.value), str(info.value)
