@@ -467,17 +467,28 @@ pb::object combine_expanded_backward(BufferState& self, pb::handle grad_out, pb:
       async);
 }
 
+ArrayKind parse_library(const std::string& library) {
+  if (library != "numpy" && library != "torch") {
+    throw_error("InvalidArgumentError", fmt::format("library: '{}' is not numpy or torch", library));
+  }
+  return library == "torch" ? ArrayKind::kTorch : ArrayKind::kNumpy;
+}
+
 pb::object combine_input(BufferState& self, pb::handle handle, const std::string& dtype, const std::string& library) {
   Buffer& buffer = self.get();
   const Handle& h = handle_of(handle);
   const DType type = parse(parse_dtype(dtype), "dtype");
-  if (library != "numpy" && library != "torch") {
-    throw_error("InvalidArgumentError", fmt::format("library: '{}' is not numpy or torch", library));
-  }
+  const ArrayKind kind = parse_library(library);
   const TensorView view = unwrap(buffer.combine_input(h, type));
   self.combine_input_data = view.data();
-  return region_view(self.shared_from_this(), kCombine, library == "torch" ? ArrayKind::kTorch : ArrayKind::kNumpy,
-                     view);
+  return region_view(self.shared_from_this(), kCombine, kind, view);
+}
+
+// fp8 Buffers: the scales of the rows in the receive region (a view of it).
+pb::object recv_scales(BufferState& self, pb::handle handle, const std::string& library) {
+  const ArrayKind kind = parse_library(library);
+  const TensorView view = unwrap(self.get().recv_scales(handle_of(handle)));
+  return region_view(self.shared_from_this(), kRecv, kind, view);
 }
 
 pb::object expand(BufferState& self, pb::handle recv_x, pb::handle handle, pb::handle out) {
@@ -652,6 +663,7 @@ void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
 void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
   const auto none = pb::none();
   c.def("combine_input", &combine_input, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
+      .def("recv_scales", &recv_scales, pb::arg("handle"), pb::arg("library") = "numpy")
       .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"))
       .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none)
       .def("dispatch_send", &dispatch_send, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
