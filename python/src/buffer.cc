@@ -25,6 +25,7 @@
 #include "epx/core/fp8.h"
 #include "epx/exchange/buffer.h"
 #include "errors.h"
+#include "gil.h"
 #include "pending.h"
 #include "transport.h"
 
@@ -50,15 +51,7 @@ struct BufferState : std::enable_shared_from_this<BufferState> {
 
   ~BufferState() { close(); }
   // Destroys the C++ Buffer without the GIL (its progress thread may wait).
-  void close() {
-    if (!buffer) return;
-    if (PyGILState_Check() != 0) {
-      pb::gil_scoped_release release;
-      buffer.reset();
-    } else {
-      buffer.reset();
-    }
-  }
+  void close() { reset_without_gil(buffer); }
   Buffer& get() const {
     if (!buffer) throw_error("FailedPreconditionError", "the Buffer is closed (MPI was finalised at exit)");
     return *buffer;
@@ -118,17 +111,6 @@ void check_fresh(const BufferState& state, uint64_t generation, std::string_view
                             "from call {}, the region holds call {}); copy what must survive",
                             what, generation, state.generation[kRecv]));
   }
-}
-
-// Runs a C++ call that may wait, without the GIL.
-template <typename F>
-void call(F&& fn) {
-  Status status;
-  {
-    pb::gil_scoped_release release;
-    status = fn();
-  }
-  check(status);
 }
 
 // ---- results ---------------------------------------------------------------------
