@@ -3,6 +3,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <limits>
@@ -79,11 +80,15 @@ ArrayArg view_torch(pb::handle obj, std::string_view name) {
                                             pb::str(obj.attr("dtype")).cast<std::string>()));
   check_ndim(name, t.ndim);
   Dims sizes{}, strides{};
+  // torch exports dimensions of size 1 with stride 1 and empty tensors with
+  // any strides: never used to address, so those take the dense stride (a
+  // [1, H] row is a matrix, a [0, H] one too).
+  const bool empty = std::any_of(t.shape, t.shape + t.ndim, [](int64_t n) { return n == 0; });
   int64_t stride = 1;
   for (int d = t.ndim - 1; d >= 0; --d) {
     sizes[d] = t.shape[d];
-    strides[d] = t.strides != nullptr ? t.strides[d] : stride;
-    stride *= t.shape[d];
+    strides[d] = t.strides != nullptr && t.shape[d] > 1 && !empty ? t.strides[d] : stride;
+    stride *= std::max<int64_t>(t.shape[d], 1);
   }
   arg.view = make_view(static_cast<std::byte*>(t.data) + t.byte_offset, *dtype, t.ndim, sizes, strides);
   return arg;

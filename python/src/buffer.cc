@@ -25,6 +25,8 @@
 #include "epx/core/fp8.h"
 #include "epx/exchange/buffer.h"
 #include "errors.h"
+#include "gil.h"
+#include "pending.h"
 #include "transport.h"
 
 namespace pb = pybind11;
@@ -49,15 +51,7 @@ struct BufferState : std::enable_shared_from_this<BufferState> {
 
   ~BufferState() { close(); }
   // Destroys the C++ Buffer without the GIL (its progress thread may wait).
-  void close() {
-    if (!buffer) return;
-    if (PyGILState_Check() != 0) {
-      pb::gil_scoped_release release;
-      buffer.reset();
-    } else {
-      buffer.reset();
-    }
-  }
+  void close() { reset_without_gil(buffer); }
   Buffer& get() const {
     if (!buffer) throw_error("FailedPreconditionError", "the Buffer is closed (MPI was finalised at exit)");
     return *buffer;
@@ -117,17 +111,6 @@ void check_fresh(const BufferState& state, uint64_t generation, std::string_view
                             "from call {}, the region holds call {}); copy what must survive",
                             what, generation, state.generation[kRecv]));
   }
-}
-
-// Runs a C++ call that may wait, without the GIL.
-template <typename F>
-void call(F&& fn) {
-  Status status;
-  {
-    pb::gil_scoped_release release;
-    status = fn();
-  }
-  check(status);
 }
 
 // ---- results ---------------------------------------------------------------------
@@ -221,42 +204,6 @@ ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType
   return new_array(kind, dtype, shape);
 }
 
-// ---- PendingOp -----------------------------------------------------------------------
-
-struct PyPendingOp {
-  PendingOp op;
-  std::vector<pb::object> keep;          // the arguments, alive until the operation ends
-  std::function<pb::object()> finish;    // builds the result (with the GIL) once it succeeded
-  std::optional<pb::object> result;
-
-  PyPendingOp(PendingOp o, std::vector<pb::object> k, std::function<pb::object()> f)
-      : op(std::move(o)), keep(std::move(k)), finish(std::move(f)) {}
-  PyPendingOp(const PyPendingOp&) = delete;
-  PyPendingOp& operator=(const PyPendingOp&) = delete;
-  // A dropped operation is waited for: its arguments must outlive it.
-  ~PyPendingOp() {
-    if (result || op.done()) return;
-    pb::gil_scoped_release release;
-    op.wait().ignore();
-  }
-  pb::object wait(pb::handle timeout) {
-    if (result) return *result;
-    Status status;
-    if (timeout.is_none()) {
-      call([&] { return op.wait(); });
-    } else {
-      const Deadline deadline = deadline_after(timeout, 0);
-      call([&] { return op.wait(deadline); });
-    }
-    result = finish();
-    keep.clear();
-    return *result;
-  }
-};
-
-pb::object pending(PendingOp op, std::vector<pb::object> keep, std::function<pb::object()> finish) {
-  return pb::cast(std::make_unique<PyPendingOp>(std::move(op), std::move(keep), std::move(finish)));
-}
 
 
 // ---- creation --------------------------------------------------------------------------
@@ -590,9 +537,6 @@ void register_results(pb::module_& m) {
       .def_readonly("row_of", &PyExpandedLayout::row_of)
       .def_readonly("recv_row", &PyExpandedLayout::recv_row)
       .def_readonly("num_rows", &PyExpandedLayout::num_rows);
-  pb::class_<PyPendingOp>(m, "PendingOp", "An asynchronous exchange operation; wait() gives its result.")
-      .def("wait", &PyPendingOp::wait, pb::arg("timeout") = pb::none())
-      .def("done", [](const PyPendingOp& p) { return p.result.has_value() || p.op.done(); });
 }
 
 using R = PyDispatchResult;

@@ -7,10 +7,16 @@ namespace pb = pybind11;
 namespace epx::py {
 void register_transport(pb::module_& m);
 void register_buffer(pb::module_& m);
+void register_pending(pb::module_& m);
+void register_routing(pb::module_& m);
+void register_low_latency(pb::module_& m);
 }  // namespace epx::py
 
 PYBIND11_MODULE(_epx, m) {
   m.doc() = "epx: expert parallelism for MoE models (docs/python.md)";
   epx::py::register_transport(m);
   epx::py::register_buffer(m);
+  epx::py::register_pending(m);
+  epx::py::register_routing(m);
+  epx::py::register_low_latency(m);
 }

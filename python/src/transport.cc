@@ -76,6 +76,28 @@ void promote_libmpi() {
   }
 }
 
+// An exception that ends the interpreter aborts this process's MPI
+// transports first, so the other ranks fail with AbortedError naming it at
+// their next (or current) epx call instead of waiting for a rank that left.
+void abort_mpi_transports(const pb::handle& type, const pb::handle& value) {
+  const std::string what = fmt::format("{}: {}", pb::str(type.attr("__name__")).cast<std::string>(),
+                                       pb::str(value).cast<std::string>());
+  for (auto& weak : mpi_state().transports) {
+    auto transport = weak.lock();
+    if (!transport || !transport->transport) continue;
+    transport->transport->abort(Status(StatusCode::kAborted, "Python raised " + what));
+  }
+}
+
+void abort_on_uncaught_exception() {
+  pb::module_ sys = pb::module_::import("sys");
+  pb::object previous = sys.attr("excepthook");
+  sys.attr("excepthook") = pb::cpp_function([previous](pb::handle type, pb::handle value, pb::handle traceback) {
+    abort_mpi_transports(type, value);
+    previous(type, value, traceback);
+  });
+}
+
 MpiSession& mpi_session() {
   MpiState& state = mpi_state();
   if (!state.session) {
@@ -86,6 +108,7 @@ MpiSession& mpi_session() {
     }();
     state.session = unwrap(std::move(session));
     pb::module_::import("atexit").attr("register")(pb::cpp_function(&close_mpi));
+    abort_on_uncaught_exception();
   }
   return *state.session;
 }
