@@ -25,6 +25,7 @@
 #include "epx/core/fp8.h"
 #include "epx/exchange/buffer.h"
 #include "errors.h"
+#include "gil.h"
 #include "pending.h"
 #include "transport.h"
 
@@ -50,15 +51,7 @@ struct BufferState : std::enable_shared_from_this<BufferState> {
 
   ~BufferState() { close(); }
   // Destroys the C++ Buffer without the GIL (its progress thread may wait).
-  void close() {
-    if (!buffer) return;
-    if (PyGILState_Check() != 0) {
-      pb::gil_scoped_release release;
-      buffer.reset();
-    } else {
-      buffer.reset();
-    }
-  }
+  void close() { reset_without_gil(buffer); }
   Buffer& get() const {
     if (!buffer) throw_error("FailedPreconditionError", "the Buffer is closed (MPI was finalised at exit)");
     return *buffer;
@@ -118,17 +111,6 @@ void check_fresh(const BufferState& state, uint64_t generation, std::string_view
                             "from call {}, the region holds call {}); copy what must survive",
                             what, generation, state.generation[kRecv]));
   }
-}
-
-// Runs a C++ call that may wait, without the GIL.
-template <typename F>
-void call(F&& fn) {
-  Status status;
-  {
-    pb::gil_scoped_release release;
-    status = fn();
-  }
-  check(status);
 }
 
 // ---- results ---------------------------------------------------------------------
@@ -211,7 +193,13 @@ CombineArgs combine_args(ArrayKind kind, const Handle& handle, pb::handle bias, 
 
 // `out` or a new [rows, hidden] array of `dtype`.
 ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType dtype, int64_t rows, int64_t cols) {
-  if (!out.is_none()) return view_array(out, name);
+  if (!out.is_none()) {
+    ArrayArg arg = view_array(out, name);
+    if (arg.kind == ArrayKind::kNumpy && pb::hasattr(out, "flags") && !out.attr("flags").attr("writeable").cast<bool>()) {
+      throw_error("InvalidArgumentError", fmt::format("{}: the array is read-only", name));
+    }
+    return arg;
+  }
   const std::array<int64_t, 2> shape{rows, cols};
   return new_array(kind, dtype, shape);
 }
@@ -426,17 +414,28 @@ pb::object combine_expanded_backward(BufferState& self, pb::handle grad_out, pb:
       async);
 }
 
+ArrayKind parse_library(const std::string& library) {
+  if (library != "numpy" && library != "torch") {
+    throw_error("InvalidArgumentError", fmt::format("library: '{}' is not numpy or torch", library));
+  }
+  return library == "torch" ? ArrayKind::kTorch : ArrayKind::kNumpy;
+}
+
 pb::object combine_input(BufferState& self, pb::handle handle, const std::string& dtype, const std::string& library) {
   Buffer& buffer = self.get();
   const Handle& h = handle_of(handle);
   const DType type = parse(parse_dtype(dtype), "dtype");
-  if (library != "numpy" && library != "torch") {
-    throw_error("InvalidArgumentError", fmt::format("library: '{}' is not numpy or torch", library));
-  }
+  const ArrayKind kind = parse_library(library);
   const TensorView view = unwrap(buffer.combine_input(h, type));
   self.combine_input_data = view.data();
-  return region_view(self.shared_from_this(), kCombine, library == "torch" ? ArrayKind::kTorch : ArrayKind::kNumpy,
-                     view);
+  return region_view(self.shared_from_this(), kCombine, kind, view);
+}
+
+// fp8 Buffers: the scales of the rows in the receive region (a view of it).
+pb::object recv_scales(BufferState& self, pb::handle handle, const std::string& library) {
+  const ArrayKind kind = parse_library(library);
+  const TensorView view = unwrap(self.get().recv_scales(handle_of(handle)));
+  return region_view(self.shared_from_this(), kRecv, kind, view);
 }
 
 pb::object expand(BufferState& self, pb::handle recv_x, pb::handle handle, pb::handle out) {
@@ -608,6 +607,7 @@ void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
 void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
   const auto none = pb::none();
   c.def("combine_input", &combine_input, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
+      .def("recv_scales", &recv_scales, pb::arg("handle"), pb::arg("library") = "numpy")
       .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"))
       .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none)
       .def("dispatch_send", &dispatch_send, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)

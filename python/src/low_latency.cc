@@ -20,6 +20,7 @@
 #include "arrays.h"
 #include "epx/exchange/low_latency.h"
 #include "errors.h"
+#include "gil.h"
 #include "pending.h"
 #include "transport.h"
 
@@ -46,15 +47,7 @@ struct LowLatencyState {
   LowLatencyState& operator=(const LowLatencyState&) = delete;
   ~LowLatencyState() { close(); }
   // Destroys the C++ buffer without the GIL (its progress thread may wait).
-  void close() {
-    if (!buffer) return;
-    if (PyGILState_Check() != 0) {
-      pb::gil_scoped_release release;
-      buffer.reset();
-    } else {
-      buffer.reset();
-    }
-  }
+  void close() { reset_without_gil(buffer); }
   [[nodiscard]] LowLatencyBuffer& get() const {
     if (!buffer) throw_error("FailedPreconditionError", "the LowLatencyBuffer is closed (MPI was finalised at exit)");
     return *buffer;
@@ -83,17 +76,6 @@ PyLowLatencyResult copy_result(const LowLatencyDispatchResult& r, ArrayKind kind
                             r.stats};
 }
 
-// Runs a C++ call that may wait, without the GIL.
-template <typename F>
-void call_released(F&& fn) {
-  Status status;
-  {
-    pb::gil_scoped_release release;
-    status = fn();
-  }
-  check(status);
-}
-
 DType parse_named_dtype(const std::string& name, std::string_view field) {
   Result<DType> dtype = parse_dtype(name);
   if (!dtype.is_ok()) throw_error("InvalidArgumentError", fmt::format("{}: {}", field, dtype.status().message()));
@@ -116,7 +98,7 @@ StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, 
   config.timeout = Milliseconds(static_cast<int64_t>(timeout * 1000));
   if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, t.num_ranks()));
   auto state = std::make_shared<LowLatencyState>();
-  call_released([&] {  // collective
+  call([&] {  // collective
     Result<std::unique_ptr<LowLatencyBuffer>> buffer = LowLatencyBuffer::create(t, config);
     if (buffer.is_ok()) state->buffer = std::move(buffer).value();
     return buffer.status();
@@ -159,7 +141,7 @@ PyLowLatencyResult dispatch(LowLatencyState& self, pb::handle x, pb::handle topk
   check_no_uncollected_dispatch(self, "dispatch");
   const DispatchArgs args = dispatch_args(x, topk_idx, topk_weights);
   LowLatencyDispatchResult out;
-  call_released([&] { return buffer.dispatch(args.inputs(), &out); });
+  call([&] { return buffer.dispatch(args.inputs(), &out); });
   return copy_result(out, args.x.kind, args.num_tokens());
 }
 
@@ -199,7 +181,7 @@ pb::object combine(LowLatencyState& self, pb::handle y, pb::handle handle, pb::h
   LowLatencyBuffer& buffer = self.get();
   const PyLowLatencyHandle& h = handle_of(handle);
   const auto [y_arg, out_arg] = combine_args(buffer, y, h, out);
-  call_released([&] { return buffer.combine(y_arg.view, h.handle, out_arg.view); });
+  call([&] { return buffer.combine(y_arg.view, h.handle, out_arg.view); });
   return out_arg.owner;
 }
 

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "errors.h"
+#include "gil.h"
 #include "transport.h"
 
 namespace pb = pybind11;
@@ -30,14 +31,9 @@ struct PyPendingOp {
 
   pb::object wait(pb::handle timeout) {
     if (result) return *result;
-    Status status;
-    {
-      const bool forever = timeout.is_none();
-      const Deadline deadline = deadline_after(timeout, 0);
-      pb::gil_scoped_release release;
-      status = forever ? op.wait() : op.wait(deadline);
-    }
-    check(status);
+    const bool forever = timeout.is_none();
+    const Deadline deadline = deadline_after(timeout, 0);
+    call([&] { return forever ? op.wait() : op.wait(deadline); });
     result = finish();
     keep.clear();
     return *result;

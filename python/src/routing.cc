@@ -23,6 +23,7 @@
 #include "epx/routing/load_stats.h"
 #include "epx/routing/router.h"
 #include "errors.h"
+#include "gil.h"
 #include "transport.h"
 #include "args.h"
 
@@ -263,11 +264,7 @@ pb::object sum_load_over_ranks_py(const PyTransport& py_transport, const pb::obj
   ArrayKind kind = ArrayKind::kNumpy;
   std::vector<int64_t> values = int_vector<int64_t>(load, "load", &kind);
   const Deadline deadline = deadline_after(timeout, 30.0);
-  Status status = [&] {
-    pb::gil_scoped_release release;
-    return sum_load_over_ranks(transport, values, deadline);
-  }();
-  check(status);
+  call([&] { return sum_load_over_ranks(transport, values, deadline); });
   return copy_of(kind, TensorView::contiguous(values.data(), DType::kI64, {static_cast<int64_t>(values.size())}));
 }
 
@@ -280,11 +277,7 @@ LoadStats compute_load_stats_py(const pb::object& topk_idx, const pb::object& ex
 LoadStats sum_load_stats_over_ranks_py(const PyTransport& py_transport, LoadStats stats, pb::handle timeout) {
   Transport& transport = py_transport.get();
   const Deadline deadline = deadline_after(timeout, 30.0);
-  Status status = [&] {
-    pb::gil_scoped_release release;
-    return sum_load_stats_over_ranks(transport, &stats, deadline);
-  }();
-  check(status);
+  call([&] { return sum_load_stats_over_ranks(transport, &stats, deadline); });
   return stats;
 }
 

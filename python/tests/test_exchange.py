@@ -63,7 +63,7 @@ def test_dispatch_and_combine_match_the_reference(num_ranks, num_nodes, tokens, 
 def same_bits(a, b, msg=""):
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype, f"{msg}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
-    width = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
     np.testing.assert_array_equal(np.ascontiguousarray(a).view(width), np.ascontiguousarray(b).view(width), err_msg=msg)
 
 
@@ -224,6 +224,7 @@ def test_fp8_payloads_round_trip_within_the_quantisation_tolerance(scales):
         res = buf.dispatch(xs[t.rank], idxs[t.rank])
         q, s = res.recv_x, res.recv_scales
         assert q.dtype == np.uint8 and s.shape == (q.shape[0], H // 128)
+        same_bits(buf.recv_scales(res.handle), s, "recv_scales")
         return epx.dequantize_fp8(q, s)
 
     for r, got in enumerate(epx.InprocWorld(R).run(rank_fn)):
