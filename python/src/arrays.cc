@@ -66,8 +66,9 @@ Result<DType> dtype_of_dlpack(DLDataType type) {
 
 ArrayArg view_torch(pb::handle obj, std::string_view name) {
   if (obj.attr("requires_grad").cast<bool>()) bad(name, "the tensor requires grad: pass it .detach()ed");
-  const std::string device = pb::str(obj.attr("device")).cast<std::string>();
-  if (device != "cpu") bad(name, fmt::format("the tensor is on {}; epx takes CPU tensors", device));
+  if (!obj.attr("is_cpu").cast<bool>()) {
+    bad(name, fmt::format("the tensor is on {}; epx takes CPU tensors", pb::str(obj.attr("device")).cast<std::string>()));
+  }
   ArrayArg arg;
   arg.kind = ArrayKind::kTorch;
   arg.owner = obj.attr("__dlpack__")();  // the capsule: its destructor frees the export

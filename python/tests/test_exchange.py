@@ -34,6 +34,7 @@ def exchange(num_ranks, num_nodes, tokens, dtype, holes=False, skew=False, hidde
         got = {name: np.array(getattr(res, name)) for name in
                ("recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src_rank", "recv_src_idx")}
         got["counts"] = list(res.num_recv_tokens_per_expert)
+        got["rows"] = (res.stats.rows_received, res.handle.num_recv_tokens, res.handle.num_tokens)
         got["out"] = buf.combine(ys[r], res.handle)
         return got
 
@@ -55,13 +56,14 @@ def test_dispatch_and_combine_match_the_reference(num_ranks, num_nodes, tokens, 
         np.testing.assert_array_equal(g["recv_topk_idx"], ref.topk_idx, err_msg=f"rank {r}")
         np.testing.assert_array_equal(g["recv_topk_weights"], ref.topk_weights, err_msg=f"rank {r}")
         assert g["counts"] == ref.counts, f"rank {r}"
-        np.testing.assert_array_equal(g["out"], outs[r], err_msg=f"rank {r}")
+        assert g["rows"] == (len(ref.src), len(ref.src), tokens[r])
+        same_bits(g["out"], outs[r], f"combine out of rank {r}")
 
 
 def same_bits(a, b, msg=""):
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype, f"{msg}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
-    width = {2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
     np.testing.assert_array_equal(np.ascontiguousarray(a).view(width), np.ascontiguousarray(b).view(width), err_msg=msg)
 
 
@@ -222,6 +224,7 @@ def test_fp8_payloads_round_trip_within_the_quantisation_tolerance(scales):
         res = buf.dispatch(xs[t.rank], idxs[t.rank])
         q, s = res.recv_x, res.recv_scales
         assert q.dtype == np.uint8 and s.shape == (q.shape[0], H // 128)
+        same_bits(buf.recv_scales(res.handle), s, "recv_scales")
         return epx.dequantize_fp8(q, s)
 
     for r, got in enumerate(epx.InprocWorld(R).run(rank_fn)):
