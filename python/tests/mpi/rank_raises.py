@@ -1,7 +1,8 @@
 """One rank of `mpirun -n 4`: rank 2 raises in Python while the others wait
-for it in a dispatch. Each other rank prints the exception it got and exits
-3 (expect_abort.py checks it was epx.AbortedError naming rank 2, long before
-the dispatch's 100 s timeout)."""
+for it in a dispatch. Each other rank writes the exception it got to
+$EPX_REPORT_DIR/rank<N>.txt and exits 3 (expect_abort.py checks it was
+epx.AbortedError naming rank 2, long before the dispatch's 100 s timeout)."""
+import os
 import sys
 import time
 
@@ -19,9 +20,14 @@ def main():
     try:
         buf.dispatch(np.ones((4, 16), dtype=np.float32), np.array([[0, 5]] * 4, dtype=np.int32))
     except epx.Error as error:
-        print(f"rank {t.rank}: {type(error).__name__} after {time.monotonic() - start:.1f} s: {error}", flush=True)
+        report(t.rank, f"{type(error).__name__} after {time.monotonic() - start:.1f} s: {error}")
         sys.exit(3)
-    print(f"rank {t.rank}: the dispatch returned", flush=True)
+    report(t.rank, "the dispatch returned")
+
+
+def report(rank, line):
+    with open(os.path.join(os.environ["EPX_REPORT_DIR"], f"rank{rank}.txt"), "w") as f:
+        f.write(f"rank {rank}: {line}\n")
 
 
 if __name__ == "__main__":
