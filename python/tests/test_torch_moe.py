@@ -10,8 +10,8 @@ import epx.torch as et
 from torch_moe_reference import CASES, case_config, check_rank, eager_steps, run_epx_rank
 
 
-def run_world(config, num_ranks):
-    world = epx.InprocWorld(num_ranks=num_ranks)
+def run_world(config, num_ranks, num_nodes=1):
+    world = epx.InprocWorld(num_ranks=num_ranks, num_nodes=num_nodes)
     return world.run(lambda transport: run_epx_rank(transport, config))
 
 
@@ -33,6 +33,16 @@ def test_matches_eager_layer(case, num_ranks):
         results[0][step]["aux_sum"] = sum(rank[step]["aux"] for rank in results)
     for rank in range(num_ranks):
         check_rank(config, rank, num_ranks, results[rank], eager, dense)
+
+
+@pytest.mark.parametrize("case", ["bf16", "capacity_bias", "few_tokens"])
+def test_two_emulated_nodes(case):
+    """4 ranks on 2 emulated nodes: the two-hop exchange, the same answers."""
+    config = case_config(case)
+    results = run_world(config, 4, num_nodes=2)
+    eager, dense = eager_steps(config, 4), summed_dense(results)
+    for rank in range(4):
+        check_rank(config, rank, 4, results[rank], eager, dense)
 
 
 def test_two_ranks_bf16_shared():

@@ -1,6 +1,8 @@
 """epx.torch.MoE under mpirun against the eager layer (torch_moe_reference.py).
 
-    mpirun -n 4 /usr/bin/python3 python/tests/torch_moe_mpi.py
+    mpirun -n 4 /usr/bin/python3 python/tests/torch_moe_mpi.py [RANKS_PER_NODE]
+
+(RANKS_PER_NODE > 0 emulates nodes of that many ranks: the two-hop exchange.)
 
 Every rank regenerates every rank's tokens from the seed, runs the eager layer
 on the whole batch and compares its own slice, its local experts' gradients and
@@ -31,7 +33,7 @@ def check_case(transport, name):
 
 
 def main():
-    transport = epx.mpi_transport()
+    transport = epx.mpi_transport(ranks_per_node=int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     failed = 0
     for name in sorted(CASES):
         try:
@@ -42,7 +44,7 @@ def main():
             traceback.print_exc()
     ok = et.all_reduce_sum(transport, torch.tensor([float(failed)]))
     if transport.rank == 0:
-        print(f"torch_moe_mpi: {len(CASES)} cases on {transport.num_ranks} ranks: "
+        print(f"torch_moe_mpi: {len(CASES)} cases on {transport.num_ranks} ranks, {transport.num_nodes} node(s): "
               f"{'all passed' if ok.item() == 0 else f'{int(ok.item())} failures'}", flush=True)
     return 0 if ok.item() == 0 else 1
 
