@@ -22,6 +22,7 @@ from .errors import (  # noqa: F401
     UnimplementedError,
 )
 from ._epx import *  # noqa: F401,F403
+from ._epx import __version__  # noqa: F401
 
 
 def bf16_from_f32(a):

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -19,5 +20,12 @@ template <typename T>
 std::vector<T> int_vector(pybind11::handle obj, std::string_view name, ArrayKind* kind = nullptr);
 extern template std::vector<int32_t> int_vector<int32_t>(pybind11::handle, std::string_view, ArrayKind*);
 extern template std::vector<int64_t> int_vector<int64_t>(pybind11::handle, std::string_view, ArrayKind*);
+
+// The widest top-k a buffer accepts: `max_topk` when given, else the C++
+// default (8) capped at num_experts, so small worlds work without it.
+inline int default_topk(const std::optional<int>& max_topk, int num_experts) {
+  if (max_topk) return *max_topk;
+  return num_experts > 0 && num_experts < 8 ? num_experts : 8;
+}
 
 }  // namespace epx::py

@@ -21,6 +21,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "args.h"
 #include "arrays.h"
 #include "epx/core/fp8.h"
 #include "epx/exchange/buffer.h"
@@ -208,12 +209,6 @@ ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType
 
 // ---- creation --------------------------------------------------------------------------
 
-template <typename T>
-T parse(Result<T> result, std::string_view name) {
-  if (!result.is_ok()) throw_error("InvalidArgumentError", fmt::format("{}: {}", name, result.status().message()));
-  return std::move(result).value();
-}
-
 DispatchAlgorithm parse_algorithm(const std::string& name) {
   if (name == "auto") return DispatchAlgorithm::kAuto;
   if (name == "flat") return DispatchAlgorithm::kFlat;
@@ -222,7 +217,7 @@ DispatchAlgorithm parse_algorithm(const std::string& name) {
 }
 
 StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden,
-                       const std::string& dtype, int max_tokens_per_rank, int max_topk, int64_t max_recv_tokens,
+                       const std::string& dtype, int max_tokens_per_rank, std::optional<int> max_topk, int64_t max_recv_tokens,
                        int expert_alignment, const std::string& max_combine_dtype, const std::string& fp8_scales,
                        const std::string& algorithm, double timeout, bool record_waits,
                        const std::optional<std::vector<int32_t>>& expert_rank) {
@@ -230,13 +225,13 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
   BufferConfig config;
   config.num_experts = num_experts;
   config.hidden = hidden;
-  config.dtype = parse(parse_dtype(dtype), "dtype");
-  config.fp8_scales = parse(parse_scale_format(fp8_scales), "fp8_scales");
-  config.max_topk = max_topk;
+  config.dtype = unwrap_arg(parse_dtype(dtype), "dtype");
+  config.fp8_scales = unwrap_arg(parse_scale_format(fp8_scales), "fp8_scales");
+  config.max_topk = default_topk(max_topk, num_experts);
   config.max_tokens_per_rank = max_tokens_per_rank;
   config.max_recv_tokens = max_recv_tokens;
   config.expert_alignment = expert_alignment;
-  config.max_combine_dtype = parse(parse_dtype(max_combine_dtype), "max_combine_dtype");
+  config.max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype");
   config.algorithm = parse_algorithm(algorithm);
   if (!(timeout > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", timeout));
   config.timeout = Milliseconds(static_cast<int64_t>(timeout * 1000));
@@ -424,7 +419,7 @@ ArrayKind parse_library(const std::string& library) {
 pb::object combine_input(BufferState& self, pb::handle handle, const std::string& dtype, const std::string& library) {
   Buffer& buffer = self.get();
   const Handle& h = handle_of(handle);
-  const DType type = parse(parse_dtype(dtype), "dtype");
+  const DType type = unwrap_arg(parse_dtype(dtype), "dtype");
   const ArrayKind kind = parse_library(library);
   const TensorView view = unwrap(buffer.combine_input(h, type));
   self.combine_input_data = view.data();
@@ -507,7 +502,7 @@ pb::object dequantize(pb::handle q, pb::handle scales, pb::handle out, const std
     s_arg.view = TensorView(s_arg.view.data(), DType::kUE8M0, {s_arg.view.size(0), s_arg.view.size(1)},
                             {s_arg.view.stride(0), s_arg.view.stride(1)});
   }
-  const ArrayArg o = out_or_new(out, "out", q_arg.kind, parse(parse_dtype(dtype), "dtype"), q_arg.view.size(0),
+  const ArrayArg o = out_or_new(out, "out", q_arg.kind, unwrap_arg(parse_dtype(dtype), "dtype"), q_arg.view.size(0),
                                 q_arg.view.size(1));
   check(dequantize_fp8(q_arg.view, s_arg.view, o.view));
   return o.owner;
@@ -623,7 +618,7 @@ void register_buffer(pb::module_& m) {
   register_dispatch_result(m);
   pb::class_<BufferState, StatePtr> c(m, "Buffer", "Dispatch and combine for one rank (include/epx/exchange/buffer.h).");
   c.def(pb::init(&create_buffer), pb::arg("transport"), pb::arg("num_experts"), pb::arg("hidden"),
-        pb::arg("dtype") = "bf16", pb::arg("max_tokens_per_rank") = 0, pb::arg("max_topk") = 8,
+        pb::arg("dtype") = "bf16", pb::arg("max_tokens_per_rank") = 0, pb::arg("max_topk") = pb::none(),
         pb::arg("max_recv_tokens") = 0, pb::arg("expert_alignment") = 1, pb::arg("max_combine_dtype") = "f32",
         pb::arg("fp8_scales") = "f32", pb::arg("algorithm") = "auto", pb::arg("timeout") = 30.0,
         pb::arg("record_waits") = true, pb::arg("expert_rank") = pb::none())

@@ -5,6 +5,7 @@
 // -> epx.DeadlineExceededError (a TimeoutError), ...; the message is epx's.
 #pragma once
 
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -23,6 +24,14 @@ inline void check(const Status& status) {
 template <typename T>
 T unwrap(Result<T> result) {
   if (!result.is_ok()) throw_status(result.status());
+  return std::move(result).value();
+}
+
+// As unwrap, for a value parsed from argument `name`: the error becomes
+// epx.InvalidArgumentError "name: <epx's message>".
+template <typename T>
+T unwrap_arg(Result<T> result, std::string_view name) {
+  if (!result.is_ok()) throw_error("InvalidArgumentError", std::string(name) + ": " + result.status().message());
   return std::move(result).value();
 }
 

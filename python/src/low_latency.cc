@@ -17,6 +17,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "args.h"
 #include "arrays.h"
 #include "epx/exchange/low_latency.h"
 #include "errors.h"
@@ -76,23 +77,17 @@ PyLowLatencyResult copy_result(const LowLatencyDispatchResult& r, ArrayKind kind
                             r.stats};
 }
 
-DType parse_named_dtype(const std::string& name, std::string_view field) {
-  Result<DType> dtype = parse_dtype(name);
-  if (!dtype.is_ok()) throw_error("InvalidArgumentError", fmt::format("{}: {}", field, dtype.status().message()));
-  return dtype.value();
-}
-
 StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden, const std::string& dtype,
-                int max_tokens_per_rank, int max_topk, int capacity, const std::string& max_combine_dtype,
+                int max_tokens_per_rank, std::optional<int> max_topk, int capacity, const std::string& max_combine_dtype,
                 const std::optional<std::vector<int32_t>>& expert_rank, double timeout) {
   Transport& t = transport->get();
   LowLatencyConfig config{.num_experts = num_experts,
                           .hidden = hidden,
-                          .dtype = parse_named_dtype(dtype, "dtype"),
+                          .dtype = unwrap_arg(parse_dtype(dtype), "dtype"),
                           .max_tokens_per_rank = max_tokens_per_rank,
-                          .max_topk = max_topk,
+                          .max_topk = default_topk(max_topk, num_experts),
                           .capacity = capacity,
-                          .max_combine_dtype = parse_named_dtype(max_combine_dtype, "max_combine_dtype"),
+                          .max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype"),
                           .placement = std::nullopt};
   if (!(timeout > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", timeout));
   config.timeout = Milliseconds(static_cast<int64_t>(timeout * 1000));
@@ -214,7 +209,7 @@ void bind_buffer(pb::module_& m) {
   pb::class_<LowLatencyState, StatePtr>(m, "LowLatencyBuffer",
                                         "Low-latency dispatch and combine with fixed shapes (decode steps).")
       .def(pb::init(&create), "transport"_a, "num_experts"_a, "hidden"_a, "dtype"_a = "bf16",
-           "max_tokens_per_rank"_a = 0, "max_topk"_a = 8, "capacity"_a = 0, "max_combine_dtype"_a = "f32",
+           "max_tokens_per_rank"_a = 0, "max_topk"_a = pybind11::none(), "capacity"_a = 0, "max_combine_dtype"_a = "f32",
            "expert_rank"_a = pb::none(), "timeout"_a = 30.0)
       .def("dispatch", &dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a = pb::none(),
            "Collective: each (token, expert) row to the expert's rank; a LowLatencyDispatchResult of copies.")

@@ -14,6 +14,7 @@ void register_low_latency(pb::module_& m);
 
 PYBIND11_MODULE(_epx, m) {
   m.doc() = "epx: expert parallelism for MoE models (docs/python.md)";
+  m.attr("__version__") = EPX_VERSION;
   epx::py::register_transport(m);
   epx::py::register_buffer(m);
   epx::py::register_pending(m);

@@ -93,6 +93,16 @@ def test_bad_buffer_configs():
         make(num_experts=3, hidden=H, dtype="f32", max_tokens_per_rank=4)  # 3 experts on 2 ranks
     with pytest.raises(TypeError):
         epx.Buffer("not a transport", num_experts=4, hidden=H)
+    with pytest.raises(epx.InvalidArgumentError, match=r"max_topk = 8 is outside \[1, num_experts = 4\]"):
+        make(num_experts=4, hidden=H, dtype="f32", max_tokens_per_rank=4, max_topk=8)
+
+
+def test_max_topk_defaults_to_at_most_the_experts():
+    def widths(t):
+        return (epx.Buffer(t, num_experts=4, hidden=H, dtype="f32", max_tokens_per_rank=4).num_local_experts,
+                epx.LowLatencyBuffer(t, num_experts=2, hidden=H, dtype="f32", max_tokens_per_rank=4).capacity)
+    assert epx.InprocWorld(2).run(widths) == [(2, 4), (2, 4)]
+    assert epx.__version__.count(".") == 2
 
 
 try:
