@@ -15,10 +15,13 @@ shape and a table.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util as bu  # noqa: E402
 
 SHAPES = [  # tokens, hidden, ffn_hidden, experts, topk
     (2048, 256, 512, 16, 2),
@@ -27,51 +30,60 @@ SHAPES = [  # tokens, hidden, ffn_hidden, experts, topk
 ]
 
 
-def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
+def eager_params(torch, hidden, ffn, experts):
+    """The eager layer's weights: RMSNorm scale, router [H, E], per-expert w1, w3 [H, F] and w2 [F, H]."""
     torch.manual_seed(0)
-    torch.set_num_threads(threads)
     std = hidden ** -0.5
-    norm_w = torch.ones(hidden, requires_grad=True)
-    router = (torch.randn(hidden, experts) * std).requires_grad_()
     # One tensor per expert, as an nn.ModuleList of experts holds them (slicing
     # one stacked tensor would make every expert's backward write a full-size
     # gradient).
-    w1 = [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)]
-    w3 = [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)]
-    w2 = [(torch.randn(ffn, hidden) * ffn ** -0.5).requires_grad_() for _ in range(experts)]
-    x = torch.randn(tokens, hidden)
-    grad = torch.randn(tokens, hidden)
+    return {"norm_w": torch.ones(hidden, requires_grad=True),
+            "router": (torch.randn(hidden, experts) * std).requires_grad_(),
+            "w1": [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)],
+            "w3": [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)],
+            "w2": [(torch.randn(ffn, hidden) * ffn ** -0.5).requires_grad_() for _ in range(experts)]}
 
-    def forward():
-        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
-        probs = torch.softmax(n @ router, dim=-1)
-        weights, idx = torch.topk(probs, topk, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for e in range(experts):
-            token, slot = torch.where(idx == e)
-            if token.numel() == 0:
-                continue
-            xe = n.index_select(0, token)
-            h = torch.nn.functional.silu(xe @ w1[e]) * (xe @ w3[e])
-            out.index_add_(0, token, (h @ w2[e]) * weights[token, slot].unsqueeze(-1))
-        return x + out
 
-    fwd, both = [], []
-    for rep in range(reps + 1):
-        start = time.perf_counter()
+def param_list(p):
+    return [p["norm_w"], p["router"]] + p["w1"] + p["w3"] + p["w2"]
+
+
+def eager_forward(torch, p, x, topk):
+    """What common model code does: RMSNorm, softmax router, top-k renormalised, a loop over experts."""
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * p["norm_w"]
+    probs = torch.softmax(n @ p["router"], dim=-1)
+    weights, idx = torch.topk(probs, topk, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(len(p["w1"])):
+        token, slot = torch.where(idx == e)
+        if token.numel() == 0:
+            continue
+        xe = n.index_select(0, token)
+        h = torch.nn.functional.silu(xe @ p["w1"][e]) * (xe @ p["w3"][e])
+        out.index_add_(0, token, (h @ p["w2"][e]) * weights[token, slot].unsqueeze(-1))
+    return x + out
+
+
+def time_layer(torch, forward, params, grad, reps):
+    """Median seconds of forward (no_grad) and of forward + backward(grad), one warm-up each."""
+    def fwd():
         with torch.no_grad():
             forward()
-        f = time.perf_counter() - start
-        start = time.perf_counter()
-        for p in [norm_w, router] + w1 + w3 + w2:
-            p.grad = None
+
+    def both():
+        for q in params:
+            q.grad = None
         forward().backward(grad)
-        b = time.perf_counter() - start
-        if rep > 0:  # the first is a warm-up
-            fwd.append(f)
-            both.append(b)
-    return statistics.median(fwd), statistics.median(both)
+    return bu.median(bu.time_reps(fwd, reps)), bu.median(bu.time_reps(both, reps))
+
+
+def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
+    torch.set_num_threads(threads)
+    p = eager_params(torch, hidden, ffn, experts)
+    x = torch.randn(tokens, hidden)
+    grad = torch.randn(tokens, hidden)
+    return time_layer(torch, lambda: eager_forward(torch, p, x, topk), param_list(p), grad, reps)
 
 
 def main():
