@@ -91,7 +91,7 @@ def python_bench(tokens, ranks, nodes, reps, seed):
         out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
         for rep in range(1 + reps):
             r = marks.timed(t, "dispatch", lambda: buf.dispatch(x, idx, w))
-            y = buf.combine_input(r.handle, "bf16")
+            y = buf.combine_input(r.handle, "bf16", library="torch")
             y.copy_(r.recv_x)  # the experts' output, written in place
             marks.timed(t, "combine", lambda: buf.combine(y, r.handle, out=out))
             del y, r

@@ -135,13 +135,16 @@ class EpxDispatcher:
 
     def dispatch(self, x, idx32, w):
         self.result = self.buf.dispatch(x, idx32, w)
-        return self.result
+
+    def experts(self):
+        """Untimed: the experts' output (here recv_x) written into the combine input region."""
+        self.y = self.buf.combine_input(self.result.handle, "bf16", library="torch")
+        self.y.copy_(self.result.recv_x)
 
     def combine(self):
-        handle = self.result.handle
-        y = self.buf.combine_input(handle, "bf16")
-        del y  # the experts would have written there; combine reads it in place
-        return self.buf.combine(None, handle, out=self.out)
+        out = self.buf.combine(self.y, self.result.handle, out=self.out)
+        del self.y, self.result  # no view of the regions may outlive them into the next dispatch
+        return out
 
 
 def timed(barrier, fn, marks):
@@ -205,6 +208,7 @@ def run_shape(args, rank, n, tokens, transport):
 
     def run_epx(e, check):
         timed(transport.barrier, lambda: e.dispatch(x, idx32, w), marks["epx dispatch"])
+        e.experts()
         out = timed(transport.barrier, e.combine, marks["epx combine"])
         if check:
             check_epx(x, idx, out, n)
