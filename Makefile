@@ -143,6 +143,10 @@ test-install: build
 	$(CONSUMER_BUILD)/epx_consumer
 	@if [[ -x $(CONSUMER_BUILD)/epx_consumer_cuda ]]; then echo "$(CONSUMER_BUILD)/epx_consumer_cuda"; \
 	  $(CONSUMER_BUILD)/epx_consumer_cuda; else echo "(epx was built without CUDA: no epx_consumer_cuda)"; fi
+	@pkgs=$$(ls -d $(INSTALL_PREFIX)/lib/python3*/dist-packages 2>/dev/null | head -1); \
+	  if [[ -n "$$pkgs" ]]; then echo "import epx from $$pkgs"; \
+	  cd /tmp && PYTHONPATH=$$pkgs /usr/bin/python3 -c "import epx, sys; assert epx.__file__.startswith('$$pkgs'); print(epx.__file__)"; \
+	  else echo "(epx was built without the Python module)"; fi
 
 # The C++ example in README.md must be examples/consumer/main.cc verbatim.
 test-readme:

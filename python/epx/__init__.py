@@ -1,0 +1,37 @@
+"""epx: expert parallelism for Mixture-of-Experts models, from Python (docs/python.md).
+
+The exchange (Buffer: dispatch, combine, their backward passes, ...), the
+transports (InprocWorld, mpi_transport) and routing come from the extension
+epx._epx; the exception classes from epx.errors.
+"""
+
+import numpy as _np
+
+from .errors import (  # noqa: F401
+    AbortedError,
+    BufferInUseError,
+    DeadlineExceededError,
+    Error,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+    ResourceExhaustedError,
+    StaleViewError,
+    UnimplementedError,
+)
+from ._epx import *  # noqa: F401,F403
+
+
+def bf16_from_f32(a):
+    """float32 values -> their bf16 bits as uint16 (round to nearest even; NaN kept quiet)."""
+    bits = _np.ascontiguousarray(a, dtype=_np.float32).view(_np.uint32)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return _np.where(nan, (bits >> 16) | 0x40, rounded).astype(_np.uint16)
+
+
+def bf16_to_f32(a):
+    """bf16 bits (uint16) -> float32 values (exact)."""
+    return (_np.asarray(a, dtype=_np.uint16).astype(_np.uint32) << 16).view(_np.float32)

@@ -1,0 +1,335 @@
+// numpy arrays (buffer protocol) and torch CPU tensors (DLPack) in and out.
+#include "arrays.h"
+
+#include <dlpack/dlpack.h>
+
+#include <array>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include <fmt/format.h>
+#include <pybind11/numpy.h>
+
+#include "errors.h"
+
+namespace pb = pybind11;
+
+namespace epx::py {
+namespace {
+
+using Dims = std::array<int64_t, TensorView::kMaxDims>;
+
+// A TensorView of `ndim` (1..4) sizes and element strides.
+TensorView make_view(void* data, DType dtype, int ndim, const Dims& sizes, const Dims& strides) {
+  switch (ndim) {
+    case 1: return TensorView(data, dtype, {sizes[0]}, {strides[0]});
+    case 2: return TensorView(data, dtype, {sizes[0], sizes[1]}, {strides[0], strides[1]});
+    case 3: return TensorView(data, dtype, {sizes[0], sizes[1], sizes[2]}, {strides[0], strides[1], strides[2]});
+    default:
+      return TensorView(data, dtype, {sizes[0], sizes[1], sizes[2], sizes[3]},
+                        {strides[0], strides[1], strides[2], strides[3]});
+  }
+}
+
+[[noreturn]] void bad(std::string_view name, std::string_view what) {
+  throw_error("InvalidArgumentError", fmt::format("{}: {}", name, what));
+}
+
+void check_ndim(std::string_view name, int ndim) {
+  if (ndim < 1 || ndim > TensorView::kMaxDims) {
+    bad(name, fmt::format("{} dimensions; epx takes 1 to {}", ndim, TensorView::kMaxDims));
+  }
+}
+
+bool is_torch_tensor(pb::handle obj) {
+  PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");  // borrowed; only if imported
+  if (torch == nullptr) return false;
+  pb::object tensor_type = pb::reinterpret_borrow<pb::object>(torch).attr("Tensor");
+  return pb::isinstance(obj, tensor_type);
+}
+
+// ---- torch in: DLPack ------------------------------------------------------
+
+Result<DType> dtype_of_dlpack(DLDataType type) {
+  if (type.lanes == 1) {
+    if (type.code == kDLFloat && type.bits == 32) return DType::kF32;
+    if (type.code == kDLFloat && type.bits == 64) return DType::kF64;
+    if (type.code == kDLBfloat && type.bits == 16) return DType::kBF16;
+    if (type.code == kDLInt && type.bits == 32) return DType::kI32;
+    if (type.code == kDLInt && type.bits == 64) return DType::kI64;
+    if (type.code == kDLUInt && type.bits == 8) return DType::kFP8E4M3;
+  }
+  return invalid_argument("dtype (code {}, {} bits)", type.code, type.bits);
+}
+
+ArrayArg view_torch(pb::handle obj, std::string_view name) {
+  if (obj.attr("requires_grad").cast<bool>()) bad(name, "the tensor requires grad: pass it .detach()ed");
+  const std::string device = pb::str(obj.attr("device")).cast<std::string>();
+  if (device != "cpu") bad(name, fmt::format("the tensor is on {}; epx takes CPU tensors", device));
+  ArrayArg arg;
+  arg.kind = ArrayKind::kTorch;
+  arg.owner = obj.attr("__dlpack__")();  // the capsule: its destructor frees the export
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(arg.owner.ptr(), "dltensor"));
+  if (managed == nullptr) throw pb::error_already_set();
+  const DLTensor& t = managed->dl_tensor;
+  Result<DType> dtype = dtype_of_dlpack(t.dtype);
+  if (!dtype.is_ok()) bad(name, fmt::format("{} is not a dtype epx takes (float32, bfloat16, int32, int64, float64, uint8)",
+                                            pb::str(obj.attr("dtype")).cast<std::string>()));
+  check_ndim(name, t.ndim);
+  Dims sizes{}, strides{};
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    sizes[d] = t.shape[d];
+    strides[d] = t.strides != nullptr ? t.strides[d] : stride;
+    stride *= t.shape[d];
+  }
+  arg.view = make_view(static_cast<std::byte*>(t.data) + t.byte_offset, *dtype, t.ndim, sizes, strides);
+  return arg;
+}
+
+// ---- numpy in: the buffer protocol ----------------------------------------
+
+Result<DType> dtype_of_format(const Py_buffer& buffer) {
+  const char* format = buffer.format != nullptr ? buffer.format : "B";
+  while (*format == '<' || *format == '=' || *format == '@') ++format;
+  const char kind = format[0];
+  if (format[0] == '\0' || format[1] != '\0') return invalid_argument("format");
+  const auto size = buffer.itemsize;
+  if (kind == 'f' && size == 4) return DType::kF32;
+  if (kind == 'd' && size == 8) return DType::kF64;
+  if (kind == 'H' && size == 2) return DType::kBF16;  // bf16 bits (docs/python.md, "Arrays")
+  if ((kind == 'i' || kind == 'l' || kind == 'q') && size == 4) return DType::kI32;
+  if ((kind == 'i' || kind == 'l' || kind == 'q') && size == 8) return DType::kI64;
+  if (kind == 'B' && size == 1) return DType::kFP8E4M3;
+  return invalid_argument("format");
+}
+
+ArrayArg view_buffer(pb::handle obj, std::string_view name) {
+  Py_buffer buffer;
+  if (PyObject_GetBuffer(obj.ptr(), &buffer, PyBUF_RECORDS_RO) != 0) throw pb::error_already_set();
+  struct Release {
+    Py_buffer* b;
+    ~Release() { PyBuffer_Release(b); }
+  } release{&buffer};
+  Result<DType> dtype = dtype_of_format(buffer);
+  if (!dtype.is_ok()) {
+    const std::string dt = pb::hasattr(obj, "dtype") ? pb::str(obj.attr("dtype")).cast<std::string>()
+                                                     : std::string(buffer.format != nullptr ? buffer.format : "?");
+    bad(name, fmt::format("{} is not a dtype epx takes (float32, uint16 as bf16, int32, int64, float64, uint8)", dt));
+  }
+  check_ndim(name, buffer.ndim);
+  Dims sizes{}, strides{};
+  for (int d = 0; d < buffer.ndim; ++d) {
+    sizes[d] = buffer.shape[d];
+    if (buffer.strides[d] % buffer.itemsize != 0) {
+      bad(name, fmt::format("stride {} of dimension {} is not a multiple of the element size {}", buffer.strides[d], d,
+                            buffer.itemsize));
+    }
+    strides[d] = buffer.strides[d] / buffer.itemsize;
+  }
+  ArrayArg arg;
+  arg.kind = ArrayKind::kNumpy;
+  arg.owner = pb::reinterpret_borrow<pb::object>(obj);
+  arg.view = make_view(buffer.buf, *dtype, buffer.ndim, sizes, strides);
+  return arg;
+}
+
+// ---- out ---------------------------------------------------------------------
+
+const char* numpy_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "float32";
+    case DType::kF64: return "float64";
+    case DType::kBF16: return "uint16";
+    case DType::kI32: return "int32";
+    case DType::kI64: return "int64";
+    case DType::kFP8E4M3:
+    case DType::kUE8M0: return "uint8";
+  }
+  return "uint8";
+}
+
+const char* torch_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "float32";
+    case DType::kF64: return "float64";
+    case DType::kBF16: return "bfloat16";
+    case DType::kI32: return "int32";
+    case DType::kI64: return "int64";
+    case DType::kFP8E4M3:
+    case DType::kUE8M0: return "uint8";
+  }
+  return "uint8";
+}
+
+DLDataType dlpack_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return {kDLFloat, 32, 1};
+    case DType::kF64: return {kDLFloat, 64, 1};
+    case DType::kBF16: return {kDLBfloat, 16, 1};
+    case DType::kI32: return {kDLInt, 32, 1};
+    case DType::kI64: return {kDLInt, 64, 1};
+    case DType::kFP8E4M3:
+    case DType::kUE8M0: return {kDLUInt, 8, 1};
+  }
+  return {kDLUInt, 8, 1};
+}
+
+// The DLPack export of a view: shape and strides live here, and `owner`
+// stays referenced until torch frees the tensor's storage.
+struct Export {
+  DLManagedTensor managed{};
+  Dims shape{}, strides{};
+  PyObject* owner = nullptr;
+};
+
+void delete_export(DLManagedTensor* managed) {
+  auto* exported = static_cast<Export*>(managed->manager_ctx);
+  if (Py_IsInitialized()) {
+    PyGILState_STATE state = PyGILState_Ensure();  // torch may free storage without the GIL
+    Py_XDECREF(exported->owner);
+    PyGILState_Release(state);
+  }
+  delete exported;
+}
+
+void delete_capsule(PyObject* capsule) {
+  // Not consumed by torch (still "dltensor"): the export is ours to free.
+  if (PyCapsule_IsValid(capsule, "dltensor") != 0) {
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    managed->deleter(managed);
+  }
+}
+
+pb::object torch_view(const TensorView& view, pb::object owner) {
+  auto* exported = new Export;
+  for (int d = 0; d < view.ndim(); ++d) {
+    exported->shape[d] = view.size(d);
+    exported->strides[d] = view.stride(d);
+  }
+  exported->owner = owner.release().ptr();
+  DLTensor& t = exported->managed.dl_tensor;
+  t.data = view.data();
+  t.device = {kDLCPU, 0};
+  t.ndim = view.ndim();
+  t.dtype = dlpack_dtype(view.dtype());
+  t.shape = exported->shape.data();
+  t.strides = exported->strides.data();
+  t.byte_offset = 0;
+  exported->managed.manager_ctx = exported;
+  exported->managed.deleter = delete_export;
+  PyObject* capsule = PyCapsule_New(&exported->managed, "dltensor", delete_capsule);
+  if (capsule == nullptr) {
+    delete_export(&exported->managed);
+    throw pb::error_already_set();
+  }
+  pb::object handle = pb::reinterpret_steal<pb::object>(capsule);
+  return pb::module_::import("torch.utils.dlpack").attr("from_dlpack")(handle);
+}
+
+// Copies `from` into the same-shaped, same-dtype `to`, any strides.
+void copy_elements(const TensorView& from, const TensorView& to) {
+  const int ndim = from.ndim();
+  const auto elem = static_cast<int64_t>(from.element_size());
+  Dims index{};
+  const int64_t rows = from.numel() / std::max<int64_t>(1, from.size(ndim - 1));
+  const int64_t cols = from.size(ndim - 1);
+  for (int64_t r = 0; r < rows && cols > 0; ++r) {
+    int64_t src = 0, dst = 0;
+    for (int d = 0; d < ndim - 1; ++d) {
+      src += index[d] * from.stride(d);
+      dst += index[d] * to.stride(d);
+    }
+    auto* s = static_cast<const std::byte*>(from.data()) + src * elem;
+    auto* o = static_cast<std::byte*>(to.data()) + dst * elem;
+    if (from.stride(ndim - 1) == 1) {
+      std::memcpy(o, s, static_cast<std::size_t>(cols * elem));
+    } else {
+      for (int64_t c = 0; c < cols; ++c) {
+        std::memcpy(o + c * elem, s + c * from.stride(ndim - 1) * elem, static_cast<std::size_t>(elem));
+      }
+    }
+    for (int d = ndim - 2; d >= 0; --d) {  // the next row's index
+      if (++index[d] < from.size(d)) break;
+      index[d] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+ArrayArg view_array(pb::handle obj, std::string_view name) {
+  if (obj.is_none()) bad(name, "None where an array is needed");
+  if (is_torch_tensor(obj)) return view_torch(obj, name);
+  if (PyObject_CheckBuffer(obj.ptr()) != 0) return view_buffer(obj, name);
+  bad(name, fmt::format("a {} is not an array: pass a numpy array or a torch tensor",
+                        pb::str(pb::type::handle_of(obj).attr("__name__")).cast<std::string>()));
+}
+
+ArrayArg view_optional(pb::handle obj, std::string_view name) {
+  if (obj.is_none()) return {};
+  return view_array(obj, name);
+}
+
+ArrayArg view_ids(pb::handle obj, std::string_view name) {
+  ArrayArg arg = view_array(obj, name);
+  const DType dtype = arg.view.dtype();
+  if (dtype == DType::kI32) return arg;
+  if (dtype != DType::kI64) bad(name, fmt::format("ids must be int32 or int64, not {}", dtype_name(dtype)));
+  const TensorView& from = arg.view;
+  Dims shape{};
+  for (int d = 0; d < from.ndim(); ++d) shape[d] = from.size(d);
+  ArrayArg copy = new_array(ArrayKind::kNumpy, DType::kI64, std::span<const int64_t>(shape.data(), from.ndim()));
+  copy_elements(from, copy.view);  // contiguous int64 first, then narrowed in place order
+  ArrayArg narrow = new_array(ArrayKind::kNumpy, DType::kI32, std::span<const int64_t>(shape.data(), from.ndim()));
+  const int64_t* wide = copy.view.data_as<int64_t>();
+  int32_t* ids = narrow.view.data_as<int32_t>();
+  for (int64_t i = 0; i < from.numel(); ++i) {
+    if (wide[i] < std::numeric_limits<int32_t>::min() || wide[i] > std::numeric_limits<int32_t>::max()) {
+      bad(name, fmt::format("id {} at flat index {} is outside int32", wide[i], i));
+    }
+    ids[i] = static_cast<int32_t>(wide[i]);
+  }
+  narrow.kind = arg.kind;
+  return narrow;
+}
+
+ArrayArg new_array(ArrayKind kind, DType dtype, std::span<const int64_t> shape) {
+  pb::tuple dims(shape.size());
+  for (std::size_t d = 0; d < shape.size(); ++d) dims[d] = pb::int_(shape[d]);
+  pb::object array;
+  if (kind == ArrayKind::kTorch) {
+    pb::module_ torch = pb::module_::import("torch");
+    array = torch.attr("zeros")(dims, pb::arg("dtype") = torch.attr(torch_dtype(dtype)));
+  } else {
+    array = pb::module_::import("numpy").attr("zeros")(dims, pb::arg("dtype") = numpy_dtype(dtype));
+  }
+  ArrayArg arg = view_array(array, "new array");
+  arg.view = make_view(arg.view.data(), dtype, arg.view.ndim(),
+                       [&] { Dims s{}; for (int d = 0; d < arg.view.ndim(); ++d) s[d] = arg.view.size(d); return s; }(),
+                       [&] { Dims s{}; for (int d = 0; d < arg.view.ndim(); ++d) s[d] = arg.view.stride(d); return s; }());
+  arg.owner = array;  // the array itself (not its DLPack capsule) is what callers return
+  return arg;
+}
+
+pb::object wrap_view(ArrayKind kind, const TensorView& view, pb::object owner) {
+  if (kind == ArrayKind::kTorch) return torch_view(view, std::move(owner));
+  std::vector<pb::ssize_t> shape, strides;
+  const auto elem = static_cast<pb::ssize_t>(view.element_size());
+  for (int d = 0; d < view.ndim(); ++d) {
+    shape.push_back(view.size(d));
+    strides.push_back(view.stride(d) * elem);
+  }
+  return pb::array(pb::dtype(numpy_dtype(view.dtype())), shape, strides, view.data(), owner);
+}
+
+pb::object copy_of(ArrayKind kind, const TensorView& view) {
+  Dims shape{};
+  for (int d = 0; d < view.ndim(); ++d) shape[d] = view.size(d);
+  ArrayArg copy = new_array(kind, view.dtype(), std::span<const int64_t>(shape.data(), view.ndim()));
+  copy_elements(view, copy.view);
+  return copy.owner;
+}
+
+}  // namespace epx::py

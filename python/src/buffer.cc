@@ -1,0 +1,687 @@
+// epx.Buffer: dispatch and combine, their backward passes, the expanded
+// layout, the asynchronous and split forms, with the lifetimes design of
+// docs/python.md ("Lifetimes"):
+//  - region views (recv_x, dispatch_cached's and combine_backward's results,
+//    combine_input) hold a lease: a capsule that keeps the BufferState (the
+//    C++ Buffer and its transport) alive and counts the live views of its
+//    region;
+//  - a call that would overwrite a region with live views raises
+//    BufferInUseError and aborts the transport before anything is written;
+//  - DispatchResult makes its recv_x view on access and checks the region's
+//    generation first (StaleViewError).
+#include <array>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "arrays.h"
+#include "epx/core/fp8.h"
+#include "epx/exchange/buffer.h"
+#include "errors.h"
+#include "transport.h"
+
+namespace pb = pybind11;
+
+namespace epx::py {
+namespace {
+
+enum Region : int { kRecv = 0, kCombine = 1 };
+constexpr const char* kRegionName[] = {"receive", "combine"};
+
+struct BufferState : std::enable_shared_from_this<BufferState> {
+  std::shared_ptr<PyTransport> transport;
+  std::unique_ptr<Buffer> buffer;
+  std::array<uint64_t, 2> generation{};  // calls that wrote each region
+  std::array<int, 2> live{};             // leased views of each region alive
+  const void* combine_input_data = nullptr;
+  // Split forms: the arguments of the outstanding send, kept alive.
+  std::vector<pb::object> split_dispatch_args, split_combine_args;
+  uint64_t split_dispatch_generation = 0;
+  ArrayKind split_dispatch_kind = ArrayKind::kNumpy;
+  pb::object split_combine_out;
+
+  ~BufferState() { close(); }
+  // Destroys the C++ Buffer without the GIL (its progress thread may wait).
+  void close() {
+    if (!buffer) return;
+    if (PyGILState_Check() != 0) {
+      pb::gil_scoped_release release;
+      buffer.reset();
+    } else {
+      buffer.reset();
+    }
+  }
+  Buffer& get() const {
+    if (!buffer) throw_error("FailedPreconditionError", "the Buffer is closed (MPI was finalised at exit)");
+    return *buffer;
+  }
+};
+using StatePtr = std::shared_ptr<BufferState>;
+
+// ---- leases, generations, the live-view guard ---------------------------------
+
+struct Lease {
+  StatePtr state;
+  Region region;
+};
+
+pb::object region_view(const StatePtr& state, Region region, ArrayKind kind, const TensorView& view) {
+  if (!view.defined()) return pb::none();
+  ++state->live[region];
+  pb::capsule lease(new Lease{state, region}, [](void* p) {
+    auto* lease = static_cast<Lease*>(p);
+    --lease->state->live[lease->region];
+    delete lease;
+  });
+  return wrap_view(kind, view, lease);
+}
+
+// An array over memory the handle owns (its receive metadata).
+pb::object handle_view(const Handle& handle, ArrayKind kind, const TensorView& view) {
+  if (!view.defined()) return pb::none();
+  pb::capsule owner(new Handle(handle), [](void* p) { delete static_cast<Handle*>(p); });
+  return wrap_view(kind, view, owner);
+}
+
+// Before a call writes `region`: raises BufferInUseError, and aborts the
+// transport so the peers fail too, when views of it are still referenced.
+// `reading`: the call's input, which may be the combine_input view itself.
+uint64_t begin_write(BufferState& state, Region region, std::string_view op, const void* reading = nullptr) {
+  const Buffer& buffer = state.get();
+  const bool own_input = region == kCombine && reading != nullptr && reading == state.combine_input_data;
+  if (state.live[region] > 0 && !own_input) {
+    const int rank = state.transport->get().rank();
+    const std::string message = fmt::format(
+        "{} on rank {} would overwrite the {} region while {} view(s) of it are still referenced; "
+        ".copy() (numpy) or .clone() (torch) what must survive and drop the views", op, rank,
+        kRegionName[region], state.live[region]);
+    state.transport->get().abort(Status(StatusCode::kAborted, message));
+    throw_error("BufferInUseError", message);
+  }
+  (void)buffer;
+  if (region == kCombine) state.combine_input_data = nullptr;
+  return ++state.generation[region];
+}
+
+void check_fresh(const BufferState& state, uint64_t generation, std::string_view what) {
+  if (state.generation[kRecv] != generation) {
+    throw_error("StaleViewError",
+                fmt::format("{}: the receive region was overwritten by a later dispatch-like call (this result is "
+                            "from call {}, the region holds call {}); copy what must survive",
+                            what, generation, state.generation[kRecv]));
+  }
+}
+
+// Runs a C++ call that may wait, without the GIL.
+template <typename F>
+void call(F&& fn) {
+  Status status;
+  {
+    pb::gil_scoped_release release;
+    status = fn();
+  }
+  check(status);
+}
+
+// ---- results ---------------------------------------------------------------------
+
+struct PyHandle {
+  Handle handle;
+};
+
+const Handle& handle_of(pb::handle obj) {
+  if (!pb::isinstance<PyHandle>(obj)) {
+    throw_error("InvalidArgumentError", fmt::format("handle: a {} is not an epx.Handle (DispatchResult.handle)",
+                                                    pb::str(pb::type::handle_of(obj).attr("__name__")).cast<std::string>()));
+  }
+  return obj.cast<const PyHandle&>().handle;
+}
+
+struct PyDispatchResult {
+  StatePtr state;
+  std::shared_ptr<DispatchResult> result;
+  uint64_t generation = 0;
+  ArrayKind kind = ArrayKind::kNumpy;
+};
+
+pb::object make_result(const StatePtr& state, std::shared_ptr<DispatchResult> result, uint64_t generation,
+                       ArrayKind kind) {
+  return pb::cast(PyDispatchResult{state, std::move(result), generation, kind});
+}
+
+struct PyExpandedLayout {
+  pb::object expert_offsets, num_tokens_per_expert, row_of, recv_row;
+  int64_t num_rows = 0;
+};
+
+template <typename T>
+pb::object numpy_of(const std::vector<T>& values, std::vector<pb::ssize_t> shape) {
+  pb::array_t<T> out(shape);
+  std::copy(values.begin(), values.end(), out.mutable_data());
+  return out;
+}
+
+PyExpandedLayout expanded_layout(BufferState& state, pb::handle handle) {
+  const Handle& h = handle_of(handle);
+  const ExpandedLayout& layout = state.get().expanded_layout(h);
+  const auto e_local = static_cast<pb::ssize_t>(layout.num_tokens_per_expert.size());
+  return PyExpandedLayout{numpy_of(layout.expert_offsets, {e_local + 1}), numpy_of(layout.num_tokens_per_expert, {e_local}),
+                          numpy_of(layout.row_of, {static_cast<pb::ssize_t>(h.num_recv_tokens()), h.topk()}),
+                          numpy_of(layout.recv_row, {static_cast<pb::ssize_t>(layout.num_rows())}), layout.num_rows()};
+}
+
+// ---- arguments ----------------------------------------------------------------------
+
+struct DispatchArgs {
+  ArrayArg x, idx, weights;
+  [[nodiscard]] DispatchInputs inputs() const { return {x.view, idx.view, weights.view}; }
+  [[nodiscard]] std::vector<pb::object> owners() const { return {x.owner, idx.owner, weights.owner}; }
+};
+
+DispatchArgs dispatch_args(pb::handle x, pb::handle topk_idx, pb::handle topk_weights) {
+  return {view_array(x, "x"), view_ids(topk_idx, "topk_idx"), view_optional(topk_weights, "topk_weights")};
+}
+
+struct CombineArgs {
+  ArrayArg bias, grad_recv_w, grad_w;
+  [[nodiscard]] CombineOptions options() const { return {bias.view, grad_recv_w.view, grad_w.view}; }
+  [[nodiscard]] std::vector<pb::object> owners() const { return {bias.owner, grad_recv_w.owner, grad_w.owner}; }
+};
+
+// The combine options; grad_topk_weights [T, K] f32 is allocated when
+// grad_recv_topk_weights is given without it.
+CombineArgs combine_args(ArrayKind kind, const Handle& handle, pb::handle bias, pb::handle grad_recv_w,
+                         pb::handle grad_w) {
+  CombineArgs args{view_optional(bias, "bias"), view_optional(grad_recv_w, "grad_recv_topk_weights"),
+                   view_optional(grad_w, "grad_topk_weights")};
+  if (args.grad_recv_w.defined() && !args.grad_w.defined()) {
+    const std::array<int64_t, 2> shape{handle.num_tokens(), handle.topk()};
+    args.grad_w = new_array(kind, DType::kF32, shape);
+  }
+  return args;
+}
+
+// `out` or a new [rows, hidden] array of `dtype`.
+ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType dtype, int64_t rows, int64_t cols) {
+  if (!out.is_none()) return view_array(out, name);
+  const std::array<int64_t, 2> shape{rows, cols};
+  return new_array(kind, dtype, shape);
+}
+
+// ---- PendingOp -----------------------------------------------------------------------
+
+struct PyPendingOp {
+  PendingOp op;
+  std::vector<pb::object> keep;          // the arguments, alive until the operation ends
+  std::function<pb::object()> finish;    // builds the result (with the GIL) once it succeeded
+  std::optional<pb::object> result;
+
+  PyPendingOp(PendingOp o, std::vector<pb::object> k, std::function<pb::object()> f)
+      : op(std::move(o)), keep(std::move(k)), finish(std::move(f)) {}
+  PyPendingOp(const PyPendingOp&) = delete;
+  PyPendingOp& operator=(const PyPendingOp&) = delete;
+  // A dropped operation is waited for: its arguments must outlive it.
+  ~PyPendingOp() {
+    if (result || op.done()) return;
+    pb::gil_scoped_release release;
+    op.wait().ignore();
+  }
+  pb::object wait(pb::handle timeout) {
+    if (result) return *result;
+    Status status;
+    if (timeout.is_none()) {
+      call([&] { return op.wait(); });
+    } else {
+      const Deadline deadline = deadline_after(timeout, 0);
+      call([&] { return op.wait(deadline); });
+    }
+    result = finish();
+    keep.clear();
+    return *result;
+  }
+};
+
+pb::object pending(PendingOp op, std::vector<pb::object> keep, std::function<pb::object()> finish) {
+  return pb::cast(std::make_unique<PyPendingOp>(std::move(op), std::move(keep), std::move(finish)));
+}
+
+
+// ---- creation --------------------------------------------------------------------------
+
+template <typename T>
+T parse(Result<T> result, std::string_view name) {
+  if (!result.is_ok()) throw_error("InvalidArgumentError", fmt::format("{}: {}", name, result.status().message()));
+  return std::move(result).value();
+}
+
+DispatchAlgorithm parse_algorithm(const std::string& name) {
+  if (name == "auto") return DispatchAlgorithm::kAuto;
+  if (name == "flat") return DispatchAlgorithm::kFlat;
+  if (name == "hierarchical") return DispatchAlgorithm::kHierarchical;
+  throw_error("InvalidArgumentError", fmt::format("algorithm: '{}' is not one of auto, flat, hierarchical", name));
+}
+
+StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden,
+                       const std::string& dtype, int max_tokens_per_rank, int max_topk, int64_t max_recv_tokens,
+                       int expert_alignment, const std::string& max_combine_dtype, const std::string& fp8_scales,
+                       const std::string& algorithm, double timeout, bool record_waits,
+                       const std::optional<std::vector<int32_t>>& expert_rank) {
+  Transport& t = transport->get();
+  BufferConfig config;
+  config.num_experts = num_experts;
+  config.hidden = hidden;
+  config.dtype = parse(parse_dtype(dtype), "dtype");
+  config.fp8_scales = parse(parse_scale_format(fp8_scales), "fp8_scales");
+  config.max_topk = max_topk;
+  config.max_tokens_per_rank = max_tokens_per_rank;
+  config.max_recv_tokens = max_recv_tokens;
+  config.expert_alignment = expert_alignment;
+  config.max_combine_dtype = parse(parse_dtype(max_combine_dtype), "max_combine_dtype");
+  config.algorithm = parse_algorithm(algorithm);
+  if (!(timeout > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", timeout));
+  config.timeout = Milliseconds(static_cast<int64_t>(timeout * 1000));
+  config.record_waits = record_waits;
+  if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, t.num_ranks()));
+  Result<std::unique_ptr<Buffer>> buffer = [&] {
+    pb::gil_scoped_release release;  // collective
+    return Buffer::create(t, config);
+  }();
+  auto state = std::make_shared<BufferState>();
+  state->transport = transport;
+  state->buffer = unwrap(std::move(buffer));
+  if (transport->mpi) {
+    at_mpi_exit([weak = std::weak_ptr<BufferState>(state)] {
+      if (auto s = weak.lock()) s->buffer.reset();  // called without the GIL
+    });
+  }
+  return state;
+}
+
+// ---- the operations: each blocking (GIL released) or asynchronous ---------------------
+
+// One operation: its blocking and asynchronous forms (over views and
+// handles only), the Python objects they use, and the result it gives.
+struct Op {
+  std::function<Status()> now;
+  std::function<PendingOp()> start;
+  std::vector<pb::object> keep;
+  std::function<pb::object()> finish;
+};
+
+pb::object perform(Op op, bool async) {
+  if (!async) {
+    call(op.now);
+    return op.finish();
+  }
+  return pending(op.start(), std::move(op.keep), std::move(op.finish));
+}
+
+pb::object dispatch(BufferState& self, pb::handle x, pb::handle topk_idx, pb::handle topk_weights, bool async) {
+  Buffer& buffer = self.get();
+  const DispatchArgs args = dispatch_args(x, topk_idx, topk_weights);
+  const uint64_t generation = begin_write(self, kRecv, "dispatch");
+  auto result = std::make_shared<DispatchResult>();
+  const DispatchInputs in = args.inputs();
+  return perform({[&buffer, in, result] { return buffer.dispatch(in, result.get()); },
+                  [&buffer, in, result] { return buffer.dispatch_async(in, result.get()); }, args.owners(),
+                  [state = self.shared_from_this(), result, generation, kind = args.x.kind] {
+                    return make_result(state, result, generation, kind);
+                  }},
+                 async);
+}
+
+pb::object combine(BufferState& self, pb::handle y, pb::handle handle, pb::handle out, pb::handle bias, bool async) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg y_arg = view_array(y, "y");
+  const ArrayArg o = out_or_new(out, "out", y_arg.kind, y_arg.view.dtype(), h.num_tokens(), buffer.config().hidden);
+  const CombineArgs args = combine_args(y_arg.kind, h, bias, pb::none(), pb::none());
+  begin_write(self, kCombine, "combine", y_arg.view.data());
+  const TensorView yv = y_arg.view, ov = o.view;
+  const CombineOptions options = args.options();
+  std::vector<pb::object> keep = args.owners();
+  keep.push_back(y_arg.owner);
+  return perform({[&buffer, yv, h, ov, options] { return buffer.combine(yv, h, ov, options); },
+                  [&buffer, yv, h, ov, options] { return buffer.combine_async(yv, h, ov, options); }, keep,
+                  [out = o.owner] { return out; }},
+                 async);
+}
+
+pb::object dispatch_cached(BufferState& self, pb::handle x, pb::handle handle, bool async) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg x_arg = view_array(x, "x");
+  begin_write(self, kRecv, "dispatch_cached");
+  auto recv_x = std::make_shared<TensorView>();
+  const TensorView xv = x_arg.view;
+  return perform({[&buffer, xv, h, recv_x] { return buffer.dispatch_cached(xv, h, recv_x.get()); },
+                  [&buffer, xv, h, recv_x] { return buffer.dispatch_cached_async(xv, h, recv_x.get()); },
+                  {x_arg.owner},
+                  [state = self.shared_from_this(), recv_x, kind = x_arg.kind] {
+                    return region_view(state, kRecv, kind, *recv_x);
+                  }},
+                 async);
+}
+
+// Returns grad_x, or (grad_x, grad_topk_weights) when grad_recv_topk_weights is given.
+pb::object dispatch_backward(BufferState& self, pb::handle grad_recv_x, pb::handle handle, pb::handle grad_x,
+                             pb::handle grad_recv_w, pb::handle grad_w, bool async) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg g = view_array(grad_recv_x, "grad_recv_x");
+  const ArrayArg o = out_or_new(grad_x, "grad_x", g.kind, g.view.dtype(), h.num_tokens(), buffer.config().hidden);
+  const CombineArgs args = combine_args(g.kind, h, pb::none(), grad_recv_w, grad_w);
+  begin_write(self, kCombine, "dispatch_backward", g.view.data());
+  const TensorView gv = g.view, ov = o.view;
+  const CombineOptions options = args.options();
+  std::vector<pb::object> keep = args.owners();
+  keep.push_back(g.owner);
+  pb::object result = args.grad_recv_w.defined() ? pb::object(pb::make_tuple(o.owner, args.grad_w.owner)) : o.owner;
+  return perform({[&buffer, gv, h, ov, options] { return buffer.dispatch_backward(gv, h, ov, options); },
+                  [&buffer, gv, h, ov, options] { return buffer.dispatch_backward_async(gv, h, ov, options); }, keep,
+                  [result] { return result; }},
+                 async);
+}
+
+pb::object combine_backward(BufferState& self, pb::handle grad_out, pb::handle handle, bool async) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg g = view_array(grad_out, "grad_out");
+  begin_write(self, kRecv, "combine_backward");
+  auto grad_y = std::make_shared<TensorView>();
+  const TensorView gv = g.view;
+  return perform({[&buffer, gv, h, grad_y] { return buffer.combine_backward(gv, h, grad_y.get()); },
+                  [&buffer, gv, h, grad_y] { return buffer.combine_backward_async(gv, h, grad_y.get()); },
+                  {g.owner},
+                  [state = self.shared_from_this(), grad_y, kind = g.kind] {
+                    return region_view(state, kRecv, kind, *grad_y);
+                  }},
+                 async);
+}
+
+pb::object combine_expanded(BufferState& self, pb::handle y_expanded, pb::handle handle, pb::handle out,
+                            pb::handle weights, pb::handle bias, bool async) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg y = view_array(y_expanded, "y_expanded");
+  const ArrayArg w = view_optional(weights, "weights");
+  const ArrayArg o = out_or_new(out, "out", y.kind, y.view.dtype(), h.num_tokens(), buffer.config().hidden);
+  const CombineArgs args = combine_args(y.kind, h, bias, pb::none(), pb::none());
+  begin_write(self, kCombine, "combine_expanded");
+  const TensorView yv = y.view, wv = w.view, ov = o.view;
+  const CombineOptions options = args.options();
+  std::vector<pb::object> keep = args.owners();
+  keep.insert(keep.end(), {y.owner, w.owner});
+  return perform({[&buffer, yv, h, ov, wv, options] { return buffer.combine_expanded(yv, h, ov, wv, options); },
+                  [&buffer, yv, h, ov, wv, options] { return buffer.combine_expanded_async(yv, h, ov, wv, options); },
+                  keep, [out = o.owner] { return out; }},
+                 async);
+}
+
+// Returns (grad_y_expanded, grad_weights or None).
+pb::object combine_expanded_backward(BufferState& self, pb::handle grad_out, pb::handle handle, pb::handle y_expanded,
+                                     pb::handle weights, pb::handle grad_y_expanded, pb::handle grad_weights,
+                                     bool with_grad_weights, bool async) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg g = view_array(grad_out, "grad_out");
+  const ArrayArg y = view_array(y_expanded, "y_expanded");
+  const ArrayArg w = view_optional(weights, "weights");
+  const ArrayArg gy = out_or_new(grad_y_expanded, "grad_y_expanded", g.kind, DType::kF32,
+                                 buffer.expanded_layout(h).num_rows(), buffer.config().hidden);
+  ArrayArg gw = view_optional(grad_weights, "grad_weights");
+  if (!gw.defined() && with_grad_weights) {
+    const std::array<int64_t, 2> shape{h.num_recv_tokens(), h.topk()};
+    gw = new_array(g.kind, DType::kF32, shape);
+  }
+  begin_write(self, kRecv, "combine_expanded_backward");
+  const TensorView gv = g.view, yv = y.view, wv = w.view, gyv = gy.view, gwv = gw.view;
+  pb::object result = pb::make_tuple(gy.owner, gw.defined() ? gw.owner : pb::none());
+  return perform(
+      {[&buffer, gv, h, yv, wv, gyv, gwv] { return buffer.combine_expanded_backward(gv, h, yv, wv, gyv, gwv); },
+       [&buffer, gv, h, yv, wv, gyv, gwv] { return buffer.combine_expanded_backward_async(gv, h, yv, wv, gyv, gwv); },
+       {g.owner, y.owner, w.owner}, [result] { return result; }},
+      async);
+}
+
+pb::object combine_input(BufferState& self, pb::handle handle, const std::string& dtype, const std::string& library) {
+  Buffer& buffer = self.get();
+  const Handle& h = handle_of(handle);
+  const DType type = parse(parse_dtype(dtype), "dtype");
+  if (library != "numpy" && library != "torch") {
+    throw_error("InvalidArgumentError", fmt::format("library: '{}' is not numpy or torch", library));
+  }
+  const TensorView view = unwrap(buffer.combine_input(h, type));
+  self.combine_input_data = view.data();
+  return region_view(self.shared_from_this(), kCombine, library == "torch" ? ArrayKind::kTorch : ArrayKind::kNumpy,
+                     view);
+}
+
+pb::object expand(BufferState& self, pb::handle recv_x, pb::handle handle, pb::handle out) {
+  Buffer& buffer = self.get();
+  const Handle& h = handle_of(handle);
+  const ArrayArg x = view_array(recv_x, "recv_x");
+  const ArrayArg o = out_or_new(out, "out", x.kind, x.view.dtype(), buffer.expanded_layout(h).num_rows(),
+                                buffer.config().hidden);
+  check(buffer.expand(x.view, h, o.view));
+  return o.owner;
+}
+
+// ---- split forms --------------------------------------------------------------------------
+
+void dispatch_send(BufferState& self, pb::handle x, pb::handle topk_idx, pb::handle topk_weights) {
+  Buffer& buffer = self.get();
+  const DispatchArgs args = dispatch_args(x, topk_idx, topk_weights);
+  const uint64_t generation = begin_write(self, kRecv, "dispatch_send");
+  call([&] { return buffer.dispatch_send(args.inputs()); });
+  self.split_dispatch_args = args.owners();
+  self.split_dispatch_generation = generation;
+  self.split_dispatch_kind = args.x.kind;
+}
+
+pb::object dispatch_recv(BufferState& self, pb::handle timeout) {
+  Buffer& buffer = self.get();
+  const Deadline deadline = deadline_after(timeout, static_cast<double>(buffer.config().timeout.count()) / 1000);
+  auto result = std::make_shared<DispatchResult>();
+  call([&] { return buffer.dispatch_recv(result.get(), deadline); });
+  self.split_dispatch_args.clear();
+  return make_result(self.shared_from_this(), result, self.split_dispatch_generation, self.split_dispatch_kind);
+}
+
+void combine_send(BufferState& self, pb::handle y, pb::handle handle, pb::handle out, pb::handle bias) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg y_arg = view_array(y, "y");
+  const ArrayArg o = out_or_new(out, "out", y_arg.kind, y_arg.view.dtype(), h.num_tokens(), buffer.config().hidden);
+  const CombineArgs args = combine_args(y_arg.kind, h, bias, pb::none(), pb::none());
+  begin_write(self, kCombine, "combine_send", y_arg.view.data());
+  call([&] { return buffer.combine_send(y_arg.view, h, o.view, args.options()); });
+  self.split_combine_args = args.owners();
+  self.split_combine_args.push_back(y_arg.owner);
+  self.split_combine_out = o.owner;
+}
+
+pb::object combine_recv(BufferState& self, pb::handle timeout) {
+  Buffer& buffer = self.get();
+  const Deadline deadline = deadline_after(timeout, static_cast<double>(buffer.config().timeout.count()) / 1000);
+  call([&] { return buffer.combine_recv(deadline); });
+  self.split_combine_args.clear();
+  pb::object out = self.split_combine_out;
+  self.split_combine_out = pb::none();
+  return out;
+}
+
+pb::object take_waits(BufferState& self) {
+  WaitRecord sum;
+  sum.clear(self.transport->get().num_ranks());
+  self.get().take_waits(&sum);
+  return pb::cast(sum);
+}
+
+pb::object dequantize(pb::handle q, pb::handle scales, pb::handle out, const std::string& dtype) {
+  const ArrayArg q_arg = view_array(q, "q");
+  ArrayArg s_arg = view_array(scales, "scales");
+  if (q_arg.view.ndim() != 2 || s_arg.view.ndim() != 2) throw_error("InvalidArgumentError", "q, scales: must be 2-d");
+  if (s_arg.view.dtype() == DType::kFP8E4M3) {  // uint8 scales are ue8m0 codes
+    s_arg.view = TensorView(s_arg.view.data(), DType::kUE8M0, {s_arg.view.size(0), s_arg.view.size(1)},
+                            {s_arg.view.stride(0), s_arg.view.stride(1)});
+  }
+  const ArrayArg o = out_or_new(out, "out", q_arg.kind, parse(parse_dtype(dtype), "dtype"), q_arg.view.size(0),
+                                q_arg.view.size(1));
+  check(dequantize_fp8(q_arg.view, s_arg.view, o.view));
+  return o.owner;
+}
+
+}  // namespace
+
+namespace {
+
+void register_results(pb::module_& m) {
+  pb::class_<WaitRecord>(m, "WaitRecord", "Who this rank waited for, per rank, in seconds (docs/operations.md).")
+      .def_readonly("arrival", &WaitRecord::arrival)
+      .def_readonly("data", &WaitRecord::data)
+      .def_readonly("blocked", &WaitRecord::blocked)
+      .def_readonly("num_ops", &WaitRecord::num_ops);
+  pb::class_<ExchangeStats>(m, "ExchangeStats", "What one rank moved in one operation.")
+      .def_readonly("rows_sent", &ExchangeStats::rows_sent)
+      .def_readonly("rows_received", &ExchangeStats::rows_received)
+      .def_readonly("intra_node_payload_bytes", &ExchangeStats::intra_node_payload_bytes)
+      .def_readonly("inter_node_payload_bytes", &ExchangeStats::inter_node_payload_bytes)
+      .def_readonly("inter_node_meta_bytes", &ExchangeStats::inter_node_meta_bytes)
+      .def_readonly("seconds", &ExchangeStats::seconds)
+      .def_readonly("waits", &ExchangeStats::waits);
+  pb::class_<PyHandle>(m, "Handle", "What a dispatch decided; combine and the backward passes take it.")
+      .def_property_readonly("num_tokens", [](const PyHandle& h) { return h.handle.num_tokens(); })
+      .def_property_readonly("num_recv_tokens", [](const PyHandle& h) { return h.handle.num_recv_tokens(); })
+      .def_property_readonly("topk", [](const PyHandle& h) { return h.handle.topk(); });
+  pb::class_<PyExpandedLayout>(m, "ExpandedLayout", "The expanded per-expert layout of one rank's rows (numpy int arrays).")
+      .def_readonly("expert_offsets", &PyExpandedLayout::expert_offsets)
+      .def_readonly("num_tokens_per_expert", &PyExpandedLayout::num_tokens_per_expert)
+      .def_readonly("row_of", &PyExpandedLayout::row_of)
+      .def_readonly("recv_row", &PyExpandedLayout::recv_row)
+      .def_readonly("num_rows", &PyExpandedLayout::num_rows);
+  pb::class_<PyPendingOp>(m, "PendingOp", "An asynchronous exchange operation; wait() gives its result.")
+      .def("wait", &PyPendingOp::wait, pb::arg("timeout") = pb::none())
+      .def("done", [](const PyPendingOp& p) { return p.result.has_value() || p.op.done(); });
+}
+
+using R = PyDispatchResult;
+
+void register_dispatch_result(pb::module_& m) {
+  pb::class_<R>(m, "DispatchResult", "What this rank received; recv_x is a view of the receive region.")
+      .def_property_readonly("recv_x", [](const R& r) {
+        check_fresh(*r.state, r.generation, "recv_x");
+        return region_view(r.state, kRecv, r.kind, r.result->recv_x);
+      })
+      .def_property_readonly("recv_scales", [](const R& r) {
+        check_fresh(*r.state, r.generation, "recv_scales");
+        return region_view(r.state, kRecv, r.kind, r.result->recv_scales);
+      })
+      .def_property_readonly("recv_topk_idx", [](const R& r) {
+        return handle_view(r.result->handle, r.kind, r.result->recv_topk_idx);
+      })
+      .def_property_readonly("recv_topk_weights", [](const R& r) {
+        return handle_view(r.result->handle, r.kind, r.result->recv_topk_weights);
+      })
+      .def_property_readonly("recv_src_rank", [](const R& r) {
+        return handle_view(r.result->handle, r.kind, r.result->recv_src_rank);
+      })
+      .def_property_readonly("recv_src_idx", [](const R& r) {
+        return handle_view(r.result->handle, r.kind, r.result->recv_src_idx);
+      })
+      .def_property_readonly("num_recv_tokens_per_expert", [](const R& r) { return r.result->num_recv_tokens_per_expert; })
+      .def_property_readonly("handle", [](const R& r) { return PyHandle{r.result->handle}; })
+      .def_property_readonly("stats", [](const R& r) { return r.result->stats; })
+      .def_property_readonly("is_stale", [](const R& r) { return r.state->generation[kRecv] != r.generation; });
+}
+
+void register_buffer_ops(pb::class_<BufferState, StatePtr>& c) {
+  const auto none = pb::none();
+  c.def("dispatch", [](BufferState& s, pb::handle x, pb::handle i, pb::handle w) { return dispatch(s, x, i, w, false); },
+        pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
+      .def("dispatch_cached", [](BufferState& s, pb::handle x, pb::handle h) { return dispatch_cached(s, x, h, false); },
+           pb::arg("x"), pb::arg("handle"))
+      .def("combine", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle b) {
+        return combine(s, y, h, o, b, false);
+      }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none)
+      .def("combine_input", &combine_input, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
+      .def("dispatch_backward", [](BufferState& s, pb::handle g, pb::handle h, pb::handle o, pb::handle grw, pb::handle gw) {
+        return dispatch_backward(s, g, h, o, grw, gw, false);
+      }, pb::arg("grad_recv_x"), pb::arg("handle"), pb::arg("grad_x") = none, pb::arg("grad_recv_topk_weights") = none,
+         pb::arg("grad_topk_weights") = none)
+      .def("combine_backward", [](BufferState& s, pb::handle g, pb::handle h) { return combine_backward(s, g, h, false); },
+           pb::arg("grad_out"), pb::arg("handle"))
+      .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"))
+      .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none)
+      .def("combine_expanded", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle w, pb::handle b) {
+        return combine_expanded(s, y, h, o, w, b, false);
+      }, pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none, pb::arg("bias") = none)
+      .def("combine_expanded_backward", [](BufferState& s, pb::handle g, pb::handle h, pb::handle y, pb::handle w,
+                                           pb::handle gy, pb::handle gw, bool with_gw) {
+        return combine_expanded_backward(s, g, h, y, w, gy, gw, with_gw, false);
+      }, pb::arg("grad_out"), pb::arg("handle"), pb::arg("y_expanded"), pb::arg("weights") = none,
+         pb::arg("grad_y_expanded") = none, pb::arg("grad_weights") = none, pb::arg("with_grad_weights") = false);
+}
+
+void register_buffer_async(pb::class_<BufferState, StatePtr>& c) {
+  const auto none = pb::none();
+  c.def("dispatch_async", [](BufferState& s, pb::handle x, pb::handle i, pb::handle w) { return dispatch(s, x, i, w, true); },
+        pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
+      .def("dispatch_cached_async", [](BufferState& s, pb::handle x, pb::handle h) { return dispatch_cached(s, x, h, true); },
+           pb::arg("x"), pb::arg("handle"))
+      .def("combine_async", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle b) {
+        return combine(s, y, h, o, b, true);
+      }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none)
+      .def("dispatch_backward_async", [](BufferState& s, pb::handle g, pb::handle h, pb::handle o, pb::handle grw,
+                                         pb::handle gw) { return dispatch_backward(s, g, h, o, grw, gw, true); },
+           pb::arg("grad_recv_x"), pb::arg("handle"), pb::arg("grad_x") = none, pb::arg("grad_recv_topk_weights") = none,
+           pb::arg("grad_topk_weights") = none)
+      .def("combine_backward_async", [](BufferState& s, pb::handle g, pb::handle h) { return combine_backward(s, g, h, true); },
+           pb::arg("grad_out"), pb::arg("handle"))
+      .def("combine_expanded_async", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle w,
+                                        pb::handle b) { return combine_expanded(s, y, h, o, w, b, true); },
+           pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none, pb::arg("bias") = none)
+      .def("combine_expanded_backward_async", [](BufferState& s, pb::handle g, pb::handle h, pb::handle y, pb::handle w,
+                                                 pb::handle gy, pb::handle gw, bool with_gw) {
+        return combine_expanded_backward(s, g, h, y, w, gy, gw, with_gw, true);
+      }, pb::arg("grad_out"), pb::arg("handle"), pb::arg("y_expanded"), pb::arg("weights") = none,
+         pb::arg("grad_y_expanded") = none, pb::arg("grad_weights") = none, pb::arg("with_grad_weights") = false)
+      .def("dispatch_send", &dispatch_send, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
+      .def("dispatch_recv", &dispatch_recv, pb::arg("timeout") = none)
+      .def("combine_send", &combine_send, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none)
+      .def("combine_recv", &combine_recv, pb::arg("timeout") = none);
+}
+
+}  // namespace
+
+void register_buffer(pb::module_& m) {
+  register_results(m);
+  register_dispatch_result(m);
+  pb::class_<BufferState, StatePtr> c(m, "Buffer", "Dispatch and combine for one rank (include/epx/exchange/buffer.h).");
+  c.def(pb::init(&create_buffer), pb::arg("transport"), pb::arg("num_experts"), pb::arg("hidden"),
+        pb::arg("dtype") = "bf16", pb::arg("max_tokens_per_rank") = 0, pb::arg("max_topk") = 8,
+        pb::arg("max_recv_tokens") = 0, pb::arg("expert_alignment") = 1, pb::arg("max_combine_dtype") = "f32",
+        pb::arg("fp8_scales") = "f32", pb::arg("algorithm") = "auto", pb::arg("timeout") = 30.0,
+        pb::arg("record_waits") = true, pb::arg("expert_rank") = pb::none())
+      .def_property_readonly("num_local_experts", [](const BufferState& s) { return s.get().num_local_experts(); })
+      .def_property_readonly("hierarchical", [](const BufferState& s) { return s.get().hierarchical(); })
+      .def_property_readonly("region_bytes", [](const BufferState& s) { return s.get().region_bytes(); })
+      .def_property_readonly("num_experts", [](const BufferState& s) { return s.get().config().num_experts; })
+      .def_property_readonly("hidden", [](const BufferState& s) { return s.get().config().hidden; })
+      .def_property_readonly("dtype", [](const BufferState& s) { return std::string(dtype_name(s.get().config().dtype)); })
+      .def_property_readonly("transport", [](const BufferState& s) { return s.transport; })
+      .def("take_waits", &take_waits);
+  register_buffer_ops(c);
+  register_buffer_async(c);
+  m.def("dequantize_fp8", &dequantize, pb::arg("q"), pb::arg("scales"), pb::arg("out") = pb::none(),
+        pb::arg("dtype") = "f32", "fp8 e4m3 codes and their block scales -> f32 or bf16 rows.");
+}
+
+}  // namespace epx::py

@@ -1,0 +1,267 @@
+// Transports: in-process worlds (ranks are threads running a Python function
+// each) and MPI (one rank per process, initialised on first use).
+#include "transport.h"
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "arrays.h"
+#include "epx/comm/inproc.h"
+#include "epx/comm/mpi.h"
+#include "errors.h"
+
+namespace pb = pybind11;
+
+namespace epx::py {
+
+Transport& PyTransport::get() const {
+  if (!transport) throw_error("FailedPreconditionError", "the transport is closed (MPI was finalised at exit)");
+  return *transport;
+}
+
+Deadline deadline_after(pb::handle seconds, double fallback) {
+  const double s = seconds.is_none() ? fallback : seconds.cast<double>();
+  if (!(s >= 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is negative", s));
+  return Deadline::after(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)));
+}
+
+namespace {
+
+using TransportPtr = std::shared_ptr<PyTransport>;
+
+std::shared_ptr<PyTransport> wrap(std::unique_ptr<Transport> transport, bool mpi) {
+  auto out = std::make_shared<PyTransport>();
+  out->transport = std::move(transport);
+  out->mpi = mpi;
+  return out;
+}
+
+// ---- MPI: one session per process, closed at exit in order ------------------
+
+struct MpiState {
+  std::unique_ptr<MpiSession> session;
+  std::vector<std::function<void()>> buffer_closers;  // creation order
+  std::vector<std::weak_ptr<PyTransport>> transports;
+};
+
+MpiState& mpi_state() {
+  static auto* state = new MpiState;  // never destroyed: closed by close_mpi() at exit
+  return *state;
+}
+
+void close_mpi() {
+  MpiState& state = mpi_state();
+  pb::gil_scoped_release release;  // closing waits for the other processes
+  for (auto& close : state.buffer_closers) close();
+  state.buffer_closers.clear();
+  for (auto& weak : state.transports) {
+    if (auto transport = weak.lock()) transport->transport.reset();
+  }
+  state.transports.clear();
+  state.session.reset();
+}
+
+// Open MPI loads its plugins with dlopen and needs libmpi's symbols global;
+// a Python extension is loaded RTLD_LOCAL, so promote libmpi first.
+void promote_libmpi() {
+  for (const char* name : {"libmpi.so.40", "libmpi.so"}) {
+    if (dlopen(name, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD) != nullptr) return;
+  }
+}
+
+MpiSession& mpi_session() {
+  MpiState& state = mpi_state();
+  if (!state.session) {
+    promote_libmpi();
+    state.session = unwrap(MpiSession::init(nullptr, nullptr));
+    pb::module_::import("atexit").attr("register")(pb::cpp_function(&close_mpi));
+  }
+  return *state.session;
+}
+
+TransportPtr mpi_transport(int ranks_per_node) {
+  MpiSession& session = mpi_session();
+  MpiOptions options;
+  options.ranks_per_node = ranks_per_node;
+  Result<std::unique_ptr<Transport>> transport = [&] {
+    pb::gil_scoped_release release;
+    return session.connect(options);
+  }();
+  TransportPtr out = wrap(unwrap(std::move(transport)), true);
+  mpi_state().transports.push_back(out);
+  return out;
+}
+
+// ---- Transport's methods ---------------------------------------------------------
+
+void barrier(const PyTransport& self, pb::handle timeout) {
+  Transport& t = self.get();
+  const Deadline deadline = deadline_after(timeout, 30.0);
+  Status status;
+  {
+    pb::gil_scoped_release release;
+    status = t.barrier(deadline);
+  }
+  check(status);
+}
+
+ReduceOp parse_op(const std::string& op) {
+  if (op == "sum") return ReduceOp::kSum;
+  if (op == "max") return ReduceOp::kMax;
+  if (op == "min") return ReduceOp::kMin;
+  throw_error("InvalidArgumentError", fmt::format("op: '{}' is not one of sum, max, min", op));
+}
+
+// In place, over every rank: array (contiguous f32, f64, i32 or i64).
+pb::object all_reduce(const PyTransport& self, pb::object array, const std::string& op, pb::handle timeout) {
+  Transport& t = self.get();
+  ArrayArg arg = view_array(array, "array");
+  const DType dtype = arg.view.dtype();
+  if (dtype != DType::kF32 && dtype != DType::kF64 && dtype != DType::kI32 && dtype != DType::kI64) {
+    throw_error("InvalidArgumentError", fmt::format("array: dtype {} is not f32, f64, i32 or i64", dtype_name(dtype)));
+  }
+  if (!arg.view.is_contiguous()) throw_error("InvalidArgumentError", "array: must be contiguous");
+  const ReduceOp reduce = parse_op(op);
+  const Deadline deadline = deadline_after(timeout, 30.0);
+  Status status;
+  {
+    pb::gil_scoped_release release;
+    status = t.all_reduce_raw(arg.view.data(), static_cast<std::size_t>(arg.view.numel()), dtype, reduce, deadline);
+  }
+  check(status);
+  return array;
+}
+
+TransportPtr split(const PyTransport& self, int color, int key, pb::handle timeout) {
+  Transport& t = self.get();
+  const Deadline deadline = deadline_after(timeout, 30.0);
+  Result<std::unique_ptr<Transport>> group = [&] {
+    pb::gil_scoped_release release;
+    return t.split(color, key, deadline);
+  }();
+  TransportPtr out = wrap(unwrap(std::move(group)), self.mpi);
+  if (self.mpi) mpi_state().transports.push_back(out);
+  return out;
+}
+
+// ---- InprocWorld -------------------------------------------------------------------
+
+struct PyWorld {
+  std::shared_ptr<InprocWorld> world;
+};
+
+PyWorld make_world(int num_ranks, int num_nodes) {
+  return PyWorld{std::make_shared<InprocWorld>(unwrap(Topology::create(num_ranks, num_nodes)))};
+}
+
+// What one rank's fn did.
+struct Outcome {
+  pb::object value;
+  std::optional<pb::error_already_set> error;
+  int64_t order = -1;  // when it failed, among the failures
+};
+
+// Calls fn(transport) on the rank's thread, holding the GIL only for Python.
+Status run_rank(const pb::function& fn, const pb::object& transport, Outcome& outcome,
+                std::atomic<int64_t>& failures) {
+  pb::gil_scoped_acquire gil;
+  try {
+    outcome.value = fn(transport);
+    return Status::ok();
+  } catch (pb::error_already_set& error) {
+    outcome.order = failures++;
+    Status status(StatusCode::kInternal, fmt::format("Python raised {}", error.what()));
+    outcome.error = std::move(error);
+    return status;
+  }
+}
+
+// The exception of the rank that failed first, prefixed "rank N: ". The
+// ranks that only saw the abort (AbortedError) come last: they may reach
+// Python before the rank that caused it.
+[[noreturn]] void raise_first(const std::vector<Outcome>& outcomes) {
+  pb::module_ errors = pb::module_::import("epx.errors");
+  pb::object aborted = errors.attr("AbortedError");
+  auto aborted_after = [&](int64_t order) { return order + (1LL << 40); };
+  std::size_t first = outcomes.size();
+  int64_t best = 0;
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    if (outcomes[r].order < 0) continue;
+    const bool was_aborted = pb::isinstance(outcomes[r].error->value(), aborted);
+    const int64_t key = was_aborted ? aborted_after(outcomes[r].order) : outcomes[r].order;
+    if (first == outcomes.size() || key < best) {
+      first = r;
+      best = key;
+    }
+  }
+  pb::object again = errors.attr("_with_rank")(first, outcomes[first].error->value());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(again.ptr())), again.ptr());
+  throw pb::error_already_set();
+}
+
+pb::list run(const PyWorld& self, const pb::function& fn) {
+  const int num_ranks = self.world->topology().num_ranks();
+  std::vector<pb::object> transports;
+  for (int r = 0; r < num_ranks; ++r) transports.push_back(pb::cast(wrap(self.world->connect(r), false)));
+  std::vector<Outcome> outcomes(static_cast<std::size_t>(num_ranks));
+  std::atomic<int64_t> failures{0};
+  std::vector<Status> statuses;
+  {
+    pb::gil_scoped_release release;
+    statuses = self.world->run([&](Transport& t) {
+      return run_rank(fn, transports[t.rank()], outcomes[t.rank()], failures);
+    });
+  }
+  if (failures > 0) raise_first(outcomes);
+  check(first_error(statuses));
+  pb::list values;
+  for (Outcome& outcome : outcomes) values.append(outcome.value);
+  return values;
+}
+
+}  // namespace
+
+void at_mpi_exit(std::function<void()> close) { mpi_state().buffer_closers.push_back(std::move(close)); }
+
+void register_transport(pb::module_& m) {
+  pb::class_<PyTransport, TransportPtr>(m, "Transport", "One rank's transport (in-process or MPI).")
+      .def_property_readonly("rank", [](const PyTransport& t) { return t.get().rank(); })
+      .def_property_readonly("num_ranks", [](const PyTransport& t) { return t.get().num_ranks(); })
+      .def_property_readonly("num_nodes", [](const PyTransport& t) { return t.get().topology().num_nodes(); })
+      .def_property_readonly("node", [](const PyTransport& t) { return t.get().node(); })
+      .def_property_readonly("local_rank", [](const PyTransport& t) { return t.get().local_rank(); })
+      .def_property_readonly("backend", [](const PyTransport& t) { return std::string(t.get().backend_name()); })
+      .def("barrier", &barrier, pb::arg("timeout") = 30.0)
+      .def("all_reduce", &all_reduce, pb::arg("array"), pb::arg("op") = "sum", pb::arg("timeout") = 30.0,
+           "Reduces `array` (contiguous f32, f64, i32, i64) over every rank, in place; returns it.")
+      .def("split", &split, pb::arg("color"), pb::arg("key"), pb::arg("timeout") = 30.0)
+      .def("abort", [](const PyTransport& t, const std::string& message) {
+        t.get().abort(Status(StatusCode::kAborted, message));
+      }, pb::arg("message"));
+
+  pb::class_<PyWorld>(m, "InprocWorld", "In-process ranks: threads of this process.")
+      .def(pb::init(&make_world), pb::arg("num_ranks"), pb::arg("num_nodes") = 1)
+      .def_property_readonly("num_ranks", [](const PyWorld& w) { return w.world->topology().num_ranks(); })
+      .def_property_readonly("num_nodes", [](const PyWorld& w) { return w.world->topology().num_nodes(); })
+      .def("run", &run, pb::arg("fn"), "fn(transport) on one thread per rank; their return values in rank order.")
+      .def("connect", [](const PyWorld& w, int rank) {
+        if (rank < 0 || rank >= w.world->topology().num_ranks()) {
+          throw_error("InvalidArgumentError", fmt::format("rank: {} is not in [0, {})", rank, w.world->topology().num_ranks()));
+        }
+        return wrap(w.world->connect(rank), false);
+      }, pb::arg("rank"));
+
+  m.def("mpi_transport", &mpi_transport, pb::arg("ranks_per_node") = 0,
+        "This process's rank under mpirun / srun (MPI initialised on first use, finalised at exit).");
+  m.def("mpi_available", &mpi_available);
+  m.def("launched_by_mpi", &launched_by_mpi);
+}
+
+}  // namespace epx::py
