@@ -142,9 +142,9 @@ class EpxDispatcher:
         self.y.copy_(self.result.recv_x)
 
     def combine(self):
-        out = self.buf.combine(self.y, self.result.handle, out=self.out)
+        self.buf.combine(self.y, self.result.handle, out=self.out)
         del self.y, self.result  # no view of the regions may outlive them into the next dispatch
-        return out
+        return self.out
 
 
 def timed(barrier, fn, marks):
