@@ -148,11 +148,15 @@ test-install: build
 	  cd /tmp && PYTHONPATH=$$pkgs /usr/bin/python3 -c "import epx, sys; assert epx.__file__.startswith('$$pkgs'); print(epx.__file__)"; \
 	  else echo "(epx was built without the Python module)"; fi
 
-# The C++ example in README.md must be examples/consumer/main.cc verbatim.
+# The C++ example in README.md must be examples/consumer/main.cc verbatim, the Python one
+# examples/python/readme_example.py.
 test-readme:
 	$(call section,"README example == examples/consumer/main.cc")
 	awk '/<!-- examples\/consumer\/main.cc -->/{m=1;next} m==1&&/^```cpp/{m=2;next} m==2&&/^```$$/{exit} m==2' README.md \
 	  | diff -u examples/consumer/main.cc - && echo "identical"
+	$(call section,"README example == examples/python/readme_example.py")
+	awk '/<!-- examples\/python\/readme_example.py -->/{m=1;next} m==1&&/^```python/{m=2;next} m==2&&/^```$$/{exit} m==2' README.md \
+	  | diff -u examples/python/readme_example.py - && echo "identical"
 
 # In `make test` every fuzz target runs its 60 s at once (TEST_FUZZ_JOBS), each
 # on a share of the cores: a smoke test of the readers, about a minute of wall

@@ -337,73 +337,83 @@ pb::object dispatch(BufferState& self, pb::handle x, pb::handle topk_idx, pb::ha
                  async);
 }
 
-pb::object combine(BufferState& self, pb::handle y, pb::handle handle, pb::handle out, pb::handle bias, bool async) {
+// The combines: combine (y -> out) and dispatch_backward (grad_recv_x ->
+// grad_x, and the gradient of the top-k weights through the options).
+struct CombineForm {
+  const char* op;
+  const char* input;
+  const char* output;
+  Status (Buffer::*now)(const TensorView&, const Handle&, const TensorView&, const CombineOptions&);
+  PendingOp (Buffer::*start)(const TensorView&, const Handle&, const TensorView&, const CombineOptions&);
+};
+constexpr CombineForm kCombineForm{"combine", "y", "out", &Buffer::combine, &Buffer::combine_async};
+constexpr CombineForm kDispatchBackwardForm{"dispatch_backward", "grad_recv_x", "grad_x", &Buffer::dispatch_backward,
+                                            &Buffer::dispatch_backward_async};
+
+// Returns the output, or (output, grad_topk_weights) when grad_recv_topk_weights is given.
+pb::object combine_like(const CombineForm& form, BufferState& self, pb::handle y, pb::handle handle, pb::handle out,
+                        pb::handle bias, pb::handle grad_recv_w, pb::handle grad_w, bool async) {
   Buffer& buffer = self.get();
   const Handle h = handle_of(handle);
-  const ArrayArg y_arg = view_array(y, "y");
-  const ArrayArg o = out_or_new(out, "out", y_arg.kind, y_arg.view.dtype(), h.num_tokens(), buffer.config().hidden);
-  const CombineArgs args = combine_args(y_arg.kind, h, bias, pb::none(), pb::none());
-  begin_write(self, kCombine, "combine", y_arg.view.data());
-  const TensorView yv = y_arg.view, ov = o.view;
+  const ArrayArg in = view_array(y, form.input);
+  const ArrayArg o = out_or_new(out, form.output, in.kind, in.view.dtype(), h.num_tokens(), buffer.config().hidden);
+  const CombineArgs args = combine_args(in.kind, h, bias, grad_recv_w, grad_w);
+  begin_write(self, kCombine, form.op, in.view.data());
+  const TensorView iv = in.view, ov = o.view;
   const CombineOptions options = args.options();
   std::vector<pb::object> keep = args.owners();
-  keep.push_back(y_arg.owner);
-  return perform({[&buffer, yv, h, ov, options] { return buffer.combine(yv, h, ov, options); },
-                  [&buffer, yv, h, ov, options] { return buffer.combine_async(yv, h, ov, options); }, keep,
-                  [out = o.owner] { return out; }},
+  keep.push_back(in.owner);
+  pb::object result = args.grad_recv_w.defined() ? pb::object(pb::make_tuple(o.owner, args.grad_w.owner)) : o.owner;
+  return perform({[&buffer, iv, h, ov, options, now = form.now] { return (buffer.*now)(iv, h, ov, options); },
+                  [&buffer, iv, h, ov, options, start = form.start] { return (buffer.*start)(iv, h, ov, options); },
+                  keep, [result] { return result; }},
+                 async);
+}
+
+pb::object combine(BufferState& self, pb::handle y, pb::handle handle, pb::handle out, pb::handle bias, bool async) {
+  return combine_like(kCombineForm, self, y, handle, out, bias, pb::none(), pb::none(), async);
+}
+
+pb::object dispatch_backward(BufferState& self, pb::handle grad_recv_x, pb::handle handle, pb::handle grad_x,
+                             pb::handle grad_recv_w, pb::handle grad_w, bool async) {
+  return combine_like(kDispatchBackwardForm, self, grad_recv_x, handle, grad_x, pb::none(), grad_recv_w, grad_w, async);
+}
+
+// The cached dispatches into the receive region: dispatch_cached (x) and
+// combine_backward (grad_out); both give a view of the region.
+struct CachedForm {
+  const char* op;
+  const char* input;
+  Status (Buffer::*now)(const TensorView&, const Handle&, TensorView*);
+  PendingOp (Buffer::*start)(const TensorView&, const Handle&, TensorView*);
+};
+constexpr CachedForm kDispatchCachedForm{"dispatch_cached", "x", &Buffer::dispatch_cached,
+                                         &Buffer::dispatch_cached_async};
+constexpr CachedForm kCombineBackwardForm{"combine_backward", "grad_out", &Buffer::combine_backward,
+                                          &Buffer::combine_backward_async};
+
+pb::object cached_like(const CachedForm& form, BufferState& self, pb::handle x, pb::handle handle, bool async) {
+  Buffer& buffer = self.get();
+  const Handle h = handle_of(handle);
+  const ArrayArg in = view_array(x, form.input);
+  begin_write(self, kRecv, form.op);
+  auto recv = std::make_shared<TensorView>();
+  const TensorView iv = in.view;
+  return perform({[&buffer, iv, h, recv, now = form.now] { return (buffer.*now)(iv, h, recv.get()); },
+                  [&buffer, iv, h, recv, start = form.start] { return (buffer.*start)(iv, h, recv.get()); },
+                  {in.owner},
+                  [state = self.shared_from_this(), recv, kind = in.kind] {
+                    return region_view(state, kRecv, kind, *recv);
+                  }},
                  async);
 }
 
 pb::object dispatch_cached(BufferState& self, pb::handle x, pb::handle handle, bool async) {
-  Buffer& buffer = self.get();
-  const Handle h = handle_of(handle);
-  const ArrayArg x_arg = view_array(x, "x");
-  begin_write(self, kRecv, "dispatch_cached");
-  auto recv_x = std::make_shared<TensorView>();
-  const TensorView xv = x_arg.view;
-  return perform({[&buffer, xv, h, recv_x] { return buffer.dispatch_cached(xv, h, recv_x.get()); },
-                  [&buffer, xv, h, recv_x] { return buffer.dispatch_cached_async(xv, h, recv_x.get()); },
-                  {x_arg.owner},
-                  [state = self.shared_from_this(), recv_x, kind = x_arg.kind] {
-                    return region_view(state, kRecv, kind, *recv_x);
-                  }},
-                 async);
-}
-
-// Returns grad_x, or (grad_x, grad_topk_weights) when grad_recv_topk_weights is given.
-pb::object dispatch_backward(BufferState& self, pb::handle grad_recv_x, pb::handle handle, pb::handle grad_x,
-                             pb::handle grad_recv_w, pb::handle grad_w, bool async) {
-  Buffer& buffer = self.get();
-  const Handle h = handle_of(handle);
-  const ArrayArg g = view_array(grad_recv_x, "grad_recv_x");
-  const ArrayArg o = out_or_new(grad_x, "grad_x", g.kind, g.view.dtype(), h.num_tokens(), buffer.config().hidden);
-  const CombineArgs args = combine_args(g.kind, h, pb::none(), grad_recv_w, grad_w);
-  begin_write(self, kCombine, "dispatch_backward", g.view.data());
-  const TensorView gv = g.view, ov = o.view;
-  const CombineOptions options = args.options();
-  std::vector<pb::object> keep = args.owners();
-  keep.push_back(g.owner);
-  pb::object result = args.grad_recv_w.defined() ? pb::object(pb::make_tuple(o.owner, args.grad_w.owner)) : o.owner;
-  return perform({[&buffer, gv, h, ov, options] { return buffer.dispatch_backward(gv, h, ov, options); },
-                  [&buffer, gv, h, ov, options] { return buffer.dispatch_backward_async(gv, h, ov, options); }, keep,
-                  [result] { return result; }},
-                 async);
+  return cached_like(kDispatchCachedForm, self, x, handle, async);
 }
 
 pb::object combine_backward(BufferState& self, pb::handle grad_out, pb::handle handle, bool async) {
-  Buffer& buffer = self.get();
-  const Handle h = handle_of(handle);
-  const ArrayArg g = view_array(grad_out, "grad_out");
-  begin_write(self, kRecv, "combine_backward");
-  auto grad_y = std::make_shared<TensorView>();
-  const TensorView gv = g.view;
-  return perform({[&buffer, gv, h, grad_y] { return buffer.combine_backward(gv, h, grad_y.get()); },
-                  [&buffer, gv, h, grad_y] { return buffer.combine_backward_async(gv, h, grad_y.get()); },
-                  {g.owner},
-                  [state = self.shared_from_this(), grad_y, kind = g.kind] {
-                    return region_view(state, kRecv, kind, *grad_y);
-                  }},
-                 async);
+  return cached_like(kCombineBackwardForm, self, grad_out, handle, async);
 }
 
 pb::object combine_expanded(BufferState& self, pb::handle y_expanded, pb::handle handle, pb::handle out,
@@ -539,10 +549,6 @@ pb::object dequantize(pb::handle q, pb::handle scales, pb::handle out, const std
   return o.owner;
 }
 
-}  // namespace
-
-namespace {
-
 void register_results(pb::module_& m) {
   pb::class_<WaitRecord>(m, "WaitRecord", "Who this rank waited for, per rank, in seconds (docs/operations.md).")
       .def_readonly("arrival", &WaitRecord::arrival)
@@ -602,57 +608,46 @@ void register_dispatch_result(pb::module_& m) {
       .def_property_readonly("is_stale", [](const R& r) { return r.state->generation[kRecv] != r.generation; });
 }
 
-void register_buffer_ops(pb::class_<BufferState, StatePtr>& c) {
+// The collective operations, blocking (`async` false) or as NAME_async,
+// which returns a PendingOp.
+void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
   const auto none = pb::none();
-  c.def("dispatch", [](BufferState& s, pb::handle x, pb::handle i, pb::handle w) { return dispatch(s, x, i, w, false); },
-        pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
-      .def("dispatch_cached", [](BufferState& s, pb::handle x, pb::handle h) { return dispatch_cached(s, x, h, false); },
-           pb::arg("x"), pb::arg("handle"))
-      .def("combine", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle b) {
-        return combine(s, y, h, o, b, false);
-      }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none)
-      .def("combine_input", &combine_input, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
-      .def("dispatch_backward", [](BufferState& s, pb::handle g, pb::handle h, pb::handle o, pb::handle grw, pb::handle gw) {
-        return dispatch_backward(s, g, h, o, grw, gw, false);
-      }, pb::arg("grad_recv_x"), pb::arg("handle"), pb::arg("grad_x") = none, pb::arg("grad_recv_topk_weights") = none,
-         pb::arg("grad_topk_weights") = none)
-      .def("combine_backward", [](BufferState& s, pb::handle g, pb::handle h) { return combine_backward(s, g, h, false); },
-           pb::arg("grad_out"), pb::arg("handle"))
-      .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"))
-      .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none)
-      .def("combine_expanded", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle w, pb::handle b) {
-        return combine_expanded(s, y, h, o, w, b, false);
-      }, pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none, pb::arg("bias") = none)
-      .def("combine_expanded_backward", [](BufferState& s, pb::handle g, pb::handle h, pb::handle y, pb::handle w,
-                                           pb::handle gy, pb::handle gw, bool with_gw) {
-        return combine_expanded_backward(s, g, h, y, w, gy, gw, with_gw, false);
-      }, pb::arg("grad_out"), pb::arg("handle"), pb::arg("y_expanded"), pb::arg("weights") = none,
-         pb::arg("grad_y_expanded") = none, pb::arg("grad_weights") = none, pb::arg("with_grad_weights") = false);
+  const auto name = [async](const char* op) { return std::string(op) + (async ? "_async" : ""); };
+  c.def(name("dispatch").c_str(), [async](BufferState& s, pb::handle x, pb::handle i, pb::handle w) {
+    return dispatch(s, x, i, w, async);
+  }, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none);
+  c.def(name("dispatch_cached").c_str(), [async](BufferState& s, pb::handle x, pb::handle h) {
+    return dispatch_cached(s, x, h, async);
+  }, pb::arg("x"), pb::arg("handle"));
+  c.def(name("combine").c_str(), [async](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle b) {
+    return combine(s, y, h, o, b, async);
+  }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none);
+  c.def(name("dispatch_backward").c_str(), [async](BufferState& s, pb::handle g, pb::handle h, pb::handle o,
+                                                    pb::handle grw, pb::handle gw) {
+    return dispatch_backward(s, g, h, o, grw, gw, async);
+  }, pb::arg("grad_recv_x"), pb::arg("handle"), pb::arg("grad_x") = none, pb::arg("grad_recv_topk_weights") = none,
+     pb::arg("grad_topk_weights") = none);
+  c.def(name("combine_backward").c_str(), [async](BufferState& s, pb::handle g, pb::handle h) {
+    return combine_backward(s, g, h, async);
+  }, pb::arg("grad_out"), pb::arg("handle"));
+  c.def(name("combine_expanded").c_str(), [async](BufferState& s, pb::handle y, pb::handle h, pb::handle o,
+                                                   pb::handle w, pb::handle b) {
+    return combine_expanded(s, y, h, o, w, b, async);
+  }, pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none,
+     pb::arg("bias") = none);
+  c.def(name("combine_expanded_backward").c_str(), [async](BufferState& s, pb::handle g, pb::handle h, pb::handle y,
+                                                            pb::handle w, pb::handle gy, pb::handle gw, bool with_gw) {
+    return combine_expanded_backward(s, g, h, y, w, gy, gw, with_gw, async);
+  }, pb::arg("grad_out"), pb::arg("handle"), pb::arg("y_expanded"), pb::arg("weights") = none,
+     pb::arg("grad_y_expanded") = none, pb::arg("grad_weights") = none, pb::arg("with_grad_weights") = false);
 }
 
-void register_buffer_async(pb::class_<BufferState, StatePtr>& c) {
+// The local operations and the split forms.
+void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
   const auto none = pb::none();
-  c.def("dispatch_async", [](BufferState& s, pb::handle x, pb::handle i, pb::handle w) { return dispatch(s, x, i, w, true); },
-        pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
-      .def("dispatch_cached_async", [](BufferState& s, pb::handle x, pb::handle h) { return dispatch_cached(s, x, h, true); },
-           pb::arg("x"), pb::arg("handle"))
-      .def("combine_async", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle b) {
-        return combine(s, y, h, o, b, true);
-      }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none)
-      .def("dispatch_backward_async", [](BufferState& s, pb::handle g, pb::handle h, pb::handle o, pb::handle grw,
-                                         pb::handle gw) { return dispatch_backward(s, g, h, o, grw, gw, true); },
-           pb::arg("grad_recv_x"), pb::arg("handle"), pb::arg("grad_x") = none, pb::arg("grad_recv_topk_weights") = none,
-           pb::arg("grad_topk_weights") = none)
-      .def("combine_backward_async", [](BufferState& s, pb::handle g, pb::handle h) { return combine_backward(s, g, h, true); },
-           pb::arg("grad_out"), pb::arg("handle"))
-      .def("combine_expanded_async", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle w,
-                                        pb::handle b) { return combine_expanded(s, y, h, o, w, b, true); },
-           pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none, pb::arg("bias") = none)
-      .def("combine_expanded_backward_async", [](BufferState& s, pb::handle g, pb::handle h, pb::handle y, pb::handle w,
-                                                 pb::handle gy, pb::handle gw, bool with_gw) {
-        return combine_expanded_backward(s, g, h, y, w, gy, gw, with_gw, true);
-      }, pb::arg("grad_out"), pb::arg("handle"), pb::arg("y_expanded"), pb::arg("weights") = none,
-         pb::arg("grad_y_expanded") = none, pb::arg("grad_weights") = none, pb::arg("with_grad_weights") = false)
+  c.def("combine_input", &combine_input, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
+      .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"))
+      .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none)
       .def("dispatch_send", &dispatch_send, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
       .def("dispatch_recv", &dispatch_recv, pb::arg("timeout") = none)
       .def("combine_send", &combine_send, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none)
@@ -678,8 +673,9 @@ void register_buffer(pb::module_& m) {
       .def_property_readonly("dtype", [](const BufferState& s) { return std::string(dtype_name(s.get().config().dtype)); })
       .def_property_readonly("transport", [](const BufferState& s) { return s.transport; })
       .def("take_waits", &take_waits);
-  register_buffer_ops(c);
-  register_buffer_async(c);
+  register_buffer_ops(c, false);
+  register_buffer_ops(c, true);
+  register_buffer_local(c);
   m.def("dequantize_fp8", &dequantize, pb::arg("q"), pb::arg("scales"), pb::arg("out") = pb::none(),
         pb::arg("dtype") = "f32", "fp8 e4m3 codes and their block scales -> f32 or bf16 rows.");
 }

@@ -80,7 +80,11 @@ MpiSession& mpi_session() {
   MpiState& state = mpi_state();
   if (!state.session) {
     promote_libmpi();
-    state.session = unwrap(MpiSession::init(nullptr, nullptr));
+    Result<std::unique_ptr<MpiSession>> session = [] {
+      pb::gil_scoped_release release;
+      return MpiSession::init(nullptr, nullptr);
+    }();
+    state.session = unwrap(std::move(session));
     pb::module_::import("atexit").attr("register")(pb::cpp_function(&close_mpi));
   }
   return *state.session;
