@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_util as bu  # noqa: E402
-from torch_gloo_dispatch import EXPERTS, HIDDEN, TOPK, make_inputs, rows_per_rank  # noqa: E402
+from torch_gloo_dispatch import EXPERTS, HIDDEN, make_inputs, ranks_reached, rows_per_rank  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -70,9 +70,7 @@ class Marks:
 
 
 def check_rank(x, idx, out, num_ranks):
-    hit = torch.zeros(idx.shape[0], num_ranks, dtype=torch.bool)
-    hit.scatter_(1, idx.long() // (EXPERTS // num_ranks), True)
-    want = x.float() * hit.sum(dim=1, keepdim=True)
+    want = x.float() * ranks_reached(idx, num_ranks).sum(dim=1, keepdim=True)
     if not torch.equal(out.float(), want.to(torch.bfloat16).float()):
         raise RuntimeError("python_exchange: combine differs from x times the ranks each token reached")
 
@@ -94,7 +92,7 @@ def python_bench(tokens, ranks, nodes, reps, seed):
             y = buf.combine_input(r.handle, "bf16", library="torch")
             y.copy_(r.recv_x)  # the experts' output, written in place
             marks.timed(t, "combine", lambda: buf.combine(y, r.handle, out=out))
-            del y, r
+            y = r = None  # no view of the regions may live into the next dispatch
             if rep == 0:
                 check_rank(x, idx, out, ranks)
         t.barrier(timeout=60.0)

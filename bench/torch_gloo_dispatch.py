@@ -67,12 +67,17 @@ def make_inputs(rank, tokens, seed):
     return x, idx, w
 
 
+def ranks_reached(idx, num_ranks):
+    """[T, R] bool: token t has an expert on rank r (experts in contiguous blocks of E / R)."""
+    hit = torch.zeros(idx.shape[0], num_ranks, dtype=torch.bool)
+    hit.scatter_(1, idx.long() // (EXPERTS // num_ranks), True)
+    return hit
+
+
 def rows_per_rank(idx, num_ranks):
     """Rows each rank receives from this one: epx one per (token, rank), gloo one per (token, expert)."""
     dest = idx // (EXPERTS // num_ranks)
-    hit = torch.zeros(idx.shape[0], num_ranks, dtype=torch.bool)
-    hit.scatter_(1, dest, True)
-    return hit.sum(dim=0), torch.bincount(dest.reshape(-1), minlength=num_ranks)
+    return ranks_reached(idx, num_ranks).sum(dim=0), torch.bincount(dest.reshape(-1), minlength=num_ranks)
 
 
 class GlooDispatcher:
@@ -169,9 +174,7 @@ def check_gloo(x, out):
 
 
 def check_epx(x, idx, out, num_ranks):
-    hit = torch.zeros(idx.shape[0], num_ranks, dtype=torch.bool)
-    hit.scatter_(1, idx // (EXPERTS // num_ranks), True)
-    want = x.float() * hit.sum(dim=1, keepdim=True)
+    want = x.float() * ranks_reached(idx, num_ranks).sum(dim=1, keepdim=True)
     err = (out.float() - want).abs().max().item()
     if err > 0.02 * want.abs().max().item():
         raise SystemExit(f"torch_gloo_dispatch: epx combine differs from x * ranks reached by {err}")
