@@ -9,16 +9,26 @@ torch.set_num_threads), interleaved shape by shape and repetition by
 repetition; each figure is the median of --rounds runs of a median of --reps.
 
   /usr/bin/python3 bench/moe_layer_vs_torch.py --bench build/bench/moe_layer_bench
+  PYTHONPATH=build/python /usr/bin/python3 bench/moe_layer_vs_torch.py --bench '' --epx-torch
+
+--epx-torch adds epx.torch.MoE (epx's exchange under torch autograd, one
+in-process rank, SwiGLU experts in torch) loaded with the eager layer's very
+weights (normalize_weights=True, as the eager top-k renormalises; its output is
+checked against the eager layer's within 1e-3 first), timed the same way: f32,
+torch.set_num_threads(--threads) for both.
 
 Needs Debian's python3-torch (for /usr/bin/python3). Prints one JSON object per
 shape and a table.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util as bu  # noqa: E402
 
 SHAPES = [  # tokens, hidden, ffn_hidden, experts, topk
     (2048, 256, 512, 16, 2),
@@ -27,56 +37,124 @@ SHAPES = [  # tokens, hidden, ffn_hidden, experts, topk
 ]
 
 
-def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
+def eager_params(torch, hidden, ffn, experts):
+    """The eager layer's weights: RMSNorm scale, router [H, E], per-expert w1, w3 [H, F] and w2 [F, H]."""
     torch.manual_seed(0)
-    torch.set_num_threads(threads)
     std = hidden ** -0.5
-    norm_w = torch.ones(hidden, requires_grad=True)
-    router = (torch.randn(hidden, experts) * std).requires_grad_()
     # One tensor per expert, as an nn.ModuleList of experts holds them (slicing
     # one stacked tensor would make every expert's backward write a full-size
     # gradient).
-    w1 = [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)]
-    w3 = [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)]
-    w2 = [(torch.randn(ffn, hidden) * ffn ** -0.5).requires_grad_() for _ in range(experts)]
+    return {"norm_w": torch.ones(hidden, requires_grad=True),
+            "router": (torch.randn(hidden, experts) * std).requires_grad_(),
+            "w1": [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)],
+            "w3": [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)],
+            "w2": [(torch.randn(ffn, hidden) * ffn ** -0.5).requires_grad_() for _ in range(experts)]}
+
+
+def param_list(p):
+    return [p["norm_w"], p["router"]] + p["w1"] + p["w3"] + p["w2"]
+
+
+def eager_forward(torch, p, x, topk):
+    """What common model code does: RMSNorm, softmax router, top-k renormalised, a loop over experts."""
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * p["norm_w"]
+    probs = torch.softmax(n @ p["router"], dim=-1)
+    weights, idx = torch.topk(probs, topk, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(len(p["w1"])):
+        token, slot = torch.where(idx == e)
+        if token.numel() == 0:
+            continue
+        xe = n.index_select(0, token)
+        h = torch.nn.functional.silu(xe @ p["w1"][e]) * (xe @ p["w3"][e])
+        out.index_add_(0, token, (h @ p["w2"][e]) * weights[token, slot].unsqueeze(-1))
+    return x + out
+
+
+def time_layer(torch, forward, params, grad, reps):
+    """Median seconds of forward (no_grad) and of forward + backward(grad), one warm-up each."""
+    def fwd():
+        with torch.no_grad():
+            forward()
+
+    def both():
+        for q in params:
+            q.grad = None
+        forward().backward(grad)
+    return bu.median(bu.time_reps(fwd, reps)), bu.median(bu.time_reps(both, reps))
+
+
+def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
+    torch.set_num_threads(threads)
+    p = eager_params(torch, hidden, ffn, experts)
+    x = torch.randn(tokens, hidden)
+    grad = torch.randn(tokens, hidden)
+    return time_layer(torch, lambda: eager_forward(torch, p, x, topk), param_list(p), grad, reps)
+
+
+def epx_torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
+    """epx.torch.MoE (one in-process rank) with the eager layer's weights, timed as the eager layer."""
+    import epx
+    import epx.torch as et
+    torch.set_num_threads(threads)
+    p = eager_params(torch, hidden, ffn, experts)
     x = torch.randn(tokens, hidden)
     grad = torch.randn(tokens, hidden)
 
-    def forward():
-        n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
-        probs = torch.softmax(n @ router, dim=-1)
-        weights, idx = torch.topk(probs, topk, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for e in range(experts):
-            token, slot = torch.where(idx == e)
-            if token.numel() == 0:
-                continue
-            xe = n.index_select(0, token)
-            h = torch.nn.functional.silu(xe @ w1[e]) * (xe @ w3[e])
-            out.index_add_(0, token, (h @ w2[e]) * weights[token, slot].unsqueeze(-1))
-        return x + out
-
-    fwd, both = [], []
-    for rep in range(reps + 1):
-        start = time.perf_counter()
+    def rank_fn(t):
+        moe = et.MoE(hidden, ffn, experts, topk, transport=t, normalize_weights=True, max_tokens_per_rank=tokens)
         with torch.no_grad():
-            forward()
-        f = time.perf_counter() - start
-        start = time.perf_counter()
-        for p in [norm_w, router] + w1 + w3 + w2:
-            p.grad = None
-        forward().backward(grad)
-        b = time.perf_counter() - start
-        if rep > 0:  # the first is a warm-up
-            fwd.append(f)
-            both.append(b)
-    return statistics.median(fwd), statistics.median(both)
+            moe.norm.copy_(p["norm_w"])
+            moe.router.copy_(p["router"])
+            for name in ("w1", "w3", "w2"):
+                getattr(moe, name).copy_(torch.stack(p[name]))
+            err = (moe(x) - eager_forward(torch, p, x, topk)).abs().max().item()
+        if err > 1e-3:
+            raise RuntimeError(f"epx.torch.MoE differs from the eager layer by {err} (max abs)")
+        return time_layer(torch, lambda: moe(x), list(moe.parameters()), grad, reps)
+    return epx.InprocWorld(num_ranks=1).run(rank_fn)[0]
+
+
+def cxx_layer(binary, tokens, hidden, ffn, experts, topk, threads, reps):
+    cmd = [binary, "--tokens", str(tokens), "--hidden", str(hidden), "--ffn-hidden", str(ffn),
+           "--experts", str(experts), "--topk", str(topk), "--ranks", str(threads), "--reps", str(reps)]
+    e = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return e["forward_s"], e["train_s"]
+
+
+def shape_row(args, torch, shape, med):
+    tokens, hidden, ffn, experts, topk = shape
+    row = {"tokens": tokens, "hidden": hidden, "ffn_hidden": ffn, "experts": experts, "topk": topk,
+           "threads": args.threads, "torch_version": torch.__version__}
+    for side, (f, b) in med.items():
+        row[f"{side}_forward_tok_s"] = tokens / f
+        row[f"{side}_train_tok_s"] = tokens / b
+    for side in med:
+        if side != "torch":
+            prefix = "" if side == "epx" else f"{side}_"
+            row[f"{prefix}forward_speedup"] = row[f"{side}_forward_tok_s"] / row["torch_forward_tok_s"]
+            row[f"{prefix}train_speedup"] = row[f"{side}_train_tok_s"] / row["torch_train_tok_s"]
+    return row
+
+
+def print_table(rows, sides):
+    head = f"{'shape (T x H x F, E, k)':>28}"
+    for side in sides:
+        head += f" {side + ' fwd':>14} {side + ' f+b':>14}"
+    print(head)
+    for r in rows:
+        line = f"{r['tokens']}x{r['hidden']}x{r['ffn_hidden']}, {r['experts']}, {r['topk']}"
+        line = f"{line:>28}"
+        for side in sides:
+            line += f" {r[side + '_forward_tok_s']:14.0f} {r[side + '_train_tok_s']:14.0f}"
+        print(line)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bench", default="build/bench/moe_layer_bench")
+    ap.add_argument("--bench", default="build/bench/moe_layer_bench", help="the C++ side; '' to skip it")
+    ap.add_argument("--epx-torch", action="store_true", help="also epx.torch.MoE (PYTHONPATH=build/python)")
     ap.add_argument("--threads", type=int, default=1, help="threads of each side (epx: ranks)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
@@ -85,31 +163,21 @@ def main():
         import torch
     except ImportError:
         sys.exit("moe_layer_vs_torch: PyTorch is not installed (Debian: apt-get install python3-torch)")
+    sides = (["epx"] if args.bench else []) + ["torch"] + (["epx_torch"] if args.epx_torch else [])
     rows = []
-    for tokens, hidden, ffn, experts, topk in SHAPES:
-        runs = {"epx": [], "torch": []}
+    for shape in SHAPES:
+        runs = {side: [] for side in sides}
         for rnd in range(args.rounds):
-            cmd = [args.bench, "--tokens", str(tokens), "--hidden", str(hidden), "--ffn-hidden", str(ffn),
-                   "--experts", str(experts), "--topk", str(topk), "--ranks", str(args.threads),
-                   "--reps", str(args.reps)]
-            e = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            runs["epx"].append((e["forward_s"], e["train_s"]))
-            runs["torch"].append(torch_layer(torch, tokens, hidden, ffn, experts, topk, args.threads, args.reps))
-            print(f"  shape {tokens}x{hidden}x{ffn} E={experts} k={topk}: round {rnd + 1}/{args.rounds}", file=sys.stderr)
+            if args.bench:
+                runs["epx"].append(cxx_layer(args.bench, *shape, args.threads, args.reps))
+            runs["torch"].append(torch_layer(torch, *shape, args.threads, args.reps))
+            if args.epx_torch:
+                runs["epx_torch"].append(epx_torch_layer(torch, *shape, args.threads, args.reps))
+            print(f"  shape {shape}: round {rnd + 1}/{args.rounds}", file=sys.stderr)
         med = {k: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v)) for k, v in runs.items()}
-        row = {"tokens": tokens, "hidden": hidden, "ffn_hidden": ffn, "experts": experts, "topk": topk,
-               "threads": args.threads, "torch_version": torch.__version__,
-               "epx_forward_tok_s": tokens / med["epx"][0], "torch_forward_tok_s": tokens / med["torch"][0],
-               "epx_train_tok_s": tokens / med["epx"][1], "torch_train_tok_s": tokens / med["torch"][1]}
-        row["forward_speedup"] = row["epx_forward_tok_s"] / row["torch_forward_tok_s"]
-        row["train_speedup"] = row["epx_train_tok_s"] / row["torch_train_tok_s"]
-        print(json.dumps(row))
-        rows.append(row)
-    print(f"{'shape (T x H x F, E, k)':>28} {'epx fwd':>10} {'torch fwd':>10} {'x':>6} {'epx f+b':>10} {'torch f+b':>10} {'x':>6}")
-    for r in rows:
-        shape = f"{r['tokens']}x{r['hidden']}x{r['ffn_hidden']}, {r['experts']}, {r['topk']}"
-        print(f"{shape:>28} {r['epx_forward_tok_s']:10.0f} {r['torch_forward_tok_s']:10.0f} {r['forward_speedup']:6.2f}"
-              f" {r['epx_train_tok_s']:10.0f} {r['torch_train_tok_s']:10.0f} {r['train_speedup']:6.2f}")
+        rows.append(shape_row(args, torch, shape, med))
+        print(json.dumps(rows[-1]), flush=True)
+    print_table(rows, sides)
 
 
 if __name__ == "__main__":

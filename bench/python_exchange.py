@@ -1,0 +1,148 @@
+#!/usr/bin/python3
+"""epx's dispatch and combine called from Python against the same from C++, in one run.
+
+  PYTHONPATH=build/python /usr/bin/python3 bench/python_exchange.py --epx build/bin/epx
+
+1. Call overhead: one token per rank (hidden 7168 bf16, top-8 of 256) on
+   in-process worlds of 1 and 4 ranks, --overhead-reps repetitions: Python's
+   median per dispatch and per combine, and C++'s (`epx bench exchange
+   --tokens 1 --ranks R --nodes-shapes 1xR`) in the same run; the overhead is
+   the difference.
+2. `epx bench exchange`'s shape (8 in-process ranks, hidden 7168 bf16, top-8
+   of 256, experts in blocks of 32 per rank, --tokens 128 1024 4096 per rank,
+   --shapes 1x8 2x4): the C++ command with --json, then the same operations
+   from Python with torch tensors on an epx.InprocWorld of the same shape.
+Timing as the C++ benchmark: every operation starts after the transport's
+barrier, each rank records its start and end, the time is the last end minus
+the first start; one checked warm-up, then --reps repetitions, medians; combine
+is the zero-copy form (y copied into Buffer.combine_input outside the timing).
+The routing is uniform and distinct per token like the C++ one but drawn by
+torch (other rows, the same distribution): the received row counts are printed
+side by side. ratio = C++ time / Python time (1 = no overhead). Prints one JSON
+object per line; the last one is the summary.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util as bu  # noqa: E402
+from torch_gloo_dispatch import EXPERTS, HIDDEN, make_inputs, ranks_reached, rows_per_rank  # noqa: E402
+
+import torch  # noqa: E402
+
+import epx  # noqa: E402
+
+
+def cxx_bench(binary, tokens, ranks, shapes, reps):
+    """`epx bench exchange --json`: {(tokens, "NxM"): {"dispatch_ms", "combine_ms", "rows"}}."""
+    cmd = [binary, "bench", "exchange", "--json", "--ranks", str(ranks), "--reps", str(reps),
+           "--tokens", ",".join(map(str, tokens)), "--nodes-shapes", ",".join(shapes)]
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    res = {}
+    for s in out["shapes"]:
+        key = (s["tokens"], f"{s['nodes']}x{s['ranks_per_node']}")
+        res[key] = {"dispatch_ms": bu.median(s["dispatch"]["samples_ms"]),
+                    "combine_ms": bu.median(s["combine"]["samples_ms"]), "rows": s["rows"]}
+    return res
+
+
+class Marks:
+    """Start and end of each rank's operations; spans() = last end - first start per repetition."""
+
+    def __init__(self, ranks):
+        self.ranks = {m: [[] for _ in range(ranks)] for m in ("dispatch", "combine")}
+
+    def timed(self, t, method, fn):
+        t.barrier(timeout=60.0)
+        start = time.perf_counter()
+        value = fn()
+        self.ranks[method][t.rank].append((start, time.perf_counter()))
+        return value
+
+    def spans(self, method, skip):
+        per_rank = self.ranks[method]
+        reps = len(per_rank[0])
+        return [bu.span([r[i][0] for r in per_rank], [r[i][1] for r in per_rank]) for i in range(skip, reps)]
+
+
+def check_rank(x, idx, out, num_ranks):
+    want = x.float() * ranks_reached(idx, num_ranks).sum(dim=1, keepdim=True)
+    if not torch.equal(out.float(), want.to(torch.bfloat16).float()):
+        raise RuntimeError("python_exchange: combine differs from x times the ranks each token reached")
+
+
+def python_bench(tokens, ranks, nodes, reps, seed):
+    """The same operations from Python on an InprocWorld; returns (dispatch spans, combine spans, rows)."""
+    inputs = [make_inputs(r, tokens, seed) for r in range(ranks)]
+    per_rank = sum(rows_per_rank(idx, ranks)[0] for _, idx, _ in inputs)
+    marks = Marks(ranks)
+
+    def rank_fn(t):
+        x, idx64, w = inputs[t.rank]
+        idx = idx64.to(torch.int32)
+        buf = epx.Buffer(t, num_experts=EXPERTS, hidden=HIDDEN, dtype="bf16", max_tokens_per_rank=tokens,
+                         max_recv_tokens=int(per_rank.max()), max_combine_dtype="bf16")
+        out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
+        for rep in range(1 + reps):
+            r = marks.timed(t, "dispatch", lambda: buf.dispatch(x, idx, w))
+            y = buf.combine_input(r.handle, "bf16", library="torch")
+            y.copy_(r.recv_x)  # the experts' output, written in place
+            marks.timed(t, "combine", lambda: buf.combine(y, r.handle, out=out))
+            y = r = None  # no view of the regions may live into the next dispatch
+            if rep == 0:
+                check_rank(x, idx, out, ranks)
+        t.barrier(timeout=60.0)
+
+    epx.InprocWorld(num_ranks=ranks, num_nodes=nodes).run(rank_fn)
+    return marks.spans("dispatch", 1), marks.spans("combine", 1), int(per_rank.sum())
+
+
+def compare(tokens, ranks, shape, py, cxx):
+    d, c, rows = py
+    rec = {"tokens": tokens, "ranks": ranks, "shape": shape, "rows_python": rows, "rows_cxx": cxx["rows"],
+           "python_dispatch": bu.summary_ms(d), "python_combine": bu.summary_ms(c),
+           "cxx_dispatch_ms": cxx["dispatch_ms"], "cxx_combine_ms": cxx["combine_ms"]}
+    for op in ("dispatch", "combine"):
+        rec[f"{op}_ratio"] = rec[f"cxx_{op}_ms"] / rec[f"python_{op}"]["median_ms"]
+        rec[f"{op}_overhead_us"] = 1e3 * (rec[f"python_{op}"]["median_ms"] - rec[f"cxx_{op}_ms"])
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--epx", default="build/bin/epx", help="the epx binary (C++ side)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096])
+    ap.add_argument("--shapes", nargs="+", default=["1x8", "2x4"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--overhead-ranks", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--overhead-reps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(json.dumps({"run": bu.run_record(), "torch": torch.__version__}), flush=True)
+    rows = []
+    for ranks in args.overhead_ranks:
+        shape = f"1x{ranks}"
+        cxx = cxx_bench(args.epx, [1], ranks, [shape], args.overhead_reps)[(1, shape)]
+        py = python_bench(1, ranks, 1, args.overhead_reps, args.seed)
+        rows.append({"part": "overhead", **compare(1, ranks, shape, py, cxx)})
+        print(json.dumps(rows[-1]), flush=True)
+    ranks = 8
+    cxx = cxx_bench(args.epx, args.tokens, ranks, args.shapes, args.reps)
+    for tokens in args.tokens:
+        for shape in args.shapes:
+            nodes = int(shape.split("x")[0])
+            py = python_bench(tokens, ranks, nodes, args.reps, args.seed)
+            rows.append({"part": "exchange", **compare(tokens, ranks, shape, py, cxx[(tokens, shape)])})
+            print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps({"summary": [{k: r[k] for k in ("part", "tokens", "ranks", "shape", "dispatch_ratio",
+                                                      "combine_ratio", "dispatch_overhead_us",
+                                                      "combine_overhead_us")} for r in rows]}))
+
+
+if __name__ == "__main__":
+    main()
