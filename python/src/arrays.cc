@@ -319,6 +319,15 @@ ArrayArg new_array(ArrayKind kind, DType dtype, std::span<const int64_t> shape) 
   return arg;
 }
 
+ArrayArg view_output(pb::handle obj, std::string_view name) {
+  ArrayArg arg = view_array(obj, name);
+  if (arg.kind == ArrayKind::kNumpy && pb::hasattr(obj, "flags") && !obj.attr("flags").attr("writeable").cast<bool>()) {
+    throw_error("InvalidArgumentError", fmt::format("{}: the array is read-only", name));
+  }
+  arg.owner = pb::reinterpret_borrow<pb::object>(obj);  // the tensor keeps its memory; its capsule may go
+  return arg;
+}
+
 pb::object wrap_view(ArrayKind kind, const TensorView& view, pb::object owner) {
   if (kind == ArrayKind::kTorch) return torch_view(view, std::move(owner));
   std::vector<pb::ssize_t> shape, strides;

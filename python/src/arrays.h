@@ -38,6 +38,9 @@ struct ArrayArg {
 ArrayArg view_array(pybind11::handle obj, std::string_view name);
 // As view_array, and None gives an undefined view.
 ArrayArg view_optional(pybind11::handle obj, std::string_view name);
+// A caller's `out=` array: viewed as by view_array, refused when read-only,
+// and its owner is `obj` itself (what the call returns to the caller).
+ArrayArg view_output(pybind11::handle obj, std::string_view name);
 // Expert or token ids: int32 is viewed; int64 is narrowed into an owned int32
 // copy (InvalidArgumentError naming the first value outside int32).
 ArrayArg view_ids(pybind11::handle obj, std::string_view name);

@@ -184,7 +184,7 @@ struct CombineArgs {
 CombineArgs combine_args(ArrayKind kind, const Handle& handle, pb::handle bias, pb::handle grad_recv_w,
                          pb::handle grad_w) {
   CombineArgs args{view_optional(bias, "bias"), view_optional(grad_recv_w, "grad_recv_topk_weights"),
-                   view_optional(grad_w, "grad_topk_weights")};
+                   grad_w.is_none() ? ArrayArg{} : view_output(grad_w, "grad_topk_weights")};
   if (args.grad_recv_w.defined() && !args.grad_w.defined()) {
     const std::array<int64_t, 2> shape{handle.num_tokens(), handle.topk()};
     args.grad_w = new_array(kind, DType::kF32, shape);
@@ -194,13 +194,7 @@ CombineArgs combine_args(ArrayKind kind, const Handle& handle, pb::handle bias, 
 
 // `out` or a new [rows, hidden] array of `dtype`.
 ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType dtype, int64_t rows, int64_t cols) {
-  if (!out.is_none()) {
-    ArrayArg arg = view_array(out, name);
-    if (arg.kind == ArrayKind::kNumpy && pb::hasattr(out, "flags") && !out.attr("flags").attr("writeable").cast<bool>()) {
-      throw_error("InvalidArgumentError", fmt::format("{}: the array is read-only", name));
-    }
-    return arg;
-  }
+  if (!out.is_none()) return view_output(out, name);
   const std::array<int64_t, 2> shape{rows, cols};
   return new_array(kind, dtype, shape);
 }
@@ -394,7 +388,7 @@ pb::object combine_expanded_backward(BufferState& self, pb::handle grad_out, pb:
   const ArrayArg w = view_optional(weights, "weights");
   const ArrayArg gy = out_or_new(grad_y_expanded, "grad_y_expanded", g.kind, DType::kF32,
                                  buffer.expanded_layout(h).num_rows(), buffer.config().hidden);
-  ArrayArg gw = view_optional(grad_weights, "grad_weights");
+  ArrayArg gw = grad_weights.is_none() ? ArrayArg{} : view_output(grad_weights, "grad_weights");
   if (!gw.defined() && with_grad_weights) {
     const std::array<int64_t, 2> shape{h.num_recv_tokens(), h.topk()};
     gw = new_array(g.kind, DType::kF32, shape);

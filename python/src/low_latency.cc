@@ -166,7 +166,7 @@ const PyLowLatencyHandle& handle_of(pb::handle obj) {
 std::pair<ArrayArg, ArrayArg> combine_args(const LowLatencyBuffer& buffer, pb::handle y, const PyLowLatencyHandle& h,
                                            pb::handle out) {
   ArrayArg y_arg = view_array(y, "y");
-  if (!out.is_none()) return {std::move(y_arg), view_array(out, "out")};
+  if (!out.is_none()) return {std::move(y_arg), view_output(out, "out")};
   const std::array<int64_t, 2> shape{h.num_tokens, buffer.config().hidden};
   ArrayArg out_arg = new_array(y_arg.kind, y_arg.view.dtype(), shape);
   return {std::move(y_arg), std::move(out_arg)};

@@ -255,6 +255,36 @@ def test_torch_in_torch_out():
         np.testing.assert_array_equal(idx, refs[r].topk_idx)
 
 
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_out_arguments_are_what_the_calls_return(library):
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        new, adopt = (lambda shape: torch.zeros(shape)), torch.from_numpy
+    else:
+        new, adopt = (lambda shape: np.zeros(shape, np.float32)), (lambda a: a)
+    R, tokens, H = 2, [3, 4], 16
+    E, xs, idxs, ws, refs = world_inputs(R, tokens, H, seed=3)
+
+    def rank_fn(t):
+        r, T = t.rank, tokens[t.rank]
+        buf = epx.Buffer(t, num_experts=E, hidden=H, dtype="f32", max_tokens_per_rank=8, max_topk=3)
+        res = buf.dispatch(adopt(xs[r]), adopt(idxs[r]), adopt(ws[r]))
+        rows = res.recv_x.shape[0]
+        y = adopt(np.ones((rows, H), np.float32))
+        out, grad_x, grad_w = new((T, H)), new((T, H)), new((T, 3))
+        assert buf.combine(y, res.handle, out=out) is out
+        got = buf.dispatch_backward(y, res.handle, grad_x=grad_x, grad_recv_topk_weights=adopt(np.ones((rows, 3), np.float32)),
+                                    grad_topk_weights=grad_w)
+        assert got[0] is grad_x and got[1] is grad_w
+        expanded = new((buf.expanded_layout(res.handle).num_rows, H))
+        res = buf.dispatch(adopt(xs[r]), adopt(idxs[r]), adopt(ws[r]))
+        assert buf.expand(res.recv_x, res.handle, out=expanded) is expanded
+        del res
+        return True
+
+    assert epx.InprocWorld(R).run(rank_fn) == [True, True]
+
+
 def test_bf16_helpers_round_trip():
     a = np.array([1.0, -2.5, 3.14159, 1e-3, 65504.0], np.float32)
     bits = epx.bf16_from_f32(a)
