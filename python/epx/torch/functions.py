@@ -181,3 +181,61 @@ def route(config, logits, expert_bias=None):
     box = _RoutedBox()
     idx, weights = _Route.apply(logits, config, expert_bias, box)
     return idx, weights, box.routed
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """y[rows of expert l] = SwiGLU_l(x[rows of expert l]), f32, one GEMM per expert and
+    weight; backward writes each expert's weight gradients straight into one contiguous
+    gradient per weight (autograd's slices or unbind would join them in extra copies)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, counts):
+        rows, hidden = x.shape
+        h1 = x.new_empty((rows, w1.shape[2]))
+        h3 = torch.empty_like(h1)
+        y = x.new_empty((rows, hidden))
+        pieces = (t.split(counts) for t in (x, y, h1, h3))
+        for l, (xl, yl, h1l, h3l) in enumerate(zip(*pieces)):
+            torch.mm(xl, w1[l], out=h1l)
+            torch.mm(xl, w3[l], out=h3l)
+            torch.mm(torch.nn.functional.silu(h1l) * h3l, w2[l], out=yl)
+        ctx.counts = counts
+        ctx.save_for_backward(x, w1, w3, w2, h1, h3)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w1, w3, w2, h1, h3 = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        grad_x = torch.empty_like(x)
+        grads = [torch.empty_like(w) for w in (w1, w3, w2)]
+        pieces = (t.split(ctx.counts) for t in (x, grad_y, h1, h3, grad_x))
+        for l, (xl, gyl, h1l, h3l, gxl) in enumerate(zip(*pieces)):
+            _swiglu_backward_one(l, xl, gyl, h1l, h3l, gxl, (w1, w3, w2), grads)
+        return (grad_x, *grads, None)
+
+
+def _swiglu_backward_one(l, x, grad_y, h1, h3, grad_x, weights, grads):
+    """Expert l's part of _GroupedSwiGLU.backward: grad_x rows and grads[*][l]."""
+    w1, w3, w2 = weights
+    if x.shape[0] == 0:
+        for g in grads:
+            g[l].zero_()
+        return
+    s = torch.sigmoid(h1)
+    silu = h1 * s
+    torch.mm((silu * h3).t(), grad_y, out=grads[2][l])
+    grad_a = grad_y @ w2[l].t()
+    grad_h3 = grad_a * silu
+    grad_h1 = grad_a * h3 * (s * (1 + h1 * (1 - s)))
+    torch.mm(x.t(), grad_h1, out=grads[0][l])
+    torch.mm(x.t(), grad_h3, out=grads[1][l])
+    torch.mm(grad_h1, w1[l].t(), out=grad_x)
+    grad_x.addmm_(grad_h3, w3[l].t())
+
+
+def grouped_swiglu(x, counts, w1, w3, w2):
+    """The experts of one rank: x [rows, H] f32 in the expanded layout (expert l's rows are
+    counts[l] consecutive rows), w1, w3 [L, H, F], w2 [L, F, H] f32 -> y [rows, H] f32;
+    differentiable in x and the weights."""
+    return _GroupedSwiGLU.apply(x.contiguous(), w1.contiguous(), w3.contiguous(), w2.contiguous(), list(counts))

@@ -158,13 +158,10 @@ class MoE(nn.Module):
         return w if self.payload == torch.float32 else w.to(self.payload).float()
 
     def _experts(self, x_expanded, offsets):
-        x = x_expanded.float()
         bounds = offsets.tolist()
-        # unbind, not w1[l]: its backward stacks the experts' gradients once, where each
-        # w1[l] would write a gradient the size of all of w1 (num_local times the work).
-        w1, w3, w2 = (self._stored(w).unbind(0) for w in (self.w1, self.w3, self.w2))
-        pieces = [swiglu(x[bounds[l]:bounds[l + 1]], w1[l], w3[l], w2[l]) for l in range(self.num_local)]
-        return torch.cat(pieces) if pieces else x.new_zeros((0, self.hidden))
+        counts = [bounds[l + 1] - bounds[l] for l in range(self.num_local)]
+        w1, w3, w2 = (self._stored(w) for w in (self.w1, self.w3, self.w2))
+        return functions.grouped_swiglu(x_expanded.float(), counts, w1, w3, w2)
 
     def forward(self, x):
         """x [T, H] f32 -> out [T, H] f32; sets aux_loss and load."""
