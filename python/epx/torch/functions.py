@@ -189,30 +189,43 @@ class _GroupedSwiGLU(torch.autograd.Function):
     gradient per weight (autograd's slices or unbind would join them in extra copies)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, counts):
-        rows, hidden = x.shape
-        h1 = x.new_empty((rows, w1.shape[2]))
-        h3 = torch.empty_like(h1)
-        y = x.new_empty((rows, hidden))
-        pieces = (t.split(counts) for t in (x, y, h1, h3))
-        for l, (xl, yl, h1l, h3l) in enumerate(zip(*pieces)):
-            torch.mm(xl, w1[l], out=h1l)
-            torch.mm(xl, w3[l], out=h3l)
-            torch.mm(torch.nn.functional.silu(h1l) * h3l, w2[l], out=yl)
-        ctx.counts = counts
-        ctx.save_for_backward(x, w1, w3, w2, h1, h3)
-        return y
+    def forward(ctx, x, w1, w3, w2, counts, scratch):
+        # Per-expert intermediates, not one [rows, F] tensor: glibc serves blocks under 32 MiB
+        # from memory it keeps, larger ones are fresh pages (page faults cost ~15 us per 4 KiB
+        # page on the VM measured, docs/benchmarks.md).
+        h1 = [xl @ w1[l] for l, xl in enumerate(x.split(counts))]
+        h3 = [xl @ w3[l] for l, xl in enumerate(x.split(counts))]
+        y = [(torch.nn.functional.silu(a) * b) @ w2[l] for l, (a, b) in enumerate(zip(h1, h3))]
+        ctx.counts, ctx.scratch = counts, scratch
+        ctx.save_for_backward(x, w1, w3, w2, *h1, *h3)
+        return torch.cat(y) if y else x.new_zeros((0, x.shape[1]))
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w1, w3, w2, h1, h3 = ctx.saved_tensors
+        x, w1, w3, w2, *h = ctx.saved_tensors
+        L = len(ctx.counts)
         grad_y = grad_y.contiguous()
         grad_x = torch.empty_like(x)
-        grads = [torch.empty_like(w) for w in (w1, w3, w2)]
-        pieces = (t.split(ctx.counts) for t in (x, grad_y, h1, h3, grad_x))
-        for l, (xl, gyl, h1l, h3l, gxl) in enumerate(zip(*pieces)):
-            _swiglu_backward_one(l, xl, gyl, h1l, h3l, gxl, (w1, w3, w2), grads)
-        return (grad_x, *grads, None)
+        grads = ctx.scratch.gradients((w1, w3, w2))
+        pieces = (t.split(ctx.counts) for t in (x, grad_y, grad_x))
+        for l, (xl, gyl, gxl) in enumerate(zip(*pieces)):
+            _swiglu_backward_one(l, xl, gyl, h[l], h[L + l], gxl, (w1, w3, w2), grads)
+        return (grad_x, *grads, None, None)
+
+
+class GradientScratch:
+    """The weight gradients grouped_swiglu's backward writes, kept from one backward to the
+    next: autograd adds them into .grad (it cannot take them: this object holds them), so a
+    step allocates nothing of the weights' size. Large fresh allocations are fresh pages,
+    and page faults dominated the backward on the VM measured (docs/benchmarks.md)."""
+
+    def __init__(self):
+        self._tensors = []
+
+    def gradients(self, weights):
+        if [t.shape for t in self._tensors] != [w.shape for w in weights]:
+            self._tensors = [torch.empty_like(w) for w in weights]
+        return self._tensors
 
 
 def _swiglu_backward_one(l, x, grad_y, h1, h3, grad_x, weights, grads):
@@ -234,8 +247,10 @@ def _swiglu_backward_one(l, x, grad_y, h1, h3, grad_x, weights, grads):
     grad_x.addmm_(grad_h3, w3[l].t())
 
 
-def grouped_swiglu(x, counts, w1, w3, w2):
+def grouped_swiglu(x, counts, w1, w3, w2, scratch=None):
     """The experts of one rank: x [rows, H] f32 in the expanded layout (expert l's rows are
     counts[l] consecutive rows), w1, w3 [L, H, F], w2 [L, F, H] f32 -> y [rows, H] f32;
-    differentiable in x and the weights."""
-    return _GroupedSwiGLU.apply(x.contiguous(), w1.contiguous(), w3.contiguous(), w2.contiguous(), list(counts))
+    differentiable in x and the weights. `scratch` (a GradientScratch) keeps the weight
+    gradients' memory from one backward to the next (none: fresh each time)."""
+    return _GroupedSwiGLU.apply(x.contiguous(), w1.contiguous(), w3.contiguous(), w2.contiguous(), list(counts),
+                                scratch or GradientScratch())

@@ -132,6 +132,7 @@ class MoE(nn.Module):
         self._init_parameters(seed, init_std, num_shared_experts)
         self.aux_loss = torch.zeros(())
         self.load = None
+        self._scratch = functions.GradientScratch()
 
     def _init_parameters(self, seed, init_std, num_shared_experts):
         H, F = self.hidden, self.ffn_hidden
@@ -161,7 +162,7 @@ class MoE(nn.Module):
         bounds = offsets.tolist()
         counts = [bounds[l + 1] - bounds[l] for l in range(self.num_local)]
         w1, w3, w2 = (self._stored(w) for w in (self.w1, self.w3, self.w2))
-        return functions.grouped_swiglu(x_expanded.float(), counts, w1, w3, w2)
+        return functions.grouped_swiglu(x_expanded.float(), counts, w1, w3, w2, self._scratch)
 
     def forward(self, x):
         """x [T, H] f32 -> out [T, H] f32; sets aux_loss and load."""
