@@ -117,7 +117,10 @@ kill -KILL "$victim"
 killed_at=$(now_ms)
 took=$(wait_exit 20000 "${others[@]}")
 for r in 0 1 3; do
-  line=$(grep -E " epx train: [A-Za-z]+: rank $r: .*rank 2 \(pid $victim on .*\) is gone" "$work/out.txt" | head -1)
+  # A loss seen on a group (the gradient all-reduce's duplicate of the world) names the
+  # rank in both numberings: "rank 2 (rank 2 of the group) (pid N on host)".
+  line=$(grep -E " epx train: [A-Za-z]+: rank $r: .*rank 2 (\(rank [0-9]+ of the group\) )?\(pid $victim on .*\) is gone" \
+    "$work/out.txt" | head -1)
   [[ -n "$line" ]] || fail "rank $r does not name the lost rank 2 (pid $victim)"
   at=$(( ${line%% *} - killed_at ))
   (( at <= msg_bound )) || fail "rank $r reported $at ms after the SIGKILL; the bound is $msg_bound ms"
