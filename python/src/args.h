@@ -1,14 +1,19 @@
-// Integer lists from Python (lists, tuples, numpy arrays, torch tensors).
+// Arguments from Python: integer lists (lists, tuples, numpy arrays, torch
+// tensors) and names that choose one value of an enum.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <pybind11/pybind11.h>
 
 #include "arrays.h"
+#include "errors.h"
 
 namespace epx::py {
 
@@ -20,6 +25,19 @@ template <typename T>
 std::vector<T> int_vector(pybind11::handle obj, std::string_view name, ArrayKind* kind = nullptr);
 extern template std::vector<int32_t> int_vector<int32_t>(pybind11::handle, std::string_view, ArrayKind*);
 extern template std::vector<int64_t> int_vector<int64_t>(pybind11::handle, std::string_view, ArrayKind*);
+
+// The value that `name` chooses among `choices` (name, value); else
+// InvalidArgumentError "field = 'name' is not one of a, b, c".
+template <typename E>
+E parse_choice(std::string_view name, std::string_view field,
+               std::initializer_list<std::pair<std::string_view, E>> choices) {
+  std::string names;
+  for (const auto& [choice, value] : choices) {
+    if (choice == name) return value;
+    names += (names.empty() ? "" : ", ") + std::string(choice);
+  }
+  throw_error("InvalidArgumentError", std::string(field) + " = '" + std::string(name) + "' is not one of " + names);
+}
 
 // The widest top-k a buffer accepts: `max_topk` when given, else the C++
 // default (8) capped at num_experts, so small worlds work without it.

@@ -203,13 +203,6 @@ ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType
 
 // ---- creation --------------------------------------------------------------------------
 
-DispatchAlgorithm parse_algorithm(const std::string& name) {
-  if (name == "auto") return DispatchAlgorithm::kAuto;
-  if (name == "flat") return DispatchAlgorithm::kFlat;
-  if (name == "hierarchical") return DispatchAlgorithm::kHierarchical;
-  throw_error("InvalidArgumentError", fmt::format("algorithm: '{}' is not one of auto, flat, hierarchical", name));
-}
-
 StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden,
                        const std::string& dtype, int max_tokens_per_rank, std::optional<int> max_topk, int64_t max_recv_tokens,
                        int expert_alignment, const std::string& max_combine_dtype, const std::string& fp8_scales,
@@ -226,7 +219,10 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
   config.max_recv_tokens = max_recv_tokens;
   config.expert_alignment = expert_alignment;
   config.max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype");
-  config.algorithm = parse_algorithm(algorithm);
+  config.algorithm = parse_choice<DispatchAlgorithm>(algorithm, "algorithm",
+                                                    {{"auto", DispatchAlgorithm::kAuto},
+                                                     {"flat", DispatchAlgorithm::kFlat},
+                                                     {"hierarchical", DispatchAlgorithm::kHierarchical}});
   if (!(timeout > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", timeout));
   config.timeout = Milliseconds(static_cast<int64_t>(timeout * 1000));
   config.record_waits = record_waits;
@@ -404,10 +400,7 @@ pb::object combine_expanded_backward(BufferState& self, pb::handle grad_out, pb:
 }
 
 ArrayKind parse_library(const std::string& library) {
-  if (library != "numpy" && library != "torch") {
-    throw_error("InvalidArgumentError", fmt::format("library: '{}' is not numpy or torch", library));
-  }
-  return library == "torch" ? ArrayKind::kTorch : ArrayKind::kNumpy;
+  return parse_choice<ArrayKind>(library, "library", {{"numpy", ArrayKind::kNumpy}, {"torch", ArrayKind::kTorch}});
 }
 
 pb::object combine_input(BufferState& self, pb::handle handle, const std::string& dtype, const std::string& library) {

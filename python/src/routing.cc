@@ -34,17 +34,13 @@ namespace pb = pybind11;
 using namespace pybind11::literals;
 
 ScoreFunction parse_score_function(std::string_view name) {
-  if (name == "softmax") return ScoreFunction::kSoftmax;
-  if (name == "sigmoid") return ScoreFunction::kSigmoid;
-  throw_error("InvalidArgumentError",
-              fmt::format("score_function = '{}' is not 'softmax' or 'sigmoid'", name));
+  return parse_choice<ScoreFunction>(name, "score_function",
+                                     {{"softmax", ScoreFunction::kSoftmax}, {"sigmoid", ScoreFunction::kSigmoid}});
 }
 std::string score_function_name(ScoreFunction fn) { return fn == ScoreFunction::kSoftmax ? "softmax" : "sigmoid"; }
 
 DropPolicy parse_drop_policy(std::string_view name) {
-  if (name == "position") return DropPolicy::kPosition;
-  if (name == "score") return DropPolicy::kScore;
-  throw_error("InvalidArgumentError", fmt::format("drop_policy = '{}' is not 'position' or 'score'", name));
+  return parse_choice<DropPolicy>(name, "drop_policy", {{"position", DropPolicy::kPosition}, {"score", DropPolicy::kScore}});
 }
 std::string drop_policy_name(DropPolicy policy) { return policy == DropPolicy::kPosition ? "position" : "score"; }
 

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "args.h"
 #include "arrays.h"
 #include "epx/comm/inproc.h"
 #include "epx/comm/mpi.h"
@@ -139,13 +140,6 @@ void barrier(const PyTransport& self, pb::handle timeout) {
   check(status);
 }
 
-ReduceOp parse_op(const std::string& op) {
-  if (op == "sum") return ReduceOp::kSum;
-  if (op == "max") return ReduceOp::kMax;
-  if (op == "min") return ReduceOp::kMin;
-  throw_error("InvalidArgumentError", fmt::format("op: '{}' is not one of sum, max, min", op));
-}
-
 // In place, over every rank: array (contiguous f32, f64, i32 or i64).
 pb::object all_reduce(const PyTransport& self, pb::object array, const std::string& op, pb::handle timeout) {
   Transport& t = self.get();
@@ -155,7 +149,8 @@ pb::object all_reduce(const PyTransport& self, pb::object array, const std::stri
     throw_error("InvalidArgumentError", fmt::format("array: dtype {} is not f32, f64, i32 or i64", dtype_name(dtype)));
   }
   if (!arg.view.is_contiguous()) throw_error("InvalidArgumentError", "array: must be contiguous");
-  const ReduceOp reduce = parse_op(op);
+  const ReduceOp reduce =
+      parse_choice<ReduceOp>(op, "op", {{"sum", ReduceOp::kSum}, {"max", ReduceOp::kMax}, {"min", ReduceOp::kMin}});
   const Deadline deadline = deadline_after(timeout, 30.0);
   Status status;
   {
