@@ -10,9 +10,11 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
 #include <pybind11/pybind11.h>
 
 #include "arrays.h"
+#include "epx/core/clock.h"
 #include "errors.h"
 
 namespace epx::py {
@@ -37,6 +39,12 @@ E parse_choice(std::string_view name, std::string_view field,
     names += (names.empty() ? "" : ", ") + std::string(choice);
   }
   throw_error("InvalidArgumentError", std::string(field) + " = '" + std::string(name) + "' is not one of " + names);
+}
+
+// A buffer's timeout: `seconds` (> 0, else InvalidArgumentError) in milliseconds.
+inline Milliseconds timeout_arg(double seconds) {
+  if (!(seconds > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", seconds));
+  return Milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
 // The widest top-k a buffer accepts: `max_topk` when given, else the C++

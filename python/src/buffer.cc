@@ -89,7 +89,7 @@ pb::object handle_view(const Handle& handle, ArrayKind kind, const TensorView& v
 // transport so the peers fail too, when views of it are still referenced.
 // `reading`: the call's input, which may be the combine_input view itself.
 uint64_t begin_write(BufferState& state, Region region, std::string_view op, const void* reading = nullptr) {
-  const Buffer& buffer = state.get();
+  (void)state.get();  // raises once the Buffer is closed
   const bool own_input = region == kCombine && reading != nullptr && reading == state.combine_input_data;
   if (state.live[region] > 0 && !own_input) {
     const int rank = state.transport->get().rank();
@@ -100,7 +100,6 @@ uint64_t begin_write(BufferState& state, Region region, std::string_view op, con
     state.transport->get().abort(Status(StatusCode::kAborted, message));
     throw_error("BufferInUseError", message);
   }
-  (void)buffer;
   if (region == kCombine) state.combine_input_data = nullptr;
   return ++state.generation[region];
 }
@@ -199,8 +198,6 @@ ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType
   return new_array(kind, dtype, shape);
 }
 
-
-
 // ---- creation --------------------------------------------------------------------------
 
 StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden,
@@ -223,17 +220,12 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
                                                     {{"auto", DispatchAlgorithm::kAuto},
                                                      {"flat", DispatchAlgorithm::kFlat},
                                                      {"hierarchical", DispatchAlgorithm::kHierarchical}});
-  if (!(timeout > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", timeout));
-  config.timeout = Milliseconds(static_cast<int64_t>(timeout * 1000));
+  config.timeout = timeout_arg(timeout);
   config.record_waits = record_waits;
   if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, t.num_ranks()));
-  Result<std::unique_ptr<Buffer>> buffer = [&] {
-    pb::gil_scoped_release release;  // collective
-    return Buffer::create(t, config);
-  }();
   auto state = std::make_shared<BufferState>();
   state->transport = transport;
-  state->buffer = unwrap(std::move(buffer));
+  state->buffer = call([&] { return Buffer::create(t, config); });  // collective
   if (transport->mpi) {
     at_mpi_exit([weak = std::weak_ptr<BufferState>(state)] {
       if (auto s = weak.lock()) s->buffer.reset();  // called without the GIL

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <type_traits>
 #include <utility>
 
 #include <pybind11/pybind11.h>
@@ -10,15 +11,19 @@
 
 namespace epx::py {
 
-// Runs fn() (returning a Status) without the GIL, then raises its error.
+// Runs fn() without the GIL, then, with it again: for a Status, raises its
+// error; for a Result<T>, returns the value or raises.
 template <typename F>
-void call(F&& fn) {
-  Status status;
-  {
+auto call(F&& fn) {
+  auto out = [&] {
     pybind11::gil_scoped_release release;
-    status = std::forward<F>(fn)();
+    return std::forward<F>(fn)();
+  }();
+  if constexpr (std::is_same_v<decltype(out), Status>) {
+    check(out);
+  } else {
+    return unwrap(std::move(out));
   }
-  check(status);
 }
 
 // Destroys `owned` (a buffer whose progress thread may wait) without the GIL,

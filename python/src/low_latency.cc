@@ -89,8 +89,7 @@ StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, 
                           .capacity = capacity,
                           .max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype"),
                           .placement = std::nullopt};
-  if (!(timeout > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", timeout));
-  config.timeout = Milliseconds(static_cast<int64_t>(timeout * 1000));
+  config.timeout = timeout_arg(timeout);
   if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, t.num_ranks()));
   auto state = std::make_shared<LowLatencyState>();
   call([&] {  // collective

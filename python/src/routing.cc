@@ -175,21 +175,13 @@ RouteResult route_py(const RouterConfig& config, const pb::object& logits, const
   const RouterConfig config_copy = config;
   const ArrayArg logits_arg = view_array(logits, "logits");
   const BiasArg bias = bias_arg(expert_bias);
-  Result<RouterOutput> out = [&] {
-    pb::gil_scoped_release release;
-    return route(config_copy, logits_arg.view, bias.view());
-  }();
-  return RouteResult(unwrap(std::move(out)), logits_arg.kind);
+  return RouteResult(call([&] { return route(config_copy, logits_arg.view, bias.view()); }), logits_arg.kind);
 }
 
 pb::object route_backward_py(const RouterConfig& config, const RouteResult& routed, const pb::object& grad) {
   const RouterConfig config_copy = config;
   const ArrayArg grad_arg = view_array(grad, "grad_topk_weights");
-  Result<std::vector<float>> grad_logits = [&] {
-    pb::gil_scoped_release release;
-    return route_backward(config_copy, routed.output(), grad_arg.view);
-  }();
-  const std::vector<float> values = unwrap(std::move(grad_logits));
+  const std::vector<float> values = call([&] { return route_backward(config_copy, routed.output(), grad_arg.view); });
   const RouterOutput& o = routed.output();
   return copy_of(grad_arg.kind, TensorView::contiguous(values.data(), DType::kF32, {o.num_tokens, o.num_experts}));
 }

@@ -17,6 +17,7 @@
 #include "epx/comm/inproc.h"
 #include "epx/comm/mpi.h"
 #include "errors.h"
+#include "gil.h"
 
 namespace pb = pybind11;
 
@@ -103,11 +104,7 @@ MpiSession& mpi_session() {
   MpiState& state = mpi_state();
   if (!state.session) {
     promote_libmpi();
-    Result<std::unique_ptr<MpiSession>> session = [] {
-      pb::gil_scoped_release release;
-      return MpiSession::init(nullptr, nullptr);
-    }();
-    state.session = unwrap(std::move(session));
+    state.session = call([] { return MpiSession::init(nullptr, nullptr); });
     pb::module_::import("atexit").attr("register")(pb::cpp_function(&close_mpi));
     abort_on_uncaught_exception();
   }
@@ -118,11 +115,7 @@ TransportPtr mpi_transport(int ranks_per_node) {
   MpiSession& session = mpi_session();
   MpiOptions options;
   options.ranks_per_node = ranks_per_node;
-  Result<std::unique_ptr<Transport>> transport = [&] {
-    pb::gil_scoped_release release;
-    return session.connect(options);
-  }();
-  TransportPtr out = wrap(unwrap(std::move(transport)), true);
+  TransportPtr out = wrap(call([&] { return session.connect(options); }), true);
   mpi_state().transports.push_back(out);
   return out;
 }
@@ -132,12 +125,7 @@ TransportPtr mpi_transport(int ranks_per_node) {
 void barrier(const PyTransport& self, pb::handle timeout) {
   Transport& t = self.get();
   const Deadline deadline = deadline_after(timeout, 30.0);
-  Status status;
-  {
-    pb::gil_scoped_release release;
-    status = t.barrier(deadline);
-  }
-  check(status);
+  call([&] { return t.barrier(deadline); });
 }
 
 // In place, over every rank: array (contiguous f32, f64, i32 or i64).
@@ -152,23 +140,14 @@ pb::object all_reduce(const PyTransport& self, pb::object array, const std::stri
   const ReduceOp reduce =
       parse_choice<ReduceOp>(op, "op", {{"sum", ReduceOp::kSum}, {"max", ReduceOp::kMax}, {"min", ReduceOp::kMin}});
   const Deadline deadline = deadline_after(timeout, 30.0);
-  Status status;
-  {
-    pb::gil_scoped_release release;
-    status = t.all_reduce_raw(arg.view.data(), static_cast<std::size_t>(arg.view.numel()), dtype, reduce, deadline);
-  }
-  check(status);
+  call([&] { return t.all_reduce_raw(arg.view.data(), static_cast<std::size_t>(arg.view.numel()), dtype, reduce, deadline); });
   return array;
 }
 
 TransportPtr split(const PyTransport& self, int color, int key, pb::handle timeout) {
   Transport& t = self.get();
   const Deadline deadline = deadline_after(timeout, 30.0);
-  Result<std::unique_ptr<Transport>> group = [&] {
-    pb::gil_scoped_release release;
-    return t.split(color, key, deadline);
-  }();
-  TransportPtr out = wrap(unwrap(std::move(group)), self.mpi);
+  TransportPtr out = wrap(call([&] { return t.split(color, key, deadline); }), self.mpi);
   if (self.mpi) mpi_state().transports.push_back(out);
   return out;
 }
