@@ -33,6 +33,18 @@ TensorView make_view(void* data, DType dtype, int ndim, const Dims& sizes, const
   }
 }
 
+Dims sizes_of(const TensorView& view) {
+  Dims sizes{};
+  for (int d = 0; d < view.ndim(); ++d) sizes[d] = view.size(d);
+  return sizes;
+}
+
+Dims strides_of(const TensorView& view) {
+  Dims strides{};
+  for (int d = 0; d < view.ndim(); ++d) strides[d] = view.stride(d);
+  return strides;
+}
+
 [[noreturn]] void bad(std::string_view name, std::string_view what) {
   throw_error("InvalidArgumentError", fmt::format("{}: {}", name, what));
 }
@@ -143,43 +155,26 @@ ArrayArg view_buffer(pb::handle obj, std::string_view name) {
 
 // ---- out ---------------------------------------------------------------------
 
-const char* numpy_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "float32";
-    case DType::kF64: return "float64";
-    case DType::kBF16: return "uint16";
-    case DType::kI32: return "int32";
-    case DType::kI64: return "int64";
-    case DType::kFP8E4M3:
-    case DType::kUE8M0: return "uint8";
-  }
-  return "uint8";
-}
+// How each DType is named by numpy and torch and typed in DLPack (fp8 codes
+// and ue8m0 scales are bytes; bf16 is numpy's uint16 by convention).
+struct DTypeNames {
+  DType dtype;
+  const char* numpy;
+  const char* torch;
+  DLDataType dlpack;
+};
+constexpr DTypeNames kDTypeNames[] = {
+    {DType::kF32, "float32", "float32", {kDLFloat, 32, 1}},   {DType::kF64, "float64", "float64", {kDLFloat, 64, 1}},
+    {DType::kBF16, "uint16", "bfloat16", {kDLBfloat, 16, 1}}, {DType::kI32, "int32", "int32", {kDLInt, 32, 1}},
+    {DType::kI64, "int64", "int64", {kDLInt, 64, 1}},         {DType::kFP8E4M3, "uint8", "uint8", {kDLUInt, 8, 1}},
+    {DType::kUE8M0, "uint8", "uint8", {kDLUInt, 8, 1}},
+};
 
-const char* torch_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "float32";
-    case DType::kF64: return "float64";
-    case DType::kBF16: return "bfloat16";
-    case DType::kI32: return "int32";
-    case DType::kI64: return "int64";
-    case DType::kFP8E4M3:
-    case DType::kUE8M0: return "uint8";
+const DTypeNames& names_of(DType dtype) {
+  for (const DTypeNames& names : kDTypeNames) {
+    if (names.dtype == dtype) return names;
   }
-  return "uint8";
-}
-
-DLDataType dlpack_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return {kDLFloat, 32, 1};
-    case DType::kF64: return {kDLFloat, 64, 1};
-    case DType::kBF16: return {kDLBfloat, 16, 1};
-    case DType::kI32: return {kDLInt, 32, 1};
-    case DType::kI64: return {kDLInt, 64, 1};
-    case DType::kFP8E4M3:
-    case DType::kUE8M0: return {kDLUInt, 8, 1};
-  }
-  return {kDLUInt, 8, 1};
+  return kDTypeNames[std::size(kDTypeNames) - 1];  // every DType is listed above
 }
 
 // The DLPack export of a view: shape and strides live here, and `owner`
@@ -209,17 +204,13 @@ void delete_capsule(PyObject* capsule) {
 }
 
 pb::object torch_view(const TensorView& view, pb::object owner) {
-  auto* exported = new Export;
-  for (int d = 0; d < view.ndim(); ++d) {
-    exported->shape[d] = view.size(d);
-    exported->strides[d] = view.stride(d);
-  }
+  auto* exported = new Export{.shape = sizes_of(view), .strides = strides_of(view)};
   exported->owner = owner.release().ptr();
   DLTensor& t = exported->managed.dl_tensor;
   t.data = view.data();
   t.device = {kDLCPU, 0};
   t.ndim = view.ndim();
-  t.dtype = dlpack_dtype(view.dtype());
+  t.dtype = names_of(view.dtype()).dlpack;
   t.shape = exported->shape.data();
   t.strides = exported->strides.data();
   t.byte_offset = 0;
@@ -284,8 +275,7 @@ ArrayArg view_ids(pb::handle obj, std::string_view name) {
   if (dtype == DType::kI32) return arg;
   if (dtype != DType::kI64) bad(name, fmt::format("ids must be int32 or int64, not {}", dtype_name(dtype)));
   const TensorView& from = arg.view;
-  Dims shape{};
-  for (int d = 0; d < from.ndim(); ++d) shape[d] = from.size(d);
+  const Dims shape = sizes_of(from);
   ArrayArg copy = new_array(ArrayKind::kNumpy, DType::kI64, std::span<const int64_t>(shape.data(), from.ndim()));
   copy_elements(from, copy.view);  // contiguous int64 first, then narrowed in place order
   ArrayArg narrow = new_array(ArrayKind::kNumpy, DType::kI32, std::span<const int64_t>(shape.data(), from.ndim()));
@@ -307,14 +297,12 @@ ArrayArg new_array(ArrayKind kind, DType dtype, std::span<const int64_t> shape) 
   pb::object array;
   if (kind == ArrayKind::kTorch) {
     pb::module_ torch = pb::module_::import("torch");
-    array = torch.attr("zeros")(dims, pb::arg("dtype") = torch.attr(torch_dtype(dtype)));
+    array = torch.attr("zeros")(dims, pb::arg("dtype") = torch.attr(names_of(dtype).torch));
   } else {
-    array = pb::module_::import("numpy").attr("zeros")(dims, pb::arg("dtype") = numpy_dtype(dtype));
+    array = pb::module_::import("numpy").attr("zeros")(dims, pb::arg("dtype") = names_of(dtype).numpy);
   }
   ArrayArg arg = view_array(array, "new array");
-  arg.view = make_view(arg.view.data(), dtype, arg.view.ndim(),
-                       [&] { Dims s{}; for (int d = 0; d < arg.view.ndim(); ++d) s[d] = arg.view.size(d); return s; }(),
-                       [&] { Dims s{}; for (int d = 0; d < arg.view.ndim(); ++d) s[d] = arg.view.stride(d); return s; }());
+  arg.view = make_view(arg.view.data(), dtype, arg.view.ndim(), sizes_of(arg.view), strides_of(arg.view));
   arg.owner = array;  // the array itself (not its DLPack capsule) is what callers return
   return arg;
 }
@@ -336,12 +324,11 @@ pb::object wrap_view(ArrayKind kind, const TensorView& view, pb::object owner) {
     shape.push_back(view.size(d));
     strides.push_back(view.stride(d) * elem);
   }
-  return pb::array(pb::dtype(numpy_dtype(view.dtype())), shape, strides, view.data(), owner);
+  return pb::array(pb::dtype(names_of(view.dtype()).numpy), shape, strides, view.data(), owner);
 }
 
 pb::object copy_of(ArrayKind kind, const TensorView& view) {
-  Dims shape{};
-  for (int d = 0; d < view.ndim(); ++d) shape[d] = view.size(d);
+  const Dims shape = sizes_of(view);
   ArrayArg copy = new_array(kind, view.dtype(), std::span<const int64_t>(shape.data(), view.ndim()));
   copy_elements(view, copy.view);
   return copy.owner;
