@@ -28,6 +28,11 @@ std::vector<T> int_vector(pybind11::handle obj, std::string_view name, ArrayKind
 extern template std::vector<int32_t> int_vector<int32_t>(pybind11::handle, std::string_view, ArrayKind*);
 extern template std::vector<int64_t> int_vector<int64_t>(pybind11::handle, std::string_view, ArrayKind*);
 
+// The name of `obj`'s Python type ("list"), for errors.
+inline std::string type_name(pybind11::handle obj) {
+  return pybind11::str(pybind11::type::handle_of(obj).attr("__name__")).cast<std::string>();
+}
+
 // The value that `name` chooses among `choices` (name, value); else
 // InvalidArgumentError "field = 'name' is not one of a, b, c".
 template <typename E>

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <pybind11/numpy.h>
 
+#include "args.h"
 #include "errors.h"
 
 namespace pb = pybind11;
@@ -261,7 +262,7 @@ ArrayArg view_array(pb::handle obj, std::string_view name) {
   if (is_torch_tensor(obj)) return view_torch(obj, name);
   if (PyObject_CheckBuffer(obj.ptr()) != 0) return view_buffer(obj, name);
   bad(name, fmt::format("a {} is not an array: pass a numpy array or a torch tensor",
-                        pb::str(pb::type::handle_of(obj).attr("__name__")).cast<std::string>()));
+                        type_name(obj)));
 }
 
 ArrayArg view_optional(pb::handle obj, std::string_view name) {

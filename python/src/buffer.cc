@@ -92,13 +92,10 @@ uint64_t begin_write(BufferState& state, Region region, std::string_view op, con
   (void)state.get();  // raises once the Buffer is closed
   const bool own_input = region == kCombine && reading != nullptr && reading == state.combine_input_data;
   if (state.live[region] > 0 && !own_input) {
-    const int rank = state.transport->get().rank();
-    const std::string message = fmt::format(
-        "{} on rank {} would overwrite the {} region while {} view(s) of it are still referenced; "
-        ".copy() (numpy) or .clone() (torch) what must survive and drop the views", op, rank,
-        kRegionName[region], state.live[region]);
-    state.transport->get().abort(Status(StatusCode::kAborted, message));
-    throw_error("BufferInUseError", message);
+    refuse_and_abort(*state.transport, "BufferInUseError",
+                     fmt::format("{} on rank {} would overwrite the {} region while {} view(s) of it are still "
+                                 "referenced; .copy() (numpy) or .clone() (torch) what must survive and drop the views",
+                                 op, state.transport->get().rank(), kRegionName[region], state.live[region]));
   }
   if (region == kCombine) state.combine_input_data = nullptr;
   return ++state.generation[region];
@@ -122,7 +119,7 @@ struct PyHandle {
 const Handle& handle_of(pb::handle obj) {
   if (!pb::isinstance<PyHandle>(obj)) {
     throw_error("InvalidArgumentError", fmt::format("handle: a {} is not an epx.Handle (DispatchResult.handle)",
-                                                    pb::str(pb::type::handle_of(obj).attr("__name__")).cast<std::string>()));
+                                                    type_name(obj)));
   }
   return obj.cast<const PyHandle&>().handle;
 }
@@ -226,11 +223,7 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
   auto state = std::make_shared<BufferState>();
   state->transport = transport;
   state->buffer = call([&] { return Buffer::create(t, config); });  // collective
-  if (transport->mpi) {
-    at_mpi_exit([weak = std::weak_ptr<BufferState>(state)] {
-      if (auto s = weak.lock()) s->buffer.reset();  // called without the GIL
-    });
-  }
+  close_at_mpi_exit(state);
   return state;
 }
 

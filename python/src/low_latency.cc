@@ -92,17 +92,9 @@ StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, 
   config.timeout = timeout_arg(timeout);
   if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, t.num_ranks()));
   auto state = std::make_shared<LowLatencyState>();
-  call([&] {  // collective
-    Result<std::unique_ptr<LowLatencyBuffer>> buffer = LowLatencyBuffer::create(t, config);
-    if (buffer.is_ok()) state->buffer = std::move(buffer).value();
-    return buffer.status();
-  });
+  state->buffer = call([&] { return LowLatencyBuffer::create(t, config); });  // collective
   state->transport = transport;
-  if (transport->mpi) {
-    at_mpi_exit([weak = std::weak_ptr<LowLatencyState>(state)] {
-      if (auto s = weak.lock()) s->buffer.reset();  // called without the GIL
-    });
-  }
+  close_at_mpi_exit(state);
   return state;
 }
 
@@ -111,12 +103,9 @@ StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, 
 void check_no_uncollected_dispatch(LowLatencyState& self, std::string_view op) {
   const std::shared_ptr<AsyncDispatch> last = self.last_async_dispatch.lock();
   if (!last || last->collected) return;
-  Transport& t = self.transport->get();
-  const std::string message = fmt::format(
-      "{} on rank {} would overwrite the rows of a dispatch_async not yet waited for: wait() for it first", op,
-      t.rank());
-  t.abort(Status(StatusCode::kAborted, message));
-  throw_error("FailedPreconditionError", message);
+  refuse_and_abort(*self.transport, "FailedPreconditionError",
+                   fmt::format("{} on rank {} would overwrite the rows of a dispatch_async not yet waited for: wait() "
+                               "for it first", op, self.transport->get().rank()));
 }
 
 struct DispatchArgs {
@@ -157,7 +146,7 @@ const PyLowLatencyHandle& handle_of(pb::handle obj) {
   if (!pb::isinstance<PyLowLatencyHandle>(obj))
     throw_error("InvalidArgumentError",
                 fmt::format("handle: a {} is not an epx.LowLatencyHandle (LowLatencyDispatchResult.handle)",
-                            pb::str(pb::type::handle_of(obj).attr("__name__")).cast<std::string>()));
+                            type_name(obj)));
   return obj.cast<const PyLowLatencyHandle&>();
 }
 

@@ -229,6 +229,11 @@ pb::list run(const PyWorld& self, const pb::function& fn) {
 
 }  // namespace
 
+void refuse_and_abort(const PyTransport& transport, std::string_view error_class, const std::string& message) {
+  transport.get().abort(Status(StatusCode::kAborted, message));
+  throw_error(error_class, message);
+}
+
 void at_mpi_exit(std::function<void()> close) { mpi_state().buffer_closers.push_back(std::move(close)); }
 
 void register_transport(pb::module_& m) {
