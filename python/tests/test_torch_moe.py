@@ -143,3 +143,11 @@ def test_grouped_experts_match_autograd_and_accumulate_across_backwards():
         for got, expected in zip((x.grad, w1.grad, w3.grad, w2.grad), want):
             assert torch.allclose(got, step * expected, atol=1e-4), f"step {step}"
     assert w1.grad[1].abs().max() == 0  # the expert without rows
+
+
+def test_fewer_than_eight_experts():
+    def step(t):
+        layer = et.MoE(16, 32, 4, 2, transport=t, aux_loss_coeff=0.01)
+        layer(torch.randn(6, 16, generator=torch.Generator().manual_seed(t.rank))).sum().backward()
+        return int(layer.load["tokens_per_expert"].sum())
+    assert epx.InprocWorld(2).run(step) == [24, 24]  # 2 ranks x 6 tokens x top-2, over both ranks

@@ -126,7 +126,7 @@ class MoE(nn.Module):
                                               normalize_weights=normalize_weights, capacity_factor=capacity_factor)
         self.bias = epx.ExpertBias(num_experts, rate=bias_rate)
         self.buffer = buffer or epx.Buffer(transport, num_experts=num_experts, hidden=hidden, dtype=dtype,
-                                           max_tokens_per_rank=max_tokens_per_rank, max_topk=max(topk, 8))
+                                           max_tokens_per_rank=max_tokens_per_rank, max_topk=topk)
         self.num_local = num_experts // ranks
         self.first_expert = transport.rank * self.num_local
         self._init_parameters(seed, init_std, num_shared_experts)
@@ -169,25 +169,25 @@ class MoE(nn.Module):
         n = rms_norm(x, self.norm, self.norm_eps)
         logits = n @ self.router
         bias = self.bias if self.use_expert_bias else None
-        topk_idx, topk_weights, _ = functions.route(self.router_config, logits, bias)
-        self.aux_loss = self._auxiliary_losses(logits, topk_idx)
+        topk_idx, topk_weights, routed = functions.route(self.router_config, logits, bias)
+        counts = torch.as_tensor(routed.tokens_per_expert).double()  # kept (token, slot) pairs, counted by epx.route
+        self.aux_loss = self._auxiliary_losses(logits, counts, float(topk_idx.numel()))
         payload = n.to(self.payload)
         dispatched = functions.dispatch(self.buffer, payload, topk_idx, topk_weights)
         y = self._experts(dispatched.x_expanded, dispatched.expert_offsets)
         out = x + functions.combine(self.buffer, y, dispatched.recv_topk_weights, dispatched)
         if self.shared is not None:
             out = out + swiglu(payload.float(), *[self._stored(w) for w in self.shared])
-        self.load = self._load_stats(topk_idx)
+        self.load = self._load_stats(counts, routed.num_dropped)
         return out
 
-    def _auxiliary_losses(self, logits, topk_idx):
-        """This rank's share of the weighted auxiliary and z losses (summed over ranks: the layer's)."""
+    def _auxiliary_losses(self, logits, counts, pairs):
+        """This rank's share of the weighted auxiliary and z losses (summed over ranks: the layer's);
+        counts: this rank's kept (token, slot) pairs per expert, pairs: its (token, slot) pairs."""
         R, E = self.transport.num_ranks, self.num_experts
         aux = logits.new_zeros(())
         if self.aux_loss_coeff > 0:
             probs = self._balance_probs(logits)
-            counts = torch.bincount(topk_idx[topk_idx >= 0].long(), minlength=E).double()
-            pairs = float(topk_idx.numel())
             p_sum = probs.sum(0)
             c = self.aux_loss_coeff
             if self.aux_loss_kind == "global-batch":
@@ -210,12 +210,10 @@ class MoE(nn.Module):
             return s / s.sum(-1, keepdim=True)
         return torch.softmax(logits, -1)
 
-    def _load_stats(self, topk_idx):
+    def _load_stats(self, counts, num_dropped):
         """Tokens per expert over every rank, MaxVio, dropped slots (one all-reduce)."""
         E = self.num_experts
-        kept = topk_idx[topk_idx >= 0].long()
-        local = torch.cat([torch.bincount(kept, minlength=E).double(),
-                           torch.tensor([topk_idx.numel() - kept.numel()], dtype=torch.float64)])
+        local = torch.cat([counts, torch.tensor([num_dropped], dtype=torch.float64)])
         total = all_reduce_sum(self.transport, local)
         tokens = total[:E].to(torch.int64)
         mean = float(tokens.double().mean())
