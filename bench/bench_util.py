@@ -30,6 +30,15 @@ def time_reps(fn, reps, warmup=1):
     return times
 
 
+def timed(barrier, fn, marks):
+    """barrier(), then fn() timed: appends (start, end) to marks; returns fn's value."""
+    barrier()
+    start = time.perf_counter()
+    value = fn()
+    marks.append((start, time.perf_counter()))
+    return value
+
+
 def span(starts, ends):
     """One operation on several ranks: the last end minus the first start.
     perf_counter is CLOCK_MONOTONIC, shared by the processes of one host."""

@@ -23,7 +23,6 @@ shape and a table.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -174,7 +173,7 @@ def main():
             if args.epx_torch:
                 runs["epx_torch"].append(epx_torch_layer(torch, *shape, args.threads, args.reps))
             print(f"  shape {shape}: round {rnd + 1}/{args.rounds}", file=sys.stderr)
-        med = {k: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v)) for k, v in runs.items()}
+        med = {k: (bu.median([f for f, _ in v]), bu.median([b for _, b in v])) for k, v in runs.items()}
         rows.append(shape_row(args, torch, shape, med))
         print(json.dumps(rows[-1]), flush=True)
     print_table(rows, sides)

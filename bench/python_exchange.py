@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_util as bu  # noqa: E402
@@ -57,11 +56,7 @@ class Marks:
         self.ranks = {m: [[] for _ in range(ranks)] for m in ("dispatch", "combine")}
 
     def timed(self, t, method, fn):
-        t.barrier(timeout=60.0)
-        start = time.perf_counter()
-        value = fn()
-        self.ranks[method][t.rank].append((start, time.perf_counter()))
-        return value
+        return bu.timed(lambda: t.barrier(timeout=60.0), fn, self.ranks[method][t.rank])
 
     def spans(self, method, skip):
         per_rank = self.ranks[method]

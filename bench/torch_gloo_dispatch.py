@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_util as bu  # noqa: E402
@@ -152,14 +151,6 @@ class EpxDispatcher:
         return self.out
 
 
-def timed(barrier, fn, marks):
-    barrier()
-    start = time.perf_counter()
-    value = fn()
-    marks.append((start, time.perf_counter()))
-    return value
-
-
 def spans(marks):
     """Per repetition: the last end over ranks minus the first start (all_reduce MAX of -start, end)."""
     t = torch.tensor([[-s, e] for s, e in marks], dtype=torch.float64)
@@ -204,15 +195,15 @@ def run_shape(args, rank, n, tokens, transport):
     marks = {"gloo dispatch": [], "gloo combine": [], "epx dispatch": [], "epx combine": []}
 
     def run_gloo(g, check):
-        recv = timed(dist.barrier, lambda: g.dispatch(x, idx, w), marks["gloo dispatch"])
-        out = timed(dist.barrier, lambda: g.combine(recv), marks["gloo combine"])
+        recv = bu.timed(dist.barrier, lambda: g.dispatch(x, idx, w), marks["gloo dispatch"])
+        out = bu.timed(dist.barrier, lambda: g.combine(recv), marks["gloo combine"])
         if check:
             check_gloo(x, out)
 
     def run_epx(e, check):
-        timed(transport.barrier, lambda: e.dispatch(x, idx32, w), marks["epx dispatch"])
+        bu.timed(transport.barrier, lambda: e.dispatch(x, idx32, w), marks["epx dispatch"])
         e.experts()
-        out = timed(transport.barrier, e.combine, marks["epx combine"])
+        out = bu.timed(transport.barrier, e.combine, marks["epx combine"])
         if check:
             check_epx(x, idx, out, n)
 
