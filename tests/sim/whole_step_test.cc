@@ -123,6 +123,12 @@ TEST(SimWholeStep, OptimizerScalesWithTheParametersHeldAndZeroShardsIt) {
   const GradientBytes held2 = parameters_held(more, 0);
   EXPECT_DOUBLE_EQ(held2.expert(), 2 * held.expert());
   EXPECT_GT(optimizer_cost(more, held2, edp, world).update_s, c.update_s);
+  // A measured optimizer rate replaces the HBM's; emulated hosts: x GPUs / cores.
+  Scenario rate = s;
+  rate.hardware.optimizer_bandwidth = 1e9;
+  EXPECT_NEAR(optimizer_cost(rate, held, edp, world).update_s, c.params * 28.0 / 1e9, 1e-12);
+  rate.hardware.host_cores = 2;
+  EXPECT_NEAR(optimizer_cost(rate, held, edp, world).update_s, 4 * c.params * 28.0 / 1e9, 1e-12);
   // bf16 moments: 8 bytes less per parameter.
   Scenario bf16 = s;
   bf16.optimizer.moment_dtype = "bf16";
