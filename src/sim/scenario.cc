@@ -86,6 +86,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"routing.lognormal_sigma", &s.routing.lognormal_sigma},
       {"routing.drift", &s.routing.drift},
       {"routing.trace", &s.routing.trace},
+      {"routing.trace_format", &s.routing.trace_format},
       {"routing.seed", &s.routing.seed},
       {"routing.sample_tokens", &s.routing.sample_tokens},
       {"balancing.strategy", &s.balancing.strategy},
@@ -348,7 +349,8 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("routing.lognormal_sigma", r.lognormal_sigma, 0));
   EPX_RETURN_IF_ERROR(at_least("routing.drift", r.drift, 0));
   if (r.distribution == "trace" && r.trace.empty())
-    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a JSON Lines file)");
+    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a file of per-expert token counts)");
+  EPX_RETURN_IF_ERROR(one_of("routing.trace_format", r.trace_format, {"auto", "jsonl", "counts"}));
   if (r.sample_tokens < 1 || r.sample_tokens > 65536)
     return invalid_argument("routing.sample_tokens = {} is outside [1, 65536]", r.sample_tokens);
 

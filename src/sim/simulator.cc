@@ -204,7 +204,8 @@ class Simulator {
 Status Simulator::load_trace() {
   std::ifstream in(s_.routing.trace);
   if (!in) return not_found("routing.trace = '{}' cannot be opened", s_.routing.trace);
-  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts));
+  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts, s_.model.topk,
+                                                              s_.routing.trace_format));
   trace_layers_ = trace.num_layers;
   trace_pop_ = std::move(trace.log_popularity);
   return Status::ok();

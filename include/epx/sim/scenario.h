@@ -113,7 +113,8 @@ struct RoutingConfig {
   double zipf_s = 1.0;
   double lognormal_sigma = 1.0;
   double drift = 0.0;       // per step: log-popularity random walk step (std)
-  std::string trace;        // JSON Lines as `epx train --metrics` writes
+  std::string trace;        // per-expert token counts (docs/simulator.md "Routing traces")
+  std::string trace_format = "auto";  // auto (by content), jsonl (epx train --metrics) or counts
   uint64_t seed = 1;
   int sample_tokens = 128;  // tokens per GPU routed one by one; counts are scaled to tokens_per_gpu
 };
