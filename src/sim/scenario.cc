@@ -72,6 +72,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"model.grad_dtype", &s.model.grad_dtype},
       {"model.embedding_params", &s.model.embedding_params},
       {"model.head_params", &s.model.head_params},
+      {"model.activation_dtype", &s.model.activation_dtype},
       {"parallelism.ep", &s.parallelism.ep},
       {"parallelism.pp_stages", &s.parallelism.pp_stages},
       {"parallelism.micro_batches", &s.parallelism.micro_batches},
@@ -81,6 +82,12 @@ std::vector<Key> keys_of(Scenario& s) {
       {"parallelism.grad_overlap", &s.parallelism.grad_overlap},
       {"parallelism.grad_bucket_bytes", &s.parallelism.grad_bucket_bytes},
       {"parallelism.allreduce", &s.parallelism.allreduce},
+      {"parallelism.pp_transfers", &s.parallelism.pp_transfers},
+      {"optimizer.kind", &s.optimizer.kind},
+      {"optimizer.master_dtype", &s.optimizer.master_dtype},
+      {"optimizer.moment_dtype", &s.optimizer.moment_dtype},
+      {"optimizer.weight_copy_dtype", &s.optimizer.weight_copy_dtype},
+      {"optimizer.zero", &s.optimizer.zero},
       {"routing.distribution", &s.routing.distribution},
       {"routing.zipf_s", &s.routing.zipf_s},
       {"routing.lognormal_sigma", &s.routing.lognormal_sigma},
@@ -320,6 +327,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(one_of("model.grad_dtype", m.grad_dtype, {"f32", "bf16"}));
   EPX_RETURN_IF_ERROR(at_least("model.embedding_params", static_cast<double>(m.embedding_params), 0));
   EPX_RETURN_IF_ERROR(at_least("model.head_params", static_cast<double>(m.head_params), 0));
+  EPX_RETURN_IF_ERROR(one_of("model.activation_dtype", m.activation_dtype, {"fp8", "bf16", "f32"}));
 
   const ParallelismConfig& p = parallelism;
   EPX_RETURN_IF_ERROR(at_least("parallelism.pp_stages", p.pp_stages, 1));
@@ -342,6 +350,12 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));
   EPX_RETURN_IF_ERROR(at_least("parallelism.grad_bucket_bytes", static_cast<double>(p.grad_bucket_bytes), 0));
   EPX_RETURN_IF_ERROR(one_of("parallelism.allreduce", p.allreduce, {"ring", "hierarchical", "auto", "allgather", "chunked"}));
+
+  const OptimizerConfig& o = optimizer;
+  EPX_RETURN_IF_ERROR(one_of("optimizer.kind", o.kind, {"adamw", "none"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.master_dtype", o.master_dtype, {"f32", "bf16"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.moment_dtype", o.moment_dtype, {"f32", "bf16"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.weight_copy_dtype", o.weight_copy_dtype, {"none", "bf16", "fp8"}));
 
   const RoutingConfig& r = routing;
   EPX_RETURN_IF_ERROR(one_of("routing.distribution", r.distribution, {"uniform", "zipf", "lognormal", "trace"}));
