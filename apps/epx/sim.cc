@@ -119,6 +119,35 @@ std::string grad_sync_lines(const sim::Scenario& base, const sim::SimResult& r) 
       pct(s.grad_hidden.p50), mib(r.expert_grad_bytes + r.dense_grad_bytes));
 }
 
+// The step's parts beside the MoE layers (docs/simulator.md "The whole step").
+nlohmann::json whole_step_json(const sim::SimResult& r) {
+  auto p = [](const sim::Percentiles& x) { return nlohmann::json{{"p50", x.p50}, {"p99", x.p99}, {"mean", x.mean}}; };
+  const sim::Summary& s = r.summary;
+  const sim::OptimizerCost& o = r.optimizer;
+  return {{"pp_transfer", {{"bytes", r.pipeline.bytes}, {"link", r.pipeline.link}, {"seconds", r.pipeline.seconds},
+                           {"per_unit_s", r.pipeline.per_unit_s}, {"in_step_s", p(s.pp_transfer_s)}}},
+          {"optimizer", {{"params", o.params}, {"bytes_per_param", o.bytes_per_param}, {"update_s", o.update_s},
+                         {"gather_expert", cost_json(o.gather_expert)}, {"gather_dense", cost_json(o.gather_dense)},
+                         {"in_step_s", p(s.optimizer_s)}, {"gather_in_step_s", p(s.param_gather_s)}}}};
+}
+
+std::string whole_step_lines(const sim::Scenario& base, const sim::SimResult& r) {
+  const sim::Summary& s = r.summary;
+  std::string out;
+  if (base.parallelism.pp_stages > 1)
+    out += fmt::format("pipeline transfers: {:.2f} MiB per micro-batch per GPU over {} ({:.3f} ms each), {} ms per unit, "
+                       "{} ms in the step (p50)\n",
+                       r.pipeline.bytes / (1 << 20), r.pipeline.link, 1e3 * r.pipeline.seconds,
+                       ms(r.pipeline.per_unit_s), ms(s.pp_transfer_s.p50));
+  if (base.parallelism.mode == "train" && base.optimizer.kind != "none")
+    out += fmt::format("optimizer ({}{}): {:.4g} parameters per GPU of the first stage, {:.0f} bytes of memory traffic "
+                       "each, {:.3f} ms; in the step (p50): update {} ms, weight all-gather {} ms\n",
+                       base.optimizer.kind, base.optimizer.zero ? ", ZeRO-1" : "", r.optimizer.params,
+                       r.optimizer.bytes_per_param, 1e3 * r.optimizer.update_s, ms(s.optimizer_s.p50),
+                       ms(s.param_gather_s.p50));
+  return out;
+}
+
 nlohmann::json to_json(const sim::SimResult& r) {
   auto p = [](const sim::Percentiles& x) { return nlohmann::json{{"p50", x.p50}, {"p99", x.p99}, {"mean", x.mean}}; };
   const sim::Summary& s = r.summary;
@@ -133,6 +162,7 @@ nlohmann::json to_json(const sim::SimResult& r) {
           {"max_vio", p(s.max_vio)},
           {"phase_s", phases},
           {"grad_sync", grad_sync_json(r)},
+          {"whole_step", whole_step_json(r)},
           {"sampled_tokens", r.sampled_tokens},
           {"sample_scale", r.sample_scale},
           {"routed_gpu_layers", r.routed_gpu_layers},
@@ -277,7 +307,7 @@ int run_scenario(const SimOptions& o) {
                                    row_of(s.grad_sync_s, "grad all-reduce busy ms", ms),
                                    row_of(s.grad_exposed_s, "grad all-reduce exposed ms", ms),
                                    row_of(s.grad_hidden, "grad all-reduce hidden", pct)}));
-  fmt::print("{}\n", grad_sync_lines(base, r));
+  fmt::print("{}{}\n", grad_sync_lines(base, r), whole_step_lines(base, r));
   std::vector<std::vector<std::string>> phases;
   for (const auto& [name, seconds] : s.phase_s) phases.push_back({name, ms(seconds)});
   fmt::print("{}", format_table({"time per GPU per stage unit (fwd+bwd)", "ms"}, phases));

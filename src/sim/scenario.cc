@@ -72,6 +72,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"model.grad_dtype", &s.model.grad_dtype},
       {"model.embedding_params", &s.model.embedding_params},
       {"model.head_params", &s.model.head_params},
+      {"model.activation_dtype", &s.model.activation_dtype},
       {"parallelism.ep", &s.parallelism.ep},
       {"parallelism.pp_stages", &s.parallelism.pp_stages},
       {"parallelism.micro_batches", &s.parallelism.micro_batches},
@@ -81,11 +82,18 @@ std::vector<Key> keys_of(Scenario& s) {
       {"parallelism.grad_overlap", &s.parallelism.grad_overlap},
       {"parallelism.grad_bucket_bytes", &s.parallelism.grad_bucket_bytes},
       {"parallelism.allreduce", &s.parallelism.allreduce},
+      {"parallelism.pp_transfers", &s.parallelism.pp_transfers},
+      {"optimizer.kind", &s.optimizer.kind},
+      {"optimizer.master_dtype", &s.optimizer.master_dtype},
+      {"optimizer.moment_dtype", &s.optimizer.moment_dtype},
+      {"optimizer.weight_copy_dtype", &s.optimizer.weight_copy_dtype},
+      {"optimizer.zero", &s.optimizer.zero},
       {"routing.distribution", &s.routing.distribution},
       {"routing.zipf_s", &s.routing.zipf_s},
       {"routing.lognormal_sigma", &s.routing.lognormal_sigma},
       {"routing.drift", &s.routing.drift},
       {"routing.trace", &s.routing.trace},
+      {"routing.trace_format", &s.routing.trace_format},
       {"routing.seed", &s.routing.seed},
       {"routing.sample_tokens", &s.routing.sample_tokens},
       {"balancing.strategy", &s.balancing.strategy},
@@ -320,6 +328,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(one_of("model.grad_dtype", m.grad_dtype, {"f32", "bf16"}));
   EPX_RETURN_IF_ERROR(at_least("model.embedding_params", static_cast<double>(m.embedding_params), 0));
   EPX_RETURN_IF_ERROR(at_least("model.head_params", static_cast<double>(m.head_params), 0));
+  EPX_RETURN_IF_ERROR(one_of("model.activation_dtype", m.activation_dtype, {"fp8", "bf16", "f32"}));
 
   const ParallelismConfig& p = parallelism;
   EPX_RETURN_IF_ERROR(at_least("parallelism.pp_stages", p.pp_stages, 1));
@@ -343,13 +352,20 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("parallelism.grad_bucket_bytes", static_cast<double>(p.grad_bucket_bytes), 0));
   EPX_RETURN_IF_ERROR(one_of("parallelism.allreduce", p.allreduce, {"ring", "hierarchical", "auto", "allgather", "chunked"}));
 
+  const OptimizerConfig& o = optimizer;
+  EPX_RETURN_IF_ERROR(one_of("optimizer.kind", o.kind, {"adamw", "none"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.master_dtype", o.master_dtype, {"f32", "bf16"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.moment_dtype", o.moment_dtype, {"f32", "bf16"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.weight_copy_dtype", o.weight_copy_dtype, {"none", "bf16", "fp8"}));
+
   const RoutingConfig& r = routing;
   EPX_RETURN_IF_ERROR(one_of("routing.distribution", r.distribution, {"uniform", "zipf", "lognormal", "trace"}));
   EPX_RETURN_IF_ERROR(at_least("routing.zipf_s", r.zipf_s, 0));
   EPX_RETURN_IF_ERROR(at_least("routing.lognormal_sigma", r.lognormal_sigma, 0));
   EPX_RETURN_IF_ERROR(at_least("routing.drift", r.drift, 0));
   if (r.distribution == "trace" && r.trace.empty())
-    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a JSON Lines file)");
+    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a file of per-expert token counts)");
+  EPX_RETURN_IF_ERROR(one_of("routing.trace_format", r.trace_format, {"auto", "jsonl", "counts"}));
   if (r.sample_tokens < 1 || r.sample_tokens > 65536)
     return invalid_argument("routing.sample_tokens = {} is outside [1, 65536]", r.sample_tokens);
 

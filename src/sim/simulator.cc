@@ -14,6 +14,8 @@
 #include "epx/routing/expert_bias.h"
 #include "epx/sim/cost.h"
 #include "epx/sim/grad_sync.h"
+#include "epx/sim/optimizer.h"
+#include "epx/sim/pipeline.h"
 #include "epx/sim/traffic.h"
 #include "core/guard.h"
 #include "sim/routing_trace.h"
@@ -179,6 +181,7 @@ class Simulator {
   struct StageSync {
     GroupShape edp, world;
     GradientBytes bytes;
+    OptimizerCost optimizer;
   };
   std::vector<StageSync> stage_sync_;
 
@@ -204,7 +207,8 @@ class Simulator {
 Status Simulator::load_trace() {
   std::ifstream in(s_.routing.trace);
   if (!in) return not_found("routing.trace = '{}' cannot be opened", s_.routing.trace);
-  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts));
+  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts, s_.model.topk,
+                                                              s_.routing.trace_format));
   trace_layers_ = trace.num_layers;
   trace_pop_ = std::move(trace.log_popularity);
   return Status::ok();
@@ -450,8 +454,11 @@ Status Simulator::prepare_grad_sync() {
   EPX_ASSIGN_OR_RETURN(Topology topo, stage_topology(s_));
   EPX_ASSIGN_OR_RETURN(ParallelLayout layout, ParallelLayout::create(topo, s_.parallelism.ep));
   stage_sync_.clear();
-  for (int stage = 0; stage < s_.parallelism.pp_stages; ++stage)
-    stage_sync_.push_back({edp_shape(layout, topo), world_shape(topo), gradient_bytes(s_, stage)});
+  for (int stage = 0; stage < s_.parallelism.pp_stages; ++stage) {
+    StageSync ss{edp_shape(layout, topo), world_shape(topo), gradient_bytes(s_, stage), {}};
+    ss.optimizer = optimizer_cost(s_, parameters_held(s_, stage), ss.edp, ss.world);
+    stage_sync_.push_back(std::move(ss));
+  }
   return Status::ok();
 }
 
@@ -472,6 +479,7 @@ Result<SimResult> Simulator::run() {
   const bool train = s_.parallelism.mode == "train";
   EPX_ASSIGN_OR_RETURN(Topology topo, Topology::create(R_, nodes_per_group_));
   SimResult result;
+  EPX_ASSIGN_OR_RETURN(result.pipeline, pipeline_transfer(s_));
   result.sampled_tokens = static_cast<int>(std::min<int64_t>(T_, s_.routing.sample_tokens));
   result.sample_scale = static_cast<double>(T_) / result.sampled_tokens;
   result.simulated_groups = groups_;
@@ -494,6 +502,7 @@ Result<SimResult> Simulator::run() {
     double exposed_sum = 0, comm_sum = 0;
     int64_t gpus = 0;
     std::array<double, kNumKinds> kinds{};
+    double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
     for (int stage = 0; stage < pp; ++stage) {
       const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
       // When each layer's backward has ended on every simulated GPU (its gradients are ready).
@@ -562,16 +571,23 @@ Result<SimResult> Simulator::run() {
       if (train) {
         const StageSync& ss = stage_sync_[stage];
         GradSyncResult sync = schedule_grad_sync({ss.bytes, layer_bwd_end, bwd_start, stage_end, ss.edp, ss.world}, s_);
-        if (stage == 0 || sync.exposed_s > st.grad_exposed_s) {
+        const double tail = sync.exposed_s + ss.optimizer.seconds();
+        if (stage == 0 || tail > tail_s) {
+          tail_s = tail;
           st.grad_sync_s = sync.busy_s;
           st.grad_exposed_s = sync.exposed_s;
           st.grad_hidden = sync.hidden_share;
+          st.optimizer_s = ss.optimizer.update_s;
+          st.param_gather_s = ss.optimizer.gather_s;
         }
         if (step == 0 && stage == 0) result.grad_sync = std::move(sync);
       }
     }
-    // The gradient all-reduce ends the step: what the last unit's backward does not hide.
-    st.step_s = (units_ + pp - 1) * st.stage_s + st.grad_exposed_s;
+    // 1F1B with the transfers between stages; then what the last unit's
+    // backward does not hide of the all-reduce, and the optimizer.
+    st.pp_transfer_s = (units_ + pp - 1) * result.pipeline.per_unit_s;
+    st.step_s = (units_ + pp - 1) * st.stage_s + st.pp_transfer_s + st.grad_exposed_s + st.optimizer_s +
+                st.param_gather_s;
     st.worst_idle = *std::max_element(idle.begin(), idle.end());
     st.mean_idle = std::accumulate(idle.begin(), idle.end(), 0.0) / static_cast<double>(idle.size());
     st.exposed_comm = exposed_sum / static_cast<double>(gpus);
@@ -600,11 +616,15 @@ Result<SimResult> Simulator::run() {
   sum.grad_sync_s = collect(&StepStats::grad_sync_s);
   sum.grad_exposed_s = collect(&StepStats::grad_exposed_s);
   sum.grad_hidden = collect(&StepStats::grad_hidden);
+  sum.pp_transfer_s = collect(&StepStats::pp_transfer_s);
+  sum.optimizer_s = collect(&StepStats::optimizer_s);
+  sum.param_gather_s = collect(&StepStats::param_gather_s);
   if (train) {
     result.edp_ranks = stage_sync_[0].edp.num_ranks;
     result.dp_ranks = stage_sync_[0].world.num_ranks;
     result.expert_grad_bytes = stage_sync_[0].bytes.expert();
     result.dense_grad_bytes = stage_sync_[0].bytes.dense();
+    result.optimizer = stage_sync_[0].optimizer;
   }
   for (int k = 0; k < kNumKinds; ++k)
     if (kind_total[k] > 0) sum.phase_s.emplace_back(kKindNames[k], kind_total[k] / s_.run.steps);

@@ -88,6 +88,7 @@ struct ModelConfig {
   std::string grad_dtype = "f32";        // gradients as all-reduced: f32 or bf16
   int64_t embedding_params = 0;          // input embedding (dense, all ranks; first stage)
   int64_t head_params = 0;               // output head (dense, all ranks; last stage), final norm added
+  std::string activation_dtype = "bf16"; // hidden states sent between pipeline stages: fp8, bf16 or f32
 };
 
 struct ParallelismConfig {
@@ -106,6 +107,22 @@ struct ParallelismConfig {
   // or chunked (epx's MPI transport: all-to-all of chunks, rank-order sums,
   // all-gather).
   std::string allreduce = "auto";
+  // Pipeline stages send each micro-batch's activations forward and their
+  // gradients back (pipeline.h); false leaves the transfers out.
+  bool pp_transfers = true;
+};
+
+// The optimizer step after the gradient all-reduce (optimizer.h): AdamW's
+// memory traffic over the parameters a GPU holds.
+struct OptimizerConfig {
+  std::string kind = "adamw";             // adamw, or none (no optimizer step in the step time)
+  std::string master_dtype = "f32";       // the weights it updates: f32 or bf16
+  std::string moment_dtype = "f32";       // AdamW's two moments: f32 or bf16 (DeepSeek-V3: bf16)
+  std::string weight_copy_dtype = "none"; // a compute copy written after the update: none, bf16 or fp8
+  // ZeRO-1: the optimizer state sharded over each data-parallel group (EDP for
+  // routed experts, the stage for dense parameters); gradients are then
+  // reduce-scattered instead of all-reduced and the updated weights all-gathered.
+  bool zero = false;
 };
 
 struct RoutingConfig {
@@ -113,7 +130,8 @@ struct RoutingConfig {
   double zipf_s = 1.0;
   double lognormal_sigma = 1.0;
   double drift = 0.0;       // per step: log-popularity random walk step (std)
-  std::string trace;        // JSON Lines as `epx train --metrics` writes
+  std::string trace;        // per-expert token counts (docs/simulator.md "Routing traces")
+  std::string trace_format = "auto";  // auto (by content), jsonl (epx train --metrics) or counts
   uint64_t seed = 1;
   int sample_tokens = 128;  // tokens per GPU routed one by one; counts are scaled to tokens_per_gpu
 };
@@ -144,6 +162,7 @@ struct Scenario {
   ClusterConfig cluster;
   ModelConfig model;
   ParallelismConfig parallelism;
+  OptimizerConfig optimizer;
   RoutingConfig routing;
   BalancingConfig balancing;
   ScheduleConfig schedule;
