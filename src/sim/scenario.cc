@@ -42,9 +42,9 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.nic.bandwidth", &h.nic_bandwidth},
       {"hardware.nic.efficiency", &h.nic_efficiency},
       {"hardware.nic.latency", &h.nic_latency},
-      {"hardware.nic.stages_local_node", &h.nic_stages_local_node},
       {"hardware.comm.message_overhead", &h.message_overhead},
       {"hardware.comm.sms", &h.comm_sms},
+      {"hardware.comm.forward_sm_bandwidth", &h.forward_sm_bandwidth},
       {"hardware.host.copy_bandwidth", &h.host_copy_bandwidth},
       {"hardware.host.nic_copies", &h.host_nic_copies},
       {"hardware.host.cores", &h.host_cores},
@@ -94,6 +94,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"routing.lognormal_sigma", &s.routing.lognormal_sigma},
       {"routing.drift", &s.routing.drift},
       {"routing.trace", &s.routing.trace},
+      {"routing.trace_format", &s.routing.trace_format},
       {"routing.seed", &s.routing.seed},
       {"routing.sample_tokens", &s.routing.sample_tokens},
       {"balancing.strategy", &s.balancing.strategy},
@@ -289,6 +290,7 @@ Status Scenario::validate() const {
     return invalid_argument("hardware.nic.efficiency = {} is outside (0, 1]", h.nic_efficiency);
   EPX_RETURN_IF_ERROR(at_least("hardware.nic.latency", h.nic_latency, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.comm.message_overhead", h.message_overhead, 0));
+  EPX_RETURN_IF_ERROR(at_least("hardware.comm.forward_sm_bandwidth", h.forward_sm_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.copy_bandwidth", h.host_copy_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.nic_copies", h.host_nic_copies, 1));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.cores", h.host_cores, 0));
@@ -345,7 +347,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("parallelism.micro_batches", p.micro_batches, 1));
   if (p.tokens_per_gpu < 1 || p.tokens_per_gpu > (int64_t{1} << 24))
     return invalid_argument("parallelism.tokens_per_gpu = {} is outside [1, {}]", p.tokens_per_gpu, int64_t{1} << 24);
-  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat"}));
+  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat", "low_latency"}));
   if (p.dispatch == "two_hop" && !cluster.rail_aligned && p.ep > cluster.gpus_per_node)
     return invalid_argument("parallelism.dispatch = 'two_hop' needs cluster.rail_aligned = true");
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));
@@ -364,7 +366,8 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("routing.lognormal_sigma", r.lognormal_sigma, 0));
   EPX_RETURN_IF_ERROR(at_least("routing.drift", r.drift, 0));
   if (r.distribution == "trace" && r.trace.empty())
-    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a JSON Lines file)");
+    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a file of per-expert token counts)");
+  EPX_RETURN_IF_ERROR(one_of("routing.trace_format", r.trace_format, {"auto", "jsonl", "counts"}));
   if (r.sample_tokens < 1 || r.sample_tokens > 65536)
     return invalid_argument("routing.sample_tokens = {} is outside [1, 65536]", r.sample_tokens);
 

@@ -210,7 +210,7 @@ TEST(Simulator, AMalformedTraceIsAnErrorNotAnException) {
       {"{\"layers\":[{\"tokens_per_expert\":\"x\"}]}", "bad_trace.jsonl:1: layers[0].tokens_per_expert must list"},
       {"[1]", "bad_trace.jsonl:1: no \"layers\" array"},
       {"\n{\"layers\":[{\"tokens_per_expert\":[1e400]}]}", "bad_trace.jsonl:2: not JSON"},
-      {negative, "bad_trace.jsonl:1: layers[0].tokens_per_expert[7] is not a finite count >= 0"},
+      {negative, "bad_trace.jsonl:1: layers[0].tokens_per_expert[7] = -1 is not a finite count >= 0"},
   };
   for (const auto& [line, expected] : cases) {
     std::ofstream(path) << line << "\n";
