@@ -145,26 +145,35 @@ double GradientBytes::dense() const {
   return std::accumulate(dense_per_layer.begin(), dense_per_layer.end(), 0.0) + embedding + head;
 }
 
-GradientBytes gradient_bytes(const Scenario& s, int stage) {
+GradientBytes parameters_held(const Scenario& s, int stage) {
   const ModelConfig& m = s.model;
   const int pp = s.parallelism.pp_stages;
   const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
-  const double e = grad_element_bytes(m), H = m.hidden;
+  const double H = m.hidden;
   const double norms = (m.attention ? 2.0 : 1.0) * H;
   const double expert_params = 3.0 * H * m.expert_hidden;
   GradientBytes b;
   for (int l = l0; l < l1; ++l) {
     if (l < m.dense_layers) {
       b.expert_per_layer.push_back(0);
-      b.dense_per_layer.push_back(e * (norms + attention_params(m) + 3.0 * H * m.dense_hidden));
+      b.dense_per_layer.push_back(norms + attention_params(m) + 3.0 * H * m.dense_hidden);
       continue;
     }
-    b.expert_per_layer.push_back(e * experts_per_rank(s) * expert_params);
-    b.dense_per_layer.push_back(
-        e * (norms + attention_params(m) + H * m.experts + m.shared_experts * expert_params));
+    b.expert_per_layer.push_back(experts_per_rank(s) * expert_params);
+    b.dense_per_layer.push_back(norms + attention_params(m) + H * m.experts + m.shared_experts * expert_params);
   }
-  if (stage == 0) b.embedding = e * static_cast<double>(m.embedding_params);
-  if (stage == pp - 1) b.head = e * (static_cast<double>(m.head_params) + H);  // + the final norm
+  if (stage == 0) b.embedding = static_cast<double>(m.embedding_params);
+  if (stage == pp - 1) b.head = static_cast<double>(m.head_params) + H;  // + the final norm
+  return b;
+}
+
+GradientBytes gradient_bytes(const Scenario& s, int stage) {
+  GradientBytes b = parameters_held(s, stage);
+  const double e = grad_element_bytes(s.model);
+  for (double& v : b.expert_per_layer) v *= e;
+  for (double& v : b.dense_per_layer) v *= e;
+  b.embedding *= e;
+  b.head *= e;
   return b;
 }
 
@@ -200,12 +209,28 @@ AllReduceCost all_reduce_cost(double bytes, const GroupShape& group, const Hardw
   return h.seconds < r.seconds ? h : r;
 }
 
+AllReduceCost half_all_reduce_cost(double bytes, const GroupShape& group, const HardwareProfile& hardware,
+                                   const std::string& algorithm, const char* which) {
+  AllReduceCost c = all_reduce_cost(bytes, group, hardware, algorithm);
+  if (c.algorithm == "none") return c;
+  c.algorithm += std::string(" ") + which;
+  c.seconds /= 2;
+  c.bytes_sent /= 2;
+  c.nic_bytes_sent /= 2;
+  return c;
+}
+
+AllReduceCost gradient_reduce_cost(double bytes, const GroupShape& group, const Scenario& s) {
+  if (s.optimizer.zero && s.optimizer.kind != "none")
+    return half_all_reduce_cost(bytes, group, s.hardware, s.parallelism.allreduce, "reduce-scatter");
+  return all_reduce_cost(bytes, group, s.hardware, s.parallelism.allreduce);
+}
+
 GradSyncResult schedule_grad_sync(const GradSyncInput& in, const Scenario& s) {
   const ParallelismConfig& p = s.parallelism;
-  const HardwareProfile& h = s.hardware;
   GradSyncResult r;
-  r.edp = all_reduce_cost(in.bytes.expert(), in.edp, h, p.allreduce);
-  r.dense = all_reduce_cost(in.bytes.dense(), in.world, h, p.allreduce);
+  r.edp = gradient_reduce_cost(in.bytes.expert(), in.edp, s);
+  r.dense = gradient_reduce_cost(in.bytes.dense(), in.world, s);
   const auto bucket_bytes = static_cast<double>(p.grad_bucket_bytes);
   if (in.edp.num_ranks > 1) add_buckets(in.bytes.expert_per_layer, 0, 0, true, in, bucket_bytes, &r.buckets);
   if (in.world.num_ranks > 1)
@@ -217,7 +242,7 @@ GradSyncResult schedule_grad_sync(const GradSyncInput& in, const Scenario& s) {
   double free_s = in.backward_start_s;
   for (Bucket& b : r.buckets) {
     b.start_s = std::max(b.ready_s, free_s);
-    b.end_s = b.start_s + all_reduce_cost(b.bytes, b.expert ? in.edp : in.world, h, p.allreduce).seconds;
+    b.end_s = b.start_s + gradient_reduce_cost(b.bytes, b.expert ? in.edp : in.world, s).seconds;
     free_s = b.end_s;
     r.busy_s += b.end_s - b.start_s;
   }

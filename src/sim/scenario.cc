@@ -34,6 +34,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.compute.gemm_half_rows", &h.gemm_half_rows},
       {"hardware.compute.gemm_tile", &h.gemm_tile},
       {"hardware.memory.hbm_bandwidth", &h.hbm_bandwidth},
+      {"hardware.memory.optimizer_bandwidth", &h.optimizer_bandwidth},
       {"hardware.nvlink.bandwidth", &h.nvlink_bandwidth},
       {"hardware.nvlink.efficiency", &h.nvlink_efficiency},
       {"hardware.nvlink.latency", &h.nvlink_latency},
@@ -41,9 +42,9 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.nic.bandwidth", &h.nic_bandwidth},
       {"hardware.nic.efficiency", &h.nic_efficiency},
       {"hardware.nic.latency", &h.nic_latency},
-      {"hardware.nic.stages_local_node", &h.nic_stages_local_node},
       {"hardware.comm.message_overhead", &h.message_overhead},
       {"hardware.comm.sms", &h.comm_sms},
+      {"hardware.comm.forward_sm_bandwidth", &h.forward_sm_bandwidth},
       {"hardware.host.copy_bandwidth", &h.host_copy_bandwidth},
       {"hardware.host.nic_copies", &h.host_nic_copies},
       {"hardware.host.cores", &h.host_cores},
@@ -72,6 +73,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"model.grad_dtype", &s.model.grad_dtype},
       {"model.embedding_params", &s.model.embedding_params},
       {"model.head_params", &s.model.head_params},
+      {"model.activation_dtype", &s.model.activation_dtype},
       {"parallelism.ep", &s.parallelism.ep},
       {"parallelism.pp_stages", &s.parallelism.pp_stages},
       {"parallelism.micro_batches", &s.parallelism.micro_batches},
@@ -81,11 +83,18 @@ std::vector<Key> keys_of(Scenario& s) {
       {"parallelism.grad_overlap", &s.parallelism.grad_overlap},
       {"parallelism.grad_bucket_bytes", &s.parallelism.grad_bucket_bytes},
       {"parallelism.allreduce", &s.parallelism.allreduce},
+      {"parallelism.pp_transfers", &s.parallelism.pp_transfers},
+      {"optimizer.kind", &s.optimizer.kind},
+      {"optimizer.master_dtype", &s.optimizer.master_dtype},
+      {"optimizer.moment_dtype", &s.optimizer.moment_dtype},
+      {"optimizer.weight_copy_dtype", &s.optimizer.weight_copy_dtype},
+      {"optimizer.zero", &s.optimizer.zero},
       {"routing.distribution", &s.routing.distribution},
       {"routing.zipf_s", &s.routing.zipf_s},
       {"routing.lognormal_sigma", &s.routing.lognormal_sigma},
       {"routing.drift", &s.routing.drift},
       {"routing.trace", &s.routing.trace},
+      {"routing.trace_format", &s.routing.trace_format},
       {"routing.seed", &s.routing.seed},
       {"routing.sample_tokens", &s.routing.sample_tokens},
       {"balancing.strategy", &s.balancing.strategy},
@@ -270,6 +279,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("hardware.compute.gemm_half_rows", h.gemm_half_rows, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.compute.gemm_tile", h.gemm_tile, 1));
   EPX_RETURN_IF_ERROR(positive("hardware.memory.hbm_bandwidth", h.hbm_bandwidth));
+  EPX_RETURN_IF_ERROR(at_least("hardware.memory.optimizer_bandwidth", h.optimizer_bandwidth, 0));
   EPX_RETURN_IF_ERROR(positive("hardware.nvlink.bandwidth", h.nvlink_bandwidth));
   if (!(h.nvlink_efficiency > 0 && h.nvlink_efficiency <= 1))
     return invalid_argument("hardware.nvlink.efficiency = {} is outside (0, 1]", h.nvlink_efficiency);
@@ -280,6 +290,7 @@ Status Scenario::validate() const {
     return invalid_argument("hardware.nic.efficiency = {} is outside (0, 1]", h.nic_efficiency);
   EPX_RETURN_IF_ERROR(at_least("hardware.nic.latency", h.nic_latency, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.comm.message_overhead", h.message_overhead, 0));
+  EPX_RETURN_IF_ERROR(at_least("hardware.comm.forward_sm_bandwidth", h.forward_sm_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.copy_bandwidth", h.host_copy_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.nic_copies", h.host_nic_copies, 1));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.cores", h.host_cores, 0));
@@ -319,6 +330,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(one_of("model.grad_dtype", m.grad_dtype, {"f32", "bf16"}));
   EPX_RETURN_IF_ERROR(at_least("model.embedding_params", static_cast<double>(m.embedding_params), 0));
   EPX_RETURN_IF_ERROR(at_least("model.head_params", static_cast<double>(m.head_params), 0));
+  EPX_RETURN_IF_ERROR(one_of("model.activation_dtype", m.activation_dtype, {"fp8", "bf16", "f32"}));
 
   const ParallelismConfig& p = parallelism;
   EPX_RETURN_IF_ERROR(at_least("parallelism.pp_stages", p.pp_stages, 1));
@@ -335,12 +347,18 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("parallelism.micro_batches", p.micro_batches, 1));
   if (p.tokens_per_gpu < 1 || p.tokens_per_gpu > (int64_t{1} << 24))
     return invalid_argument("parallelism.tokens_per_gpu = {} is outside [1, {}]", p.tokens_per_gpu, int64_t{1} << 24);
-  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat"}));
+  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat", "low_latency"}));
   if (p.dispatch == "two_hop" && !cluster.rail_aligned && p.ep > cluster.gpus_per_node)
     return invalid_argument("parallelism.dispatch = 'two_hop' needs cluster.rail_aligned = true");
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));
   EPX_RETURN_IF_ERROR(at_least("parallelism.grad_bucket_bytes", static_cast<double>(p.grad_bucket_bytes), 0));
   EPX_RETURN_IF_ERROR(one_of("parallelism.allreduce", p.allreduce, {"ring", "hierarchical", "auto", "allgather", "chunked"}));
+
+  const OptimizerConfig& o = optimizer;
+  EPX_RETURN_IF_ERROR(one_of("optimizer.kind", o.kind, {"adamw", "none"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.master_dtype", o.master_dtype, {"f32", "bf16"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.moment_dtype", o.moment_dtype, {"f32", "bf16"}));
+  EPX_RETURN_IF_ERROR(one_of("optimizer.weight_copy_dtype", o.weight_copy_dtype, {"none", "bf16", "fp8"}));
 
   const RoutingConfig& r = routing;
   EPX_RETURN_IF_ERROR(one_of("routing.distribution", r.distribution, {"uniform", "zipf", "lognormal", "trace"}));
@@ -348,7 +366,8 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("routing.lognormal_sigma", r.lognormal_sigma, 0));
   EPX_RETURN_IF_ERROR(at_least("routing.drift", r.drift, 0));
   if (r.distribution == "trace" && r.trace.empty())
-    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a JSON Lines file)");
+    return invalid_argument("routing.distribution = 'trace' needs routing.trace (a file of per-expert token counts)");
+  EPX_RETURN_IF_ERROR(one_of("routing.trace_format", r.trace_format, {"auto", "jsonl", "counts"}));
   if (r.sample_tokens < 1 || r.sample_tokens > 65536)
     return invalid_argument("routing.sample_tokens = {} is outside [1, 65536]", r.sample_tokens);
 

@@ -14,6 +14,8 @@
 #include "epx/routing/expert_bias.h"
 #include "epx/sim/cost.h"
 #include "epx/sim/grad_sync.h"
+#include "epx/sim/optimizer.h"
+#include "epx/sim/pipeline.h"
 #include "epx/sim/traffic.h"
 #include "core/guard.h"
 #include "sim/parallel.h"
@@ -201,6 +203,7 @@ class Simulator {
   struct StageSync {
     GroupShape edp, world;
     GradientBytes bytes;
+    OptimizerCost optimizer;
   };
   std::vector<StageSync> stage_sync_;
 
@@ -227,7 +230,8 @@ class Simulator {
 Status Simulator::load_trace() {
   std::ifstream in(s_.routing.trace);
   if (!in) return not_found("routing.trace = '{}' cannot be opened", s_.routing.trace);
-  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts));
+  EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts, s_.model.topk,
+                                                              s_.routing.trace_format));
   trace_layers_ = trace.num_layers;
   trace_pop_ = std::move(trace.log_popularity);
   return Status::ok();
@@ -336,17 +340,17 @@ Status Simulator::route_layer(int step, int layer, int group, const Topology& to
   for (int e = 0; e < m.experts; ++e) unit->load[slot][e] += traffic->expert_load[e];
   unit->dropped[slot] += traffic->num_dropped;
 
-  const bool two_hop = s_.parallelism.dispatch == "two_hop" && topo.num_nodes() > 1;
+  const Kernel kernel = kernel_of(s_.parallelism.dispatch, topo.num_nodes());
   EPX_ASSIGN_OR_RETURN(int64_t disp_bytes, row_bytes(m.dispatch_dtype, m.hidden));
   EPX_ASSIGN_OR_RETURN(int64_t comb_bytes, row_bytes(m.combine_dtype, m.hidden));
   EPX_ASSIGN_OR_RETURN(int64_t remote_bytes,
                        row_bytes(m.combine_remote_dtype.empty() ? m.combine_dtype : m.combine_remote_dtype, m.hidden));
   const HardwareProfile& h = s_.hardware;
-  costs->dispatch = all_to_all(*traffic, topo, h, {two_hop, false, double(disp_bytes), 0});
-  costs->combine = all_to_all(*traffic, topo, h, {two_hop, true, double(comb_bytes), double(remote_bytes)});
+  costs->dispatch = all_to_all(*traffic, topo, h, {kernel, false, double(disp_bytes), 0});
+  costs->combine = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes)});
   // Backward moves gradients in the combine dtype both ways.
-  costs->dispatch_bwd = all_to_all(*traffic, topo, h, {two_hop, false, double(comb_bytes), double(remote_bytes)});
-  costs->combine_bwd = all_to_all(*traffic, topo, h, {two_hop, true, double(comb_bytes), double(remote_bytes)});
+  costs->dispatch_bwd = all_to_all(*traffic, topo, h, {kernel, false, double(comb_bytes), double(remote_bytes)});
+  costs->combine_bwd = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes)});
   costs->slot_rows = traffic->slot_rows;
   costs->slots_per_gpu = static_cast<int>(traffic->slot_rows.size()) / R_;
   costs->moe = true;
@@ -385,7 +389,7 @@ void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, st
   const std::vector<Task> dense_prog = {Task{Kind::kDense, 0, 1.0, {}, true}};
   const std::vector<Task>& program = c.moe ? prog : dense_prog;
   const int n = static_cast<int>(program.size());
-  const double slow = static_cast<double>(s_.hardware.sms) / (s_.hardware.sms - s_.hardware.comm_sms);
+  const double slow = compute_slowdown(s_.hardware, kernel_of(s_.parallelism.dispatch, s_.cluster.nodes));
   std::vector<std::vector<double>> finish(n, std::vector<double>(R_, 0.0));
   for (int i = 0; i < n; ++i) {
     const Task& t = program[i];
@@ -494,8 +498,11 @@ Status Simulator::prepare_grad_sync() {
   EPX_ASSIGN_OR_RETURN(Topology topo, stage_topology(s_));
   EPX_ASSIGN_OR_RETURN(ParallelLayout layout, ParallelLayout::create(topo, s_.parallelism.ep));
   stage_sync_.clear();
-  for (int stage = 0; stage < s_.parallelism.pp_stages; ++stage)
-    stage_sync_.push_back({edp_shape(layout, topo), world_shape(topo), gradient_bytes(s_, stage)});
+  for (int stage = 0; stage < s_.parallelism.pp_stages; ++stage) {
+    StageSync ss{edp_shape(layout, topo), world_shape(topo), gradient_bytes(s_, stage), {}};
+    ss.optimizer = optimizer_cost(s_, parameters_held(s_, stage), ss.edp, ss.world);
+    stage_sync_.push_back(std::move(ss));
+  }
   return Status::ok();
 }
 
@@ -587,6 +594,7 @@ Status Simulator::run_step(int step, const Topology& topo, SimResult* result,
   double exposed_sum = 0, comm_sum = 0;
   int64_t gpus = 0;
   std::array<double, kNumKinds> kinds{};
+  double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
   for (auto& v : step_load_) std::fill(v.begin(), v.end(), 0);
   std::fill(dropped_.begin(), dropped_.end(), 0);
   for (int stage = 0; stage < pp; ++stage) {
@@ -618,16 +626,23 @@ Status Simulator::run_step(int step, const Topology& topo, SimResult* result,
     if (train) {
       const StageSync& ss = stage_sync_[stage];
       GradSyncResult sync = schedule_grad_sync({ss.bytes, layer_bwd_end, bwd_start, stage_end, ss.edp, ss.world}, s_);
-      if (stage == 0 || sync.exposed_s > st.grad_exposed_s) {
+      const double tail = sync.exposed_s + ss.optimizer.seconds();
+      if (stage == 0 || tail > tail_s) {
+        tail_s = tail;
         st.grad_sync_s = sync.busy_s;
         st.grad_exposed_s = sync.exposed_s;
         st.grad_hidden = sync.hidden_share;
+        st.optimizer_s = ss.optimizer.update_s;
+        st.param_gather_s = ss.optimizer.gather_s;
       }
       if (step == 0 && stage == 0) result->grad_sync = std::move(sync);
     }
   }
-  // The gradient all-reduce ends the step: what the last unit's backward does not hide.
-  st.step_s = (units_ + pp - 1) * st.stage_s + st.grad_exposed_s;
+  // 1F1B with the transfers between stages; then what the last unit's
+  // backward does not hide of the all-reduce, and the optimizer.
+  st.pp_transfer_s = (units_ + pp - 1) * result->pipeline.per_unit_s;
+  st.step_s = (units_ + pp - 1) * st.stage_s + st.pp_transfer_s + st.grad_exposed_s + st.optimizer_s +
+              st.param_gather_s;
   st.worst_idle = *std::max_element(idle.begin(), idle.end());
   st.mean_idle = std::accumulate(idle.begin(), idle.end(), 0.0) / static_cast<double>(idle.size());
   st.exposed_comm = exposed_sum / static_cast<double>(gpus);
@@ -650,6 +665,7 @@ Result<SimResult> Simulator::run() {
   const bool train = s_.parallelism.mode == "train";
   EPX_ASSIGN_OR_RETURN(Topology topo, Topology::create(R_, nodes_per_group_));
   SimResult result;
+  EPX_ASSIGN_OR_RETURN(result.pipeline, pipeline_transfer(s_));
   result.sampled_tokens = static_cast<int>(std::min<int64_t>(T_, s_.routing.sample_tokens));
   result.sample_scale = static_cast<double>(T_) / result.sampled_tokens;
   result.simulated_groups = groups_;
@@ -677,11 +693,15 @@ Result<SimResult> Simulator::run() {
   sum.grad_sync_s = collect(&StepStats::grad_sync_s);
   sum.grad_exposed_s = collect(&StepStats::grad_exposed_s);
   sum.grad_hidden = collect(&StepStats::grad_hidden);
+  sum.pp_transfer_s = collect(&StepStats::pp_transfer_s);
+  sum.optimizer_s = collect(&StepStats::optimizer_s);
+  sum.param_gather_s = collect(&StepStats::param_gather_s);
   if (train) {
     result.edp_ranks = stage_sync_[0].edp.num_ranks;
     result.dp_ranks = stage_sync_[0].world.num_ranks;
     result.expert_grad_bytes = stage_sync_[0].bytes.expert();
     result.dense_grad_bytes = stage_sync_[0].bytes.dense();
+    result.optimizer = stage_sync_[0].optimizer;
   }
   for (int k = 0; k < kNumKinds; ++k)
     if (kind_total[k] > 0) sum.phase_s.emplace_back(kKindNames[k], kind_total[k] / s_.run.steps);

@@ -95,9 +95,12 @@ TEST(Simulator, PipelineBubbleMultipliesTheSlowestStage) {
   s.run.steps = 1;
   auto r = simulate(s);
   ASSERT_TRUE(r.is_ok()) << r.status().message();
-  // Then the gradient all-reduce the last unit's backward leaves exposed (dense, over each stage's 8 GPUs).
-  EXPECT_GT(r->steps[0].grad_exposed_s, 0.0);
-  EXPECT_NEAR(r->steps[0].step_s, (4 + 3 - 1) * r->steps[0].stage_s + r->steps[0].grad_exposed_s, 1e-15);
+  // Plus the transfers between stages, then the gradient all-reduce the last
+  // unit's backward leaves exposed (dense, over each stage's 8 GPUs) and the optimizer.
+  const StepStats& st = r->steps[0];
+  EXPECT_GT(st.grad_exposed_s, 0.0);
+  EXPECT_NEAR(st.pp_transfer_s, (4 + 3 - 1) * r->pipeline.per_unit_s, 1e-15);
+  EXPECT_NEAR(st.step_s, (4 + 3 - 1) * st.stage_s + st.pp_transfer_s + st.grad_exposed_s + st.optimizer_s, 1e-15);
 }
 
 double late_worst_idle(const Scenario& s) {
@@ -207,7 +210,7 @@ TEST(Simulator, AMalformedTraceIsAnErrorNotAnException) {
       {"{\"layers\":[{\"tokens_per_expert\":\"x\"}]}", "bad_trace.jsonl:1: layers[0].tokens_per_expert must list"},
       {"[1]", "bad_trace.jsonl:1: no \"layers\" array"},
       {"\n{\"layers\":[{\"tokens_per_expert\":[1e400]}]}", "bad_trace.jsonl:2: not JSON"},
-      {negative, "bad_trace.jsonl:1: layers[0].tokens_per_expert[7] is not a finite count >= 0"},
+      {negative, "bad_trace.jsonl:1: layers[0].tokens_per_expert[7] = -1 is not a finite count >= 0"},
   };
   for (const auto& [line, expected] : cases) {
     std::ofstream(path) << line << "\n";

@@ -55,6 +55,9 @@ struct GradientBytes {
   [[nodiscard]] double dense() const;    // layers + embedding + head
 };
 GradientBytes gradient_bytes(const Scenario& scenario, int stage);
+// The same shape in parameters (one per element): what one rank of `stage`
+// holds and its optimizer updates.
+GradientBytes parameters_held(const Scenario& scenario, int stage);
 
 // The shape of one all-reduce group and how many like it share a node's NIC.
 struct GroupShape {
@@ -77,6 +80,14 @@ struct AllReduceCost {
 // algorithm: "ring", "hierarchical", "auto", "allgather" or "chunked".
 AllReduceCost all_reduce_cost(double bytes, const GroupShape& group, const HardwareProfile& hardware,
                               const std::string& algorithm);
+// A reduce-scatter or an all-gather of B bytes (ZeRO-1): each is one half of
+// the algorithm's all-reduce (ring, chunked, hierarchical are a reduce-scatter
+// then an all-gather), so half its time and bytes; algorithm "... reduce-scatter"
+// or "... all-gather".
+AllReduceCost half_all_reduce_cost(double bytes, const GroupShape& group, const HardwareProfile& hardware,
+                                   const std::string& algorithm, const char* which);
+// What a gradient bucket costs: the all-reduce, or with optimizer.zero the reduce-scatter.
+AllReduceCost gradient_reduce_cost(double bytes, const GroupShape& group, const Scenario& scenario);
 
 // One bucket on the gradient stream.
 struct Bucket {

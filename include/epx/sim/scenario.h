@@ -36,6 +36,10 @@ struct HardwareProfile {
   double gemm_half_rows = 64;      // rows per expert at which the share is half of that
   int gemm_tile = 128;             // rows of one expert are padded to a multiple of this
   double hbm_bandwidth = 0;        // read + write traffic
+  // Memory traffic per second the optimizer step reaches on one GPU; 0 =
+  // hbm_bandwidth (a fused AdamW is memory-bound). Emulated hosts: the rate
+  // epx train's AdamW reaches on one core (it is compute-bound there).
+  double optimizer_bandwidth = 0;
   double nvlink_bandwidth = 0;     // effective, per direction
   double nvlink_efficiency = 1.0;  // share of nvlink_bandwidth an all-to-all reaches (calibrated)
   double nvlink_latency = 0;       // once per all-to-all that uses NVLink
@@ -43,9 +47,9 @@ struct HardwareProfile {
   double nic_bandwidth = 0;        // per NIC, per direction
   double nic_efficiency = 1.0;     // share an all-to-all reaches (calibrated)
   double nic_latency = 0;          // once per all-to-all that crosses nodes
-  // Two-hop: the (token, own node) rows also pass the NIC stage (staged and
-  // put like remote ones, as a loopback) instead of only the remote ones.
-  bool nic_stages_local_node = false;
+  // Two-hop: bytes per second one forwarding SM copies (comm_sms / 2 of them
+  // forward on each GPU; DeepEP internode.cu). 0 = no such limit.
+  double forward_sm_bandwidth = 0;
   double message_overhead = 0;     // per (source, destination) message a GPU issues
   int comm_sms = 0;                // cores the communication kernels take while they run
   // Emulated clusters (the in-process backend): every link is a CPU copy on
@@ -88,6 +92,7 @@ struct ModelConfig {
   std::string grad_dtype = "f32";        // gradients as all-reduced: f32 or bf16
   int64_t embedding_params = 0;          // input embedding (dense, all ranks; first stage)
   int64_t head_params = 0;               // output head (dense, all ranks; last stage), final norm added
+  std::string activation_dtype = "bf16"; // hidden states sent between pipeline stages: fp8, bf16 or f32
 };
 
 struct ParallelismConfig {
@@ -95,7 +100,7 @@ struct ParallelismConfig {
   int pp_stages = 1;
   int micro_batches = 1;           // per step, per pipeline
   int64_t tokens_per_gpu = 4096;   // per micro-batch
-  std::string dispatch = "two_hop";  // two_hop or flat
+  std::string dispatch = "two_hop";  // two_hop, flat or low_latency
   std::string mode = "train";        // train (forward + backward) or forward
   // Gradient all-reduces (grad_sync.h): routed experts over the EDP group
   // (GPUs per stage / ep), dense parameters over all GPUs of the stage.
@@ -106,6 +111,22 @@ struct ParallelismConfig {
   // or chunked (epx's MPI transport: all-to-all of chunks, rank-order sums,
   // all-gather).
   std::string allreduce = "auto";
+  // Pipeline stages send each micro-batch's activations forward and their
+  // gradients back (pipeline.h); false leaves the transfers out.
+  bool pp_transfers = true;
+};
+
+// The optimizer step after the gradient all-reduce (optimizer.h): AdamW's
+// memory traffic over the parameters a GPU holds.
+struct OptimizerConfig {
+  std::string kind = "adamw";             // adamw, or none (no optimizer step in the step time)
+  std::string master_dtype = "f32";       // the weights it updates: f32 or bf16
+  std::string moment_dtype = "f32";       // AdamW's two moments: f32 or bf16 (DeepSeek-V3: bf16)
+  std::string weight_copy_dtype = "none"; // a compute copy written after the update: none, bf16 or fp8
+  // ZeRO-1: the optimizer state sharded over each data-parallel group (EDP for
+  // routed experts, the stage for dense parameters); gradients are then
+  // reduce-scattered instead of all-reduced and the updated weights all-gathered.
+  bool zero = false;
 };
 
 struct RoutingConfig {
@@ -113,7 +134,8 @@ struct RoutingConfig {
   double zipf_s = 1.0;
   double lognormal_sigma = 1.0;
   double drift = 0.0;       // per step: log-popularity random walk step (std)
-  std::string trace;        // JSON Lines as `epx train --metrics` writes
+  std::string trace;        // per-expert token counts (docs/simulator.md "Routing traces")
+  std::string trace_format = "auto";  // auto (by content), jsonl (epx train --metrics) or counts
   uint64_t seed = 1;
   int sample_tokens = 128;  // tokens per GPU routed one by one; counts are scaled to tokens_per_gpu
 };
@@ -144,6 +166,7 @@ struct Scenario {
   ClusterConfig cluster;
   ModelConfig model;
   ParallelismConfig parallelism;
+  OptimizerConfig optimizer;
   RoutingConfig routing;
   BalancingConfig balancing;
   ScheduleConfig schedule;

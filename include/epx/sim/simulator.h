@@ -13,8 +13,10 @@
 // each GPU after its own cost; compute that runs while communication is in
 // flight is slowed by sms / (sms - comm_sms). Backward (mode = train) runs the
 // same schedule in reverse order with twice the FLOPs. A step is
-// (units + pp_stages - 1) x the slowest stage's time (1F1B bubble), where a
-// unit is one micro-batch (two for two_micro_batch).
+// (units + pp_stages - 1) x (the slowest stage's time + the activation
+// transfers between stages) (1F1B bubble), where a unit is one micro-batch
+// (two for two_micro_batch), then the gradient all-reduce the backward left
+// exposed and the optimizer step (pipeline.h, grad_sync.h, optimizer.h).
 //
 // Deterministic for a scenario; independent of run.threads.
 //
@@ -29,6 +31,8 @@
 #include "epx/core/status.h"
 #include "epx/core/trace.h"
 #include "epx/sim/grad_sync.h"
+#include "epx/sim/optimizer.h"
+#include "epx/sim/pipeline.h"
 #include "epx/sim/scenario.h"
 
 namespace epx::sim {
@@ -50,6 +54,11 @@ struct StepStats {
   double grad_sync_s = 0;
   double grad_exposed_s = 0;
   double grad_hidden = 1;
+  // The rest of the whole step (docs/simulator.md "The whole step"):
+  // step_s = (units + pp - 1) x stage_s + pp_transfer_s + grad_exposed_s + optimizer_s + param_gather_s.
+  double pp_transfer_s = 0;   // activation transfers between stages on the 1F1B critical path
+  double optimizer_s = 0;     // the optimizer's update after the all-reduce (the stage that ends last)
+  double param_gather_s = 0;  // ZeRO-1: the updated weights' all-gathers
 };
 
 struct Percentiles {
@@ -59,6 +68,7 @@ struct Percentiles {
 struct Summary {
   Percentiles step_s, worst_idle, exposed_comm, comm_share, tokens_per_s_per_gpu, mfu, max_vio;
   Percentiles grad_sync_s, grad_exposed_s, grad_hidden;
+  Percentiles pp_transfer_s, optimizer_s, param_gather_s;
   // Mean seconds per GPU per step in each task kind ("attention", "router",
   // "dispatch", "shared", "experts", "combine", "dense"), forward + backward.
   std::vector<std::pair<std::string, double>> phase_s;
@@ -82,6 +92,8 @@ struct SimResult {
   int edp_ranks = 0, dp_ranks = 0;
   double expert_grad_bytes = 0, dense_grad_bytes = 0;
   GradSyncResult grad_sync;
+  PipelineTransfer pipeline;   // one transfer between stages (pp > 1)
+  OptimizerCost optimizer;     // the first stage's optimizer step (training)
 };
 
 struct SimOptions {
