@@ -345,6 +345,26 @@ int run_calibrate(const SimOptions& o) {
   return kExitOk;
 }
 
+// One row of the predictions table: DeepEP's shape through `kernel` on
+// `nodes` x 8 GPUs, with the bandwidth DeepEP's own test would print.
+Result<std::vector<std::string>> prediction_row(const sim::HardwareProfile& h, const std::string& kernel, int nodes,
+                                                int tokens) {
+  EPX_ASSIGN_OR_RETURN(sim::ExchangeEstimate e, sim::estimate_exchange(sim::deepep_scenario(h, nodes, tokens, kernel)));
+  double disp = e.dispatch_node_bw, comb = e.combine_node_bw;
+  std::string per = "(token, node) x row / t (RDMA)";
+  if (kernel == "low_latency") {
+    disp = e.dispatch_selection_bw, comb = e.combine_selection_bw;
+    per = "(token, expert) x msg / t";
+  } else if (nodes == 1) {
+    disp = e.dispatch_rank_bw, comb = e.combine_rank_bw;
+    per = "(token, rank) x row / t (NVL)";
+  }
+  const std::string name = kernel == "low_latency" ? "low-latency" : nodes == 1 ? "normal (intranode)" : "normal (two-hop)";
+  return std::vector<std::string>{name, fmt::format("EP{}", nodes * 8), fmt::format("{}", tokens),
+                                  fmt::format("{:.1f}", 1e6 * e.dispatch_s), fmt::format("{:.1f}", 1e6 * e.combine_s),
+                                  fmt::format("{:.1f}", disp / 1e9), fmt::format("{:.1f}", comb / 1e9), per};
+}
+
 int run_fit(const SimOptions& o) {
   sim::Scenario s;
   Status st = sim::load_hardware(o.fit_profile, &s);
@@ -352,42 +372,44 @@ int run_fit(const SimOptions& o) {
     fmt::print(stderr, "epx sim fit: {}\n", st.message());
     return kExitUsage;
   }
-  if (o.fit_stages_local_node != "profile") s.hardware.nic_stages_local_node = o.fit_stages_local_node == "true";
   auto fit = sim::fit_deepep(s.hardware);
   if (!fit.is_ok()) {
     fmt::print(stderr, "epx sim fit: {}\n", fit.status().message());
     return kExitFailed;
   }
-  fmt::print("fitted on DeepEP's published points ({}; nic.stages_local_node = {}):\n  nvlink.efficiency = {:.4f}\n"
-             "  nic.efficiency = {:.4f}\n\n",
-             s.hardware.name, s.hardware.nic_stages_local_node, fit->nvlink_efficiency, fit->nic_efficiency);
+  fmt::print("fitted on DeepEP's published points ({}):\n  nvlink.efficiency = {:.4f}   (EP8)\n"
+             "  comm.forward_sm_bandwidth = {:.4g}   (EP16; x {} forwarding SMs = {:.1f} GB/s per GPU)\n"
+             "  not fitted: nic.efficiency = {:.4f} ({:.1f} GB/s), latencies, message_overhead\n",
+             s.hardware.name, fit->nvlink_efficiency, fit->forward_sm_bandwidth, std::max(1, s.hardware.comm_sms / 2),
+             fit->forward_sm_bandwidth * std::max(1, s.hardware.comm_sms / 2) / 1e9, s.hardware.nic_efficiency,
+             s.hardware.nic_bandwidth * s.hardware.nic_efficiency / 1e9);
+  const double nvl = s.hardware.nvlink_bandwidth * fit->nvlink_efficiency;
+  fmt::print("  check (not fitted): the forwarding SMs' fitted rate is {:.3f} x the NVLink rate fitted on EP8 ({:.1f} "
+             "GB/s)\n\n",
+             fit->forward_sm_bandwidth * std::max(1, s.hardware.comm_sms / 2) / nvl, nvl / 1e9);
   std::vector<std::vector<std::string>> rows;
   for (const auto& p : fit->points)
-    rows.push_back({p.name, fmt::format("{:.1f}", p.published_gbs), fmt::format("{:.1f}", p.fitted_gbs)});
-  fmt::print("{}\n", format_table({"calibration point", "published GB/s", "model GB/s"}, rows));
+    rows.push_back({p.name, fmt::format("{:.1f}", p.published_gbs), fmt::format("{:.1f}", p.fitted_gbs),
+                    fmt::format("{:+.2f}%", 100 * (p.fitted_gbs / p.published_gbs - 1))});
+  fmt::print("{}\n", format_table({"calibration point", "published GB/s", "model GB/s", "residual"}, rows));
   // Predictions, nothing fitted: other EP sizes and the decode shape.
   s.hardware.nvlink_efficiency = fit->nvlink_efficiency;
-  s.hardware.nic_efficiency = fit->nic_efficiency;
+  s.hardware.forward_sm_bandwidth = fit->forward_sm_bandwidth;
   rows.clear();
-  for (int tokens : {4096, 128}) {
-    for (int nodes : {1, 2, 4, 8}) {
-      auto e = sim::estimate_exchange(sim::deepep_scenario(s.hardware, nodes, tokens));
-      if (!e.is_ok()) {
-        fmt::print(stderr, "epx sim fit: {}\n", e.status().message());
+  const std::vector<std::pair<std::string, int>> cases = {{"two_hop", 4096}, {"two_hop", 128}, {"low_latency", 128}};
+  for (const auto& [kernel, tokens] : cases)
+    for (int nodes : {1, 2, 4, 8, 16, 32}) {
+      auto row = prediction_row(s.hardware, kernel, nodes, tokens);
+      if (!row.is_ok()) {
+        fmt::print(stderr, "epx sim fit: {}\n", row.status().message());
         return kExitFailed;
       }
-      const bool intra = nodes == 1;
-      rows.push_back({fmt::format("EP{}", nodes * 8), fmt::format("{}", tokens),
-                      fmt::format("{:.1f}", 1e6 * e->dispatch_s), fmt::format("{:.1f}", 1e6 * e->combine_s),
-                      fmt::format("{:.1f}", (intra ? e->dispatch_rank_bw : e->dispatch_node_bw) / 1e9),
-                      fmt::format("{:.1f}", (intra ? e->combine_rank_bw : e->combine_node_bw) / 1e9),
-                      intra ? "rank (NVLink)" : "node (RDMA)"});
+      rows.push_back(*row);
     }
-  }
-  fmt::print("predictions with the fitted efficiencies (DeepEP shape: hidden 7168, top-8 of 256, <= 4 nodes per "
-             "token, fp8 dispatch, bf16 combine):\n{}",
-             format_table({"EP", "tokens/rank", "dispatch us", "combine us", "dispatch GB/s", "combine GB/s",
-                           "GB/s counts pairs per"},
+  fmt::print("predictions with the fitted parameters (DeepEP's test shapes: hidden 7168, top-8 of 256, fp8 dispatch, "
+             "bf16 combine; normal: <= 4 nodes per token):\n{}",
+             format_table({"kernel", "EP", "tokens/rank", "dispatch us", "combine us", "dispatch GB/s", "combine GB/s",
+                           "GB/s counts"},
                           rows));
   return kExitOk;
 }
@@ -483,11 +505,6 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "Fit the link model's efficiencies (nvlink, nic) of a profile on DeepEP's published EP8/EP16 points, then "
       "predict other EP sizes and the decode shape (128 tokens per rank) without fitting");
   c.fit->add_option("--profile", o.fit_profile, "Hardware profile (H800: the GPU DeepEP measured on)")
-      ->capture_default_str();
-  c.fit->add_option("--nic-stages-local-node", o.fit_stages_local_node,
-                    "Whether two-hop rows for the sender's own node also pass its NIC stage: true, false, or the "
-                    "profile's hardware.nic.stages_local_node")
-      ->check(CLI::IsMember({"profile", "true", "false"}))
       ->capture_default_str();
 
   c.predict = sim->add_subcommand(

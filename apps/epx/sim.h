@@ -26,7 +26,6 @@ struct SimOptions {
   std::string calibrate_out;
   // fit
   std::string fit_profile = "configs/hardware/h800.toml";
-  std::string fit_stages_local_node = "profile";  // profile, true or false
   // predict-exchange
   std::string profile_path;
   int tokens = 4096;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -23,7 +24,7 @@ struct Prepared {
   Topology topology;
   GroupTraffic traffic;
   int64_t dispatch_bytes = 0, combine_bytes = 0, remote_bytes = 0;
-  bool two_hop = false;
+  Kernel kernel = Kernel::kFlat;
 };
 
 Result<Prepared> prepare(const Scenario& s) {
@@ -44,7 +45,7 @@ Result<Prepared> prepare(const Scenario& s) {
   q.sample_tokens = s.routing.sample_tokens;
   q.seed = s.routing.seed;
   q.threads = s.run.threads > 0 ? s.run.threads : std::max(1u, std::thread::hardware_concurrency());
-  Prepared p{topo, {}, 0, 0, 0, s.parallelism.dispatch == "two_hop" && nodes > 1};
+  Prepared p{topo, {}, 0, 0, 0, kernel_of(s.parallelism.dispatch, nodes)};
   EPX_RETURN_IF_ERROR(route_group(q, &p.traffic));
   EPX_ASSIGN_OR_RETURN(p.dispatch_bytes, row_bytes(m.dispatch_dtype, m.hidden));
   EPX_ASSIGN_OR_RETURN(p.combine_bytes, row_bytes(m.combine_dtype, m.hidden));
@@ -57,12 +58,14 @@ ExchangeEstimate estimate(const Prepared& p, const HardwareProfile& h) {
   const GroupTraffic& t = p.traffic;
   const int R = t.num_ranks;
   const double disp = static_cast<double>(p.dispatch_bytes), comb = static_cast<double>(p.combine_bytes);
-  const AllToAllCost d = all_to_all(t, p.topology, h, {p.two_hop, false, disp, 0});
-  const AllToAllCost c = all_to_all(t, p.topology, h, {p.two_hop, true, comb, static_cast<double>(p.remote_bytes)});
+  const AllToAllCost d = all_to_all(t, p.topology, h, {p.kernel, false, disp, 0});
+  const AllToAllCost c = all_to_all(t, p.topology, h, {p.kernel, true, comb, static_cast<double>(p.remote_bytes)});
+  const std::vector<double> per_row = experts_per_row(t);
   ExchangeEstimate e;
   for (int g = 0; g < R; ++g) {
-    double ranks = 0, node_pairs = 0;
+    double ranks = 0, node_pairs = 0, selections = 0;
     for (int r = 0; r < R; ++r) ranks += t.pair(g, r);
+    for (int r = 0; r < R; ++r) selections += t.pair(g, r) * per_row[r];
     for (int n = 0; n < t.num_nodes; ++n) node_pairs += t.node_pair(g, n);
     e.dispatch_s = std::max(e.dispatch_s, d.time(g));
     e.combine_s = std::max(e.combine_s, c.time(g));
@@ -70,25 +73,35 @@ ExchangeEstimate estimate(const Prepared& p, const HardwareProfile& h) {
     e.combine_rank_bw += ranks * comb / c.time(g) / R;
     e.dispatch_node_bw += node_pairs * disp / d.time(g) / R;
     e.combine_node_bw += node_pairs * comb / c.time(g) / R;
+    e.dispatch_selection_bw += selections * (disp + kLowLatencyHeaderBytes) / d.time(g) / R;
+    e.combine_selection_bw += selections * comb / c.time(g) / R;
     e.rank_pairs += ranks / R;
     e.node_pairs += node_pairs / R;
+    e.selections += selections / R;
     e.bytes_dispatched += ranks * disp;
   }
   return e;
 }
 
-// The efficiency in [1e-3, 1] at which the mean of the model's dispatch and
-// combine bandwidths (as `measure` reads them) equals `target`, by bisection:
-// the bandwidth grows with the efficiency.
-double bisect(const Prepared& p, HardwareProfile h, double HardwareProfile::*eff, double target,
-              double (*measure)(const ExchangeEstimate&)) {
-  double lo = 1e-3, hi = 1.0;
-  for (int i = 0; i < 50; ++i) {
-    h.*eff = 0.5 * (lo + hi);
-    (measure(estimate(p, h)) < target ? lo : hi) = h.*eff;
+// The value of h.*param in [lo, hi] at which `measure` of the model's
+// estimate equals `target`, by bisection on a log scale: the bandwidth grows
+// with the parameter. An error if the target is out of reach there.
+Result<double> bisect(const Prepared& p, HardwareProfile h, double HardwareProfile::*param, double lo, double hi,
+                      double target, double (*measure)(const ExchangeEstimate&), const char* name) {
+  h.*param = hi;
+  if (measure(estimate(p, h)) < target * (1 - 1e-6))
+    return invalid_argument("{} = {:.4g} (its upper limit) gives {:.2f} GB/s, below the {:.2f} GB/s to fit: another "
+                            "stage binds there",
+                            name, hi, measure(estimate(p, h)) / 1e9, target / 1e9);
+  for (int i = 0; i < 60; ++i) {
+    h.*param = std::sqrt(lo * hi);
+    (measure(estimate(p, h)) < target ? lo : hi) = h.*param;
   }
-  return 0.5 * (lo + hi);
+  return std::sqrt(lo * hi);
 }
+
+double mean_rank_bw(const ExchangeEstimate& e) { return 0.5 * (e.dispatch_rank_bw + e.combine_rank_bw); }
+double mean_node_bw(const ExchangeEstimate& e) { return 0.5 * (e.dispatch_node_bw + e.combine_node_bw); }
 
 }  // namespace
 
@@ -99,7 +112,7 @@ Result<ExchangeEstimate> estimate_exchange(const Scenario& s) {
   });
 }
 
-Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens) {
+Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens, const std::string& kernel) {
   Scenario s;
   s.hardware = hardware;
   s.cluster.nodes = nodes;
@@ -108,12 +121,16 @@ Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens)
   s.model.hidden = 7168;
   s.model.experts = 256;
   s.model.topk = 8;
-  s.model.groups = nodes;  // node-limited: a group is a node's experts
-  s.model.topk_groups = std::min(4, nodes);
+  // The normal kernels' test routes node-limited (4 nodes per token); the
+  // low-latency test takes the top-8 of all experts.
+  const bool limited = kernel != "low_latency";
+  s.model.groups = limited ? nodes : 1;  // a group is a node's experts
+  s.model.topk_groups = limited ? std::min(4, nodes) : 1;
   s.model.dispatch_dtype = "fp8";
   s.model.combine_dtype = "bf16";
   s.parallelism.ep = nodes * 8;
   s.parallelism.tokens_per_gpu = tokens;
+  s.parallelism.dispatch = kernel;
   s.parallelism.mode = "forward";
   s.routing.sample_tokens = tokens;  // every token routed: no sampling noise
   return s;
@@ -121,20 +138,21 @@ Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens)
 
 Result<LinkFit> fit_deepep(const HardwareProfile& hardware) {
   constexpr double kGB = 1e9;
-  // EP8 (one node) sets the NVLink efficiency so that the mean of dispatch's
-  // and combine's per-rank bandwidth is the mean of the published ones; then
-  // EP16 (two nodes) sets the NIC efficiency from DeepEP's per-node (RDMA)
-  // figure. Latencies stay the profile's; nothing else is fitted.
+  // EP8 (one node, the intranode kernel) sets the NVLink efficiency so that
+  // the mean of dispatch's and combine's per-rank bandwidth is the mean of
+  // the published ones; then EP16 (two nodes, two-hop) sets the forwarding
+  // SMs' copy rate from DeepEP's per-node (RDMA) figure. The NIC efficiency,
+  // latencies and overheads stay the profile's: nothing else is fitted.
   HardwareProfile h = hardware;
   EPX_ASSIGN_OR_RETURN(Prepared ep8, prepare(deepep_scenario(h, 1, 4096)));
   EPX_ASSIGN_OR_RETURN(Prepared ep16, prepare(deepep_scenario(h, 2, 4096)));
-  h.nvlink_efficiency = bisect(ep8, h, &HardwareProfile::nvlink_efficiency, 0.5 * (153 + 158) * kGB,
-                               [](const ExchangeEstimate& e) { return 0.5 * (e.dispatch_rank_bw + e.combine_rank_bw); });
-  h.nic_efficiency = bisect(ep16, h, &HardwareProfile::nic_efficiency, 43 * kGB,
-                            [](const ExchangeEstimate& e) { return 0.5 * (e.dispatch_node_bw + e.combine_node_bw); });
+  EPX_ASSIGN_OR_RETURN(h.nvlink_efficiency, bisect(ep8, h, &HardwareProfile::nvlink_efficiency, 1e-3, 1.0,
+                                                   0.5 * (153 + 158) * kGB, mean_rank_bw, "nvlink.efficiency"));
+  EPX_ASSIGN_OR_RETURN(h.forward_sm_bandwidth, bisect(ep16, h, &HardwareProfile::forward_sm_bandwidth, 1e6, 1e13,
+                                                      43 * kGB, mean_node_bw, "comm.forward_sm_bandwidth"));
   LinkFit fit;
   fit.nvlink_efficiency = h.nvlink_efficiency;
-  fit.nic_efficiency = h.nic_efficiency;
+  fit.forward_sm_bandwidth = h.forward_sm_bandwidth;
   const ExchangeEstimate a = estimate(ep8, h), b = estimate(ep16, h);
   fit.points.push_back({"EP8 dispatch (NVLink)", 153, a.dispatch_rank_bw / kGB});
   fit.points.push_back({"EP8 combine (NVLink)", 158, a.combine_rank_bw / kGB});

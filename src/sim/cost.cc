@@ -4,6 +4,35 @@
 #include <cmath>
 
 namespace epx::sim {
+
+Kernel kernel_of(std::string_view dispatch, int nodes) {
+  if (dispatch == "low_latency") return Kernel::kLowLatency;
+  return dispatch == "two_hop" && nodes > 1 ? Kernel::kTwoHop : Kernel::kFlat;
+}
+
+double compute_slowdown(const HardwareProfile& h, Kernel kernel) {
+  if (kernel == Kernel::kLowLatency) return 1.0;
+  return static_cast<double>(h.sms) / (h.sms - h.comm_sms);
+}
+
+double forward_bandwidth(const HardwareProfile& h) {
+  return h.forward_sm_bandwidth * std::max(1, h.comm_sms / 2);
+}
+
+std::vector<double> experts_per_row(const GroupTraffic& tr) {
+  const int R = tr.num_ranks;
+  std::vector<double> ratio(R, 1.0);
+  if (tr.slot_rows.empty() || tr.slot_rows.size() % R != 0) return ratio;
+  const std::size_t per_gpu = tr.slot_rows.size() / R;
+  for (int d = 0; d < R; ++d) {
+    double expert_rows = 0, rank_rows = 0;
+    for (std::size_t e = 0; e < per_gpu; ++e) expert_rows += tr.slot_rows[d * per_gpu + e];
+    for (int s = 0; s < R; ++s) rank_rows += tr.pair(s, d);
+    if (rank_rows > 0) ratio[d] = std::max(1.0, expert_rows / rank_rows);
+  }
+  return ratio;
+}
+
 namespace {
 
 double own_time(const LinkLoad& l, const HardwareProfile& h) {
@@ -11,65 +40,113 @@ double own_time(const LinkLoad& l, const HardwareProfile& h) {
   const double nic = h.nic_bandwidth * h.nic_efficiency * h.nics_per_gpu;
   double t = std::max(l.nvl_out, l.nvl_in) / nvl;
   if (l.nic_out > 0 || l.nic_in > 0) t = std::max(t, std::max(l.nic_out, l.nic_in) / nic);
+  if (l.fwd > 0 && h.forward_sm_bandwidth > 0) t = std::max(t, l.fwd / forward_bandwidth(h));
+  t = std::max(t, std::max(l.nic_messages, l.nic_messages_in) * h.message_overhead);
   return std::max(t, l.self / (h.hbm_bandwidth / 2));
 }
 
-// Bytes on each GPU's links for the dispatch direction.
-std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o,
-                                     bool stage_local) {
+void add_nvlink(std::vector<LinkLoad>& loads, int from, int to, double bytes) {
+  loads[from].nvl_out += bytes;
+  loads[to].nvl_in += bytes;
+  ++loads[from].messages;
+  ++loads[to].messages_in;
+}
+
+void add_nic(std::vector<LinkLoad>& loads, int from, int to, double bytes) {
+  loads[from].nic_out += bytes;
+  loads[to].nic_in += bytes;
+  ++loads[from].messages;
+  ++loads[to].messages_in;
+}
+
+// Flat (DeepEP intranode, epx's backends): each (token, rank) row straight
+// over the link between the two GPUs.
+void flat_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o, double remote,
+                std::vector<LinkLoad>& loads) {
   const int R = topo.num_ranks();
-  const double remote = o.remote_row_bytes > 0 ? o.remote_row_bytes : o.row_bytes;
-  std::vector<LinkLoad> loads(R);
+  for (int s = 0; s < R; ++s)
+    for (int d = 0; d < R; ++d) {
+      const double rows = tr.pair(s, d);
+      if (rows <= 0) continue;
+      if (d == s) loads[s].self += rows * o.row_bytes;
+      else if (topo.node_of(d) == topo.node_of(s)) add_nvlink(loads, s, d, rows * o.row_bytes);
+      else add_nic(loads, s, d, rows * remote);
+    }
+}
+
+// Two-hop (DeepEP internode.cu dispatch): the RDMA stage puts one row per
+// (token, other node) to the GPU of the same local rank there; own-node rows
+// are written straight into the local receive buffer (no NIC). The forwarder
+// of each node (local rank of the source) copies every arriving (token, rank)
+// row to its destination: its forwarding SMs (fwd) and its NVLink.
+void two_hop_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o, double remote,
+                   std::vector<LinkLoad>& loads) {
+  const int R = topo.num_ranks();
   for (int s = 0; s < R; ++s) {
     const int node = topo.node_of(s);
     for (int d = 0; d < R; ++d) {
       const double rows = tr.pair(s, d);
       if (rows <= 0) continue;
-      if (d == s) {
-        loads[s].self += rows * o.row_bytes;
-      } else if (topo.node_of(d) == node) {
-        loads[s].nvl_out += rows * o.row_bytes;
-        loads[d].nvl_in += rows * o.row_bytes;
-        ++loads[s].messages;
-        ++loads[d].messages_in;
-      } else if (!o.two_hop) {
-        loads[s].nic_out += rows * remote;
-        loads[d].nic_in += rows * remote;
-        ++loads[s].messages;
-        ++loads[d].messages_in;
-      } else {
-        // Forwarded by the GPU of s's local rank on d's node.
-        const int f = topo.rank_of(topo.node_of(d), topo.local_rank_of(s));
-        if (f == d) {
-          loads[d].self += rows * o.row_bytes;
-        } else {
-          loads[f].nvl_out += rows * o.row_bytes;
-          loads[d].nvl_in += rows * o.row_bytes;
-          ++loads[f].messages;
-          ++loads[d].messages_in;
-        }
-      }
+      const int f = topo.rank_of(topo.node_of(d), topo.local_rank_of(s));
+      loads[f].fwd += rows * o.row_bytes;
+      if (f == d) loads[d].self += rows * o.row_bytes;
+      else add_nvlink(loads, f, d, rows * o.row_bytes);
     }
-    if (o.two_hop) {
-      for (int n = 0; n < topo.num_nodes(); ++n) {
-        const double rows = tr.node_pair(s, n);
-        if (rows <= 0) continue;
-        if (n == node) {
-          if (stage_local) {  // a loopback through the NIC stage
-            loads[s].nic_out += rows * remote;
-            loads[s].nic_in += rows * remote;
-          }
-          continue;
-        }
-        const int f = topo.rank_of(n, topo.local_rank_of(s));
-        loads[s].nic_out += rows * remote;
-        loads[f].nic_in += rows * remote;
-        ++loads[s].messages;
-        ++loads[f].messages_in;
-      }
+    for (int n = 0; n < topo.num_nodes(); ++n) {
+      const double rows = tr.node_pair(s, n);
+      if (rows > 0 && n != node) add_nic(loads, s, topo.rank_of(n, topo.local_rank_of(s)), rows * remote);
     }
   }
+}
+
+// Low latency (DeepEP internode_ll.cu): one message per (token, expert),
+// directly: to itself a copy, to its node over NVLink, to others the NIC.
+void low_latency_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o,
+                       std::vector<LinkLoad>& loads) {
+  const int R = topo.num_ranks();
+  const double bytes = o.row_bytes + (o.combine ? 0.0 : kLowLatencyHeaderBytes);
+  const std::vector<double> ratio = experts_per_row(tr);
+  for (int s = 0; s < R; ++s)
+    for (int d = 0; d < R; ++d) {
+      const double messages = tr.pair(s, d) * ratio[d];
+      if (messages <= 0) continue;
+      if (d == s) {
+        loads[s].self += messages * bytes;
+      } else if (topo.node_of(d) == topo.node_of(s)) {
+        loads[s].nvl_out += messages * bytes;
+        loads[d].nvl_in += messages * bytes;
+      } else {
+        loads[s].nic_out += messages * bytes;
+        loads[d].nic_in += messages * bytes;
+        loads[s].nic_messages += messages;
+        loads[d].nic_messages_in += messages;
+      }
+    }
+}
+
+std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o) {
+  const double remote = o.remote_row_bytes > 0 ? o.remote_row_bytes : o.row_bytes;
+  std::vector<LinkLoad> loads(topo.num_ranks());
+  if (o.kernel == Kernel::kLowLatency) low_latency_loads(tr, topo, o, loads);
+  else if (o.kernel == Kernel::kTwoHop && topo.num_nodes() > 1) two_hop_loads(tr, topo, o, remote, loads);
+  else flat_loads(tr, topo, o, remote, loads);
   return loads;
+}
+
+void transpose(std::vector<LinkLoad>& loads) {
+  for (LinkLoad& l : loads) {
+    std::swap(l.nvl_out, l.nvl_in);
+    std::swap(l.nic_out, l.nic_in);
+    std::swap(l.nic_messages, l.nic_messages_in);
+    std::swap(l.messages, l.messages_in);
+  }
+}
+
+double latency_of(const LinkLoad& l, const HardwareProfile& h, Kernel kernel) {
+  double latency = kernel == Kernel::kLowLatency ? 0.0 : l.messages * h.message_overhead;
+  if (l.nvl_out > 0 || l.nvl_in > 0) latency += h.nvlink_latency;
+  if (l.nic_out > 0 || l.nic_in > 0) latency += h.nic_latency;
+  return latency;
 }
 
 }  // namespace
@@ -77,14 +154,11 @@ std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& top
 AllToAllCost all_to_all(const GroupTraffic& traffic, const Topology& topology, const HardwareProfile& hardware,
                         const AllToAllOptions& options) {
   const int R = topology.num_ranks();
+  const bool two_hop = options.kernel == Kernel::kTwoHop && topology.num_nodes() > 1;
+  const bool low_latency = options.kernel == Kernel::kLowLatency;
   AllToAllCost cost;
-  cost.loads = dispatch_loads(traffic, topology, options, hardware.nic_stages_local_node);
-  if (options.combine)
-    for (LinkLoad& l : cost.loads) {
-      std::swap(l.nvl_out, l.nvl_in);
-      std::swap(l.nic_out, l.nic_in);
-      std::swap(l.messages, l.messages_in);
-    }
+  cost.loads = dispatch_loads(traffic, topology, options);
+  if (options.combine) transpose(cost.loads);
   std::vector<double> own(R);
   double host_bytes = 0;
   for (int g = 0; g < R; ++g) {
@@ -100,16 +174,16 @@ AllToAllCost all_to_all(const GroupTraffic& traffic, const Topology& topology, c
     double t = std::max(own[g], host_time);
     for (int p = 0; p < R; ++p)
       if (traffic.pair(p, g) > 0 || traffic.pair(g, p) > 0) t = std::max(t, own[p]);
-    if (options.two_hop) {
+    if (two_hop) {
       const int first = topology.node_of(g) * per_node;
       for (int p = first; p < first + per_node; ++p) t = std::max(t, own[p]);
     }
     const LinkLoad& l = cost.loads[g];
-    double latency = l.messages * hardware.message_overhead;
-    if (l.nvl_out > 0 || l.nvl_in > 0) latency += hardware.nvlink_latency;
-    if (l.nic_out > 0 || l.nic_in > 0) latency += hardware.nic_latency;
+    // The low-latency receive phase copies (dispatch) or reduces (combine)
+    // what arrived after the last message is in.
+    if (low_latency) t += (l.nvl_in + l.nic_in + l.self) / (hardware.hbm_bandwidth / 2);
     cost.bandwidth_s[g] = t;
-    cost.latency_s[g] = latency;
+    cost.latency_s[g] = latency_of(l, hardware, options.kernel);
   }
   return cost;
 }

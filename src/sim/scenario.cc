@@ -41,9 +41,9 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.nic.bandwidth", &h.nic_bandwidth},
       {"hardware.nic.efficiency", &h.nic_efficiency},
       {"hardware.nic.latency", &h.nic_latency},
-      {"hardware.nic.stages_local_node", &h.nic_stages_local_node},
       {"hardware.comm.message_overhead", &h.message_overhead},
       {"hardware.comm.sms", &h.comm_sms},
+      {"hardware.comm.forward_sm_bandwidth", &h.forward_sm_bandwidth},
       {"hardware.host.copy_bandwidth", &h.host_copy_bandwidth},
       {"hardware.host.nic_copies", &h.host_nic_copies},
       {"hardware.host.cores", &h.host_cores},
@@ -288,6 +288,7 @@ Status Scenario::validate() const {
     return invalid_argument("hardware.nic.efficiency = {} is outside (0, 1]", h.nic_efficiency);
   EPX_RETURN_IF_ERROR(at_least("hardware.nic.latency", h.nic_latency, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.comm.message_overhead", h.message_overhead, 0));
+  EPX_RETURN_IF_ERROR(at_least("hardware.comm.forward_sm_bandwidth", h.forward_sm_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.copy_bandwidth", h.host_copy_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.nic_copies", h.host_nic_copies, 1));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.cores", h.host_cores, 0));
@@ -344,7 +345,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("parallelism.micro_batches", p.micro_batches, 1));
   if (p.tokens_per_gpu < 1 || p.tokens_per_gpu > (int64_t{1} << 24))
     return invalid_argument("parallelism.tokens_per_gpu = {} is outside [1, {}]", p.tokens_per_gpu, int64_t{1} << 24);
-  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat"}));
+  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat", "low_latency"}));
   if (p.dispatch == "two_hop" && !cluster.rail_aligned && p.ep > cluster.gpus_per_node)
     return invalid_argument("parallelism.dispatch = 'two_hop' needs cluster.rail_aligned = true");
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));

@@ -314,17 +314,17 @@ Status Simulator::route_layer(int step, int layer, int group, const Topology& to
   for (int e = 0; e < m.experts; ++e) step_load_[layer][e] += traffic->expert_load[e];
   dropped_[layer] += traffic->num_dropped;
 
-  const bool two_hop = s_.parallelism.dispatch == "two_hop" && topo.num_nodes() > 1;
+  const Kernel kernel = kernel_of(s_.parallelism.dispatch, topo.num_nodes());
   EPX_ASSIGN_OR_RETURN(int64_t disp_bytes, row_bytes(m.dispatch_dtype, m.hidden));
   EPX_ASSIGN_OR_RETURN(int64_t comb_bytes, row_bytes(m.combine_dtype, m.hidden));
   EPX_ASSIGN_OR_RETURN(int64_t remote_bytes,
                        row_bytes(m.combine_remote_dtype.empty() ? m.combine_dtype : m.combine_remote_dtype, m.hidden));
   const HardwareProfile& h = s_.hardware;
-  costs->dispatch = all_to_all(*traffic, topo, h, {two_hop, false, double(disp_bytes), 0});
-  costs->combine = all_to_all(*traffic, topo, h, {two_hop, true, double(comb_bytes), double(remote_bytes)});
+  costs->dispatch = all_to_all(*traffic, topo, h, {kernel, false, double(disp_bytes), 0});
+  costs->combine = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes)});
   // Backward moves gradients in the combine dtype both ways.
-  costs->dispatch_bwd = all_to_all(*traffic, topo, h, {two_hop, false, double(comb_bytes), double(remote_bytes)});
-  costs->combine_bwd = all_to_all(*traffic, topo, h, {two_hop, true, double(comb_bytes), double(remote_bytes)});
+  costs->dispatch_bwd = all_to_all(*traffic, topo, h, {kernel, false, double(comb_bytes), double(remote_bytes)});
+  costs->combine_bwd = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes)});
   costs->slot_rows = traffic->slot_rows;
   costs->slots_per_gpu = static_cast<int>(traffic->slot_rows.size()) / R_;
   costs->moe = true;
@@ -363,7 +363,7 @@ void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, st
   const std::vector<Task> dense_prog = {Task{Kind::kDense, 0, 1.0, {}, true}};
   const std::vector<Task>& program = c.moe ? prog : dense_prog;
   const int n = static_cast<int>(program.size());
-  const double slow = static_cast<double>(s_.hardware.sms) / (s_.hardware.sms - s_.hardware.comm_sms);
+  const double slow = compute_slowdown(s_.hardware, kernel_of(s_.parallelism.dispatch, s_.cluster.nodes));
   std::vector<std::vector<double>> finish(n, std::vector<double>(R_, 0.0));
   for (int i = 0; i < n; ++i) {
     const Task& t = program[i];

@@ -1,6 +1,7 @@
 // The cost models on cases worked out by hand.
 #include <gtest/gtest.h>
 
+#include "epx/sim/calibration.h"
 #include "epx/sim/cost.h"
 
 namespace epx::sim {
@@ -85,7 +86,7 @@ TEST(SimAllToAll, TwoHopCrossesTheNetworkOncePerNode) {
 
   // Two-hop: 1e5 B over the network to GPU 2 (same local rank 0), which keeps
   // its own rows (an HBM copy) and forwards 1e5 B to GPU 3 over NVLink.
-  const AllToAllCost hop = all_to_all(t, *topo, h, {.two_hop = true, .row_bytes = 1000});
+  const AllToAllCost hop = all_to_all(t, *topo, h, {.kernel = Kernel::kTwoHop, .row_bytes = 1000});
   EXPECT_DOUBLE_EQ(hop.loads[0].nic_out, 1e5);
   EXPECT_DOUBLE_EQ(hop.loads[2].nic_in, 1e5);
   EXPECT_DOUBLE_EQ(hop.loads[2].self, 1e5);
@@ -98,32 +99,143 @@ TEST(SimAllToAll, TwoHopCrossesTheNetworkOncePerNode) {
 
   // Combine brings partial sums back between nodes in f32 (2000 B here).
   const AllToAllCost back =
-      all_to_all(t, *topo, h, {.two_hop = true, .combine = true, .row_bytes = 1000, .remote_row_bytes = 2000});
+      all_to_all(t, *topo, h, {.kernel = Kernel::kTwoHop, .combine = true, .row_bytes = 1000, .remote_row_bytes = 2000});
   EXPECT_DOUBLE_EQ(back.loads[0].nic_in, 2e5);
   EXPECT_NEAR(back.time(0), 2e-3 + 5e-6, 1e-12);  // it receives; GPU 2 sends the message
   EXPECT_EQ(back.loads[2].messages, 1);  // the node-reduced rows to GPU 0 over the NIC
   EXPECT_EQ(back.loads[3].messages, 1);  // its rows to GPU 2 over NVLink
 }
 
-TEST(SimAllToAll, LocalNodeThroughTheNicStageWhenTheProfileSaysSo) {
+TEST(SimAllToAll, OwnNodeRowsNeverCrossTheNic) {
   // The two-hop case above plus 50 tokens GPU 0 keeps on its own node (to
-  // GPU 1): with nic_stages_local_node they pass GPU 0's NIC stage (a
-  // loopback: out and in), 1.5e5 B out at 0.1 GB/s = 1.5 ms.
+  // GPU 1): DeepEP writes them straight into its receive buffer
+  // (internode.cu), so GPU 0's NIC carries the same 1e5 B with or without
+  // them; they reach GPU 1 over NVLink, through GPU 0's forwarding SMs.
   GroupTraffic t = empty_traffic(4, 2);
-  t.pairs[0 * 4 + 1] = 50;
   t.pairs[0 * 4 + 2] = 100;
   t.pairs[0 * 4 + 3] = 100;
-  t.node_pairs[0 * 2 + 0] = 50;
   t.node_pairs[0 * 2 + 1] = 100;
   auto topo = Topology::create(4, 2);
+  const HardwareProfile h = hand_profile();
+  const AllToAllCost remote_only = all_to_all(t, *topo, h, {.kernel = Kernel::kTwoHop, .row_bytes = 1000});
+  t.pairs[0 * 4 + 1] = 50;
+  t.node_pairs[0 * 2 + 0] = 50;
+  const AllToAllCost c = all_to_all(t, *topo, h, {.kernel = Kernel::kTwoHop, .row_bytes = 1000});
+  for (int g = 0; g < 4; ++g) {
+    EXPECT_DOUBLE_EQ(c.loads[g].nic_out, remote_only.loads[g].nic_out) << g;
+    EXPECT_DOUBLE_EQ(c.loads[g].nic_in, remote_only.loads[g].nic_in) << g;
+  }
+  EXPECT_DOUBLE_EQ(c.loads[0].nic_out, 1e5);
+  EXPECT_DOUBLE_EQ(c.loads[1].nvl_in, 5e4);
+  EXPECT_DOUBLE_EQ(c.loads[0].fwd, 5e4);  // GPU 0 forwards its own node's rows
+  EXPECT_DOUBLE_EQ(c.loads[2].fwd, 2e5);  // GPU 2 forwards node 1's rows, its own included
+}
+
+// 2 nodes x `per_node` GPUs, every GPU sending `rows` tokens to every GPU
+// (one expert each), so every (token, node) pair is `rows` too.
+GroupTraffic uniform_traffic(int nodes, int per_node, double rows) {
+  const int R = nodes * per_node;
+  GroupTraffic t = empty_traffic(R, nodes);
+  t.pairs.assign(R * R, rows);
+  t.node_pairs.assign(R * nodes, rows);
+  t.slot_rows.assign(R, rows * R);
+  return t;
+}
+
+TEST(SimAllToAll, TwoHopOnOneNodeIsTheIntranodeKernel) {
+  GroupTraffic t = empty_traffic(4, 1);
+  t.pairs = {5, 10, 0, 30, 7, 0, 3, 1, 0, 0, 9, 20, 4, 4, 4, 4};
+  auto topo = Topology::create(4, 1);
+  const HardwareProfile h = hand_profile();
+  const AllToAllCost flat = all_to_all(t, *topo, h, {.row_bytes = 1000});
+  const AllToAllCost hop = all_to_all(t, *topo, h, {.kernel = Kernel::kTwoHop, .row_bytes = 1000});
+  for (int g = 0; g < 4; ++g) {
+    EXPECT_DOUBLE_EQ(hop.time(g), flat.time(g)) << g;
+    EXPECT_DOUBLE_EQ(hop.loads[g].fwd, 0.0) << g;
+  }
+  EXPECT_EQ(kernel_of("two_hop", 1), Kernel::kFlat);
+  EXPECT_EQ(kernel_of("two_hop", 2), Kernel::kTwoHop);
+  EXPECT_EQ(kernel_of("low_latency", 1), Kernel::kLowLatency);
+}
+
+TEST(SimAllToAll, TheForwardingStageBindsWhenItIsTheSlowest) {
+  // 2 x 2 GPUs, 100 rows of 1000 B between every pair. Each GPU forwards
+  // 4 x 100 rows (from its own node and its peer's): 4e5 B; its NIC carries
+  // 1e5 B out (one row per token to the other node). Forwarding at 2 SMs x
+  // 1e7 B/s = 2e7 B/s: 20 ms, the NIC at 1e8 B/s: 1 ms, NVLink 1e9: 0.2 ms.
+  GroupTraffic t = uniform_traffic(2, 2, 100);
+  auto topo = Topology::create(4, 2);
   HardwareProfile h = hand_profile();
-  EXPECT_DOUBLE_EQ(all_to_all(t, *topo, h, {.two_hop = true, .row_bytes = 1000}).loads[0].nic_out, 1e5);
-  h.nic_stages_local_node = true;
-  const AllToAllCost c = all_to_all(t, *topo, h, {.two_hop = true, .row_bytes = 1000});
-  EXPECT_DOUBLE_EQ(c.loads[0].nic_out, 1.5e5);
-  EXPECT_DOUBLE_EQ(c.loads[0].nic_in, 5e4);
-  EXPECT_DOUBLE_EQ(c.loads[1].nvl_in, 5e4);  // still delivered over NVLink
-  EXPECT_NEAR(c.time(0), 1.5e-3 + 1e-6 + 5e-6 + 2e-7, 1e-12);
+  h.comm_sms = 4;
+  h.forward_sm_bandwidth = 1e7;
+  const AllToAllOptions o{.kernel = Kernel::kTwoHop, .row_bytes = 1000};
+  const AllToAllCost c = all_to_all(t, *topo, h, o);
+  EXPECT_DOUBLE_EQ(c.loads[0].fwd, 4e5);
+  EXPECT_NEAR(c.bandwidth_s[0], 4e5 / 2e7, 1e-12);
+  h.nic_bandwidth *= 4;  // a faster NIC changes nothing while forwarding binds
+  EXPECT_DOUBLE_EQ(all_to_all(t, *topo, h, o).time(0), c.time(0));
+  h.forward_sm_bandwidth /= 2;  // slower forwarding: slower all-to-all
+  EXPECT_NEAR(all_to_all(t, *topo, h, o).bandwidth_s[0], 4e5 / 1e7, 1e-12);
+  h.forward_sm_bandwidth = 1e9;  // fast forwarding: the NIC (now 4e8 B/s) binds again
+  EXPECT_NEAR(all_to_all(t, *topo, h, o).bandwidth_s[0], 1e5 / 4e8, 1e-12);
+  h.forward_sm_bandwidth = 0;    // no forwarding limit (epx's own two-hop): the same
+  EXPECT_NEAR(all_to_all(t, *topo, h, o).bandwidth_s[0], 1e5 / 4e8, 1e-12);
+}
+
+TEST(SimAllToAll, LowLatencySendsOneMessagePerTokenAndExpert) {
+  // 2 x 2 GPUs, 100 (token, rank) rows between every pair, and each row is 2
+  // experts at its destination (slot rows 800 per GPU): 200 messages of 1000
+  // + 16 B per pair; the 2 pairs to the other node go through the NIC.
+  GroupTraffic t = uniform_traffic(2, 2, 100);
+  t.slot_rows.assign(4, 800);
+  auto topo = Topology::create(4, 2);
+  HardwareProfile h = hand_profile();
+  h.message_overhead = 0;
+  const AllToAllOptions o{.kernel = Kernel::kLowLatency, .row_bytes = 1000};
+  const AllToAllCost c = all_to_all(t, *topo, h, o);
+  EXPECT_DOUBLE_EQ(c.loads[0].nic_out, 2 * 200 * 1016.0);
+  EXPECT_DOUBLE_EQ(c.loads[0].nvl_out, 200 * 1016.0);
+  EXPECT_DOUBLE_EQ(c.loads[0].self, 200 * 1016.0);
+  EXPECT_DOUBLE_EQ(c.loads[0].nic_messages, 400.0);
+  EXPECT_DOUBLE_EQ(c.loads[0].fwd, 0.0);  // no forwarding
+  // The NIC is the slowest link; then the receive phase copies what came in.
+  EXPECT_NEAR(c.bandwidth_s[0], 2 * 200 * 1016.0 / 1e8 + 4 * 200 * 1016.0 / 5e11, 1e-12);
+  EXPECT_NEAR(c.latency_s[0], 1e-6 + 5e-6, 1e-15);  // no per-(source, destination) message term
+  // A per-message cost above the wire time binds: 400 messages x 1 ms.
+  h.message_overhead = 1e-3;
+  EXPECT_NEAR(all_to_all(t, *topo, h, o).bandwidth_s[0], 0.4 + 4 * 200 * 1016.0 / 5e11, 1e-9);
+  // More messages, more time.
+  t.slot_rows.assign(4, 1200);
+  EXPECT_GT(all_to_all(t, *topo, h, o).time(0), 0.6);
+  // Combine: the same messages back, no header.
+  EXPECT_DOUBLE_EQ(all_to_all(t, *topo, h, {.kernel = Kernel::kLowLatency, .combine = true, .row_bytes = 1000})
+                       .loads[0].nic_in,
+                   2 * 300 * 1000.0);
+}
+
+TEST(SimAllToAll, TimeGrowsWithTheBytesInEveryKernel) {
+  GroupTraffic t = uniform_traffic(2, 2, 100);
+  auto topo = Topology::create(4, 2);
+  HardwareProfile h = hand_profile();
+  h.comm_sms = 4;
+  h.forward_sm_bandwidth = 5e7;
+  for (Kernel k : {Kernel::kFlat, Kernel::kTwoHop, Kernel::kLowLatency}) {
+    double last = 0;
+    for (double bytes : {100.0, 1000.0, 10000.0}) {
+      const double now = all_to_all(t, *topo, h, {.kernel = k, .row_bytes = bytes}).time(0);
+      EXPECT_GT(now, last) << static_cast<int>(k) << " " << bytes;
+      last = now;
+    }
+  }
+}
+
+TEST(SimAllToAll, OnlyTheNormalKernelsTakeSmsFromCompute) {
+  HardwareProfile h;
+  h.sms = 132;
+  h.comm_sms = 24;
+  EXPECT_DOUBLE_EQ(compute_slowdown(h, Kernel::kTwoHop), 132.0 / 108.0);
+  EXPECT_DOUBLE_EQ(compute_slowdown(h, Kernel::kFlat), 132.0 / 108.0);
+  EXPECT_DOUBLE_EQ(compute_slowdown(h, Kernel::kLowLatency), 1.0);
 }
 
 TEST(SimAllToAll, HostCopyBandwidthBoundsAnEmulatedCluster) {
@@ -139,6 +251,44 @@ TEST(SimAllToAll, HostCopyBandwidthBoundsAnEmulatedCluster) {
   const AllToAllCost c = all_to_all(t, *topo, h, {.row_bytes = 1000});
   EXPECT_NEAR(c.time(0), 4e-3, 1e-12);
   EXPECT_NEAR(c.time(1), 4e-3, 1e-12);
+}
+
+TEST(SimCalibration, TheFitReproducesBothCalibrationPoints) {
+  // configs/hardware/h800.toml's physical figures, the fitted ones left at
+  // neutral starting values: the fit must find them again.
+  HardwareProfile h;
+  h.bf16_flops = 989e12;
+  h.sms = 132;
+  h.hbm_bandwidth = 3.35e12;
+  h.nvlink_bandwidth = 160e9;
+  h.nvlink_latency = 1e-6;
+  h.nic_bandwidth = 50e9;
+  h.nic_efficiency = 0.97;
+  h.nic_latency = 3e-6;
+  h.comm_sms = 24;
+  h.message_overhead = 1e-7;
+  auto fit = fit_deepep(h);
+  ASSERT_TRUE(fit.is_ok()) << fit.status().message();
+  ASSERT_EQ(fit->points.size(), 4u);
+  // Each point's mean of dispatch and combine within 1% (what is fitted);
+  // one efficiency serves both directions, and DeepEP's EP8 ones differ by
+  // 3%, so each direction within 2%.
+  for (std::size_t i = 0; i < 4; i += 2) {
+    const auto &d = fit->points[i], &c = fit->points[i + 1];
+    EXPECT_NEAR((d.fitted_gbs + c.fitted_gbs) / (d.published_gbs + c.published_gbs), 1.0, 0.01) << d.name;
+  }
+  for (const auto& p : fit->points) EXPECT_NEAR(p.fitted_gbs / p.published_gbs, 1.0, 0.02) << p.name;
+  EXPECT_GT(fit->nvlink_efficiency, 0.5);
+  EXPECT_LT(fit->nvlink_efficiency, 1.0);
+  // At EP16 the forwarding stage binds, not the NIC: a NIC twice as fast
+  // leaves the fitted model's EP16 figure where it is.
+  h.nvlink_efficiency = fit->nvlink_efficiency;
+  h.forward_sm_bandwidth = fit->forward_sm_bandwidth;
+  auto at = estimate_exchange(deepep_scenario(h, 2, 4096));
+  h.nic_bandwidth *= 2;
+  auto faster_nic = estimate_exchange(deepep_scenario(h, 2, 4096));
+  ASSERT_TRUE(at.is_ok() && faster_nic.is_ok());
+  EXPECT_DOUBLE_EQ(faster_nic->dispatch_s, at->dispatch_s);
 }
 
 TEST(SimGroupedGemm, PadsToTheTileAndLosesEfficiencyWithFewRows) {

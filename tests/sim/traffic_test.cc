@@ -78,7 +78,7 @@ TEST(SimTraffic, EqualsWhatTheExchangeSends) {
   EXPECT_GT(total, 100);  // not a vacuous comparison
   HardwareProfile h;
   h.nvlink_bandwidth = h.nic_bandwidth = h.hbm_bandwidth = 1e9;
-  const AllToAllCost cost = all_to_all(*traffic, *topo, h, {.two_hop = true, .row_bytes = kHidden * 4});
+  const AllToAllCost cost = all_to_all(*traffic, *topo, h, {.kernel = Kernel::kTwoHop, .row_bytes = kHidden * 4});
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_EQ(cost.loads[r].nic_out, static_cast<double>(inter_node_bytes[r])) << "rank " << r;
     if (r != 3) {

@@ -2,8 +2,8 @@
 //
 // `estimate_exchange` predicts one dispatch and one combine of a scenario
 // (step 0, EP group 0 of stage 0, its first MoE layer) and DeepEP's "logical"
-// bandwidth for them. `fit_deepep` fits the two physical link parameters
-// (nvlink.efficiency, nic.efficiency) of a profile on DeepEP's published
+// bandwidth for them. `fit_deepep` fits two physical parameters
+// (nvlink.efficiency, comm.forward_sm_bandwidth) of a profile on DeepEP's published
 // calibration points (H800, 4096 tokens per rank, hidden 7168, top-8 of 256,
 // fp8 dispatch, bf16 combine: EP8 on NVLink, EP16 over RDMA), so that other
 // shapes can then be predicted without fitting. `measure_copy_bandwidth`
@@ -32,18 +32,24 @@ struct ExchangeEstimate {
   double combine_rank_bw = 0;
   double dispatch_node_bw = 0;  // node_pairs x row bytes / time (DeepEP's RDMA figure)
   double combine_node_bw = 0;
+  double selections = 0;        // mean over GPUs: (token, expert) pairs sent
+  double dispatch_selection_bw = 0;  // selections x (row + 16 B header) / time (DeepEP's low-latency figure)
+  double combine_selection_bw = 0;   // selections x combine row bytes / time
   double bytes_dispatched = 0;  // all GPUs: (token, rank) pairs x dispatch row bytes
 };
 
 Result<ExchangeEstimate> estimate_exchange(const Scenario& scenario);
 
-// DeepEP's benchmark shape on `nodes` x 8 GPUs of `hardware` (node-limited to
-// 4 nodes per token), `tokens` per rank.
-Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens);
+// DeepEP's benchmark shape on `nodes` x 8 GPUs of `hardware`, `tokens` per
+// rank, through `kernel` (a parallelism.dispatch value): node-limited to 4
+// nodes per token as its normal kernels' test routes, or (low_latency) the
+// top-8 of all experts as its low-latency test does.
+Scenario deepep_scenario(const HardwareProfile& hardware, int nodes, int tokens,
+                         const std::string& kernel = "two_hop");
 
 struct LinkFit {
-  double nvlink_efficiency = 1;
-  double nic_efficiency = 1;
+  double nvlink_efficiency = 1;     // fitted on EP8
+  double forward_sm_bandwidth = 0;  // fitted on EP16 (the NIC efficiency is the profile's)
   // The calibration points and what the fitted model gives for them (GB/s).
   struct Point {
     std::string name;

@@ -1,22 +1,35 @@
-// Cost models of the cluster simulator: the all-to-all as a byte matrix on
-// each GPU's links, and the experts' grouped GEMM.
+// Cost models of the cluster simulator: the all-to-all as bytes on each GPU's
+// links and stages, one model per kernel family (docs/simulator.md "Kernel
+// models" cites the DeepEP code each comes from), and the experts' grouped GEMM.
 //
-// All-to-all (dispatch or combine of one layer, one EP group). Every (token,
-// rank) pair of the traffic is a row of `row_bytes`. Flat: a row to a GPU on
-// the same node crosses NVLink, to another node the GPU's NICs, to itself HBM
-// (a copy: hbm_bandwidth / 2). Two-hop (DeepEP's internode path): a token
-// crosses the network once per destination node, to the GPU of the same local
-// rank there, which forwards it over NVLink (with nic_stages_local_node the
-// rows for its own node pass its NIC stage too, as a loopback). Each GPU g gets
-//   own(g)  = max(nvl_out / B_nvl, nvl_in / B_nvl, nic_out / B_nic, nic_in / B_nic, self / (hbm / 2))
+// Every (token, rank) pair of the traffic is a row of `row_bytes`.
+// - kFlat (DeepEP's intranode kernel; epx's own backends): a row to a GPU of
+//   the same node crosses NVLink, to another node the GPU's NICs, to itself
+//   HBM (a copy: hbm_bandwidth / 2).
+// - kTwoHop (DeepEP's normal internode kernel): a token crosses the network
+//   once per *other* destination node, to the GPU of the same local rank
+//   there; rows for the sender's own node never touch the NIC. On each node
+//   the GPU of local rank l forwards every (token, rank) row that arrived from
+//   local rank l of any node (its own rows included) to the GPUs that need it:
+//   bytes `fwd` through its forwarding SMs, limited to forward_bandwidth(h),
+//   and its NVLink. At one node it is kFlat (DeepEP runs the intranode kernel).
+// - kLowLatency (DeepEP's low-latency kernels): one message per (token,
+//   expert) of row_bytes (+ a 16 B header in dispatch), sent directly: to the
+//   same node over NVLink, to other nodes through the NIC (no forwarding),
+//   each NIC message occupying the NIC for max(its bytes / B_nic,
+//   message_overhead); then the receive phase copies what arrived (HBM).
+// Each GPU g gets
+//   own(g)  = max(nvl_out / B_nvl, nvl_in / B_nvl, nic_out / B_nic, nic_in / B_nic,
+//                 fwd / B_fwd, nic messages x message_overhead, self / (hbm / 2))
 //   time(g) = max(own(g), own(p) for every peer p that sends to or receives
 //             from g, and in two-hop every GPU of g's node) + latency(g)
 //   latency(g) = nvlink_latency (if g uses NVLink) + nic_latency (if g uses a NIC)
-//                + message_overhead x the messages g sends
-// with B_nvl = nvlink_bandwidth x nvlink_efficiency and B_nic = nic_bandwidth x
-// nic_efficiency x nics_per_gpu, so the slowest link and the hottest receiver
-// set the time. An emulated cluster (host_copy_bandwidth > 0) also needs every
-// copy of the whole group to fit through the host: time(g) >= bytes copied /
+//                + message_overhead x the (source, destination) messages g
+//                  sends (normal kernels; low-latency: none, they are above)
+// with B_nvl = nvlink_bandwidth x nvlink_efficiency, B_nic = nic_bandwidth x
+// nic_efficiency x nics_per_gpu, B_fwd = forward_sm_bandwidth x comm_sms / 2.
+// An emulated cluster (host_copy_bandwidth > 0) also needs every copy of the
+// whole group to fit through the host: time(g) >= bytes copied /
 // host_copy_bandwidth. Combine is the same matrix transposed (two-hop: the
 // node-level reduction first), with the combine row bytes.
 //
@@ -24,11 +37,12 @@
 // flops_per_row / (peak x efficiency(n)), efficiency(n) = gemm_efficiency x n
 // / (n + gemm_half_rows): few rows per expert waste the tile and the machine.
 //
-//   auto a2a = epx::sim::all_to_all(traffic, topology, hardware, {.two_hop = true, .row_bytes = 7392});
+//   auto a2a = epx::sim::all_to_all(traffic, topology, hardware, {.kernel = Kernel::kTwoHop, .row_bytes = 7392});
 //   double t = a2a.time(g, /*fraction=*/1.0);
 #pragma once
 
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "epx/comm/topology.h"
@@ -37,16 +51,42 @@
 
 namespace epx::sim {
 
+enum class Kernel { kFlat, kTwoHop, kLowLatency };
+
+// The kernel `parallelism.dispatch` names (flat, two_hop, low_latency) on a
+// group spanning `nodes` nodes: two_hop on one node is flat.
+Kernel kernel_of(std::string_view dispatch, int nodes);
+
+// How much slower compute runs while an all-to-all of `kernel` is in flight:
+// the normal kernels hold comm_sms SMs (sms / (sms - comm_sms)); the
+// low-latency kernels in hook mode hold none while the data moves (1).
+double compute_slowdown(const HardwareProfile& hardware, Kernel kernel);
+
+// Bytes per second the two-hop forwarding stage of one GPU moves:
+// forward_sm_bandwidth x (comm_sms / 2 forwarding SMs); 0 = no such limit.
+double forward_bandwidth(const HardwareProfile& hardware);
+
+// Header of a low-latency dispatch message (internode_ll.cu: sizeof(int4)).
+inline constexpr double kLowLatencyHeaderBytes = 16;
+
+// Experts per deduplicated (token, rank) row at each GPU (its slots' rows
+// over the rows it receives; 1 where unknown): a low-latency dispatch sends
+// pair(s, d) x this[d] (token, expert) messages from s to d.
+std::vector<double> experts_per_row(const GroupTraffic& traffic);
+
 struct LinkLoad {
   double nvl_out = 0, nvl_in = 0, nic_out = 0, nic_in = 0, self = 0;  // bytes
+  double fwd = 0;           // bytes its two-hop forwarding SMs copy
+  double nic_messages = 0;  // low-latency: messages out and in through its NIC
+  double nic_messages_in = 0;
   int messages = 0;       // messages this GPU sends
   int messages_in = 0;    // messages it receives (it sends them in the transposed direction)
 };
 
 struct AllToAllOptions {
-  bool two_hop = false;
+  Kernel kernel = Kernel::kFlat;
   bool combine = false;         // the transposed direction
-  double row_bytes = 0;         // per (token, rank) row
+  double row_bytes = 0;         // per (token, rank) row; low-latency: per (token, expert)
   double remote_row_bytes = 0;  // between nodes; 0 = row_bytes
 };
 

@@ -43,9 +43,9 @@ struct HardwareProfile {
   double nic_bandwidth = 0;        // per NIC, per direction
   double nic_efficiency = 1.0;     // share an all-to-all reaches (calibrated)
   double nic_latency = 0;          // once per all-to-all that crosses nodes
-  // Two-hop: the (token, own node) rows also pass the NIC stage (staged and
-  // put like remote ones, as a loopback) instead of only the remote ones.
-  bool nic_stages_local_node = false;
+  // Two-hop: bytes per second one forwarding SM copies (comm_sms / 2 of them
+  // forward on each GPU; DeepEP internode.cu). 0 = no such limit.
+  double forward_sm_bandwidth = 0;
   double message_overhead = 0;     // per (source, destination) message a GPU issues
   int comm_sms = 0;                // cores the communication kernels take while they run
   // Emulated clusters (the in-process backend): every link is a CPU copy on
@@ -96,7 +96,7 @@ struct ParallelismConfig {
   int pp_stages = 1;
   int micro_batches = 1;           // per step, per pipeline
   int64_t tokens_per_gpu = 4096;   // per micro-batch
-  std::string dispatch = "two_hop";  // two_hop or flat
+  std::string dispatch = "two_hop";  // two_hop, flat or low_latency
   std::string mode = "train";        // train (forward + backward) or forward
   // Gradient all-reduces (grad_sync.h): routed experts over the EDP group
   // (GPUs per stage / ep), dense parameters over all GPUs of the stage.
