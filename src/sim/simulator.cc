@@ -597,6 +597,7 @@ Status Simulator::run_step(int step, const Topology& topo, SimResult* result,
   double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
   for (auto& v : step_load_) std::fill(v.begin(), v.end(), 0);
   std::fill(dropped_.begin(), dropped_.end(), 0);
+  double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
   for (int stage = 0; stage < pp; ++stage) {
     const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
     // When each layer's backward has ended on every simulated GPU (its gradients are ready).
