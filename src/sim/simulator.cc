@@ -594,7 +594,6 @@ Status Simulator::run_step(int step, const Topology& topo, SimResult* result,
   double exposed_sum = 0, comm_sum = 0;
   int64_t gpus = 0;
   std::array<double, kNumKinds> kinds{};
-  double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
   for (auto& v : step_load_) std::fill(v.begin(), v.end(), 0);
   std::fill(dropped_.begin(), dropped_.end(), 0);
   double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
