@@ -163,6 +163,13 @@ inline Float4 load4(const float* p) {
 inline Float4 max4(Float4 a, Float4 b) { return a > b ? a : b; }
 inline Float4 min4(Float4 a, Float4 b) { return a < b ? a : b; }
 
+// (a, b) and (c, d), each a lane's best and second best (a >= b, c >= d):
+// the best and second best of the four values, into (a, b).
+inline void merge_top2(Float4& a, Float4& b, Float4 c, Float4 d) {
+  b = max4(min4(a, c), max4(b, d));
+  a = max4(a, c);
+}
+
 // The best two values of v[0, n) (n >= 1), best first; -inf for a missing
 // second. Per lane (8 lanes) first, then over the lanes: no data-dependent
 // branch. Only the values are defined (not which of two equal elements).
@@ -186,15 +193,16 @@ void top2_values(const float* v, int n, float* first, float* second) {
     std::copy(v + i, v + n, tail);
     add(tail);
   }
-  float a[8], b[8];
-  std::memcpy(a, m1, sizeof(a));
-  std::memcpy(b, m2, sizeof(b));
-  int lane = 0;
-  for (int l = 1; l < 8; ++l) lane = a[l] > a[lane] ? l : lane;
-  float s = b[lane];
-  for (int l = 0; l < 8; ++l) s = l != lane && a[l] > s ? a[l] : s;
-  *first = a[lane];
-  *second = s;
+  // The 8 lanes' pairs merged in three rounds of vector operations (a scan
+  // of the lanes for the best one was a chain of dependent loads and
+  // compares, a fifth of route's time with groups).
+  merge_top2(m1[0], m2[0], m1[1], m2[1]);
+  merge_top2(m1[0], m2[0], __builtin_shufflevector(m1[0], m1[0], 2, 3, 0, 1),
+             __builtin_shufflevector(m2[0], m2[0], 2, 3, 0, 1));
+  merge_top2(m1[0], m2[0], __builtin_shufflevector(m1[0], m1[0], 1, 0, 3, 2),
+             __builtin_shufflevector(m2[0], m2[0], 1, 0, 3, 2));
+  *first = m1[0][0];
+  *second = m2[0][0];
 }
 
 // The k-th largest of v[0, m) (1 <= k <= m, no NaN), by counting ranks: a
@@ -398,7 +406,7 @@ Status route_now(const RouterConfig& config, const TensorView& logits, const Ten
       const float* base = config.softmax_after_topk ? row : prob;
       const float* score = base;  // selection scores
       if (bias) {
-        for (int e = 0; e < E; ++e) select[e] = base[e] + bias[e];
+        detail::add_rows(base, bias, select.data(), E);
         score = select.data();
       }
 
@@ -432,7 +440,7 @@ Status route_now(const RouterConfig& config, const TensorView& logits, const Ten
           for (int g = 0; g < G; ++g) {
             int rank = 0;
             for (int h = 0; h < G; ++h)
-              rank += group_score[h] > group_score[g] || (group_score[h] == group_score[g] && h < g) ? 1 : 0;
+              rank += (group_score[h] > group_score[g]) | ((group_score[h] == group_score[g]) & (h < g));
             if (rank < config.topk_groups) best_groups[rank] = g;
           }
         } else {

@@ -88,7 +88,11 @@ std::vector<float> probabilities(ScoreFunction fn, const TensorView& logits, int
   return out;
 }
 
-bool all_finite(const float* x, int n) {
+EPX_SIMD_CLONES void add_rows(const float* a, const float* b, float* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+EPX_SIMD_CLONES bool all_finite(const float* x, int n) {
   // Branch-free so that it vectorizes: an exponent of all ones is inf or NaN.
   uint32_t bad = 0;
   for (int i = 0; i < n; ++i) {

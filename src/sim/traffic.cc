@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
+#include <cstring>
 
 #include "epx/core/random.h"
 #include "epx/exchange/layout.h"
 #include "epx/routing/replicas.h"
 #include "core/guard.h"
+#include "core/simd_clones.h"
 #include "sim/parallel.h"
 
 namespace epx::sim {
@@ -38,6 +41,8 @@ struct RankResult {
 // A routing thread's buffers, reused from call to call.
 struct Scratch {
   std::vector<float> popularity;  // [experts]: log-popularity as the logits add it
+  std::vector<uint64_t> words;    // [experts / 4]: one token's random words
+  std::vector<uint16_t> draws;    // the same bits as 16-bit draws
   std::vector<float> logits;      // [GPUs of the batch x tokens, experts]
   RouterOutput routed;
   DispatchLayout layout;
@@ -58,27 +63,29 @@ Status layout_into(std::span<const int32_t> topk_idx, int num_tokens, int topk, 
   return Status::ok();
 }
 
+// SplitMix64 outputs i = 0..n-1 of the sequence that starts after `state`:
+// mix64(state + (i + 1) * gamma), independent, so the loop vectorizes.
+EPX_SIMD_CLONES void splitmix_words(uint64_t state, int n, uint64_t* words) {
+  for (int i = 0; i < n; ++i) words[i] = mix64(state + static_cast<uint64_t>(i + 1) * kGoldenGamma);
+}
+
 // GPU `rank`'s router logits [num_tokens, E] into `row0`: log-popularity plus
-// Gumbel(0, 1) noise, from the GPU's own stream.
-void draw_logits(const RouteRequest& q, int rank, int num_tokens, const float* popularity, float* row0) {
+// Gumbel(0, 1) noise from the GPU's own stream, draw e of a token being bits
+// [16 (e % 4), 16 (e % 4) + 16) of the token's word e / 4.
+void draw_logits(const RouteRequest& q, int rank, int num_tokens, Scratch& scratch, float* row0) {
+  static_assert(std::endian::native == std::endian::little, "draw e is the e-th 16-bit half-word of the words");
   const int E = q.router->num_experts;
+  const int num_words = (E + 3) / 4;
   const float* table = gumbel_table().data();
+  const float* popularity = scratch.popularity.data();
+  scratch.words.resize(num_words);
+  scratch.draws.resize(static_cast<std::size_t>(num_words) * 4);
   const uint64_t stream = q.stream * 1000003ull + static_cast<uint64_t>(rank);
   for (int t = 0; t < num_tokens; ++t) {
-    uint64_t state = random_bits(q.seed, stream, static_cast<uint64_t>(t));
+    splitmix_words(random_bits(q.seed, stream, static_cast<uint64_t>(t)), num_words, scratch.words.data());
+    std::memcpy(scratch.draws.data(), scratch.words.data(), scratch.draws.size() * sizeof(uint16_t));
     float* row = row0 + static_cast<std::size_t>(t) * E;
-    int e = 0;
-    for (; e + 4 <= E; e += 4) {  // 16 bits a draw, four draws a mix
-      const uint64_t bits = mix64(state += kGoldenGamma);
-      row[e] = popularity[e] + table[bits & 0xFFFF];
-      row[e + 1] = popularity[e + 1] + table[(bits >> 16) & 0xFFFF];
-      row[e + 2] = popularity[e + 2] + table[(bits >> 32) & 0xFFFF];
-      row[e + 3] = popularity[e + 3] + table[bits >> 48];
-    }
-    if (e < E) {
-      uint64_t bits = mix64(state += kGoldenGamma);
-      for (; e < E; ++e, bits >>= 16) row[e] = popularity[e] + table[bits & 0xFFFF];
-    }
+    for (int e = 0; e < E; ++e) row[e] = popularity[e] + table[scratch.draws[e]];
   }
 }
 
@@ -92,7 +99,7 @@ Status route_batch(const RouteRequest& q, int first, int count, int num_tokens, 
   const std::size_t per_gpu = static_cast<std::size_t>(num_tokens) * E;
   scratch.logits.resize(per_gpu * count);
   for (int i = 0; i < count; ++i)
-    draw_logits(q, first + i, num_tokens, scratch.popularity.data(), scratch.logits.data() + per_gpu * i);
+    draw_logits(q, first + i, num_tokens, scratch, scratch.logits.data() + per_gpu * i);
   const TensorView logits_view = TensorView::contiguous(scratch.logits.data(), DType::kF32,
                                                         {int64_t{num_tokens} * count, E});
   const TensorView bias_view =
@@ -179,7 +186,9 @@ Status route_group(const RouteRequest& q, GroupTraffic* out) {
   const int64_t scores = static_cast<int64_t>(R) * per_gpu;
   const int threads = std::max(1, std::min({q.threads, num_batches, static_cast<int>(scores >> 20)}));
   auto work = [&](int first) {
-    Scratch scratch;
+    // Kept by the thread from call to call: a fresh ~1 MB of buffers a call
+    // costs page faults and zeroing (a quarter of a run on two threads).
+    thread_local Scratch scratch;
     scratch.popularity.assign(q.log_popularity.begin(), q.log_popularity.end());
     for (int b = first; b < num_batches; b += threads)
       status[b] = route_batch(q, b * batch, std::min(batch, R - b * batch), num_tokens, scratch, ranks);
