@@ -66,9 +66,16 @@ def read_metrics(path, skip):
     seconds = [s["seconds"] for s in timed]
     def per_step(field):  # the slowest rank's value, median over steps
         return statistics.median(max(r.get(field, 0.0) for r in s["ranks"]) for s in timed)
+    after = statistics.median(max(r.get("sync", 0.0) - r.get("grad_wait", 0.0) for r in s["ranks"]) for s in timed)
     return {"steps": len(timed), "step_s": statistics.median(seconds), "sync_s": per_step("sync"),
+            "after_backward_s": after,  # gradient clipping, the optimizer, load statistics
             "grad_reduce_s": per_step("grad_reduce"), "grad_wait_s": per_step("grad_wait"),
             "step_s_min": min(seconds), "step_s_max": max(seconds)}
+
+
+def git_commit():
+    r = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], text=True, capture_output=True)
+    return r.stdout.strip()
 
 
 def train_has(epx, flag):
@@ -85,7 +92,7 @@ def algorithm_of(case, allreduce):
     return "allgather" if case["where"] == "inproc" else "chunked"
 
 
-def sim_sets(case, flops, rate, nic_latency, allreduce, nic_efficiency=0.94):
+def sim_sets(case, flops, rate, nic_latency, allreduce, nic_efficiency=0.94, optimizer_bandwidth=0.0):
     ranks, nodes = case["ranks"], case["nodes"]
     m = MODEL
     sets = {
@@ -105,18 +112,28 @@ def sim_sets(case, flops, rate, nic_latency, allreduce, nic_efficiency=0.94):
         "hardware.compute.gemm_half_rows": 0, "hardware.compute.gemm_tile": 1, "hardware.host.cores": 2,
         "hardware.nic.shared_per_node": "true", "hardware.nic.bandwidth": rate_bytes(rate),
         "hardware.nic.efficiency": nic_efficiency, "hardware.nic.latency": nic_latency,
+        # The whole step: epx train's AdamW (f32 weights, gradients and moments, no ZeRO), no pipeline stages.
+        "parallelism.pp_stages": 1, "model.activation_dtype": "f32", "optimizer.kind": "adamw",
+        "optimizer.master_dtype": "f32", "optimizer.moment_dtype": "f32", "optimizer.weight_copy_dtype": "none",
+        "optimizer.zero": "false", "hardware.memory.optimizer_bandwidth": optimizer_bandwidth,
     }
     return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
 
 
 def simulate(epx, scenario, case, flops, rate, args):
     r = run([epx, "sim", "run", scenario, "--json"] +
-            sim_sets(case, flops, rate, args.nic_latency, args.allreduce, args.nic_efficiency))
+            sim_sets(case, flops, rate, args.nic_latency, args.allreduce, args.nic_efficiency,
+                     getattr(args, "optimizer_bandwidth", 0.0)))
     if r.returncode != 0:
         sys.exit(f"epx sim failed ({r.returncode}): {r.stderr}")
     j = json.loads(r.stdout)
     compute = sum(v for k, v in j["phase_s"].items() if k in ("attention", "router", "shared", "experts", "dense"))
-    return {"step_s": j["step_s"]["p50"], "compute_s": compute, "grad": j["grad_sync"]}
+    whole = j.get("whole_step", {})
+    opt = whole.get("optimizer", {})
+    return {"step_s": j["step_s"]["p50"], "compute_s": compute, "grad": j["grad_sync"],
+            "optimizer_s": opt.get("in_step_s", {}).get("p50", 0.0),
+            "optimizer_traffic": opt.get("params", 0.0) * opt.get("bytes_per_param", 0.0),
+            "pp_transfer_s": whole.get("pp_transfer", {}).get("in_step_s", {}).get("p50", 0.0)}
 
 
 def cases(rate):
@@ -148,17 +165,34 @@ def predict(args):
     flags = train_flags(EP, args.steps) + ["--metrics", metrics]
     if train_has(args.epx, "--ep"):
         flags += ["--ep", str(EP)]
+    trace = os.path.join(work, "base_trace.json")
+    flags += ["--trace", trace, "--trace-steps", str(max(1, args.steps - 1))]
     r = run([args.epx, "train"] + flags)
     if r.returncode != 0:
         sys.exit(f"calibration run failed: {r.stderr}")
     base = read_metrics(metrics, args.skip)
+    base["optimizer_span_s"] = optimizer_span(trace)
     base_case = {"where": "inproc", "edp": 1, "ranks": EP, "nodes": 1, "overlap": True}
     f0 = 1e10
+    # The optimizer apart from compute: its rate (bytes of AdamW traffic per second on one core) from
+    # the same run's "optimizer" spans; 2 ranks on 2 cores, so no oversubscription to take out.
+    s0 = simulate(args.epx, scenario, base_case, f0, args.rate, args)
+    args.optimizer_bandwidth = s0["optimizer_traffic"] / base["optimizer_span_s"]
     s0 = simulate(args.epx, scenario, base_case, f0, args.rate, args)
     # Everything the simulator charges as compute is scaled to the measured step; the exchange and
     # the all-reduce keep their modelled (copy-rate) cost.
     flops = f0 * s0["compute_s"] / max(base["step_s"] - (s0["step_s"] - s0["compute_s"]), 1e-9)
     write_predictions(args, scenario, profile, base, flops, work)
+
+
+def optimizer_span(trace):
+    """Median of the "optimizer" spans (AdamW over a rank's parameters) of a Chrome trace, seconds."""
+    t = json.load(open(trace))
+    events = t["traceEvents"] if isinstance(t, dict) else t
+    spans = [e["dur"] for e in events if e.get("ph") == "X" and e.get("name") == "optimizer"]
+    if not spans:
+        sys.exit(f"{trace}: no optimizer spans")
+    return statistics.median(spans) * 1e-6
 
 
 def link_efficiency(probe, rate):
@@ -182,6 +216,7 @@ def predict_again(args, work, profile):
         f.write('[hardware]\nprofile = "machine.toml"\n')
     args.rate = old["cases"][-1]["rate"]
     args.nic_efficiency = old.get("nic_efficiency", args.nic_efficiency)
+    args.optimizer_bandwidth = old.get("optimizer_bandwidth", 0.0)
     args.post_hoc = f"recomputed from {args.reuse}'s calibration after the measurements"
     write_predictions(args, scenario, profile, old["calibration"]["measured"], old["calibration"]["flops"], work)
 
@@ -199,19 +234,23 @@ def write_predictions(args, scenario, profile, base, flops, work):
         preds.append({**case, "predicted": p, "predicted_" + other: p_other})
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "model": MODEL, "ep": EP,
               "tokens_per_rank": TOKENS_PER_RANK, "calibration": {"measured": base, "flops": flops,
-              "profile": open(profile).read()}, "nic_latency": args.nic_latency, "nic_efficiency": args.nic_efficiency, "allreduce": args.allreduce,
+              "profile": open(profile).read()}, "nic_latency": args.nic_latency, "nic_efficiency": args.nic_efficiency,
+              "optimizer_bandwidth": getattr(args, "optimizer_bandwidth", 0.0), "allreduce": args.allreduce,
+              "commit": git_commit(),
               "post_hoc": getattr(args, "post_hoc", ""), "cases": preds}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"calibration: EP 2 x EDP 1 in-process median step {1e3 * base['step_s']:.1f} ms -> "
-          f"effective compute {flops / 1e9:.2f} GFLOP/s per rank")
+          f"effective compute {flops / 1e9:.2f} GFLOP/s per rank; optimizer span "
+          f"{1e3 * base.get('optimizer_span_s', 0):.2f} ms -> {getattr(args, 'optimizer_bandwidth', 0) / 1e9:.2f} GB/s of AdamW traffic")
     print(f"{'where':10} {'EDP':>3} {'ranks':>5} {'overlap':>7} {'pred step ms':>12} {'AR busy ms':>10} "
-          f"{'AR exposed ms':>13} {'EDP bytes sent/rank':>19}")
+          f"{'AR exposed ms':>13} {'optimizer ms':>12} {'EDP bytes sent/rank':>19}")
     for c in preds:
         g = c["predicted"]["grad"]
         print(f"{c['where']:10} {c['edp']:>3} {c['ranks']:>5} {'on' if c['overlap'] else 'off':>7} "
               f"{1e3 * c['predicted']['step_s']:>12.1f} {1e3 * g['busy_s']['p50']:>10.1f} "
-              f"{1e3 * g['exposed_s']['p50']:>13.1f} {g['edp']['bytes_sent']:>19.0f}")
+              f"{1e3 * g['exposed_s']['p50']:>13.1f} {1e3 * c['predicted'].get('optimizer_s', 0):>12.1f} "
+              f"{g['edp']['bytes_sent']:>19.0f}")
     print(f"wrote {args.out}")
     shutil.rmtree(work, ignore_errors=True)
 
@@ -227,6 +266,7 @@ def measure_case(args, case, work):
         r = run([args.epx, "train"] + flags + ["--backend", "inproc"])
     else:
         r = run([TWO_HOSTS, "--np-per-host", str(case["ranks"] // 2), "--rate", case["rate"], "--timeout", "600",
+                 "--subnet", args.subnet,
                  "--", args.epx, "train"] + flags + ["--backend", "mpi"])
         if r.returncode == 77:
             return {"skipped": "two_hosts.sh: " + r.stderr.strip().splitlines()[-1]}
@@ -244,6 +284,7 @@ def measure(args):
     if not train_has(args.epx, "--ep"):
         sys.exit("epx train has no --ep (branch eptrain not merged): nothing to measure")
     args.overlap_flag = train_has(args.epx, "--grad-overlap")
+    args.load_before = os.getloadavg()
     work = tempfile.mkdtemp(prefix="epx-edp-m-")
     rows = []
     if not args.overlap_flag:
@@ -262,11 +303,14 @@ def measure(args):
                   f"measured {1e3 * got['step_s']:8.1f} ms  predicted {1e3 * p:8.1f} ms  "
                   f"predicted/measured {p / got['step_s']:.2f}  all-reduce busy {1e3 * got['grad_reduce_s']:.1f} "
                   f"exposed {1e3 * got['grad_wait_s']:.1f} (predicted {1e3 * c['predicted']['grad']['busy_s']['p50']:.1f} / "
-                  f"{1e3 * c['predicted']['grad']['exposed_s']['p50']:.1f}) ms  veth {got.get('veth_bytes')}", flush=True)
+                  f"{1e3 * c['predicted']['grad']['exposed_s']['p50']:.1f}) ms  after the backward "
+                  f"{1e3 * got['after_backward_s']:.1f} ms (predicted optimizer {1e3 * c['predicted'].get('optimizer_s', 0):.1f})  "
+                  f"veth {got.get('veth_bytes')}", flush=True)
         else:
             print(f"{c['where']:10} EDP {c['edp']} overlap {c['overlap']}: {got}", flush=True)
     with open(args.out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "rows": rows}, f, indent=1)
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": git_commit(),
+                   "load_before": args.load_before, "load_after": os.getloadavg(), "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
     shutil.rmtree(work, ignore_errors=True)
 
@@ -289,6 +333,7 @@ def main():
     ap.add_argument("--link-probe", default="", help="predict: measure the link's efficiency first with this MPI "
                     "probe (build/tests/mpi/epx_probe_mpi)")
     ap.add_argument("--reuse", default="", help="predict: take the calibration of this earlier prediction file")
+    ap.add_argument("--subnet", default="10.231.77", help="measure: the /24 of the two emulated hosts")
     ap.add_argument("--where", default="all", choices=["all", "inproc", "two_hosts"], help="measure: which runs")
     ap.add_argument("--out", default="ep_edp_predictions.json")
     ap.add_argument("--predictions", default="ep_edp_predictions.json")

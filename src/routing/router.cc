@@ -293,6 +293,12 @@ class ThresholdSelect {
   int count_ = 0;
 };
 
+// The machine's cores, at most 8: route's most threads. Asked once.
+int64_t machine_threads() {
+  static const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
+  return threads;
+}
+
 // Drops over-capacity (token, slot) pairs from out in place.
 void apply_capacity(const RouterConfig& config, RouterOutput& out) {
   const int64_t T = out.num_tokens;
@@ -314,7 +320,9 @@ void apply_capacity(const RouterConfig& config, RouterOutput& out) {
   }
 }
 
-Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
+// Every field of out is written (its vectors keep their capacity).
+Status route_now(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
+                 RouterOutput& out) {
   EPX_RETURN_IF_ERROR(config.validate());
   // The logits' values are checked row by row while routing (below); a bad
   // shape is reported here, and a bad value before a bad bias, as always.
@@ -334,10 +342,10 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
     bias = expert_bias.data_as<const float>();
   }
 
-  RouterOutput out;
   out.num_tokens = T;
   out.num_experts = E;
   out.topk = K;
+  out.num_dropped = 0;
   out.topk_idx.assign(T * K, -1);
   out.topk_weights.assign(T * K, 0.0f);
   out.selected_idx.assign(T * K, -1);
@@ -516,8 +524,9 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
   };
   // Large batches use the machine's cores (at most 8 threads); small ones stay on the caller's.
   constexpr int64_t kMinWorkPerThread = 1 << 17;  // (token, expert) pairs
-  const int64_t max_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
-  const int64_t num_threads = std::clamp<int64_t>(T * E / kMinWorkPerThread, 1, max_threads);
+  const int64_t wanted = T * E / kMinWorkPerThread;
+  // The core count is a system call (a file read): asked only for a batch that could use it.
+  const int64_t num_threads = wanted < 2 ? 1 : std::clamp<int64_t>(wanted, 1, machine_threads());
   // A worker that cannot start (the process is out of threads) leaves its
   // range to the caller's thread: the same output, later.
   std::vector<uint8_t> bad_logits(num_threads, 0);  // one flag per range
@@ -544,13 +553,23 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
     if (e >= 0) ++out.tokens_per_expert[e];
   out.rows_per_expert = out.tokens_per_expert;
   if (config.pad_to_capacity) std::fill(out.rows_per_expert.begin(), out.rows_per_expert.end(), out.capacity);
-  return out;
+  return Status::ok();
 }
 
 }  // namespace
 
 Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
-  return detail::guard("route", [&] { return route_now(config, logits, expert_bias); });
+  return detail::guard("route", [&]() -> Result<RouterOutput> {
+    RouterOutput out;
+    EPX_RETURN_IF_ERROR(route_now(config, logits, expert_bias, out));
+    return out;
+  });
+}
+
+Status route_into(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
+                  RouterOutput* out) {
+  if (out == nullptr) return invalid_argument("route_into needs an output, got a null pointer");
+  return detail::guard("route", [&] { return route_now(config, logits, expert_bias, *out); });
 }
 
 Result<std::vector<float>> route_backward(const RouterConfig& config, const RouterOutput& forward,

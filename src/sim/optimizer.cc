@@ -15,7 +15,7 @@ double bytes_per_param(const Scenario& s) {
 // Seconds of `traffic` bytes of memory traffic on every GPU at once.
 double update_seconds(double traffic, const Scenario& s) {
   const HardwareProfile& h = s.hardware;
-  double t = traffic / h.hbm_bandwidth;
+  double t = traffic / (h.optimizer_bandwidth > 0 ? h.optimizer_bandwidth : h.hbm_bandwidth);
   if (h.host_cores > 0) t *= std::max(1.0, static_cast<double>(s.num_gpus()) / h.host_cores);
   if (h.host_copy_bandwidth > 0) t = std::max(t, s.num_gpus() * traffic / (2 * h.host_copy_bandwidth));
   return t;

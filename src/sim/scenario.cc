@@ -34,6 +34,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.compute.gemm_half_rows", &h.gemm_half_rows},
       {"hardware.compute.gemm_tile", &h.gemm_tile},
       {"hardware.memory.hbm_bandwidth", &h.hbm_bandwidth},
+      {"hardware.memory.optimizer_bandwidth", &h.optimizer_bandwidth},
       {"hardware.nvlink.bandwidth", &h.nvlink_bandwidth},
       {"hardware.nvlink.efficiency", &h.nvlink_efficiency},
       {"hardware.nvlink.latency", &h.nvlink_latency},
@@ -278,6 +279,7 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("hardware.compute.gemm_half_rows", h.gemm_half_rows, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.compute.gemm_tile", h.gemm_tile, 1));
   EPX_RETURN_IF_ERROR(positive("hardware.memory.hbm_bandwidth", h.hbm_bandwidth));
+  EPX_RETURN_IF_ERROR(at_least("hardware.memory.optimizer_bandwidth", h.optimizer_bandwidth, 0));
   EPX_RETURN_IF_ERROR(positive("hardware.nvlink.bandwidth", h.nvlink_bandwidth));
   if (!(h.nvlink_efficiency > 0 && h.nvlink_efficiency <= 1))
     return invalid_argument("hardware.nvlink.efficiency = {} is outside (0, 1]", h.nvlink_efficiency);

@@ -5,37 +5,16 @@
 
 #include "epx/sim/grad_sync.h"
 #include "epx/sim/simulator.h"
+#include "sim/test_scenarios.h"
 
 namespace epx::sim {
 namespace {
 
-// 2 nodes x 4 GPUs, 16 experts top-2, 4 layers; round hardware numbers.
+// 2 nodes x 4 GPUs, 16 experts top-2, 4 layers, an embedding and a head.
 Scenario two_node_scenario(int ep) {
-  Scenario s;
-  s.hardware.name = "test";
-  s.hardware.bf16_flops = 1e14;
-  s.hardware.sms = 100;
-  s.hardware.hbm_bandwidth = 3e12;
-  s.hardware.nvlink_bandwidth = 1e11;
-  s.hardware.nic_bandwidth = 1e10;
-  s.hardware.nvlink_latency = 2e-6;
-  s.hardware.nic_latency = 5e-6;
-  s.cluster.nodes = 2;
-  s.cluster.gpus_per_node = 4;
-  s.model.layers = 4;
-  s.model.hidden = 512;
-  s.model.expert_hidden = 256;
-  s.model.experts = 16;
-  s.model.topk = 2;
-  s.model.shared_experts = 1;
+  Scenario s = testing::four_gpu_nodes(2, ep);
   s.model.embedding_params = 1000;
   s.model.head_params = 2000;
-  s.parallelism.ep = ep;
-  s.parallelism.tokens_per_gpu = 512;
-  s.parallelism.grad_bucket_bytes = 1 << 20;
-  s.routing.sample_tokens = 64;
-  s.run.steps = 2;
-  s.run.threads = 1;
   return s;
 }
 

@@ -9,38 +9,17 @@
 #include "epx/sim/pipeline.h"
 #include "epx/sim/simulator.h"
 #include "observe/temp_dir.h"
+#include "sim/test_scenarios.h"
 
 namespace epx::sim {
 namespace {
 
-// `nodes` x 4 GPUs, 16 experts top-2, 4 layers, EP 4; round hardware numbers.
+// `nodes` x 4 GPUs, EP 4, `pp` stages, 4 micro-batches, a message overhead.
 Scenario small(int nodes, int pp) {
-  Scenario s;
-  s.hardware.name = "test";
-  s.hardware.bf16_flops = 1e14;
-  s.hardware.sms = 100;
-  s.hardware.hbm_bandwidth = 3e12;
-  s.hardware.nvlink_bandwidth = 1e11;
-  s.hardware.nic_bandwidth = 1e10;
-  s.hardware.nvlink_latency = 2e-6;
-  s.hardware.nic_latency = 5e-6;
+  Scenario s = testing::four_gpu_nodes(nodes, 4);
   s.hardware.message_overhead = 1e-7;
-  s.cluster.nodes = nodes;
-  s.cluster.gpus_per_node = 4;
-  s.model.layers = 4;
-  s.model.hidden = 512;
-  s.model.expert_hidden = 256;
-  s.model.experts = 16;
-  s.model.topk = 2;
-  s.model.shared_experts = 1;
-  s.parallelism.ep = 4;
   s.parallelism.pp_stages = pp;
   s.parallelism.micro_batches = 4;
-  s.parallelism.tokens_per_gpu = 512;
-  s.parallelism.grad_bucket_bytes = 1 << 20;
-  s.routing.sample_tokens = 64;
-  s.run.steps = 2;
-  s.run.threads = 1;
   return s;
 }
 
@@ -123,6 +102,12 @@ TEST(SimWholeStep, OptimizerScalesWithTheParametersHeldAndZeroShardsIt) {
   const GradientBytes held2 = parameters_held(more, 0);
   EXPECT_DOUBLE_EQ(held2.expert(), 2 * held.expert());
   EXPECT_GT(optimizer_cost(more, held2, edp, world).update_s, c.update_s);
+  // A measured optimizer rate replaces the HBM's; emulated hosts: x GPUs / cores.
+  Scenario rate = s;
+  rate.hardware.optimizer_bandwidth = 1e9;
+  EXPECT_NEAR(optimizer_cost(rate, held, edp, world).update_s, c.params * 28.0 / 1e9, 1e-12);
+  rate.hardware.host_cores = 2;
+  EXPECT_NEAR(optimizer_cost(rate, held, edp, world).update_s, 4 * c.params * 28.0 / 1e9, 1e-12);
   // bf16 moments: 8 bytes less per parameter.
   Scenario bf16 = s;
   bf16.optimizer.moment_dtype = "bf16";

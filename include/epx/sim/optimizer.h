@@ -5,7 +5,8 @@
 // writes the weight and the moments back (and, with a separate compute copy,
 // that copy): memory traffic, per GPU,
 //   bytes_per_param = 2 master + grad + 4 moment [+ weight copy]   (dtype sizes)
-//   update_s        = params updated x bytes_per_param / hbm_bandwidth,
+//   update_s        = params updated x bytes_per_param / hbm_bandwidth
+//                     (hardware.memory.optimizer_bandwidth when set),
 // where params updated = the routed experts held (EPLB slots included) + the
 // dense parameters of its stage. Emulated clusters (hardware.host.cores > 0)
 // run every rank's update on the host's cores: x max(1, GPUs / cores), and at

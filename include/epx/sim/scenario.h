@@ -36,6 +36,10 @@ struct HardwareProfile {
   double gemm_half_rows = 64;      // rows per expert at which the share is half of that
   int gemm_tile = 128;             // rows of one expert are padded to a multiple of this
   double hbm_bandwidth = 0;        // read + write traffic
+  // Memory traffic per second the optimizer step reaches on one GPU; 0 =
+  // hbm_bandwidth (a fused AdamW is memory-bound). Emulated hosts: the rate
+  // epx train's AdamW reaches on one core (it is compute-bound there).
+  double optimizer_bandwidth = 0;
   double nvlink_bandwidth = 0;     // effective, per direction
   double nvlink_efficiency = 1.0;  // share of nvlink_bandwidth an all-to-all reaches (calibrated)
   double nvlink_latency = 0;       // once per all-to-all that uses NVLink
