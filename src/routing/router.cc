@@ -163,6 +163,13 @@ inline Float4 load4(const float* p) {
 inline Float4 max4(Float4 a, Float4 b) { return a > b ? a : b; }
 inline Float4 min4(Float4 a, Float4 b) { return a < b ? a : b; }
 
+// (a, b) and (c, d), each a lane's best and second best (a >= b, c >= d):
+// the best and second best of the four values, into (a, b).
+inline void merge_top2(Float4& a, Float4& b, Float4 c, Float4 d) {
+  b = max4(min4(a, c), max4(b, d));
+  a = max4(a, c);
+}
+
 // The best two values of v[0, n) (n >= 1), best first; -inf for a missing
 // second. Per lane (8 lanes) first, then over the lanes: no data-dependent
 // branch. Only the values are defined (not which of two equal elements).
@@ -186,15 +193,16 @@ void top2_values(const float* v, int n, float* first, float* second) {
     std::copy(v + i, v + n, tail);
     add(tail);
   }
-  float a[8], b[8];
-  std::memcpy(a, m1, sizeof(a));
-  std::memcpy(b, m2, sizeof(b));
-  int lane = 0;
-  for (int l = 1; l < 8; ++l) lane = a[l] > a[lane] ? l : lane;
-  float s = b[lane];
-  for (int l = 0; l < 8; ++l) s = l != lane && a[l] > s ? a[l] : s;
-  *first = a[lane];
-  *second = s;
+  // The 8 lanes' pairs merged in three rounds of vector operations (a scan
+  // of the lanes for the best one was a chain of dependent loads and
+  // compares, a fifth of route's time with groups).
+  merge_top2(m1[0], m2[0], m1[1], m2[1]);
+  merge_top2(m1[0], m2[0], __builtin_shufflevector(m1[0], m1[0], 2, 3, 0, 1),
+             __builtin_shufflevector(m2[0], m2[0], 2, 3, 0, 1));
+  merge_top2(m1[0], m2[0], __builtin_shufflevector(m1[0], m1[0], 1, 0, 3, 2),
+             __builtin_shufflevector(m2[0], m2[0], 1, 0, 3, 2));
+  *first = m1[0][0];
+  *second = m2[0][0];
 }
 
 // The k-th largest of v[0, m) (1 <= k <= m, no NaN), by counting ranks: a
@@ -293,6 +301,12 @@ class ThresholdSelect {
   int count_ = 0;
 };
 
+// The machine's cores, at most 8: route's most threads. Asked once.
+int64_t machine_threads() {
+  static const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
+  return threads;
+}
+
 // Drops over-capacity (token, slot) pairs from out in place.
 void apply_capacity(const RouterConfig& config, RouterOutput& out) {
   const int64_t T = out.num_tokens;
@@ -314,7 +328,9 @@ void apply_capacity(const RouterConfig& config, RouterOutput& out) {
   }
 }
 
-Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
+// Every field of out is written (its vectors keep their capacity).
+Status route_now(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
+                 RouterOutput& out) {
   EPX_RETURN_IF_ERROR(config.validate());
   // The logits' values are checked row by row while routing (below); a bad
   // shape is reported here, and a bad value before a bad bias, as always.
@@ -334,10 +350,10 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
     bias = expert_bias.data_as<const float>();
   }
 
-  RouterOutput out;
   out.num_tokens = T;
   out.num_experts = E;
   out.topk = K;
+  out.num_dropped = 0;
   out.topk_idx.assign(T * K, -1);
   out.topk_weights.assign(T * K, 0.0f);
   out.selected_idx.assign(T * K, -1);
@@ -390,7 +406,7 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
       const float* base = config.softmax_after_topk ? row : prob;
       const float* score = base;  // selection scores
       if (bias) {
-        for (int e = 0; e < E; ++e) select[e] = base[e] + bias[e];
+        detail::add_rows(base, bias, select.data(), E);
         score = select.data();
       }
 
@@ -424,7 +440,7 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
           for (int g = 0; g < G; ++g) {
             int rank = 0;
             for (int h = 0; h < G; ++h)
-              rank += group_score[h] > group_score[g] || (group_score[h] == group_score[g] && h < g) ? 1 : 0;
+              rank += (group_score[h] > group_score[g]) | ((group_score[h] == group_score[g]) & (h < g));
             if (rank < config.topk_groups) best_groups[rank] = g;
           }
         } else {
@@ -516,8 +532,9 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
   };
   // Large batches use the machine's cores (at most 8 threads); small ones stay on the caller's.
   constexpr int64_t kMinWorkPerThread = 1 << 17;  // (token, expert) pairs
-  const int64_t max_threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, 8);
-  const int64_t num_threads = std::clamp<int64_t>(T * E / kMinWorkPerThread, 1, max_threads);
+  const int64_t wanted = T * E / kMinWorkPerThread;
+  // The core count is a system call (a file read): asked only for a batch that could use it.
+  const int64_t num_threads = wanted < 2 ? 1 : std::clamp<int64_t>(wanted, 1, machine_threads());
   // A worker that cannot start (the process is out of threads) leaves its
   // range to the caller's thread: the same output, later.
   std::vector<uint8_t> bad_logits(num_threads, 0);  // one flag per range
@@ -544,13 +561,23 @@ Result<RouterOutput> route_now(const RouterConfig& config, const TensorView& log
     if (e >= 0) ++out.tokens_per_expert[e];
   out.rows_per_expert = out.tokens_per_expert;
   if (config.pad_to_capacity) std::fill(out.rows_per_expert.begin(), out.rows_per_expert.end(), out.capacity);
-  return out;
+  return Status::ok();
 }
 
 }  // namespace
 
 Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
-  return detail::guard("route", [&] { return route_now(config, logits, expert_bias); });
+  return detail::guard("route", [&]() -> Result<RouterOutput> {
+    RouterOutput out;
+    EPX_RETURN_IF_ERROR(route_now(config, logits, expert_bias, out));
+    return out;
+  });
+}
+
+Status route_into(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
+                  RouterOutput* out) {
+  if (out == nullptr) return invalid_argument("route_into needs an output, got a null pointer");
+  return detail::guard("route", [&] { return route_now(config, logits, expert_bias, *out); });
 }
 
 Result<std::vector<float>> route_backward(const RouterConfig& config, const RouterOutput& forward,

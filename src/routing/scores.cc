@@ -88,7 +88,11 @@ std::vector<float> probabilities(ScoreFunction fn, const TensorView& logits, int
   return out;
 }
 
-bool all_finite(const float* x, int n) {
+EPX_SIMD_CLONES void add_rows(const float* a, const float* b, float* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+EPX_SIMD_CLONES bool all_finite(const float* x, int n) {
   // Branch-free so that it vectorizes: an exponent of all ones is inf or NaN.
   uint32_t bad = 0;
   for (int i = 0; i < n; ++i) {
@@ -99,19 +103,29 @@ bool all_finite(const float* x, int n) {
   return bad == 0;
 }
 
+namespace {
+
+// The group expert e belongs to (clamped into [0, groups)).
+int group_index(const RouterConfig& config, int e, int groups) {
+  const int per_group = config.num_experts / groups;
+  const int g = config.expert_group.empty() ? e / std::max(1, per_group) : config.expert_group[e];
+  return std::clamp(g, 0, groups - 1);
+}
+
+}  // namespace
+
 std::vector<std::vector<int32_t>> group_members(const RouterConfig& config) {
-  std::vector<std::vector<int32_t>> members(std::max(1, config.num_groups));
-  const int per_group = config.num_experts / std::max(1, config.num_groups);
-  for (int e = 0; e < config.num_experts; ++e) {
-    const int g = config.expert_group.empty() ? e / std::max(1, per_group) : config.expert_group[e];
-    members[std::clamp(g, 0, static_cast<int>(members.size()) - 1)].push_back(e);
-  }
+  const int groups = std::max(1, config.num_groups);
+  std::vector<std::vector<int32_t>> members(groups);
+  for (int e = 0; e < config.num_experts; ++e) members[group_index(config, e, groups)].push_back(e);
   return members;
 }
 
+// Counted without building the member lists: validate runs on every route call.
 std::vector<int> group_sizes(const RouterConfig& config) {
-  std::vector<int> sizes;
-  for (const auto& m : group_members(config)) sizes.push_back(static_cast<int>(m.size()));
+  const int groups = std::max(1, config.num_groups);
+  std::vector<int> sizes(groups, 0);
+  for (int e = 0; e < config.num_experts; ++e) ++sizes[group_index(config, e, groups)];
   return sizes;
 }
 

@@ -24,6 +24,9 @@ void probabilities_row(ScoreFunction fn, const float* row, float* p, int num_exp
 // Whether none of x[0, n) is inf or NaN (vectorized; no early exit).
 bool all_finite(const float* x, int n);
 
+// out[i] = a[i] + b[i] (the selection scores: probabilities plus the bias).
+void add_rows(const float* a, const float* b, float* out, int n);
+
 // Experts per group, and the experts of each group in id order.
 std::vector<int> group_sizes(const RouterConfig& config);
 std::vector<std::vector<int32_t>> group_members(const RouterConfig& config);

@@ -18,6 +18,7 @@
 #include "epx/sim/pipeline.h"
 #include "epx/sim/traffic.h"
 #include "core/guard.h"
+#include "sim/parallel.h"
 #include "sim/routing_trace.h"
 
 namespace epx::sim {
@@ -161,6 +162,22 @@ struct GroupClock {
   std::vector<std::vector<Interval>> comm, compute;
 };
 
+// What one EP group of one stage did in one step (a unit of the step's work:
+// units run on the simulator's threads, each writing only its own).
+struct UnitResult {
+  Status status = Status::ok();
+  int first_layer = 0;                      // the stage's first layer
+  double fwd_end = 0;                       // the forward's last layer output, any GPU
+  double end = 0;                           // both streams idle on every GPU
+  std::vector<double> layer_bwd_end;        // [stage layer]: its backward ended on every GPU
+  std::vector<double> busy, comm_time, exposed;        // [gpu]
+  std::vector<std::array<double, kNumKinds>> kind_s;  // [gpu]
+  std::vector<std::vector<int64_t>> load;   // [stage layer][expert]: kept pairs (MoE layers)
+  std::vector<int64_t> dropped;             // [stage layer]
+  int64_t routed = 0;                       // route + layout calls
+  std::vector<TraceSpan> trace;             // the traced unit only
+};
+
 class Simulator {
  public:
   Simulator(const Scenario& s, const SimOptions& o) : s_(s), o_(o) {}
@@ -170,11 +187,16 @@ class Simulator {
   Status prepare();
   Status load_trace();
   void step_popularity(int step);
-  Status route_layer(int step, int layer, int group, const Topology& topo, LayerCosts* costs, GroupTraffic* traffic);
-  void run_pass(const LayerCosts& costs, bool backward, GroupClock& clock, std::vector<TraceSpan>* trace);
+  Status route_layer(int step, int layer, int group, const Topology& topo, LayerCosts* costs, GroupTraffic* traffic,
+                     UnitResult* unit) const;
+  void run_pass(const LayerCosts& costs, bool backward, GroupClock& clock, std::vector<TraceSpan>* trace) const;
   double compute_seconds(Kind kind, const LayerCosts& costs, int gpu, double fraction, bool backward) const;
+  void run_unit(int step, int stage, int group, const Topology& topo, UnitResult* unit) const;
+  Status run_units(int step, const Topology& topo, std::vector<UnitResult>* units) const;
+  Status run_step(int step, const Topology& topo, SimResult* result, std::array<double, kNumKinds>* kind_total);
   Status end_of_step(int step);
   Status prepare_grad_sync();
+  [[nodiscard]] int pp_units() const { return s_.parallelism.pp_stages * groups_; }
 
   // The gradient all-reduce of each pipeline stage: its layout's group shapes
   // and one rank's gradient bytes.
@@ -202,6 +224,7 @@ class Simulator {
   std::vector<int64_t> dropped_;                 // [layer] this step, all groups (sampled pairs)
   std::vector<Task> fwd_, bwd_;
   int64_t routed_ = 0;
+  int threads_ = 1;        // the simulator's threads (run.threads, 0 = the machine's cores)
 };
 
 Status Simulator::load_trace() {
@@ -227,6 +250,7 @@ Status Simulator::prepare() {
   T_ = p.tokens_per_gpu;
   router_ = make_router_config(m);
   EPX_RETURN_IF_ERROR(router_.validate());
+  threads_ = s_.run.threads > 0 ? s_.run.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
   const int L = m.layers;
   log_pop_.assign(L, std::vector<double>(m.experts, 0.0));
@@ -285,7 +309,7 @@ void Simulator::step_popularity(int step) {
 }
 
 Status Simulator::route_layer(int step, int layer, int group, const Topology& topo, LayerCosts* costs,
-                              GroupTraffic* traffic) {
+                              GroupTraffic* traffic, UnitResult* unit) const {
   const ModelConfig& m = s_.model;
   std::vector<double> pop;
   if (!trace_pop_.empty()) {
@@ -308,11 +332,13 @@ Status Simulator::route_layer(int step, int layer, int group, const Topology& to
   q.sample_tokens = s_.routing.sample_tokens;
   q.seed = s_.routing.seed;
   q.stream = (static_cast<uint64_t>(step) * s_.model.layers + layer) * 65536 + group;
-  q.threads = s_.run.threads > 0 ? s_.run.threads : std::max(1u, std::thread::hardware_concurrency());
+  // The step's units share the threads; a step of fewer units than threads routes each group on them all.
+  q.threads = std::max(1, threads_ / pp_units());
   EPX_RETURN_IF_ERROR(route_group(q, traffic));
-  routed_ += R_;
-  for (int e = 0; e < m.experts; ++e) step_load_[layer][e] += traffic->expert_load[e];
-  dropped_[layer] += traffic->num_dropped;
+  unit->routed += R_;
+  const int slot = layer - unit->first_layer;
+  for (int e = 0; e < m.experts; ++e) unit->load[slot][e] += traffic->expert_load[e];
+  unit->dropped[slot] += traffic->num_dropped;
 
   const Kernel kernel = kernel_of(s_.parallelism.dispatch, topo.num_nodes());
   EPX_ASSIGN_OR_RETURN(int64_t disp_bytes, row_bytes(m.dispatch_dtype, m.hidden));
@@ -358,7 +384,7 @@ double Simulator::compute_seconds(Kind kind, const LayerCosts& c, int gpu, doubl
   return backward ? 2.0 * seconds : seconds;
 }
 
-void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, std::vector<TraceSpan>* trace) {
+void Simulator::run_pass(const LayerCosts& c, bool backward, GroupClock& clk, std::vector<TraceSpan>* trace) const {
   const std::vector<Task>& prog = backward ? bwd_ : fwd_;
   const std::vector<Task> dense_prog = {Task{Kind::kDense, 0, 1.0, {}, true}};
   const std::vector<Task>& program = c.moe ? prog : dense_prog;
@@ -441,6 +467,24 @@ double latest_ready(const GroupClock& clk) {
   return t;
 }
 
+// The compute streams' gaps in a traced unit, named "idle" (track 2g is GPU g's compute).
+void add_idle_gaps(int gpus, double end, std::vector<TraceSpan>* trace) {
+  std::vector<TraceSpan> gaps;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> busy(gpus);
+  for (const TraceSpan& sp : *trace)
+    if (sp.rank % 2 == 0) busy[sp.rank / 2].push_back({sp.begin_ns, sp.end_ns});
+  for (int g = 0; g < gpus; ++g) {
+    std::sort(busy[g].begin(), busy[g].end());
+    int64_t t = 0;
+    for (auto [b, e] : busy[g]) {
+      if (b > t) gaps.push_back({"idle", 2 * g, t, b});
+      t = std::max(t, e);
+    }
+    if (int64_t(end * 1e9) > t) gaps.push_back({"idle", 2 * g, t, int64_t(end * 1e9)});
+  }
+  trace->insert(trace->end(), gaps.begin(), gaps.end());
+}
+
 // The ranks of one pipeline stage as a Topology: its share of the nodes (a
 // stage inside one node when there are more stages than nodes).
 Result<Topology> stage_topology(const Scenario& s) {
@@ -470,12 +514,154 @@ double max_vio_of(const std::vector<int64_t>& load) {
   return mx / (total / static_cast<double>(load.size())) - 1.0;
 }
 
+// One EP group of one stage through the stage's layers, forward then (when
+// training) backward: its GPUs' clocks, reduced to what the step needs.
+void Simulator::run_unit(int step, int stage, int group, const Topology& topo, UnitResult* u) const {
+  const ModelConfig& m = s_.model;
+  const int pp = s_.parallelism.pp_stages;
+  const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
+  u->first_layer = l0;
+  u->layer_bwd_end.assign(l1 - l0, 0.0);
+  u->load.assign(l1 - l0, std::vector<int64_t>(m.experts, 0));
+  u->dropped.assign(l1 - l0, 0);
+  // The trace shows the first stage that holds an MoE layer.
+  const bool moe_stage = l0 <= m.dense_layers && m.dense_layers < l1;
+  const bool tracing = o_.keep_trace && step == s_.run.trace_step && moe_stage && group == 0;
+  std::vector<TraceSpan>* trace = tracing ? &u->trace : nullptr;
+  GroupClock clk;
+  clk.compute_free.assign(R_, 0.0);
+  clk.comm_free.assign(R_, 0.0);
+  clk.ready.assign(num_mb_, std::vector<double>(R_, 0.0));
+  clk.busy.assign(R_, 0.0);
+  clk.comm_time.assign(R_, 0.0);
+  clk.comm.assign(R_, {});
+  clk.compute.assign(R_, {});
+  clk.kind_s.assign(R_, {});
+  std::vector<LayerCosts> costs(l1 - l0);
+  GroupTraffic traffic;
+  const int global_group = stage * s_.ep_groups_per_stage() + group;
+  for (int l = l0; l < l1; ++l) {
+    if (l < m.dense_layers) {
+      costs[l - l0].moe = false;
+    } else {
+      u->status = route_layer(step, l, global_group, topo, &costs[l - l0], &traffic, u);
+      if (!u->status.is_ok()) return;
+    }
+    run_pass(costs[l - l0], false, clk, trace);
+  }
+  u->fwd_end = latest_ready(clk);
+  if (s_.parallelism.mode == "train") {
+    for (int l = l1 - 1; l >= l0; --l) {
+      run_pass(costs[l - l0], true, clk, trace);
+      u->layer_bwd_end[l - l0] = latest_ready(clk);
+    }
+  }
+  double end = 0;
+  for (int g = 0; g < R_; ++g) end = std::max({end, clk.compute_free[g], clk.comm_free[g]});
+  u->end = end;
+  u->busy = clk.busy;
+  u->comm_time = clk.comm_time;
+  u->kind_s = clk.kind_s;
+  u->exposed.resize(R_);
+  for (int g = 0; g < R_; ++g) u->exposed[g] = clk.comm_time[g] - overlap_of(clk.comm[g], clk.compute[g]);
+  if (tracing) add_idle_gaps(R_, end, &u->trace);
+}
+
+// Every unit of the step (stage-major), on the simulator's threads: unit i on
+// thread i % threads, each writing only its own result, so nothing depends on
+// the number of threads.
+Status Simulator::run_units(int step, const Topology& topo, std::vector<UnitResult>* units) const {
+  const int n = pp_units();
+  units->assign(n, UnitResult{});
+  const int threads = std::max(1, std::min(threads_, n));
+  run_shares(threads, "a simulator thread", [&](int share) {
+    for (int i = share; i < n; i += threads) run_unit(step, i / groups_, i % groups_, topo, &(*units)[i]);
+  });
+  for (const UnitResult& u : *units) EPX_RETURN_IF_ERROR(u.status);
+  return Status::ok();
+}
+
+Status Simulator::run_step(int step, const Topology& topo, SimResult* result,
+                           std::array<double, kNumKinds>* kind_total) {
+  const ModelConfig& m = s_.model;
+  const int pp = s_.parallelism.pp_stages;
+  const bool train = s_.parallelism.mode == "train";
+  step_popularity(step);
+  std::vector<UnitResult> units;
+  EPX_RETURN_IF_ERROR(run_units(step, topo, &units));
+  StepStats st;
+  std::vector<double> idle;
+  double exposed_sum = 0, comm_sum = 0;
+  int64_t gpus = 0;
+  std::array<double, kNumKinds> kinds{};
+  for (auto& v : step_load_) std::fill(v.begin(), v.end(), 0);
+  std::fill(dropped_.begin(), dropped_.end(), 0);
+  double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
+  for (int stage = 0; stage < pp; ++stage) {
+    const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
+    // When each layer's backward has ended on every simulated GPU (its gradients are ready).
+    std::vector<double> layer_bwd_end(l1 - l0, 0.0);
+    double bwd_start = 0, stage_end = 0;
+    for (int group = 0; group < groups_; ++group) {
+      UnitResult& u = units[stage * groups_ + group];
+      for (int l = l0; l < l1; ++l) {
+        layer_bwd_end[l - l0] = std::max(layer_bwd_end[l - l0], u.layer_bwd_end[l - l0]);
+        for (int e = 0; e < m.experts; ++e) step_load_[l][e] += u.load[l - l0][e];
+        dropped_[l] += u.dropped[l - l0];
+      }
+      routed_ += u.routed;
+      bwd_start = std::max(bwd_start, u.fwd_end);
+      const double end = u.end;
+      st.stage_s = std::max(st.stage_s, end);
+      stage_end = std::max(stage_end, end);
+      for (int g = 0; g < R_; ++g) {
+        idle.push_back(end > 0 ? 1.0 - u.busy[g] / end : 0.0);
+        exposed_sum += end > 0 ? u.exposed[g] / end : 0.0;
+        comm_sum += end > 0 ? u.comm_time[g] / end : 0.0;
+        for (int k = 0; k < kNumKinds; ++k) kinds[k] += u.kind_s[g][k];
+      }
+      gpus += R_;
+      if (!u.trace.empty()) result->trace = std::move(u.trace);
+    }
+    if (train) {
+      const StageSync& ss = stage_sync_[stage];
+      GradSyncResult sync = schedule_grad_sync({ss.bytes, layer_bwd_end, bwd_start, stage_end, ss.edp, ss.world}, s_);
+      const double tail = sync.exposed_s + ss.optimizer.seconds();
+      if (stage == 0 || tail > tail_s) {
+        tail_s = tail;
+        st.grad_sync_s = sync.busy_s;
+        st.grad_exposed_s = sync.exposed_s;
+        st.grad_hidden = sync.hidden_share;
+        st.optimizer_s = ss.optimizer.update_s;
+        st.param_gather_s = ss.optimizer.gather_s;
+      }
+      if (step == 0 && stage == 0) result->grad_sync = std::move(sync);
+    }
+  }
+  // 1F1B with the transfers between stages; then what the last unit's
+  // backward does not hide of the all-reduce, and the optimizer.
+  st.pp_transfer_s = (units_ + pp - 1) * result->pipeline.per_unit_s;
+  st.step_s = (units_ + pp - 1) * st.stage_s + st.pp_transfer_s + st.grad_exposed_s + st.optimizer_s +
+              st.param_gather_s;
+  st.worst_idle = *std::max_element(idle.begin(), idle.end());
+  st.mean_idle = std::accumulate(idle.begin(), idle.end(), 0.0) / static_cast<double>(idle.size());
+  st.exposed_comm = exposed_sum / static_cast<double>(gpus);
+  st.comm_share = comm_sum / static_cast<double>(gpus);
+  st.tokens_per_s_per_gpu = static_cast<double>(T_) * s_.parallelism.micro_batches / pp / st.step_s;
+  st.mfu = (train ? 3.0 : 1.0) * result->model_flops_per_token * st.tokens_per_s_per_gpu / peak_;
+  for (int l = m.dense_layers; l < m.layers; ++l) st.max_vio = std::max(st.max_vio, max_vio_of(step_load_[l]));
+  for (int k = 0; k < kNumKinds; ++k) (*kind_total)[k] += kinds[k] / static_cast<double>(gpus);
+  for (int l = m.dense_layers; l < m.layers; ++l) st.dropped += dropped_[l];
+  EPX_RETURN_IF_ERROR(end_of_step(step));
+  result->steps.push_back(st);
+  return Status::ok();
+}
+
 Result<SimResult> Simulator::run() {
   const auto wall_start = std::chrono::steady_clock::now();
   EPX_RETURN_IF_ERROR(prepare());
   EPX_RETURN_IF_ERROR(prepare_grad_sync());
   const ModelConfig& m = s_.model;
-  const int pp = s_.parallelism.pp_stages;
   const bool train = s_.parallelism.mode == "train";
   EPX_ASSIGN_OR_RETURN(Topology topo, Topology::create(R_, nodes_per_group_));
   SimResult result;
@@ -490,116 +676,7 @@ Result<SimResult> Simulator::run() {
     result.model_flops_per_token = m.dense_layers * dense + (m.layers - m.dense_layers) * moe;
   }
   std::array<double, kNumKinds> kind_total{};
-  LayerCosts dense_costs;
-  dense_costs.moe = false;
-  GroupTraffic traffic;
-  for (int step = 0; step < s_.run.steps; ++step) {
-    step_popularity(step);
-    for (auto& v : step_load_) std::fill(v.begin(), v.end(), 0);
-    std::fill(dropped_.begin(), dropped_.end(), 0);
-    StepStats st;
-    std::vector<double> idle;
-    double exposed_sum = 0, comm_sum = 0;
-    int64_t gpus = 0;
-    std::array<double, kNumKinds> kinds{};
-    double tail_s = 0;  // after the last unit: exposed all-reduce + optimizer, the stage that ends last
-    for (int stage = 0; stage < pp; ++stage) {
-      const int l0 = stage * m.layers / pp, l1 = (stage + 1) * m.layers / pp;
-      // When each layer's backward has ended on every simulated GPU (its gradients are ready).
-      std::vector<double> layer_bwd_end(l1 - l0, 0.0);
-      double bwd_start = 0, stage_end = 0;
-      for (int group = 0; group < groups_; ++group) {
-        // The trace shows the first stage that holds an MoE layer.
-        const bool moe_stage = l0 <= m.dense_layers && m.dense_layers < l1;
-        const bool tracing = o_.keep_trace && step == s_.run.trace_step && moe_stage && group == 0;
-        GroupClock clk;
-        clk.compute_free.assign(R_, 0.0);
-        clk.comm_free.assign(R_, 0.0);
-        clk.ready.assign(num_mb_, std::vector<double>(R_, 0.0));
-        clk.busy.assign(R_, 0.0);
-        clk.comm_time.assign(R_, 0.0);
-        clk.comm.assign(R_, {});
-        clk.compute.assign(R_, {});
-        clk.kind_s.assign(R_, {});
-        std::vector<LayerCosts> costs(l1 - l0);
-        const int global_group = stage * s_.ep_groups_per_stage() + group;
-        for (int l = l0; l < l1; ++l) {
-          if (l < m.dense_layers) {
-            costs[l - l0] = dense_costs;
-          } else {
-            EPX_RETURN_IF_ERROR(route_layer(step, l, global_group, topo, &costs[l - l0], &traffic));
-          }
-          run_pass(costs[l - l0], false, clk, tracing ? &result.trace : nullptr);
-        }
-        bwd_start = std::max(bwd_start, latest_ready(clk));
-        if (train) {
-          for (int l = l1 - 1; l >= l0; --l) {
-            run_pass(costs[l - l0], true, clk, tracing ? &result.trace : nullptr);
-            layer_bwd_end[l - l0] = std::max(layer_bwd_end[l - l0], latest_ready(clk));
-          }
-        }
-        double end = 0;
-        for (int g = 0; g < R_; ++g) end = std::max({end, clk.compute_free[g], clk.comm_free[g]});
-        st.stage_s = std::max(st.stage_s, end);
-        stage_end = std::max(stage_end, end);
-        for (int g = 0; g < R_; ++g) {
-          idle.push_back(end > 0 ? 1.0 - clk.busy[g] / end : 0.0);
-          const double exposed = clk.comm_time[g] - overlap_of(clk.comm[g], clk.compute[g]);
-          exposed_sum += end > 0 ? exposed / end : 0.0;
-          comm_sum += end > 0 ? clk.comm_time[g] / end : 0.0;
-          for (int k = 0; k < kNumKinds; ++k) kinds[k] += clk.kind_s[g][k];
-        }
-        gpus += R_;
-        if (tracing) {
-          // The compute stream's gaps, named.
-          std::vector<TraceSpan> gaps;
-          std::vector<std::vector<std::pair<int64_t, int64_t>>> busy(R_);
-          for (const TraceSpan& sp : result.trace)
-            if (sp.rank % 2 == 0) busy[sp.rank / 2].push_back({sp.begin_ns, sp.end_ns});
-          for (int g = 0; g < R_; ++g) {
-            std::sort(busy[g].begin(), busy[g].end());
-            int64_t t = 0;
-            for (auto [b, e] : busy[g]) {
-              if (b > t) gaps.push_back({"idle", 2 * g, t, b});
-              t = std::max(t, e);
-            }
-            if (int64_t(end * 1e9) > t) gaps.push_back({"idle", 2 * g, t, int64_t(end * 1e9)});
-          }
-          result.trace.insert(result.trace.end(), gaps.begin(), gaps.end());
-        }
-      }
-      if (train) {
-        const StageSync& ss = stage_sync_[stage];
-        GradSyncResult sync = schedule_grad_sync({ss.bytes, layer_bwd_end, bwd_start, stage_end, ss.edp, ss.world}, s_);
-        const double tail = sync.exposed_s + ss.optimizer.seconds();
-        if (stage == 0 || tail > tail_s) {
-          tail_s = tail;
-          st.grad_sync_s = sync.busy_s;
-          st.grad_exposed_s = sync.exposed_s;
-          st.grad_hidden = sync.hidden_share;
-          st.optimizer_s = ss.optimizer.update_s;
-          st.param_gather_s = ss.optimizer.gather_s;
-        }
-        if (step == 0 && stage == 0) result.grad_sync = std::move(sync);
-      }
-    }
-    // 1F1B with the transfers between stages; then what the last unit's
-    // backward does not hide of the all-reduce, and the optimizer.
-    st.pp_transfer_s = (units_ + pp - 1) * result.pipeline.per_unit_s;
-    st.step_s = (units_ + pp - 1) * st.stage_s + st.pp_transfer_s + st.grad_exposed_s + st.optimizer_s +
-                st.param_gather_s;
-    st.worst_idle = *std::max_element(idle.begin(), idle.end());
-    st.mean_idle = std::accumulate(idle.begin(), idle.end(), 0.0) / static_cast<double>(idle.size());
-    st.exposed_comm = exposed_sum / static_cast<double>(gpus);
-    st.comm_share = comm_sum / static_cast<double>(gpus);
-    st.tokens_per_s_per_gpu = static_cast<double>(T_) * s_.parallelism.micro_batches / pp / st.step_s;
-    st.mfu = (train ? 3.0 : 1.0) * result.model_flops_per_token * st.tokens_per_s_per_gpu / peak_;
-    for (int l = m.dense_layers; l < m.layers; ++l) st.max_vio = std::max(st.max_vio, max_vio_of(step_load_[l]));
-    for (int k = 0; k < kNumKinds; ++k) kind_total[k] += kinds[k] / static_cast<double>(gpus);
-    for (int l = m.dense_layers; l < m.layers; ++l) st.dropped += dropped_[l];
-    EPX_RETURN_IF_ERROR(end_of_step(step));
-    result.steps.push_back(st);
-  }
+  for (int step = 0; step < s_.run.steps; ++step) EPX_RETURN_IF_ERROR(run_step(step, topo, &result, &kind_total));
   auto collect = [&](auto member) {
     std::vector<double> v;
     for (const StepStats& st : result.steps) v.push_back(st.*member);

@@ -2,13 +2,16 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
-#include <thread>
+#include <cstring>
 
 #include "epx/core/random.h"
 #include "epx/exchange/layout.h"
 #include "epx/routing/replicas.h"
 #include "core/guard.h"
+#include "core/simd_clones.h"
+#include "sim/parallel.h"
 
 namespace epx::sim {
 namespace {
@@ -25,7 +28,8 @@ const std::array<float, 65536>& gumbel_table() {
   return table;
 }
 
-// What one GPU's routing adds to the group's traffic.
+// What one GPU's routing adds to the group's traffic. A batch of GPUs routed
+// in one call puts its expert loads and drops on its first GPU.
 struct RankResult {
   std::vector<int32_t> per_rank;
   std::vector<int32_t> per_node;
@@ -34,7 +38,22 @@ struct RankResult {
   int64_t dropped = 0;
 };
 
-Status layout_into(const std::vector<int32_t>& topk_idx, int num_tokens, int topk, const ExpertPlacement& placement,
+// A routing thread's buffers, reused from call to call.
+struct Scratch {
+  std::vector<float> popularity;  // [experts]: log-popularity as the logits add it
+  std::vector<uint64_t> words;    // [experts / 4]: one token's random words
+  std::vector<uint16_t> draws;    // the same bits as 16-bit draws
+  std::vector<float> logits;      // [GPUs of the batch x tokens, experts]
+  RouterOutput routed;
+  DispatchLayout layout;
+};
+
+// route keeps a batch of fewer than 2 x 2^17 (token, expert) pairs on the
+// caller's thread (router.h): batches stay at or under 2^17 so that the
+// simulator's own threads are the only ones.
+constexpr int64_t kScoresPerCall = int64_t{1} << 17;
+
+Status layout_into(std::span<const int32_t> topk_idx, int num_tokens, int topk, const ExpertPlacement& placement,
                    const Topology& topology, DispatchLayout* layout, RankResult* out) {
   const TensorView view = TensorView::contiguous(topk_idx.data(), DType::kI32, {num_tokens, topk});
   EPX_RETURN_IF_ERROR(compute_layout(view, placement, topology, layout));
@@ -44,33 +63,65 @@ Status layout_into(const std::vector<int32_t>& topk_idx, int num_tokens, int top
   return Status::ok();
 }
 
-Status route_one(const RouteRequest& q, int rank, int num_tokens, std::vector<float>& logits, DispatchLayout& layout,
-                 RankResult* out) {
+// SplitMix64 outputs i = 0..n-1 of the sequence that starts after `state`:
+// mix64(state + (i + 1) * gamma), independent, so the loop vectorizes.
+EPX_SIMD_CLONES void splitmix_words(uint64_t state, int n, uint64_t* words) {
+  for (int i = 0; i < n; ++i) words[i] = mix64(state + static_cast<uint64_t>(i + 1) * kGoldenGamma);
+}
+
+// GPU `rank`'s router logits [num_tokens, E] into `row0`: log-popularity plus
+// Gumbel(0, 1) noise from the GPU's own stream, draw e of a token being bits
+// [16 (e % 4), 16 (e % 4) + 16) of the token's word e / 4.
+void draw_logits(const RouteRequest& q, int rank, int num_tokens, Scratch& scratch, float* row0) {
+  static_assert(std::endian::native == std::endian::little, "draw e is the e-th 16-bit half-word of the words");
   const int E = q.router->num_experts;
-  const auto& table = gumbel_table();
-  logits.resize(static_cast<std::size_t>(num_tokens) * E);
+  const int num_words = (E + 3) / 4;
+  const float* table = gumbel_table().data();
+  const float* popularity = scratch.popularity.data();
+  scratch.words.resize(num_words);
+  scratch.draws.resize(static_cast<std::size_t>(num_words) * 4);
   const uint64_t stream = q.stream * 1000003ull + static_cast<uint64_t>(rank);
   for (int t = 0; t < num_tokens; ++t) {
-    uint64_t state = random_bits(q.seed, stream, static_cast<uint64_t>(t));
-    float* row = logits.data() + static_cast<std::size_t>(t) * E;
-    uint64_t bits = 0;
-    for (int e = 0; e < E; ++e) {
-      if ((e & 3) == 0) bits = mix64(state += kGoldenGamma);
-      row[e] = static_cast<float>(q.log_popularity[e]) + table[bits & 0xFFFF];
-      bits >>= 16;
-    }
+    splitmix_words(random_bits(q.seed, stream, static_cast<uint64_t>(t)), num_words, scratch.words.data());
+    std::memcpy(scratch.draws.data(), scratch.words.data(), scratch.draws.size() * sizeof(uint16_t));
+    float* row = row0 + static_cast<std::size_t>(t) * E;
+    for (int e = 0; e < E; ++e) row[e] = popularity[e] + table[scratch.draws[e]];
   }
-  const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {num_tokens, E});
+}
+
+// GPUs [first, first + count) of the group in one route call: their tokens
+// are rows of one batch (a token's route depends on its row alone), then each
+// GPU's rows through compute_layout. With a capacity, count is 1 (capacity is
+// per GPU).
+Status route_batch(const RouteRequest& q, int first, int count, int num_tokens, Scratch& scratch,
+                   std::span<RankResult> ranks) {
+  const int E = q.router->num_experts;
+  const std::size_t per_gpu = static_cast<std::size_t>(num_tokens) * E;
+  scratch.logits.resize(per_gpu * count);
+  for (int i = 0; i < count; ++i)
+    draw_logits(q, first + i, num_tokens, scratch, scratch.logits.data() + per_gpu * i);
+  const TensorView logits_view = TensorView::contiguous(scratch.logits.data(), DType::kF32,
+                                                        {int64_t{num_tokens} * count, E});
   const TensorView bias_view =
       q.expert_bias.empty() ? TensorView{} : TensorView::contiguous(q.expert_bias.data(), DType::kF32, {E});
-  EPX_ASSIGN_OR_RETURN(RouterOutput routed, route(*q.router, logits_view, bias_view));
-  out->per_expert = routed.tokens_per_expert;
-  out->dropped = routed.num_dropped;
-  if (q.replicas.empty())
-    return layout_into(routed.topk_idx, num_tokens, q.router->topk, *q.placement, *q.topology, &layout, out);
-  EPX_ASSIGN_OR_RETURN(std::vector<int32_t> slots,
-                       map_to_replicas(q.replicas, routed.topk_idx, q.router->topk, ReplicaChoice::kTokenModulo));
-  return layout_into(slots, num_tokens, q.router->topk, *q.placement, *q.topology, &layout, out);
+  const RouterOutput& routed = scratch.routed;
+  EPX_RETURN_IF_ERROR(route_into(*q.router, logits_view, bias_view, &scratch.routed));
+  ranks[first].per_expert = routed.tokens_per_expert;
+  ranks[first].dropped = routed.num_dropped;
+  const int K = q.router->topk;
+  const std::size_t pairs = static_cast<std::size_t>(num_tokens) * K;
+  for (int i = 0; i < count; ++i) {
+    const std::span<const int32_t> idx(routed.topk_idx.data() + pairs * i, pairs);
+    RankResult* out = &ranks[first + i];
+    if (q.replicas.empty()) {
+      EPX_RETURN_IF_ERROR(layout_into(idx, num_tokens, K, *q.placement, *q.topology, &scratch.layout, out));
+      continue;
+    }
+    EPX_ASSIGN_OR_RETURN(std::vector<int32_t> slots,
+                         map_to_replicas(q.replicas, idx, K, ReplicaChoice::kTokenModulo));
+    EPX_RETURN_IF_ERROR(layout_into(slots, num_tokens, K, *q.placement, *q.topology, &scratch.layout, out));
+  }
+  return Status::ok();
 }
 
 void accumulate(const std::vector<RankResult>& ranks, double scale, GroupTraffic* out) {
@@ -123,31 +174,26 @@ Status route_group(const RouteRequest& q, GroupTraffic* out) {
                             q.sample_tokens);
   const int R = q.topology->num_ranks();
   const int num_tokens = static_cast<int>(std::min<int64_t>(q.tokens_per_gpu, q.sample_tokens));
+  // Batches of GPUs, each one route call; a capacity is per GPU, so then one GPU a batch.
+  const int64_t per_gpu = static_cast<int64_t>(num_tokens) * E;
+  const int batch = q.router->capacity_factor > 0
+                        ? 1
+                        : static_cast<int>(std::clamp<int64_t>(kScoresPerCall / per_gpu, 1, R));
+  const int num_batches = (R + batch - 1) / batch;
   std::vector<RankResult> ranks(R);
-  std::vector<Status> status(R, Status::ok());
+  std::vector<Status> status(num_batches, Status::ok());
   // A thread per call costs tens of microseconds: worth it only for big groups.
-  const int64_t scores = static_cast<int64_t>(R) * num_tokens * E;
-  const int threads = std::max(1, std::min({q.threads, R, static_cast<int>(scores >> 20)}));
+  const int64_t scores = static_cast<int64_t>(R) * per_gpu;
+  const int threads = std::max(1, std::min({q.threads, num_batches, static_cast<int>(scores >> 20)}));
   auto work = [&](int first) {
-    std::vector<float> logits;
-    DispatchLayout layout;
-    for (int r = first; r < R; r += threads) status[r] = route_one(q, r, num_tokens, logits, layout, &ranks[r]);
+    // Kept by the thread from call to call: a fresh ~1 MB of buffers a call
+    // costs page faults and zeroing (a quarter of a run on two threads).
+    thread_local Scratch scratch;
+    scratch.popularity.assign(q.log_popularity.begin(), q.log_popularity.end());
+    for (int b = first; b < num_batches; b += threads)
+      status[b] = route_batch(q, b * batch, std::min(batch, R - b * batch), num_tokens, scratch, ranks);
   };
-  if (threads == 1) {
-    work(0);
-  } else {
-    // A thread that cannot start leaves its share to this one: the same result.
-    std::vector<int> on_caller;
-    on_caller.reserve(threads);
-    std::vector<std::jthread> pool;
-    pool.reserve(threads);
-    for (int i = 0; i < threads; ++i) {
-      Result<std::jthread> thread = detail::start_thread<std::jthread>("a simulator routing thread", work, i);
-      if (thread.is_ok()) pool.push_back(std::move(thread).value());
-      else on_caller.push_back(i);
-    }
-    for (int i : on_caller) work(i);
-  }
+  run_shares(threads, "a simulator routing thread", work);
   for (const Status& s : status) EPX_RETURN_IF_ERROR(s);
   reset(out, R, q.topology->num_nodes(), q.placement->num_experts(), E);
   out->tokens_per_gpu = q.tokens_per_gpu;

@@ -307,6 +307,34 @@ TEST(Router, ThreadSplitDoesNotChangeABit) {
   }
 }
 
+// route_into reuses an output: a dropping call, then a dropless and a
+// smaller one, each the same as route's fresh output, field by field.
+TEST(Router, RouteIntoReusedOutputEqualsRoute) {
+  const int E = 16;
+  const std::vector<float> logits = random_logits(64 * E, 3);
+  const RouterConfig dropping{.num_experts = E, .topk = 2, .capacity_factor = 0.5};
+  const RouterConfig dropless{.num_experts = E, .topk = 4, .score_function = ScoreFunction::kSigmoid,
+                              .normalize_weights = true, .num_groups = 4, .topk_groups = 2};
+  RouterOutput reused;
+  for (auto [config, tokens] : {std::pair{dropping, 64}, std::pair{dropless, 64}, std::pair{dropless, 5}}) {
+    auto fresh = route(config, matrix(logits, tokens, E));
+    ASSERT_TRUE(fresh.is_ok()) << fresh.status().to_string();
+    ASSERT_TRUE(route_into(config, matrix(logits, tokens, E), {}, &reused).is_ok());
+    EXPECT_EQ(reused.num_tokens, fresh->num_tokens);
+    EXPECT_EQ(reused.topk, fresh->topk);
+    EXPECT_EQ(reused.topk_idx, fresh->topk_idx);
+    EXPECT_EQ(reused.topk_weights, fresh->topk_weights);
+    EXPECT_EQ(reused.scores, fresh->scores);
+    EXPECT_EQ(reused.selected_idx, fresh->selected_idx);
+    EXPECT_EQ(reused.selected_probs, fresh->selected_probs);
+    EXPECT_EQ(reused.capacity, fresh->capacity);
+    EXPECT_EQ(reused.num_dropped, fresh->num_dropped);
+    EXPECT_EQ(reused.tokens_per_expert, fresh->tokens_per_expert);
+    EXPECT_EQ(reused.rows_per_expert, fresh->rows_per_expert);
+  }
+  EXPECT_EQ(route_into(dropless, matrix(logits, 4, E), {}, nullptr).code(), StatusCode::kInvalidArgument);
+}
+
 // A worker thread that cannot start leaves its tokens to the caller's thread:
 // the same output, no exception, no thread left running.
 TEST(Router, WorkersThatCannotStartGiveTheSameOutput) {

@@ -232,5 +232,48 @@ TEST(Simulator, ResultsDoNotDependOnThreads) {
   for (std::size_t i = 0; i < a->steps.size(); ++i) EXPECT_EQ(a->steps[i].step_s, b->steps[i].step_s);
 }
 
+// Several stages and EP groups (units run on the simulator's threads) and the
+// expert bias fed back between steps: every step's statistics and the trace
+// are the same bits on one thread and on three.
+TEST(Simulator, UnitsOnThreadsGiveTheSameBits) {
+  Scenario s = small_scenario();
+  s.cluster.nodes = 4;
+  s.parallelism.ep = 4;
+  s.parallelism.pp_stages = 2;
+  s.parallelism.mode = "train";
+  s.model.layers = 5;
+  s.model.dense_layers = 1;
+  s.routing.distribution = "lognormal";
+  s.routing.drift = 0.1;
+  s.balancing.strategy = "bias";
+  s.run.steps = 3;
+  s.run.trace_step = 1;
+  ASSERT_EQ(s.ep_groups_per_stage(), 4);
+  auto a = simulate(s, {.keep_trace = true});
+  s.run.threads = 3;
+  auto b = simulate(s, {.keep_trace = true});
+  ASSERT_TRUE(a.is_ok() && b.is_ok()) << (a.is_ok() ? b.status() : a.status()).message();
+  ASSERT_EQ(a->steps.size(), b->steps.size());
+  for (std::size_t i = 0; i < a->steps.size(); ++i) {
+    const StepStats &x = a->steps[i], &y = b->steps[i];
+    EXPECT_EQ(x.step_s, y.step_s);
+    EXPECT_EQ(x.worst_idle, y.worst_idle);
+    EXPECT_EQ(x.mean_idle, y.mean_idle);
+    EXPECT_EQ(x.exposed_comm, y.exposed_comm);
+    EXPECT_EQ(x.max_vio, y.max_vio);
+    EXPECT_EQ(x.grad_exposed_s, y.grad_exposed_s);
+  }
+  EXPECT_EQ(a->routed_gpu_layers, b->routed_gpu_layers);
+  EXPECT_EQ(a->routed_gpu_layers, 3 * 4 * 4 * 4);  // steps x MoE layers x groups per stage x GPUs per group
+  ASSERT_EQ(a->trace.size(), b->trace.size());
+  ASSERT_FALSE(a->trace.empty());
+  for (std::size_t i = 0; i < a->trace.size(); ++i) {
+    EXPECT_EQ(a->trace[i].begin_ns, b->trace[i].begin_ns);
+    EXPECT_EQ(a->trace[i].end_ns, b->trace[i].end_ns);
+  }
+  for (std::size_t k = 0; k < a->summary.phase_s.size(); ++k)
+    EXPECT_EQ(a->summary.phase_s[k].second, b->summary.phase_s[k].second);
+}
+
 }  // namespace
 }  // namespace epx::sim

@@ -105,6 +105,12 @@ struct RouterOutput {
 Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
                            const TensorView& expert_bias = {});
 
+// As route, into *out, whose vectors keep their capacity: no allocation once
+// they are large enough (for callers that route many batches, the simulator).
+// Every field is written; on an error *out holds no result.
+Status route_into(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
+                  RouterOutput* out);
+
 // grad_topk_weights: f32 [num_tokens, topk] (dropped slots are ignored).
 // Returns the gradient w.r.t. the logits, [num_tokens, num_experts].
 Result<std::vector<float>> route_backward(const RouterConfig& config, const RouterOutput& forward,
