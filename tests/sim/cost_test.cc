@@ -142,6 +142,14 @@ GroupTraffic uniform_traffic(int nodes, int per_node, double rows) {
   return t;
 }
 
+// hand_profile() with 2 forwarding SMs (comm.sms 4) of `per_sm` B/s each.
+HardwareProfile forwarding_profile(double per_sm) {
+  HardwareProfile h = hand_profile();
+  h.comm_sms = 4;
+  h.forward_sm_bandwidth = per_sm;
+  return h;
+}
+
 TEST(SimAllToAll, TwoHopOnOneNodeIsTheIntranodeKernel) {
   GroupTraffic t = empty_traffic(4, 1);
   t.pairs = {5, 10, 0, 30, 7, 0, 3, 1, 0, 0, 9, 20, 4, 4, 4, 4};
@@ -165,9 +173,7 @@ TEST(SimAllToAll, TheForwardingStageBindsWhenItIsTheSlowest) {
   // 1e7 B/s = 2e7 B/s: 20 ms, the NIC at 1e8 B/s: 1 ms, NVLink 1e9: 0.2 ms.
   GroupTraffic t = uniform_traffic(2, 2, 100);
   auto topo = Topology::create(4, 2);
-  HardwareProfile h = hand_profile();
-  h.comm_sms = 4;
-  h.forward_sm_bandwidth = 1e7;
+  HardwareProfile h = forwarding_profile(1e7);
   const AllToAllOptions o{.kernel = Kernel::kTwoHop, .row_bytes = 1000};
   const AllToAllCost c = all_to_all(t, *topo, h, o);
   EXPECT_DOUBLE_EQ(c.loads[0].fwd, 4e5);
@@ -216,9 +222,7 @@ TEST(SimAllToAll, LowLatencySendsOneMessagePerTokenAndExpert) {
 TEST(SimAllToAll, TimeGrowsWithTheBytesInEveryKernel) {
   GroupTraffic t = uniform_traffic(2, 2, 100);
   auto topo = Topology::create(4, 2);
-  HardwareProfile h = hand_profile();
-  h.comm_sms = 4;
-  h.forward_sm_bandwidth = 5e7;
+  const HardwareProfile h = forwarding_profile(5e7);
   for (Kernel k : {Kernel::kFlat, Kernel::kTwoHop, Kernel::kLowLatency}) {
     double last = 0;
     for (double bytes : {100.0, 1000.0, 10000.0}) {
