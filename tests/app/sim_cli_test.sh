@@ -77,6 +77,14 @@ cp "$src/configs/hardware/h100.toml" "$work/h100-copy.toml"
 run by_path "$work/elsewhere/by_path.toml" --steps 1
 [[ $code -eq 0 ]] || fail "a profile by relative path: exit $code, want 0: $(cat "$work/by_path.err")"
 
+# The report shows the kernel family, the routing source and skew, and the whole step's parts.
+run report "$template" --steps 2 --set parallelism.mode=train --report "$work/run.html"
+[[ $code -eq 0 ]] || fail "--report: exit $code, want 0: $(cat "$work/report.err")"
+for part in 'All-to-all kernel: ' 'Routing: .*Expert-load skew \(MaxVio' 'Where the step time goes' \
+            'pipeline transfers' 'gradient all-reduce exposed' 'optimizer update' 'Expert-load skew<'; do
+  grep -Eq "$part" "$work/run.html" || fail "--report: the page lacks '$part'"
+done
+
 if [[ $failures -gt 0 ]]; then
   echo "sim_cli_test: $failures failure(s)"
   exit 1
