@@ -9,6 +9,7 @@
 #include "epx/sim/simulator.h"
 #include "observe/temp_dir.h"
 #include "sim/routing_trace.h"
+#include "sim/test_scenarios.h"
 
 namespace epx::sim {
 namespace {
@@ -82,28 +83,16 @@ TEST(SimRoutingTrace, PopularityKeepsTheSharesATopKRouterCanReach) {
   EXPECT_EQ(log_popularity_from_counts(std::vector<double>{0, 0}, 1), (std::vector<double>{0, 0}));
 }
 
-// 1 node x 8 GPUs, 16 experts (2 per GPU), top-2, one MoE layer.
+// 2 nodes x 4 GPUs, 16 experts (2 per GPU), top-2, one MoE layer, no shared
+// expert, replaying `trace`.
 Scenario trace_scenario(const std::string& trace) {
-  Scenario s;
-  s.hardware.bf16_flops = 1e15;
-  s.hardware.sms = 100;
-  s.hardware.hbm_bandwidth = 3e12;
-  s.hardware.nvlink_bandwidth = 1e11;
-  s.cluster.nodes = 1;
-  s.cluster.gpus_per_node = 8;
+  Scenario s = testing::four_gpu_nodes(2, 8);
   s.model.layers = 1;
-  s.model.hidden = 1024;
-  s.model.expert_hidden = 1024;
-  s.model.experts = 16;
-  s.model.topk = 2;
   s.model.shared_experts = 0;
-  s.parallelism.ep = 8;
   s.parallelism.tokens_per_gpu = 2048;
   s.routing.sample_tokens = 512;
   s.routing.distribution = "trace";
   s.routing.trace = trace;
-  s.run.steps = 2;
-  s.run.threads = 1;
   return s;
 }
 
