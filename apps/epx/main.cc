@@ -250,7 +250,10 @@ int main(int argc, char** argv) {
     train.quiet = quiet;
     return epx::app::run_train(train);
   }
-  if (app.got_subcommand("sim")) return epx::app::run_sim(sim_cmds, sim);
+  if (app.got_subcommand("sim")) {
+    sim.quiet = quiet;
+    return epx::app::run_sim(sim_cmds, sim);
+  }
   if (*monitor_cmd) return epx::app::run_monitor(monitor);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;

@@ -1,6 +1,8 @@
 // `epx sim`: the cluster simulator's command.
 #include "sim.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <ctime>
 #include <fstream>
@@ -11,7 +13,9 @@
 
 #include "commands.h"
 #include "epx/observe/chrome_trace.h"
+#include "epx/core/clock.h"
 #include "epx/observe/output_path.h"
+#include "epx/observe/progress.h"
 #include "epx/observe/table.h"
 #include "epx/sim/calibration.h"
 #include "epx/sim/memory.h"
@@ -197,6 +201,48 @@ Status check_report_option(const SimOptions& o) {
   return check_output_writable(o.report_path, "--report", /*renamed_into_place=*/true);
 }
 
+// The progress line of a simulation, on stderr: on a terminal once the run
+// has taken a second (redrawn in place), with --progress from the start (in
+// place on a terminal, plain lines every 10% elsewhere), never with -q.
+// Never on stdout, so --json and the tables stay clean.
+class StepProgress {
+ public:
+  StepProgress(const SimOptions& o, int steps, std::string label)
+      : on_(!o.quiet && (o.progress || ::isatty(::fileno(stderr)) == 1)),
+        forced_(o.progress),
+        bar_(steps, std::move(label), stderr, o.progress ? ProgressStyle::kAuto : ProgressStyle::kTerminal) {}
+
+  // Steps done of steps; the line shows them, the rate and the ETA.
+  void update(int done, int steps) {
+    if (!on_) return;
+    const double elapsed = static_cast<double>(now_ns() - start_ns_) * 1e-9;
+    if (!forced_ && elapsed < 1.0) return;
+    shown_ = true;
+    // The terminal line has its own rate and ETA; a plain line gets them here.
+    const double eta = done > 0 ? elapsed / done * (steps - done) : 0.0;
+    bar_.update(done, bar_.terminal() ? fmt::format("elapsed {:.1f} s", elapsed)
+                                      : fmt::format("elapsed {:.1f} s, ETA {:.1f} s", elapsed, eta));
+  }
+  void finish() {
+    if (shown_) bar_.finish();
+  }
+
+ private:
+  bool on_, forced_, shown_ = false;
+  int64_t start_ns_ = now_ns();
+  ProgressBar bar_;
+};
+
+// A simulation with its progress line.
+Result<sim::SimResult> simulate_with_progress(const sim::Scenario& s, sim::SimOptions so, const SimOptions& o,
+                                              std::string label) {
+  StepProgress progress(o, s.run.steps, std::move(label));
+  so.on_step = [&progress](int done, int steps) { progress.update(done, steps); };
+  auto result = sim::simulate(s, so);
+  progress.finish();
+  return result;
+}
+
 // A simulation that fails on its input (a malformed trace, a missing file) is a
 // usage error: exit 2, nothing written; anything else is a failed run.
 int exit_code_of(const Status& status) {
@@ -245,7 +291,7 @@ int run_scenario(const SimOptions& o) {
     std::vector<std::vector<std::string>> rows;
     nlohmann::json all = nlohmann::json::array();
     for (std::size_t i = 0; i < scenarios.size(); ++i) {
-      auto r = sim::simulate(scenarios[i]);
+      auto r = simulate_with_progress(scenarios[i], {}, o, fmt::format("sim {}={}", key, values[i]));
       if (!r.is_ok()) {
         fmt::print(stderr, "epx sim: {}={}: {}\n", key, values[i], r.status().message());
         return exit_code_of(r.status());
@@ -270,7 +316,7 @@ int run_scenario(const SimOptions& o) {
   }
   sim::SimOptions so;
   so.keep_trace = !o.trace_path.empty() || !o.report_path.empty();
-  auto result = sim::simulate(base, so);
+  auto result = simulate_with_progress(base, so, o, "sim");
   if (!result.is_ok()) {
     fmt::print(stderr, "epx sim: {}\n", result.status().message());
     return exit_code_of(result.status());
@@ -323,6 +369,12 @@ int run_keys() {
   return kExitOk;
 }
 
+// --profile: a shipped profile's name ("h800") or a path.
+Status load_profile(const std::string& name_or_path, sim::Scenario* s) {
+  EPX_ASSIGN_OR_RETURN(std::string path, sim::find_hardware_profile(name_or_path, ""));
+  return sim::load_hardware(path, s);
+}
+
 int run_calibrate(const SimOptions& o) {
   const int threads =
       o.calibrate_threads > 0 ? o.calibrate_threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -367,7 +419,7 @@ Result<std::vector<std::string>> prediction_row(const sim::HardwareProfile& h, c
 
 int run_fit(const SimOptions& o) {
   sim::Scenario s;
-  Status st = sim::load_hardware(o.fit_profile, &s);
+  Status st = load_profile(o.fit_profile, &s);
   if (!st.is_ok()) {
     fmt::print(stderr, "epx sim fit: {}\n", st.message());
     return kExitUsage;
@@ -423,7 +475,7 @@ int run_predict(const SimOptions& o) {
     return kExitUsage;
   }
   sim::Scenario s;
-  Status st = sim::load_hardware(o.profile_path, &s);
+  Status st = load_profile(o.profile_path, &s);
   if (!st.is_ok()) {
     fmt::print(stderr, "epx sim predict-exchange: {}\n", st.message());
     return kExitUsage;
@@ -485,6 +537,10 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
                     "Also write the run as one self-contained HTML page: per-GPU timelines of the traced step, idle "
                     "and exposed communication per GPU, step time over the steps, a summary (not with --sweep)");
   c.run->add_flag("--json", o.json, "Print one JSON object instead of the tables");
+  c.run->add_flag("--progress", o.progress,
+                  "Progress lines on stderr (steps done, elapsed, ETA) from the start, also when stderr is not a "
+                  "terminal (plain lines every 10%); without it a terminal gets one line, redrawn in place, on runs "
+                  "longer than a second; -q silences it");
 
   c.keys = sim->add_subcommand("keys", "List every scenario key (--set/--sweep take them)");
 
@@ -504,14 +560,14 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "fit",
       "Fit the link model's efficiencies (nvlink, nic) of a profile on DeepEP's published EP8/EP16 points, then "
       "predict other EP sizes and the decode shape (128 tokens per rank) without fitting");
-  c.fit->add_option("--profile", o.fit_profile, "Hardware profile (H800: the GPU DeepEP measured on)")
+  c.fit->add_option("--profile", o.fit_profile, "Hardware profile: a shipped one's name or a .toml path (H800: the GPU DeepEP measured on)")
       ->capture_default_str();
 
   c.predict = sim->add_subcommand(
       "predict-exchange",
       "Predict one dispatch and one combine of the in-process backend at `epx bench exchange`'s shape from a "
       "profile (from `epx sim calibrate`)");
-  c.predict->add_option("--profile", o.profile_path, "Hardware profile TOML")->required();
+  c.predict->add_option("--profile", o.profile_path, "Hardware profile: a .toml path (from epx sim calibrate) or a shipped one's name")->required();
   c.predict->add_option("--tokens", o.tokens, "Tokens per rank")->check(CLI::Range(1, 1 << 20))->capture_default_str();
   c.predict->add_option("--ranks", o.ranks, "Ranks")->check(CLI::Range(1, 4096))->capture_default_str();
   c.predict->add_option("--nodes-shape", o.node_shape, "NODESxRANKS_PER_NODE")->capture_default_str();

@@ -20,12 +20,14 @@ struct SimOptions {
   std::string trace_path;
   std::string report_path;  // --report: the run as an HTML page
   bool json = false;
+  bool progress = false;  // --progress: progress lines on stderr even when it is not a terminal
+  bool quiet = false;     // -q/--quiet: none
   // calibrate
   int64_t calibrate_mb = 256;
   int calibrate_threads = 0;
   std::string calibrate_out;
   // fit
-  std::string fit_profile = "configs/hardware/h800.toml";
+  std::string fit_profile = "h800";
   // predict-exchange
   std::string profile_path;
   int tokens = 4096;

@@ -85,15 +85,76 @@ ReportTable summary_table(const sim::SimResult& r) {
                               row("communication busy (share of stage)", s.comm_share, 100, "%"),
                               row("tokens/s/GPU", s.tokens_per_s_per_gpu, 1, ""), row("MFU", s.mfu, 100, "%"),
                               row("MaxVio (expert load)", s.max_vio, 1, ""),
-                              row("gradient all-reduce exposed", s.grad_exposed_s, 1e3, " ms")}};
+                              row("gradient all-reduce busy", s.grad_sync_s, 1e3, " ms"),
+                              row("gradient all-reduce exposed", s.grad_exposed_s, 1e3, " ms"),
+                              row("gradient all-reduce hidden", s.grad_hidden, 100, "%"),
+                              row("pipeline transfers (critical path)", s.pp_transfer_s, 1e3, " ms"),
+                              row("optimizer update", s.optimizer_s, 1e3, " ms"),
+                              row("weight all-gather (ZeRO-1)", s.param_gather_s, 1e3, " ms")}};
 }
 
-// Step time, idle and exposed communication over the simulated steps.
+// How the step time is made, as the simulator adds it up (mean over the
+// steps): (units + pp - 1) stage units, the pipeline transfers on the 1F1B
+// critical path, the gradient all-reduce the backward does not hide, the
+// optimizer update and the ZeRO-1 weight all-gathers.
+void add_whole_step(ReportPage& page, const sim::Scenario& scenario, const sim::SimResult& r) {
+  const sim::ParallelismConfig& p = scenario.parallelism;
+  const int units = p.micro_batches / (scenario.schedule.overlap == "two_micro_batch" ? 2 : 1);
+  double parts[5] = {};
+  for (const sim::StepStats& st : r.steps) {
+    const double each[5] = {(units + p.pp_stages - 1) * st.stage_s, st.pp_transfer_s, st.grad_exposed_s,
+                            st.optimizer_s, st.param_gather_s};
+    for (int i = 0; i < 5; ++i) parts[i] += 1e3 * each[i] / static_cast<double>(r.steps.size());
+  }
+  StackedBars step{.title = "Where the step time goes (mean over the steps)", .unit = "ms",
+                   .note = fmt::format("{} stage units of {} micro-batch(es) over {} pipeline stages (1F1B: units + "
+                                       "stages - 1 on the critical path); transfers between stages over {} ({:.2f} MiB "
+                                       "per micro-batch per GPU); then what the backward leaves exposed of the "
+                                       "gradient all-reduce (EDP {} ranks, dense over {}), the optimizer ({}{}) and "
+                                       "its weight all-gathers.",
+                                       units, units == p.micro_batches ? 1 : 2, p.pp_stages, r.pipeline.link,
+                                       r.pipeline.bytes / (1 << 20), r.edp_ranks, r.dp_ranks,
+                                       scenario.optimizer.kind, scenario.optimizer.zero ? ", ZeRO-1" : ""),
+                   .bar_names = {"step"},
+                   .part_names = {"pipeline stages (MoE and dense layers)", "pipeline transfers",
+                                  "gradient all-reduce exposed", "optimizer update", "weight all-gather"},
+                   .values = {parts, parts + 5}};
+  page.add(std::move(step));
+}
+
+// Where the routing comes from and how skewed the expert load is.
+std::string routing_source(const sim::Scenario& s, const sim::SimResult& r) {
+  const sim::RoutingConfig& q = s.routing;
+  std::string source = q.distribution;
+  if (q.distribution == "zipf") source = fmt::format("Zipf popularity (s = {})", q.zipf_s);
+  if (q.distribution == "lognormal") source = fmt::format("log-normal popularity (sigma = {})", q.lognormal_sigma);
+  if (q.distribution == "uniform") source = "uniform popularity";
+  if (q.distribution == "trace") source = fmt::format("replayed per-expert counts from {} (format {})", q.trace, q.trace_format);
+  return fmt::format(
+      "Routing: {}{}, seed {}; every GPU's tokens through epx's own router and dispatch layout ({} of {} tokens "
+      "routed per GPU per layer, counts scaled by {:.4g}); balancing {}. Expert-load skew (MaxVio, p50 over the "
+      "steps) {:.3g}, worst GPU idle (p50) {:.1f}%.",
+      source, q.drift > 0 ? fmt::format(", drifting {} per step", q.drift) : "", q.seed, r.sampled_tokens,
+      s.parallelism.tokens_per_gpu, r.sample_scale, s.balancing.strategy, r.summary.max_vio.p50,
+      100 * r.summary.worst_idle.p50);
+}
+
+std::string kernel_family(const sim::Scenario& s) {
+  const std::string& d = s.parallelism.dispatch;
+  const std::string family = d == "low_latency" ? "low-latency (one message per (token, expert), direct RDMA)"
+                             : d == "two_hop"   ? "normal two-hop (NVLink inside a node, one NIC copy per node)"
+                                                : "flat (one copy per (token, rank))";
+  return fmt::format("All-to-all kernel: {}; {} of {} SMs for communication (docs/simulator.md \"Kernel models\").",
+                     family, s.hardware.comm_sms, s.hardware.sms);
+}
+
+// Step time, idle, exposed communication and the expert-load skew over the simulated steps.
 void add_step_charts(ReportPage& page, const sim::SimResult& r) {
-  StepBins bins(4, 1000);
+  StepBins bins(5, 1000);
   for (std::size_t i = 0; i < r.steps.size(); ++i) {
     const sim::StepStats& st = r.steps[i];
-    const double v[4] = {1e3 * st.step_s, 100 * st.worst_idle, 100 * st.mean_idle, 100 * st.exposed_comm};
+    const double v[5] = {1e3 * st.step_s, 100 * st.worst_idle, 100 * st.mean_idle, 100 * st.exposed_comm,
+                         st.max_vio};
     bins.add(static_cast<int64_t>(i), v);
   }
   LineChart time{.title = "Step time", .x_label = "step", .y_label = "ms", .note = {}, .x = {}, .series = {{"step time", {}}},
@@ -101,15 +162,20 @@ void add_step_charts(ReportPage& page, const sim::SimResult& r) {
   LineChart idle{.title = "Idle and exposed communication", .x_label = "step", .y_label = "% of stage", .note = {},
                  .x = {}, .series = {{"worst GPU idle", {}}, {"mean GPU idle", {}}, {"communication not hidden", {}}},
                  .marks = {}, .marks_label = {}};
+  LineChart skew{.title = "Expert-load skew", .x_label = "step", .y_label = "MaxVio", .note = {}, .x = {},
+                 .series = {{"MaxVio (max expert load / mean - 1, worst layer)", {}}}, .marks = {}, .marks_label = {}};
   for (int b = 0; b < bins.num_bins(); ++b) {
     time.x.push_back(bins.mean_step(b));
     idle.x.push_back(bins.mean_step(b));
     time.series[0].y.push_back(bins.mean(b, 0));
     for (int c = 0; c < 3; ++c) idle.series[static_cast<std::size_t>(c)].y.push_back(bins.mean(b, c + 1));
+    skew.x.push_back(bins.mean_step(b));
+    skew.series[0].y.push_back(bins.mean(b, 4));
   }
-  if (bins.bin_size() > 1) time.note = idle.note = fmt::format("Each point is the mean of {} steps.", bins.bin_size());
+  if (bins.bin_size() > 1) time.note = idle.note = skew.note = fmt::format("Each point is the mean of {} steps.", bins.bin_size());
   page.add(std::move(time));
   page.add(std::move(idle));
+  page.add(std::move(skew));
 }
 
 // The traced step: per-GPU timelines and the split of each GPU's time.
@@ -173,7 +239,13 @@ Status write_sim_report(const sim::Scenario& scenario, const sim::SimResult& res
   std::istringstream lines(description);
   for (std::string line; std::getline(lines, line);)
     if (!line.empty()) page.add_paragraph(line);
+  page.add_paragraph(kernel_family(scenario));
+  page.add_paragraph(routing_source(scenario, result));
   page.add(summary_table(result));
+  if (scenario.parallelism.mode == "train" || scenario.parallelism.pp_stages > 1) {
+    page.add_heading("The whole step");
+    add_whole_step(page, scenario, result);
+  }
   page.add_heading("Over the steps");
   add_step_charts(page, result);
   page.add_heading("One step, per GPU");

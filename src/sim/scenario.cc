@@ -419,9 +419,12 @@ Result<Scenario> scenario_from_table(const toml::table& table, const std::string
   // The profile first, so that hardware.* keys in the scenario override it.
   if (const auto* node = table.at_path("hardware.profile").node()) {
     auto name = node->value_exact<std::string>();
-    if (!name) return invalid_argument("{}: hardware.profile must be a string (a path)", path);
-    const std::filesystem::path profile = std::filesystem::path(path).parent_path() / *name;
-    Status st = load_hardware(profile.string(), &s);
+    if (!name) return invalid_argument("{}: hardware.profile must be a string (a name or a path)", path);
+    auto profile = find_hardware_profile(*name, std::filesystem::path(path).parent_path().string());
+    if (!profile.is_ok())
+      return Status(profile.status().code(), fmt::format("{}: hardware.profile = '{}': {}", path, *name,
+                                                         profile.status().message()));
+    Status st = load_hardware(*profile, &s);
     if (!st.is_ok()) return Status(st.code(), fmt::format("{} (hardware.profile in {})", st.message(), path));
   }
   auto keys = keys_of(s);

@@ -676,7 +676,10 @@ Result<SimResult> Simulator::run() {
     result.model_flops_per_token = m.dense_layers * dense + (m.layers - m.dense_layers) * moe;
   }
   std::array<double, kNumKinds> kind_total{};
-  for (int step = 0; step < s_.run.steps; ++step) EPX_RETURN_IF_ERROR(run_step(step, topo, &result, &kind_total));
+  for (int step = 0; step < s_.run.steps; ++step) {
+    EPX_RETURN_IF_ERROR(run_step(step, topo, &result, &kind_total));
+    if (o_.on_step) o_.on_step(step + 1, s_.run.steps);
+  }
   auto collect = [&](auto member) {
     std::vector<double> v;
     for (const StepStats& st : result.steps) v.push_back(st.*member);

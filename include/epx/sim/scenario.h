@@ -194,6 +194,19 @@ Result<Scenario> load_scenario(const std::string& path);
 Result<Scenario> parse_scenario(std::string_view text, const std::string& path);
 // Reads a hardware profile file into scenario->hardware.
 Status load_hardware(const std::string& path, Scenario* scenario);
+
+// Where hardware profiles given by name are looked for, in order: the
+// folders of $EPX_HARDWARE_PATH (':'-separated), the source tree's
+// configs/hardware (a build tree's program), share/epx/hardware beside the
+// program's bin/, and the installed share/epx/hardware.
+std::vector<std::string> hardware_profile_dirs();
+
+// The file of a hardware profile: a bare name ("h800") is <folder>/h800.toml
+// in the first of hardware_profile_dirs() that has it; anything with a '/' or
+// ending in ".toml" is a path, relative to the folder `relative_to` (when
+// not empty). An unknown name is NotFound, naming the known profiles and
+// the folders looked in.
+Result<std::string> find_hardware_profile(const std::string& name_or_path, const std::string& relative_to);
 // Sets one value by dotted key from text ("model.topk", "4"); InvalidArgument
 // for an unknown key or a value of the wrong type. Does not validate.
 Status set_value(Scenario& scenario, const std::string& key, const std::string& value);

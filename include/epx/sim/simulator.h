@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -98,6 +99,9 @@ struct SimResult {
 
 struct SimOptions {
   bool keep_trace = false;
+  // Called after each simulated step with (steps done, steps), on the
+  // calling thread (epx sim's progress line).
+  std::function<void(int, int)> on_step = nullptr;
 };
 
 Result<SimResult> simulate(const Scenario& scenario, const SimOptions& options = {});
