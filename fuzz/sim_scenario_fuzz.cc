@@ -1,7 +1,7 @@
 // `epx sim SCENARIO`: the TOML text of a scenario into a validated Scenario.
 // The text claims to be configs/sim/fuzz.toml (run from the repository root),
 // so a hardware.profile of "../hardware/h100.toml" is read as in the real
-// scenarios. Any input gives a scenario that passes its own validation, or a
+// scenarios (and a bare name, "h100", among the shipped profiles). Any input gives a scenario that passes its own validation, or a
 // refusal (InvalidArgument, or NotFound for a profile file) naming the file.
 #include <cstddef>
 #include <cstdint>

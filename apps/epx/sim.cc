@@ -239,7 +239,7 @@ Result<sim::SimResult> simulate_with_progress(const sim::Scenario& s, sim::SimOp
   StepProgress progress(o, s.run.steps, std::move(label));
   so.on_step = [&progress](int done, int steps) { progress.update(done, steps); };
   auto result = sim::simulate(s, so);
-  progress.finish();
+  if (result.is_ok()) progress.finish();  // a failed run's line is ended, not completed
   return result;
 }
 

@@ -13,6 +13,7 @@
 #endif
 
 #include "core/guard.h"
+#include "core/simd_clones.h"
 #include "routing/scores.h"
 
 namespace epx {
@@ -254,6 +255,16 @@ inline unsigned at_least_mask8(const float* v, float threshold) {
 #endif
 }
 
+// rank[i] = how many of key[0, n) are greater than key[i] (distinct keys:
+// the order of key[i]). 64-bit compares vectorize from AVX2 on, hence the clones.
+EPX_SIMD_CLONES void rank_keys(const int64_t* key, int n, int32_t* rank) {
+  for (int i = 0; i < n; ++i) {
+    int32_t r = 0;
+    for (int j = 0; j < n; ++j) r += key[j] > key[i] ? 1 : 0;
+    rank[i] = r;
+  }
+}
+
 // The candidates at or above a threshold (blocks of 8 with none are skipped,
 // the rest collected without branches), then ranked against each other: the
 // best k of them in selection order. Not for NaN scores.
@@ -285,12 +296,10 @@ class ThresholdSelect {
   void best(int k, int32_t* out) const {
     int64_t key[kMaxCandidates];
     for (int i = 0; i < count_; ++i) key[i] = order_key(value_[i], id_[i]);
+    int32_t rank[kMaxCandidates];
+    rank_keys(key, count_, rank);
     int32_t slot[kMaxCandidates + 1];
-    for (int i = 0; i < count_; ++i) {
-      int rank = 0;
-      for (int j = 0; j < count_; ++j) rank += key[j] > key[i] ? 1 : 0;
-      slot[std::min(rank, k)] = id_[i];
-    }
+    for (int i = 0; i < count_; ++i) slot[std::min(rank[i], k)] = id_[i];
     std::copy(slot, slot + k, out);
   }
 

@@ -1,6 +1,7 @@
 #include "epx/sim/simulator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -567,15 +568,17 @@ void Simulator::run_unit(int step, int stage, int group, const Topology& topo, U
   if (tracing) add_idle_gaps(R_, end, &u->trace);
 }
 
-// Every unit of the step (stage-major), on the simulator's threads: unit i on
-// thread i % threads, each writing only its own result, so nothing depends on
-// the number of threads.
+// Every unit of the step (stage-major), on the simulator's threads: each
+// thread takes the next unit not yet taken (a thread the machine delays takes
+// fewer), and each unit writes only its own result, so nothing depends on the
+// number of threads or on which thread ran which unit.
 Status Simulator::run_units(int step, const Topology& topo, std::vector<UnitResult>* units) const {
   const int n = pp_units();
   units->assign(n, UnitResult{});
   const int threads = std::max(1, std::min(threads_, n));
-  run_shares(threads, "a simulator thread", [&](int share) {
-    for (int i = share; i < n; i += threads) run_unit(step, i / groups_, i % groups_, topo, &(*units)[i]);
+  std::atomic<int> next{0};
+  run_shares(threads, "a simulator thread", [&](int) {
+    for (int i = next++; i < n; i = next++) run_unit(step, i / groups_, i % groups_, topo, &(*units)[i]);
   });
   for (const UnitResult& u : *units) EPX_RETURN_IF_ERROR(u.status);
   return Status::ok();

@@ -157,7 +157,7 @@ struct RunConfig {
   int steps = 10;
   int ep_groups = 0;      // EP groups simulated per stage; 0 = all
   int trace_step = 0;     // the step whose timelines the Chrome trace shows
-  int threads = 0;        // routing threads; 0 = hardware concurrency
+  int threads = 0;        // simulator threads (units of a step, or a group's routing); 0 = hardware concurrency
 };
 
 struct Scenario {
