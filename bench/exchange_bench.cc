@@ -647,6 +647,10 @@ MemoryEstimate estimate_exchange_bench_memory(const ExchangeBenchConfig& c) {
   BufferConfig buffer = bench_buffer_config(c);
   buffer.max_recv_tokens = std::max<int64_t>(saturating_product({T, std::min(K, R)}), 1);
   e.add("epx exchange regions (balanced routing)", Buffer::estimate_region_bytes(buffer, c.num_ranks), tokens);
+  // Balanced, a rank receives T x K (token, expert) pairs: the layer combine's expert rows.
+  if (c.layer_combine)
+    e.add("layer combine: f32 expert rows and out (balanced routing)",
+          static_cast<int64_t>(layer_combine_bytes(c, saturating_product({T, K}))), tokens);
   return e;
 }
 
