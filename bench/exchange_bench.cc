@@ -26,10 +26,20 @@ namespace epx::bench {
 
 namespace {
 
-enum Method : int { kDispatch, kCombine, kCombineCopyIn, kMemcpy, kNaiveDispatch, kNaiveCombine, kNumMethods };
+enum Method : int {
+  kDispatch,
+  kCombine,
+  kCombineCopyIn,
+  kMemcpy,
+  kNaiveDispatch,
+  kNaiveCombine,
+  kLayerCombine,
+  kMemcpyLayer,
+  kNumMethods
+};
 constexpr std::array<std::string_view, kNumMethods> kSpanName = {
-    "bench.dispatch", "bench.combine", "bench.combine_copy_in", "bench.memcpy", "bench.naive_dispatch",
-    "bench.naive_combine"};
+    "bench.dispatch",       "bench.combine",       "bench.combine_copy_in", "bench.memcpy",
+    "bench.naive_dispatch", "bench.naive_combine", "bench.layer_combine",   "bench.memcpy_layer"};
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -127,8 +137,17 @@ BufferConfig bench_buffer_config(const ExchangeBenchConfig& c) {
   b.dtype = c.dtype;
   b.max_topk = c.topk;
   b.max_tokens_per_rank = c.num_tokens;
-  b.max_combine_dtype = c.dtype;
+  b.max_combine_dtype = c.layer_combine ? DType::kF32 : c.dtype;  // combine_expanded sends f32 partials
   return b;
+}
+
+// The layer combine's own buffers on one rank: y_expanded (one f32 row per
+// received (token, local expert) pair: `expanded_rows`) and the f32 out.
+std::size_t layer_combine_bytes(const ExchangeBenchConfig& c, int64_t expanded_rows) {
+  if (!c.layer_combine) return 0;
+  const std::size_t f32_row = static_cast<std::size_t>(c.hidden) * 4;
+  return (static_cast<std::size_t>(std::max<int64_t>(expanded_rows, 1)) + static_cast<std::size_t>(c.num_tokens)) *
+         f32_row;
 }
 
 MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan) {
@@ -143,8 +162,10 @@ MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan)
   const std::size_t staged_row = config.num_nodes > 1 ? static_cast<std::size_t>(config.hidden) * 4 : 0;
   BufferConfig buffer = bench_buffer_config(config);
   buffer.max_recv_tokens = plan.max_recv_rows;
-  m.epx = num_ranks * (static_cast<std::size_t>(Buffer::estimate_region_bytes(buffer, config.num_ranks)) +
-                       2 * tokens * staged_row);
+  m.epx_after_create = num_ranks * 2 * tokens * staged_row;
+  for (int r = 0; r < config.num_ranks; ++r) m.epx_after_create += layer_combine_bytes(config, plan.naive_recv[r]);
+  m.epx = num_ranks * static_cast<std::size_t>(Buffer::estimate_region_bytes(buffer, config.num_ranks)) +
+          m.epx_after_create;
   const NaiveConfig naive{.num_experts = config.num_experts, .hidden = config.hidden, .dtype = config.dtype,
                           .max_topk = config.topk, .max_rows = plan.naive_max_rows};
   m.naive = num_ranks * NaiveAllToAll::bytes_needed(naive);  // inproc messages are not copied
@@ -200,17 +221,12 @@ class RankBench {
     shared_.x[rank_] = x_.data();
     const RankRouting& routing = plan_.routing[rank_];
 
-    BufferConfig buffer_config{.num_experts = config_.num_experts,
-                               .hidden = config_.hidden,
-                               .dtype = config_.dtype,
-                               .max_topk = config_.topk,
-                               .max_tokens_per_rank = T,
-                               .max_recv_tokens = plan_.max_recv_rows,
-                               .max_combine_dtype = config_.dtype,
-                               .placement = plan_.placement,
-                               .timeout = config_.timeout,
-                               .tracer = config_.tracer,
-                               .record_waits = config_.record_waits};
+    BufferConfig buffer_config = bench_buffer_config(config_);
+    buffer_config.max_recv_tokens = plan_.max_recv_rows;
+    buffer_config.placement = plan_.placement;
+    buffer_config.timeout = config_.timeout;
+    buffer_config.tracer = config_.tracer;
+    buffer_config.record_waits = config_.record_waits;
     EPX_ASSIGN_OR_RETURN(buffer_, Buffer::create(t_, buffer_config));
     inputs_ = DispatchInputs{.x = x_view_, .topk_idx = routing.idx(), .topk_weights = routing.weights()};
     EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
@@ -358,7 +374,38 @@ class RankBench {
     EPX_RETURN_IF_ERROR(
         timed(kCombineCopyIn, record, [&] { return buffer_->combine(recv_.recv_x, recv_.handle, out_view_); }));
     if (check) EPX_RETURN_IF_ERROR(check_combine("combine (copy-in)"));
+    if (config_.layer_combine) EPX_RETURN_IF_ERROR(layer_combine(record, check));
     return Status::ok();
+  }
+
+  // MoELayer's combine: the experts' f32 outputs y_expanded (outside the
+  // Buffer) -> combine_expanded weighted by the dispatched top-k weights -> f32
+  // out. y_expanded holds the received rows as f32 (the same values every
+  // repetition, so it is filled once, untimed).
+  Status layer_combine(bool record, bool check) {
+    if (layer_y_.size() == 0) prepare_layer_inputs();
+    if (check) std::memset(layer_out_.data(), 0, layer_out_.size());
+    EPX_RETURN_IF_ERROR(timed(kLayerCombine, record, [&] {
+      return buffer_->combine_expanded(layer_y_view_, recv_.handle, layer_out_view_);
+    }));
+    if (check) return check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32, 1e-5);
+    return Status::ok();
+  }
+
+  void prepare_layer_inputs() {
+    const ExpandedLayout& expanded = buffer_->expanded_layout(recv_.handle);
+    const int64_t rows = expanded.num_rows();
+    const int64_t H = config_.hidden;
+    layer_y_ = AlignedBuffer(static_cast<std::size_t>(std::max<int64_t>(rows, 1) * H) * 4, 4096, /*zero=*/true);
+    float* y = reinterpret_cast<float*>(layer_y_.data());
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = expanded.recv_row[static_cast<std::size_t>(i)];
+      if (r < 0) continue;
+      for (int64_t c = 0; c < H; ++c) y[i * H + c] = load_as_f32(recv_.recv_x.row(r), config_.dtype, c);
+    }
+    layer_y_view_ = TensorView::contiguous(y, DType::kF32, {rows, H});
+    layer_out_ = AlignedBuffer(static_cast<std::size_t>(config_.num_tokens) * H * 4, 4096, /*zero=*/true);
+    layer_out_view_ = TensorView::contiguous(layer_out_.data(), DType::kF32, {config_.num_tokens, H});
   }
 
   // The physical limit: the bytes this rank receives, one memcpy, between two
@@ -368,8 +415,24 @@ class RankBench {
     std::span<std::byte> dst = naive_->scratch(0);
     std::span<std::byte> src = naive_->scratch(1);
     EPX_CHECK_LE(bytes, dst.size());
-    return timed(kMemcpy, record, [&] {
+    EPX_RETURN_IF_ERROR(timed(kMemcpy, record, [&] {
       std::memcpy(dst.data(), src.data(), bytes);
+      return Status::ok();
+    }));
+    return config_.layer_combine ? memcpy_layer_op(record) : Status::ok();
+  }
+
+  // The limit of the layer's combine: the f32 partial bytes it sends
+  // (received rows x hidden x 4), copied in chunks of the memcpy buffers'
+  // size (larger than the last-level cache: every chunk goes to memory).
+  Status memcpy_layer_op(bool record) {
+    const std::size_t bytes = static_cast<std::size_t>(plan_.recv_rows[rank_]) * config_.hidden * 4;
+    std::span<std::byte> dst = naive_->scratch(0);
+    std::span<std::byte> src = naive_->scratch(1);
+    const std::size_t chunk = std::min(dst.size(), src.size());
+    return timed(kMemcpyLayer, record, [&] {
+      for (std::size_t done = 0; done < bytes; done += chunk)
+        std::memcpy(dst.data(), src.data(), std::min(chunk, bytes - done));
       return Status::ok();
     });
   }
@@ -382,7 +445,7 @@ class RankBench {
     if (check) std::memset(out_.data(), 0, out_.size());
     EPX_RETURN_IF_ERROR(timed(kNaiveCombine, record,
                               [&] { return naive_->combine(naive_recv_.recv_x, routing.weights(), out_view_); }));
-    if (check) EPX_RETURN_IF_ERROR(check_naive_combine());
+    if (check) EPX_RETURN_IF_ERROR(check_weighted_combine("naive combine", out_.data(), config_.dtype, 1e-2));
     return Status::ok();
   }
 
@@ -470,8 +533,8 @@ class RankBench {
     return Status::ok();
   }
 
-  // out[t] = sum over k of w[t, k] * x[t], in fp32 in slot order.
-  Status check_naive_combine() const {
+  // out[t] = sum over k of w[t, k] * x[t] (fp32 in slot order), within `rel`.
+  Status check_weighted_combine(std::string_view what, const std::byte* out, DType out_dtype, double rel) const {
     const int64_t H = config_.hidden;
     const int topk = config_.topk;
     const RankRouting& routing = plan_.routing[rank_];
@@ -486,8 +549,9 @@ class RankBench {
       }
       int64_t column = 0;
       float got = 0;
-      if (!row_matches(out_.data() + t * row_bytes_, expected.data(), config_.dtype, H, 1e-2, &column, &got))
-        return internal_error("verify: naive combine on rank {}: out[{}][{}] = {}, expected {}", rank_, t, column, got,
+      const std::size_t out_row = static_cast<std::size_t>(H) * dtype_size(out_dtype);
+      if (!row_matches(out + t * out_row, expected.data(), out_dtype, H, rel, &column, &got))
+        return internal_error("verify: {} on rank {}: out[{}][{}] = {}, expected {}", what, rank_, t, column, got,
                               expected[column]);
     }
     return Status::ok();
@@ -510,6 +574,10 @@ class RankBench {
   DispatchResult recv_;
   std::unique_ptr<NaiveAllToAll> naive_;
   NaiveDispatchResult naive_recv_;
+  AlignedBuffer layer_y_;    // the layer combine's y_expanded (f32)
+  AlignedBuffer layer_out_;  // and its f32 out
+  TensorView layer_y_view_;
+  TensorView layer_out_view_;
 };
 
 MethodTiming summarize(const Shared& shared, Method method, int64_t bytes, int num_ranks) {
@@ -579,6 +647,10 @@ MemoryEstimate estimate_exchange_bench_memory(const ExchangeBenchConfig& c) {
   BufferConfig buffer = bench_buffer_config(c);
   buffer.max_recv_tokens = std::max<int64_t>(saturating_product({T, std::min(K, R)}), 1);
   e.add("epx exchange regions (balanced routing)", Buffer::estimate_region_bytes(buffer, c.num_ranks), tokens);
+  // Balanced, a rank receives T x K (token, expert) pairs: the layer combine's expert rows.
+  if (c.layer_combine)
+    e.add("layer combine: f32 expert rows and out (balanced routing)",
+          static_cast<int64_t>(layer_combine_bytes(c, saturating_product({T, K}))), tokens);
   return e;
 }
 
@@ -631,9 +703,7 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   Shared shared(config.num_ranks);
   shared.interleaved = memory.fits_interleaved();
   const CpuSnapshot cpu_before = cpu_snapshot();
-  const std::size_t epx_staging =
-      memory.epx - static_cast<std::size_t>(config.num_ranks) * 2 * static_cast<std::size_t>(plan.max_recv_rows) *
-                       static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
+  const std::size_t epx_staging = memory.epx_after_create;
   InprocWorld world(topo);
   const std::vector<Status> statuses = world.run([&](Transport& transport) -> Status {
     RankBench bench(transport, config, plan, shared, progress, epx_staging);
@@ -666,6 +736,9 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.memcpy = summarize(shared, kMemcpy, r.recv_bytes, config.num_ranks);
   r.naive_dispatch = summarize(shared, kNaiveDispatch, r.recv_bytes, config.num_ranks);
   r.naive_combine = summarize(shared, kNaiveCombine, r.recv_bytes, config.num_ranks);
+  r.layer_bytes = config.layer_combine ? r.recv_rows * config.hidden * 4 : 0;
+  r.layer_combine = summarize(shared, kLayerCombine, r.layer_bytes, config.num_ranks);
+  r.memcpy_layer = summarize(shared, kMemcpyLayer, r.layer_bytes, config.num_ranks);
   auto ratio = [](double num, double den) { return den > 0 ? num / den : 0.0; };
   r.dispatch_vs_memcpy = ratio(r.memcpy.time_ms, r.dispatch.time_ms);
   r.combine_vs_memcpy = ratio(r.memcpy.time_ms, r.combine.time_ms);
@@ -675,6 +748,9 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.combine_vs_memcpy_cpu = ratio(r.memcpy.cpu_ms, r.combine.cpu_ms);
   r.dispatch_vs_naive_cpu = ratio(r.naive_dispatch.cpu_ms, r.dispatch.cpu_ms);
   r.combine_vs_naive_cpu = ratio(r.naive_combine.cpu_ms, r.combine.cpu_ms);
+  r.layer_combine_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine.time_ms);
+  r.layer_combine_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine.time_ms);
+  r.layer_combine_vs_memcpy_cpu = ratio(r.memcpy_layer.cpu_ms, r.layer_combine.cpu_ms);
   return r;
 }
 

@@ -50,6 +50,10 @@ struct ExchangeBenchConfig {
   Milliseconds timeout{300000};
   Tracer* tracer = nullptr;  // when set: the Buffer's spans plus one "bench.*" span per timed operation
   bool record_waits = true;  // BufferConfig::record_waits of epx's Buffers
+  // Also time the MoE layer's combine (MoELayer calls Buffer::combine_expanded:
+  // expanded per-expert f32 rows, weighted, f32 partials sent, f32 out) and a
+  // memcpy of the bytes it sends. Its Buffers then take max_combine_dtype = f32.
+  bool layer_combine = true;
   // Share of MemAvailable a shape may plan to use. Above it the methods run
   // one after the other (epx, then naive + memcpy) instead of interleaved;
   // when even that does not fit the shape fails with ResourceExhausted.
@@ -98,22 +102,34 @@ struct ExchangeBenchResult {
   MethodTiming memcpy;           // each rank copies recv_rows * row_bytes with plain memcpy
   MethodTiming naive_dispatch;
   MethodTiming naive_combine;
+  // The layer's combine (config.layer_combine): Buffer::combine_expanded of
+  // expert outputs y_expanded [rows, H] f32 written outside the Buffer, weighted
+  // by the dispatched top-k weights, into an f32 out [T, H], as MoELayer runs it;
+  // and memcpy of the bytes it sends (received rows x hidden x 4: one f32
+  // partial row per (token, rank) pair), in chunks through the memcpy buffers.
+  MethodTiming layer_combine;
+  MethodTiming memcpy_layer;
+  int64_t layer_bytes = 0;  // recv_rows * hidden * 4, summed over ranks
   double dispatch_vs_memcpy = 0;  // memcpy time / dispatch time (share of the memcpy rate reached)
   double combine_vs_memcpy = 0;
   double dispatch_vs_naive = 0;   // naive time / epx time (speed-up over the baseline)
   double combine_vs_naive = 0;
+  double layer_combine_vs_memcpy = 0;  // memcpy_layer time / layer_combine time
+  double layer_combine_vs_naive = 0;   // naive combine (also weighted) time / layer_combine time
   // The same ratios from CPU time (MethodTiming::cpu_ms), steadier than wall
   // time when other processes share the cores.
   double dispatch_vs_memcpy_cpu = 0;
   double combine_vs_memcpy_cpu = 0;
   double dispatch_vs_naive_cpu = 0;
   double combine_vs_naive_cpu = 0;
+  double layer_combine_vs_memcpy_cpu = 0;
 };
 
 // Memory one shape needs, in bytes over all ranks.
 struct MemoryPlan {
   std::size_t common = 0;  // inputs and outputs
-  std::size_t epx = 0;     // Buffer regions (estimate)
+  std::size_t epx = 0;     // Buffer regions (estimate) + epx_after_create
+  std::size_t epx_after_create = 0;  // staging and the layer combine's buffers: allocated by the first operations
   std::size_t naive = 0;   // the naive baseline's buffers (exact) and its in-flight messages
   std::size_t available = 0;
   std::size_t budget = 0;  // available * memory_fraction

@@ -15,7 +15,12 @@ repetition; each figure is the median of --rounds runs of a median of --reps.
 in-process rank, SwiGLU experts in torch) loaded with the eager layer's very
 weights (normalize_weights=True, as the eager top-k renormalises; its output is
 checked against the eager layer's within 1e-3 first), timed the same way: f32,
-torch.set_num_threads(--threads) for both.
+torch.set_num_threads(--threads) for both (f32 rows only).
+
+--dtype f32, bf16 or both (the default): the eager layer's weights and
+activations in that dtype, moe_layer_bench --dtype the same. --shapes issue20
+(the default) runs issue 20's three shapes; --shapes small the three smaller
+ones of the first measurements (docs/benchmarks.md, "MoE layer against PyTorch").
 
 Needs Debian's python3-torch (for /usr/bin/python3). Prints one JSON object per
 shape and a table.
@@ -29,25 +34,29 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_util as bu  # noqa: E402
 
-SHAPES = [  # tokens, hidden, ffn_hidden, experts, topk
-    (2048, 256, 512, 16, 2),
-    (4096, 512, 1024, 32, 4),
-    (1024, 1024, 2048, 8, 2),
-]
+SHAPES = {  # tokens, hidden, ffn_hidden, experts, topk
+    "small": [(2048, 256, 512, 16, 2), (4096, 512, 1024, 32, 4), (1024, 1024, 2048, 8, 2)],
+    "issue20": [(4096, 1024, 512, 64, 8), (4096, 1024, 3584, 8, 2), (2048, 2048, 1024, 32, 4)],
+    "tiny": [(256, 64, 128, 8, 2)],  # a smoke run of the script
+}
 
 
-def eager_params(torch, hidden, ffn, experts):
+def eager_params(torch, hidden, ffn, experts, dtype=None):
     """The eager layer's weights: RMSNorm scale, router [H, E], per-expert w1, w3 [H, F] and w2 [F, H]."""
     torch.manual_seed(0)
     std = hidden ** -0.5
+    dtype = dtype or torch.float32
+
+    def leaf(t):
+        return t.to(dtype).requires_grad_()
     # One tensor per expert, as an nn.ModuleList of experts holds them (slicing
     # one stacked tensor would make every expert's backward write a full-size
     # gradient).
-    return {"norm_w": torch.ones(hidden, requires_grad=True),
-            "router": (torch.randn(hidden, experts) * std).requires_grad_(),
-            "w1": [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)],
-            "w3": [(torch.randn(hidden, ffn) * std).requires_grad_() for _ in range(experts)],
-            "w2": [(torch.randn(ffn, hidden) * ffn ** -0.5).requires_grad_() for _ in range(experts)]}
+    return {"norm_w": leaf(torch.ones(hidden)),
+            "router": leaf(torch.randn(hidden, experts) * std),
+            "w1": [leaf(torch.randn(hidden, ffn) * std) for _ in range(experts)],
+            "w3": [leaf(torch.randn(hidden, ffn) * std) for _ in range(experts)],
+            "w2": [leaf(torch.randn(ffn, hidden) * ffn ** -0.5) for _ in range(experts)]}
 
 
 def param_list(p):
@@ -84,11 +93,12 @@ def time_layer(torch, forward, params, grad, reps):
     return bu.median(bu.time_reps(fwd, reps)), bu.median(bu.time_reps(both, reps))
 
 
-def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
+def torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps, dtype="f32"):
     torch.set_num_threads(threads)
-    p = eager_params(torch, hidden, ffn, experts)
-    x = torch.randn(tokens, hidden)
-    grad = torch.randn(tokens, hidden)
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    p = eager_params(torch, hidden, ffn, experts, tdtype)
+    x = torch.randn(tokens, hidden).to(tdtype)
+    grad = torch.randn(tokens, hidden).to(tdtype)
     return time_layer(torch, lambda: eager_forward(torch, p, x, topk), param_list(p), grad, reps)
 
 
@@ -115,17 +125,18 @@ def epx_torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
     return epx.InprocWorld(num_ranks=1).run(rank_fn)[0]
 
 
-def cxx_layer(binary, tokens, hidden, ffn, experts, topk, threads, reps):
+def cxx_layer(binary, tokens, hidden, ffn, experts, topk, threads, reps, dtype="f32"):
     cmd = [binary, "--tokens", str(tokens), "--hidden", str(hidden), "--ffn-hidden", str(ffn),
-           "--experts", str(experts), "--topk", str(topk), "--ranks", str(threads), "--reps", str(reps)]
+           "--experts", str(experts), "--topk", str(topk), "--ranks", str(threads), "--reps", str(reps),
+           "--dtype", dtype]
     e = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     return e["forward_s"], e["train_s"]
 
 
-def shape_row(args, torch, shape, med):
+def shape_row(args, torch, shape, dtype, med):
     tokens, hidden, ffn, experts, topk = shape
     row = {"tokens": tokens, "hidden": hidden, "ffn_hidden": ffn, "experts": experts, "topk": topk,
-           "threads": args.threads, "torch_version": torch.__version__}
+           "dtype": dtype, "threads": args.threads, "torch_version": torch.__version__}
     for side, (f, b) in med.items():
         row[f"{side}_forward_tok_s"] = tokens / f
         row[f"{side}_train_tok_s"] = tokens / b
@@ -138,15 +149,18 @@ def shape_row(args, torch, shape, med):
 
 
 def print_table(rows, sides):
-    head = f"{'shape (T x H x F, E, k)':>28}"
+    head = f"{'shape (T x H x F, E, k)':>28} {'dtype':>5}"
     for side in sides:
         head += f" {side + ' fwd':>14} {side + ' f+b':>14}"
-    print(head)
+    print(head + "   (tokens/s)")
     for r in rows:
         line = f"{r['tokens']}x{r['hidden']}x{r['ffn_hidden']}, {r['experts']}, {r['topk']}"
-        line = f"{line:>28}"
+        line = f"{line:>28} {r['dtype']:>5}"
         for side in sides:
-            line += f" {r[side + '_forward_tok_s']:14.0f} {r[side + '_train_tok_s']:14.0f}"
+            if side + "_forward_tok_s" in r:
+                line += f" {r[side + '_forward_tok_s']:14.0f} {r[side + '_train_tok_s']:14.0f}"
+            else:
+                line += f" {'-':>14} {'-':>14}"
         print(line)
 
 
@@ -157,26 +171,35 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="threads of each side (epx: ranks)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtype", choices=["f32", "bf16", "both"], default="both")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="issue20")
     args = ap.parse_args()
     try:
         import torch
     except ImportError:
         sys.exit("moe_layer_vs_torch: PyTorch is not installed (Debian: apt-get install python3-torch)")
     sides = (["epx"] if args.bench else []) + ["torch"] + (["epx_torch"] if args.epx_torch else [])
+    dtypes = ["f32", "bf16"] if args.dtype == "both" else [args.dtype]
     rows = []
-    for shape in SHAPES:
-        runs = {side: [] for side in sides}
-        for rnd in range(args.rounds):
-            if args.bench:
-                runs["epx"].append(cxx_layer(args.bench, *shape, args.threads, args.reps))
-            runs["torch"].append(torch_layer(torch, *shape, args.threads, args.reps))
-            if args.epx_torch:
-                runs["epx_torch"].append(epx_torch_layer(torch, *shape, args.threads, args.reps))
-            print(f"  shape {shape}: round {rnd + 1}/{args.rounds}", file=sys.stderr)
-        med = {k: (bu.median([f for f, _ in v]), bu.median([b for _, b in v])) for k, v in runs.items()}
-        rows.append(shape_row(args, torch, shape, med))
-        print(json.dumps(rows[-1]), flush=True)
+    for shape in SHAPES[args.shapes]:
+        for dtype in dtypes:
+            rows.append(measure_shape(args, torch, shape, dtype, sides))
+            print(json.dumps(rows[-1]), flush=True)
     print_table(rows, sides)
+
+
+def measure_shape(args, torch, shape, dtype, sides):
+    """One shape in one dtype: --rounds interleaved rounds of every side, the median of each."""
+    runs = {side: [] for side in sides if side != "epx_torch" or dtype == "f32"}  # epx.torch: f32 rows only
+    for rnd in range(args.rounds):
+        if "epx" in runs:
+            runs["epx"].append(cxx_layer(args.bench, *shape, args.threads, args.reps, dtype))
+        runs["torch"].append(torch_layer(torch, *shape, args.threads, args.reps, dtype))
+        if "epx_torch" in runs:
+            runs["epx_torch"].append(epx_torch_layer(torch, *shape, args.threads, args.reps))
+        print(f"  shape {shape} {dtype}: round {rnd + 1}/{args.rounds}", file=sys.stderr)
+    med = {k: (bu.median([f for f, _ in v]), bu.median([b for _, b in v])) for k, v in runs.items()}
+    return shape_row(args, torch, shape, dtype, med)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "core/simd_clones.h"
 #include "epx/exchange/layout.h"
 
 namespace epx::bench {
@@ -13,25 +14,26 @@ namespace {
 constexpr int kTagDispatch = 0x4e41;  // "NA"
 constexpr int kTagCombine = 0x4e42;
 
+// The unpermute's row loops, compiled like epx's row kernels (the same
+// AVX-512 / AVX2 / baseline clones, src/core/simd_clones.h), so the baseline
+// is not a scalar loop for baseline x86-64 against epx's vector code.
+EPX_SIMD_CLONES void add_weighted_row(float* acc, float w, const float* src, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += w * src[c];
+}
+
+EPX_SIMD_CLONES void add_weighted_row(float* acc, float w, const uint16_t* src, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) acc[c] += w * bf16_to_f32(src[c]);
+}
+
+EPX_SIMD_CLONES void store_row(float* dst, const float* acc, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = acc[c];
+}
+
+EPX_SIMD_CLONES void store_row(uint16_t* dst, const float* acc, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = f32_to_bf16(acc[c]);
+}
+
 // out = sum over k of w[k] * rows[k], in fp32 in slot order, stored as T.
-template <typename T>
-float load(const T* row, int64_t c) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return bf16_to_f32(row[c]);
-  } else {
-    return row[c];
-  }
-}
-
-template <typename T>
-void store(T* row, int64_t c, float v) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    row[c] = f32_to_bf16(v);
-  } else {
-    row[c] = v;
-  }
-}
-
 template <typename T>
 void unpermute(const std::byte* rows, std::size_t row_bytes, const std::vector<int64_t>& slot_row,
                const float* weights, int num_tokens, int topk, int64_t hidden, const TensorView& out) {
@@ -42,11 +44,9 @@ void unpermute(const std::byte* rows, std::size_t row_bytes, const std::vector<i
       const int64_t r = slot_row[static_cast<std::size_t>(t) * topk + k];
       if (r < 0) continue;
       const float w = weights ? weights[static_cast<std::size_t>(t) * topk + k] : 1.0f;
-      const T* src = reinterpret_cast<const T*>(rows + r * row_bytes);
-      for (int64_t c = 0; c < hidden; ++c) acc[c] += w * load(src, c);
+      add_weighted_row(acc.data(), w, reinterpret_cast<const T*>(rows + r * row_bytes), hidden);
     }
-    T* dst = out.row<T>(t);
-    for (int64_t c = 0; c < hidden; ++c) store(dst, c, acc[c]);
+    store_row(out.row<T>(t), acc.data(), hidden);
   }
 }
 

@@ -75,6 +75,11 @@ nlohmann::json result_json(const bench::ExchangeBenchResult& r) {
           {"memcpy", timing_json(r.memcpy)},
           {"naive_dispatch", timing_json(r.naive_dispatch)},
           {"naive_combine", timing_json(r.naive_combine)},
+          {"layer_combine", timing_json(r.layer_combine)},
+          {"memcpy_layer", timing_json(r.memcpy_layer)},
+          {"layer_bytes", r.layer_bytes},
+          {"layer_combine_vs_memcpy", r.layer_combine_vs_memcpy},
+          {"layer_combine_vs_naive", r.layer_combine_vs_naive},
           {"dispatch_vs_memcpy", r.dispatch_vs_memcpy},
           {"combine_vs_memcpy", r.combine_vs_memcpy},
           {"dispatch_vs_naive", r.dispatch_vs_naive},
@@ -83,7 +88,8 @@ nlohmann::json result_json(const bench::ExchangeBenchResult& r) {
            {{"dispatch_vs_memcpy", r.dispatch_vs_memcpy_cpu},
             {"combine_vs_memcpy", r.combine_vs_memcpy_cpu},
             {"dispatch_vs_naive", r.dispatch_vs_naive_cpu},
-            {"combine_vs_naive", r.combine_vs_naive_cpu}}}};
+            {"combine_vs_naive", r.combine_vs_naive_cpu},
+            {"layer_combine_vs_memcpy", r.layer_combine_vs_memcpy_cpu}}}};
 }
 
 void print_table(std::FILE* f, const std::vector<bench::ExchangeBenchResult>& results) {
@@ -103,6 +109,10 @@ void print_table(std::FILE* f, const std::vector<bench::ExchangeBenchResult>& re
     line("memcpy (limit)", r.memcpy, 0, 0);
     line("naive dispatch", r.naive_dispatch, 0, 0);
     line("naive combine", r.naive_combine, 0, 0);
+    if (r.config.layer_combine) {
+      line("layer combine", r.layer_combine, r.layer_combine_vs_memcpy, r.layer_combine_vs_naive);
+      line("memcpy (layer)", r.memcpy_layer, 0, 0);
+    }
     fmt::print(f, "{:>14}  {} rows, {:.1f} MB received ({} max on one rank); naive moves {} rows; {}; {}",
                "", r.recv_rows, static_cast<double>(r.recv_bytes) / 1e6, r.max_recv_rows, r.naive_rows,
                r.hierarchical ? "two-hop" : "flat", r.schedule);
@@ -164,6 +174,7 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
                                    .seed = o.seed,
                                    .verify = !o.no_verify,
                                    .record_waits = o.record_waits == "on",
+                                   .layer_combine = o.layer_combine == "on",
                                    .memory_fraction = o.memory_fraction};
       if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
       // A shape that cannot fit is refused now, before any is planned or run.
@@ -233,7 +244,9 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
   fmt::print(table,
              "\nGB/s = received rows x row bytes / time (logical, DeepEP's figure), the same bytes for every method; "
              "vs memcpy = memcpy time / time, vs naive = naive time / time; medians of {} interleaved reps; cpu ms = "
-             "CPU time of all rank threads in the operation; {} rank threads share {} cores.\n",
+             "CPU time of all rank threads in the operation; {} rank threads share {} cores. layer combine = "
+             "MoELayer's combine_expanded (f32 expert rows, weighted, f32 partials sent, f32 out); its GB/s and "
+             "memcpy (layer) are of the f32 partial bytes it sends (rows x hidden x 4).\n",
              o.reps, o.num_ranks, machine.cores);
   if (o.phases) {
     for (std::size_t i = 0; i < shapes_json.size(); ++i) {
@@ -254,6 +267,7 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
                    {"dtype", o.dtype},          {"reps", o.reps},     {"warmup", o.warmup},
                    {"skew", o.skew},            {"seed", o.seed},     {"verify", !o.no_verify},
                    {"record_waits", o.record_waits},
+                   {"layer_combine", o.layer_combine},
                    {"routing", o.skew == 0 ? "uniform random distinct experts per token" : "zipf-skewed"},
                    {"bandwidth", "logical: received rows x row bytes / median time"}};
     j["shapes"] = shapes_json;
