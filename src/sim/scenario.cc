@@ -187,6 +187,9 @@ Status set_from_text(const Key& key, const std::string& text) {
       key.field);
 }
 
+// A key of the profiles up to issue 18, refused with its reason.
+constexpr std::string_view kRemovedStagesLocalNode = "hardware.nic.stages_local_node";
+
 // Walks nested tables: [a.b] c = 1 becomes "prefix" + "a.b.c".
 Status apply_table(const toml::table& table, const std::string& prefix, std::vector<Key>& keys,
                    const std::string& path, const std::vector<std::string>& skip) {
@@ -198,6 +201,12 @@ Status apply_table(const toml::table& table, const std::string& prefix, std::vec
       continue;
     }
     Key* key = find_key(keys, full);
+    if (key == nullptr && full == kRemovedStagesLocalNode)
+      return invalid_argument(
+          "{}: '{}' was removed (issue 19): DeepEP's internode kernels send a sender's rows for its own node "
+          "without the NIC, and the two-hop model now has a forwarding stage (hardware.comm.forward_sm_bandwidth; "
+          "docs/simulator.md, Kernel models); delete the line",
+          path, full);
     if (key == nullptr)
       return invalid_argument("{}: unknown key '{}' (see configs/sim/template.toml and configs/hardware/h100.toml)",
                               path, full);
