@@ -18,6 +18,7 @@
 #include "epx/observe/progress.h"
 #include "epx/observe/table.h"
 #include "epx/sim/calibration.h"
+#include "epx/sim/cost.h"
 #include "epx/sim/memory.h"
 #include "epx/sim/simulator.h"
 #include "sim_report.h"
@@ -429,24 +430,25 @@ int run_fit(const SimOptions& o) {
     fmt::print(stderr, "epx sim fit: {}\n", fit.status().message());
     return kExitFailed;
   }
+  // The profile with the fitted parameters: the figures below and the predictions use it.
+  s.hardware.nvlink_efficiency = fit->nvlink_efficiency;
+  s.hardware.forward_sm_bandwidth = fit->forward_sm_bandwidth;
+  const double fwd = sim::forward_bandwidth(s.hardware);
   fmt::print("fitted on DeepEP's published points ({}):\n  nvlink.efficiency = {:.4f}   (EP8)\n"
              "  comm.forward_sm_bandwidth = {:.4g}   (EP16; x {} forwarding SMs = {:.1f} GB/s per GPU)\n"
              "  not fitted: nic.efficiency = {:.4f} ({:.1f} GB/s), latencies, message_overhead\n",
-             s.hardware.name, fit->nvlink_efficiency, fit->forward_sm_bandwidth, std::max(1, s.hardware.comm_sms / 2),
-             fit->forward_sm_bandwidth * std::max(1, s.hardware.comm_sms / 2) / 1e9, s.hardware.nic_efficiency,
-             s.hardware.nic_bandwidth * s.hardware.nic_efficiency / 1e9);
+             s.hardware.name, fit->nvlink_efficiency, fit->forward_sm_bandwidth, sim::forwarding_sms(s.hardware),
+             fwd / 1e9, s.hardware.nic_efficiency, s.hardware.nic_bandwidth * s.hardware.nic_efficiency / 1e9);
   const double nvl = s.hardware.nvlink_bandwidth * fit->nvlink_efficiency;
   fmt::print("  check (not fitted): the forwarding SMs' fitted rate is {:.3f} x the NVLink rate fitted on EP8 ({:.1f} "
              "GB/s)\n\n",
-             fit->forward_sm_bandwidth * std::max(1, s.hardware.comm_sms / 2) / nvl, nvl / 1e9);
+             fwd / nvl, nvl / 1e9);
   std::vector<std::vector<std::string>> rows;
   for (const auto& p : fit->points)
     rows.push_back({p.name, fmt::format("{:.1f}", p.published_gbs), fmt::format("{:.1f}", p.fitted_gbs),
                     fmt::format("{:+.2f}%", 100 * (p.fitted_gbs / p.published_gbs - 1))});
   fmt::print("{}\n", format_table({"calibration point", "published GB/s", "model GB/s", "residual"}, rows));
   // Predictions, nothing fitted: other EP sizes and the decode shape.
-  s.hardware.nvlink_efficiency = fit->nvlink_efficiency;
-  s.hardware.forward_sm_bandwidth = fit->forward_sm_bandwidth;
   rows.clear();
   const std::vector<std::pair<std::string, int>> cases = {{"two_hop", 4096}, {"two_hop", 128}, {"low_latency", 128}};
   for (const auto& [kernel, tokens] : cases)

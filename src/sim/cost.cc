@@ -15,9 +15,9 @@ double compute_slowdown(const HardwareProfile& h, Kernel kernel) {
   return static_cast<double>(h.sms) / (h.sms - h.comm_sms);
 }
 
-double forward_bandwidth(const HardwareProfile& h) {
-  return h.forward_sm_bandwidth * std::max(1, h.comm_sms / 2);
-}
+int forwarding_sms(const HardwareProfile& h) { return std::max(1, h.comm_sms / 2); }
+
+double forward_bandwidth(const HardwareProfile& h) { return h.forward_sm_bandwidth * forwarding_sms(h); }
 
 std::vector<double> experts_per_row(const GroupTraffic& tr) {
   const int R = tr.num_ranks;

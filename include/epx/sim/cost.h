@@ -62,8 +62,10 @@ Kernel kernel_of(std::string_view dispatch, int nodes);
 // low-latency kernels in hook mode hold none while the data moves (1).
 double compute_slowdown(const HardwareProfile& hardware, Kernel kernel);
 
+// The two-hop forwarding SMs: comm_sms / 2 (DeepEP's even SMs), at least 1.
+int forwarding_sms(const HardwareProfile& hardware);
 // Bytes per second the two-hop forwarding stage of one GPU moves:
-// forward_sm_bandwidth x (comm_sms / 2 forwarding SMs); 0 = no such limit.
+// forward_sm_bandwidth x forwarding_sms; 0 = no such limit.
 double forward_bandwidth(const HardwareProfile& hardware);
 
 // Header of a low-latency dispatch message (internode_ll.cu: sizeof(int4)).
