@@ -7,8 +7,6 @@
 namespace epx::sim {
 namespace {
 
-double grad_element_bytes(const ModelConfig& m) { return m.grad_dtype == "bf16" ? 2.0 : 4.0; }
-
 // Q, K, V, O: 2 FLOPs per parameter per token.
 double attention_params(const ModelConfig& m) { return attention_flops(m) / 2.0; }
 
@@ -169,7 +167,7 @@ GradientBytes parameters_held(const Scenario& s, int stage) {
 
 GradientBytes gradient_bytes(const Scenario& s, int stage) {
   GradientBytes b = parameters_held(s, stage);
-  const double e = grad_element_bytes(s.model);
+  const double e = dtype_bytes(s.model.grad_dtype);  // f32 or bf16 (validated)
   for (double& v : b.expert_per_layer) v *= e;
   for (double& v : b.dense_per_layer) v *= e;
   b.embedding *= e;

@@ -23,13 +23,6 @@ double update_seconds(double traffic, const Scenario& s) {
 
 }  // namespace
 
-double dtype_bytes(const std::string& dtype) {
-  if (dtype == "f32") return 4;
-  if (dtype == "bf16") return 2;
-  if (dtype == "fp8") return 1;
-  return 0;
-}
-
 OptimizerCost optimizer_cost(const Scenario& s, const GradientBytes& params, const GroupShape& edp,
                              const GroupShape& world) {
   OptimizerCost c;

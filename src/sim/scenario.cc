@@ -271,6 +271,13 @@ Result<int64_t> row_bytes(const std::string& dtype, int hidden) {
   return invalid_argument("dtype '{}' is not one of fp8, bf16, f32", dtype);
 }
 
+double dtype_bytes(const std::string& dtype) {
+  if (dtype == "f32") return 4;
+  if (dtype == "bf16") return 2;
+  if (dtype == "fp8") return 1;
+  return 0;
+}
+
 double attention_flops(const ModelConfig& m) {
   if (!m.attention) return 0.0;
   return m.attention_flops_per_token > 0 ? m.attention_flops_per_token : 8.0 * m.hidden * m.hidden;

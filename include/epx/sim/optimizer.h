@@ -32,9 +32,6 @@ struct OptimizerCost {
   [[nodiscard]] double seconds() const { return update_s + gather_s; }
 };
 
-// Bytes of one element of "f32", "bf16", "fp8" ("none": 0).
-double dtype_bytes(const std::string& dtype);
-
 // The optimizer step of one GPU of a stage holding `params` (parameters_held),
 // in groups `edp` and `world`; zero cost with optimizer.kind = "none" or in
 // forward mode.

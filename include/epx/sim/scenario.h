@@ -182,6 +182,9 @@ struct Scenario {
 // Bytes of one row of `hidden` elements of dtype "fp8" (with f32 scales per
 // 128 channels), "bf16" or "f32".
 Result<int64_t> row_bytes(const std::string& dtype, int hidden);
+// Bytes of one element of "f32", "bf16", "fp8" ("none": 0): gradients and
+// optimizer state.
+double dtype_bytes(const std::string& dtype);
 
 // Forward FLOPs per token of one layer's attention: attention_flops_per_token,
 // or 8 x hidden^2 (Q, K, V, O) when that is 0; 0 without attention.
