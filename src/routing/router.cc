@@ -13,6 +13,7 @@
 #endif
 
 #include "core/guard.h"
+#include "core/shares.h"
 #include "core/simd_clones.h"
 #include "routing/scores.h"
 
@@ -547,18 +548,9 @@ Status route_now(const RouterConfig& config, const TensorView& logits, const Ten
   // A worker that cannot start (the process is out of threads) leaves its
   // range to the caller's thread: the same output, later.
   std::vector<uint8_t> bad_logits(num_threads, 0);  // one flag per range
-  std::vector<int64_t> on_caller = {0};
-  on_caller.reserve(num_threads);
-  std::vector<std::jthread> workers;  // declared last: joined first, however this scope ends
-  workers.reserve(num_threads);
-  for (int64_t i = 1; i < num_threads; ++i) {
-    Result<std::jthread> worker = detail::start_thread<std::jthread>(
-        "a router worker thread", route_tokens, T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
-    if (worker.is_ok()) workers.push_back(std::move(worker).value());
-    else on_caller.push_back(i);
-  }
-  for (int64_t i : on_caller) route_tokens(T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
-  for (std::jthread& w : workers) w.join();
+  detail::run_shares(static_cast<int>(num_threads), "a router worker thread", [&](int i) {
+    route_tokens(T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
+  });
   if (std::find(bad_logits.begin(), bad_logits.end(), 1) != bad_logits.end()) {
     EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
     return internal_error("a logits row was not finite, yet check_logits found no bad value");

@@ -19,7 +19,7 @@
 #include "epx/sim/pipeline.h"
 #include "epx/sim/traffic.h"
 #include "core/guard.h"
-#include "sim/parallel.h"
+#include "core/shares.h"
 #include "sim/routing_trace.h"
 
 namespace epx::sim {
@@ -577,7 +577,7 @@ Status Simulator::run_units(int step, const Topology& topo, std::vector<UnitResu
   units->assign(n, UnitResult{});
   const int threads = std::max(1, std::min(threads_, n));
   std::atomic<int> next{0};
-  run_shares(threads, "a simulator thread", [&](int) {
+  detail::run_shares(threads, "a simulator thread", [&](int) {
     for (int i = next++; i < n; i = next++) run_unit(step, i / groups_, i % groups_, topo, &(*units)[i]);
   });
   for (const UnitResult& u : *units) EPX_RETURN_IF_ERROR(u.status);

@@ -11,7 +11,7 @@
 #include "epx/routing/replicas.h"
 #include "core/guard.h"
 #include "core/simd_clones.h"
-#include "sim/parallel.h"
+#include "core/shares.h"
 
 namespace epx::sim {
 namespace {
@@ -193,7 +193,7 @@ Status route_group(const RouteRequest& q, GroupTraffic* out) {
     for (int b = first; b < num_batches; b += threads)
       status[b] = route_batch(q, b * batch, std::min(batch, R - b * batch), num_tokens, scratch, ranks);
   };
-  run_shares(threads, "a simulator routing thread", work);
+  detail::run_shares(threads, "a simulator routing thread", work);
   for (const Status& s : status) EPX_RETURN_IF_ERROR(s);
   reset(out, R, q.topology->num_nodes(), q.placement->num_experts(), E);
   out->tokens_per_gpu = q.tokens_per_gpu;
