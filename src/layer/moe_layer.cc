@@ -75,6 +75,7 @@ LayerTimes& LayerTimes::operator+=(const LayerTimes& o) {
   experts += o.experts;
   combine += o.combine;
   stats += o.stats;
+  experts_cpu += o.experts_cpu;
   return *this;
 }
 
@@ -177,15 +178,23 @@ struct MoELayer::Impl {
   class Phase {
    public:
     Phase(Impl& impl, double& slot, const char* name)
-        : slot_(slot), span_(impl.tracer, impl.global.world_rank(impl.global.rank()), name) {
+        : slot_(slot),
+          cpu_slot_(&slot == &impl.times.experts ? &impl.times.experts_cpu : nullptr),
+          cpu_start_(cpu_slot_ ? thread_cpu_seconds() : 0.0),
+          span_(impl.tracer, impl.global.world_rank(impl.global.rank()), name) {
       impl.phase_name = name;
     }
-    ~Phase() { slot_ += watch_.seconds(); }
+    ~Phase() {
+      slot_ += watch_.seconds();
+      if (cpu_slot_) *cpu_slot_ += thread_cpu_seconds() - cpu_start_;
+    }
     Phase(const Phase&) = delete;
     Phase& operator=(const Phase&) = delete;
 
    private:
     double& slot_;
+    double* cpu_slot_;  // times.experts_cpu for the experts phases
+    double cpu_start_;
     Stopwatch watch_;
     ScopedSpan span_;
   };

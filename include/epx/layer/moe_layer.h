@@ -108,6 +108,8 @@ struct LayerTimes {
   double experts = 0;   // routed and shared experts (and, overlapped, gathering their rows)
   double combine = 0;   // combine (forward), its backward
   double stats = 0;     // the load-statistics all-reduce
+  double experts_cpu = 0;  // the experts phases' CPU time on the calling thread (the rest of `experts` is
+                           // time the thread waited for its core)
   LayerTimes& operator+=(const LayerTimes& other);
 };
 
