@@ -103,10 +103,10 @@ int run_lowlat(Transport& t, const Options& o) {
                r.normal_combine.time_ms, r.lowlat_combine.time_ms, r.combine_speedup, r.normal_dispatch.cpu_ms,
                r.lowlat_dispatch.cpu_ms, r.normal_combine.cpu_ms, r.lowlat_combine.cpu_ms);
     if (o.json)
-      fmt::print("{{\"benchmark\":\"lowlat\",\"ranks\":{},\"nodes\":{},\"tokens\":{},\"capacity\":{},"
+      fmt::print("{{\"benchmark\":\"lowlat\",\"ranks\":{},\"nodes\":{},\"tokens\":{},\"capacity\":{},\"pairs\":{},\"rows\":{},"
                  "\"normal_dispatch_ms\":{:.4f},\"lowlat_dispatch_ms\":{:.4f},\"normal_combine_ms\":{:.4f},"
                  "\"lowlat_combine_ms\":{:.4f}}}\n",
-                 t.num_ranks(), t.topology().num_nodes(), r.tokens, r.capacity, r.normal_dispatch.time_ms,
+                 t.num_ranks(), t.topology().num_nodes(), r.tokens, r.capacity, r.pairs, r.rows, r.normal_dispatch.time_ms,
                  r.lowlat_dispatch.time_ms, r.normal_combine.time_ms, r.lowlat_combine.time_ms);
   }
   return 0;
