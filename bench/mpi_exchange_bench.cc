@@ -61,6 +61,7 @@ struct Options {
   bool lowlat = false;
   std::vector<int> lowlat_tokens = {1, 8, 32, 128};
   int capacity = 0;
+  bool fp8 = false;
 };
 
 double median(std::vector<double> v) {
@@ -142,6 +143,9 @@ int run(int argc, char** argv) {
   app.add_option("--capacity", o.capacity, "--lowlat: rows per (local expert, source); 0 = the routing's largest")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  app.add_flag("--fp8", o.fp8,
+               "Also time an fp8 dispatch of the same rows (e4m3, f32 scales, quantised on send), interleaved, and "
+               "print its time and inter-node bytes against the dispatch of --dtype");
   app.add_flag("--phases", o.phases, "Print rank 0's time per exchange phase (tracer spans of the timed reps)");
   CLI11_PARSE(app, argc, argv);
 
@@ -210,6 +214,15 @@ int run(int argc, char** argv) {
                                                  .timeout = Milliseconds(600000)});
       if (!made.is_ok()) return fail(made.status());
       flat = std::move(made).value();
+    }
+    std::unique_ptr<Buffer> fp8;
+    if (o.fp8) {
+      auto made = Buffer::create(t, BufferConfig{.num_experts = E, .hidden = o.hidden, .dtype = DType::kFP8E4M3,
+                                                 .max_topk = K, .max_tokens_per_rank = T, .max_recv_tokens = max_recv,
+                                                 .max_combine_dtype = dtype, .placement = *placement,
+                                                 .timeout = Milliseconds(600000)});
+      if (!made.is_ok()) return fail(made.status());
+      fp8 = std::move(made).value();
     }
 
     // The baselines run on a communicator numbered like epx's ranks
@@ -351,11 +364,15 @@ int run(int argc, char** argv) {
       }
     };
 
-    enum { kDispatch, kCombine, kFlatDispatch, kFlatCombine, kAlltoallv, kNaiveDispatch, kNaiveCombine, kMethods };
+    enum {
+      kDispatch, kCombine, kFlatDispatch, kFlatCombine, kAlltoallv, kNaiveDispatch, kNaiveCombine, kFp8Dispatch,
+      kMethods
+    };
     const char* names[kMethods] = {"epx dispatch", "epx combine", "epx flat dispatch", "epx flat combine",
-                                   "MPI_Alltoallv (same bytes)", "naive dispatch", "naive combine"};
+                                   "MPI_Alltoallv (same bytes)", "naive dispatch", "naive combine",
+                                   "epx fp8 dispatch"};
     const char* keys[kMethods] = {"dispatch", "combine", "flat_dispatch", "flat_combine", "alltoallv",
-                                  "naive_dispatch", "naive_combine"};
+                                  "naive_dispatch", "naive_combine", "fp8_dispatch"};
     std::vector<std::vector<double>> samples(kMethods);
     std::vector<int64_t> inter_node(kMethods, 0);  // bytes this rank sent to other nodes, timed reps
     int64_t dispatch_payload = 0, dispatch_meta = 0;  // from ExchangeStats, timed reps
@@ -382,7 +399,7 @@ int run(int argc, char** argv) {
       alltoallv_remote_bytes += a_sc[d];
       for (int j = 0; j < n.max_local; ++j) naive_remote_rows += n.chunk_send[d * n.max_local + j];
     }
-    DispatchResult flat_recv;
+    DispatchResult flat_recv, fp8_recv;
     for (int rep = -1; rep < o.reps; ++rep) {  // rep -1: warm-up
       const bool warm = rep >= 0;
       if (rep == 0) tracer.clear();
@@ -398,6 +415,7 @@ int run(int argc, char** argv) {
         if (!warm) std::memcpy(y.data(), recv.recv_x.data(), recv.recv_x.size(0) * row);
         s = timed(warm ? kCombine : -1, [&] { return (*buffer)->combine(y, recv.handle, outv); });
       }
+      if (s.is_ok() && fp8) s = timed(warm ? kFp8Dispatch : -1, [&] { return fp8->dispatch(inputs, &fp8_recv); });
       if (s.is_ok() && flat) {
         s = timed(warm ? kFlatDispatch : -1, [&] { return flat->dispatch(inputs, &flat_recv); });
         if (s.is_ok()) {
@@ -505,6 +523,10 @@ int run(int argc, char** argv) {
                    median(samples[kFlatDispatch]) / d,
                    static_cast<double>(inter_node[kFlatDispatch]) / std::max<double>(1.0, inter_node[kDispatch]),
                    median(samples[kFlatCombine]) / c);
+      if (fp8)
+        fmt::print("fp8 vs {} dispatch: time {:.3f}x, inter-node bytes {:.3f}x\n", o.dtype,
+                   median(samples[kFp8Dispatch]) / d,
+                   static_cast<double>(inter_node[kFp8Dispatch]) / std::max<double>(1.0, inter_node[kDispatch]));
       if (o.epx_only) {
         if (o.json) fmt::print("{}}}\n", json);
         return exit_code;
