@@ -76,6 +76,7 @@ LayerTimes& LayerTimes::operator+=(const LayerTimes& o) {
   experts += o.experts;
   combine += o.combine;
   stats += o.stats;
+  experts_cpu += o.experts_cpu;
   return *this;
 }
 
@@ -91,6 +92,9 @@ Status MoELayerConfig::validate() const {
   if (dispatch_dtype == DType::kFP8E4M3 && hidden % kFp8BlockSize != 0)
     return invalid_argument("dispatch_dtype fp8_e4m3 needs hidden a multiple of {} (one scale per block), got {}",
                             kFp8BlockSize, hidden);
+  if (compute_dtype && *compute_dtype != DType::kF32 && *compute_dtype != DType::kBF16)
+    return invalid_argument("compute_dtype {} is not supported by the layer; use f32 or bf16",
+                            dtype_name(*compute_dtype));
   if (!(aux_loss_coeff >= 0) || !std::isfinite(aux_loss_coeff))
     return invalid_argument("aux_loss_coeff = {} must be finite and >= 0", aux_loss_coeff);
   if (!(z_loss_coeff >= 0) || !std::isfinite(z_loss_coeff))
@@ -184,15 +188,23 @@ struct MoELayer::Impl {
   class Phase {
    public:
     Phase(Impl& impl, double& slot, const char* name)
-        : slot_(slot), span_(impl.tracer, impl.global.world_rank(impl.global.rank()), name) {
+        : slot_(slot),
+          cpu_slot_(&slot == &impl.times.experts ? &impl.times.experts_cpu : nullptr),
+          cpu_start_(cpu_slot_ ? thread_cpu_seconds() : 0.0),
+          span_(impl.tracer, impl.global.world_rank(impl.global.rank()), name) {
       impl.phase_name = name;
     }
-    ~Phase() { slot_ += watch_.seconds(); }
+    ~Phase() {
+      slot_ += watch_.seconds();
+      if (cpu_slot_) *cpu_slot_ += thread_cpu_seconds() - cpu_start_;
+    }
     Phase(const Phase&) = delete;
     Phase& operator=(const Phase&) = delete;
 
    private:
     double& slot_;
+    double* cpu_slot_;  // times.experts_cpu for the experts phases
+    double cpu_start_;
     Stopwatch watch_;
     ScopedSpan span_;
   };
@@ -206,12 +218,13 @@ struct MoELayer::Impl {
 
   ExpertFfnConfig expert_config() const {
     return {.num_experts = num_local, .hidden = config.hidden, .ffn_hidden = config.ffn_hidden,
-            .dtype = config.dtype, .num_threads = 1};
+            .dtype = config.dtype, .num_threads = 1, .compute_dtype = config.compute_dtype};
   }
   ExpertFfnConfig shared_config() const {
     return {.num_experts = 1, .hidden = config.hidden, .ffn_hidden = shared_width(), .dtype = config.dtype,
-            .num_threads = 1};
+            .num_threads = 1, .compute_dtype = config.compute_dtype};
   }
+  DType compute_dtype() const { return config.compute_dtype.value_or(config.dtype); }
   TensorView payload_view(const std::vector<std::byte>& bytes, int64_t rows) const {
     return TensorView::contiguous(bytes.data(), config.dtype, {rows, config.hidden});
   }
@@ -319,10 +332,12 @@ struct MoELayer::Impl {
 
   void refresh_weights() {
     if (num_local > 0)
-      weights = {w1_copy.refresh(w1, config.dtype), w3_copy.refresh(w3, config.dtype), w2_copy.refresh(w2, config.dtype)};
+      weights = {w1_copy.refresh(w1, compute_dtype()), w3_copy.refresh(w3, compute_dtype()),
+                 w2_copy.refresh(w2, compute_dtype())};
     if (config.num_shared_experts > 0)
-      shared_weights = {shared_w1_copy.refresh(shared_w1, config.dtype), shared_w3_copy.refresh(shared_w3, config.dtype),
-                        shared_w2_copy.refresh(shared_w2, config.dtype)};
+      shared_weights = {shared_w1_copy.refresh(shared_w1, compute_dtype()),
+                        shared_w3_copy.refresh(shared_w3, compute_dtype()),
+                        shared_w2_copy.refresh(shared_w2, compute_dtype())};
   }
 
   Status forward(const TensorView& x_in, const TensorView& out) {
@@ -720,7 +735,7 @@ struct MoELayer::Impl {
         EPX_RETURN_IF_ERROR(routed_backward_weights(c.x_expanded, c.offsets, c.grad_y.data(), c.grad_state));
       } else {
         build_whole_layout();
-        const std::size_t state_row = static_cast<std::size_t>(F) * dtype_size(config.dtype);
+        const std::size_t state_row = static_cast<std::size_t>(F) * dtype_size(compute_dtype());
         gather_whole<std::byte>(whole.x, row_bytes, [](const Chunk& c) { return c.x_expanded.data(); });
         gather_whole<float>(whole.grad_y, H, [](const Chunk& c) { return c.grad_y.data(); });
         gather_whole<std::byte>(whole.grad_state.a, state_row, [](const Chunk& c) { return c.grad_state.a.data(); });
