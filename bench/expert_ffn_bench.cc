@@ -28,10 +28,10 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
-#include <oneapi/dnnl/dnnl.hpp>
 
 #include "epx/experts/ffn.h"
 #include "experts/gemm.h"
+#include "gemm_reference.h"
 
 namespace {
 
@@ -135,29 +135,6 @@ void check(const epx::Status& s, const char* what) {
   }
 }
 
-// The single GEMM with every size fixed at creation.
-struct FixedGemm {
-  FixedGemm(epx::DType dtype, int64_t m, const void* a, const void* b, float* c)
-      : engine(dnnl::engine::kind::cpu, 0), stream(engine) {
-    using dnnl::memory;
-    const auto type = dtype == epx::DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
-    memory::desc ad({m, kHidden}, type, memory::format_tag::ab), bd({kHidden, kFfn}, type, memory::format_tag::ab),
-        cd({m, kFfn}, memory::data_type::f32, memory::format_tag::ab);
-    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(ad, bd, cd), engine);
-    matmul = dnnl::matmul(pd);
-    am = memory(ad, engine, const_cast<void*>(a)), bm = memory(bd, engine, const_cast<void*>(b)), cm = memory(cd, engine, c);
-  }
-  void run() {
-    matmul.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
-    stream.wait();
-  }
-  dnnl::engine engine;
-  dnnl::stream stream;
-  dnnl::matmul::primitive_desc pd;
-  dnnl::matmul matmul;
-  dnnl::memory am, bm, cm;
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -206,7 +183,7 @@ int main(int argc, char** argv) {
       std::vector<float> c(d.rows * kFfn);
       const void* a = d.ptr(d.x, d.xb);
       const void* b = d.ptr(d.w1, d.w1b);
-      FixedGemm fixed(dtype, d.rows, a, b, c.data());
+      epx::bench::FixedGemm fixed(dtype, d.rows, kFfn, kHidden, a, b, c.data());
       epx::detail::GemmArgs args{.dtype = dtype, .m = d.rows, .n = kFfn, .k = kHidden, .a = a, .lda = kHidden,
                                  .b = b, .ldb = kFfn, .c = c.data(), .ldc = kFfn};
       auto forward = [&](const epx::ExpertFfnConfig& cfg) {

@@ -44,6 +44,7 @@ struct TrainOptions {
   std::string dtype = "f32";
   std::string overlap = "none";  // MoELayerConfig::overlap
   int overlap_chunks = 4;
+  std::string dispatch_dtype;  // MoELayerConfig::dispatch_dtype: fp8, bf16, f32; empty = dtype
   std::string score = "softmax";
   bool normalize = true;
   int groups = 1;

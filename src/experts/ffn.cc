@@ -22,7 +22,8 @@ struct Problem {
   int64_t rows = 0;
   int64_t hidden = 0;
   int64_t ffn = 0;
-  std::size_t elem = 4;  // bytes per x / weight element
+  std::size_t elem = 4;  // bytes per GEMM operand element (the compute dtype)
+  bool convert_x = false;  // x's dtype differs from the compute dtype
 };
 
 int64_t ld(const TensorView& view) { return view.size(0) > 1 ? view.stride(0) : view.size(1); }
@@ -35,9 +36,10 @@ Status check_common(const ExpertFfnConfig& config, const ExpertWeights& weights,
                     std::span<const int64_t> offsets, Problem* problem) {
   EPX_RETURN_IF_ERROR(config.validate());
   const int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
-  EPX_RETURN_IF_ERROR(check_matrix(weights.w1, "weights.w1", config.dtype, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(weights.w3, "weights.w3", config.dtype, E * H, F));
-  EPX_RETURN_IF_ERROR(check_matrix(weights.w2, "weights.w2", config.dtype, E * F, H));
+  const DType compute = config.gemm_dtype();
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w1, "weights.w1", compute, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w3, "weights.w3", compute, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w2, "weights.w2", compute, E * F, H));
   if (x.ndim() != 2)
     return invalid_argument("x must be 2-D [rows, hidden = {}], got {}", H, x.defined() ? x.describe() : "an undefined view");
   const int64_t rows = x.size(0);
@@ -51,8 +53,27 @@ Status check_common(const ExpertFfnConfig& config, const ExpertWeights& weights,
                               offsets[e + 1], e, offsets[e]);
   if (offsets[E] != rows)
     return invalid_argument("offsets[{}] = {} must equal the rows of x, {}", E, offsets[E], rows);
-  *problem = Problem{&config, &weights, offsets, rows, H, F, dtype_size(config.dtype)};
+  *problem = Problem{&config, &weights, offsets, rows, H, F, dtype_size(compute), compute != config.dtype};
   return Status::ok();
+}
+
+// x's rows [first, first + m) as the GEMMs read them: the rows themselves,
+// or converted to the compute dtype into `scratch` (m * H elements of it).
+// Returns the leading dimension.
+int64_t gemm_x_rows(const Problem& p, const TensorView& x, int64_t first, int64_t m, void* scratch, const void** rows) {
+  if (!p.convert_x) {
+    *rows = x.row(first);
+    return ld(x);
+  }
+  const int64_t H = p.hidden;
+  for (int64_t r = 0; r < m; ++r) {
+    if (p.config->dtype == DType::kBF16)
+      detail::to_f32(x.row<const uint16_t>(first + r), H, static_cast<float*>(scratch) + r * H);
+    else
+      detail::to_bf16(x.row<const float>(first + r), H, static_cast<uint16_t*>(scratch) + r * H);
+  }
+  *rows = scratch;
+  return H;
 }
 
 // Experts with rows, largest first (ties: lower id), and the threads each GEMM gets.
@@ -106,12 +127,19 @@ Status run_plan(const Plan& plan, Body&& body) {
 
 }  // namespace
 
+DType faster_compute_dtype(DType payload) {
+  return payload == DType::kBF16 && detail::native_bf16_gemm() ? DType::kBF16 : DType::kF32;
+}
+
 Status ExpertFfnConfig::validate() const {
   if (num_experts <= 0) return invalid_argument("num_experts = {} must be positive", num_experts);
   if (hidden <= 0) return invalid_argument("hidden = {} must be positive", hidden);
   if (ffn_hidden <= 0) return invalid_argument("ffn_hidden = {} must be positive", ffn_hidden);
   if (dtype != DType::kF32 && dtype != DType::kBF16)
     return invalid_argument("dtype = {} is not supported by the experts; use f32 or bf16", dtype_name(dtype));
+  if (compute_dtype && *compute_dtype != DType::kF32 && *compute_dtype != DType::kBF16)
+    return invalid_argument("compute_dtype = {} is not supported by the experts; use f32 or bf16",
+                            dtype_name(*compute_dtype));
   if (num_threads < 0) return invalid_argument("num_threads = {} must be >= 0 (0 = one per core)", num_threads);
   return Status::ok();
 }
@@ -133,12 +161,14 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
     float* h1 = nullptr;
     float* h3 = nullptr;
     void* a = nullptr;
+    void* x_scratch = nullptr;
     auto carve = [&](Carver& c) {
       if (cache == nullptr) {
         h1 = c.take<float>(m * F);
         h3 = c.take<float>(m * F);
       }
       a = c.take<std::byte>(m * F * p.elem);
+      if (p.convert_x) x_scratch = c.take<std::byte>(m * H * p.elem);
     };
     Carver sizer(nullptr);
     carve(sizer);
@@ -149,13 +179,16 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
       h1 = cache->h1.data() + first * F;
       h3 = cache->h3.data() + first * F;
     }
-    GemmArgs up{.dtype = config.dtype, .m = m, .n = F, .k = H, .a = x.row(first), .lda = ld(x)};
+    const DType compute = config.gemm_dtype();
+    const void* x_rows = nullptr;
+    const int64_t ldx = gemm_x_rows(p, x, first, m, x_scratch, &x_rows);
+    GemmArgs up{.dtype = compute, .m = m, .n = F, .k = H, .a = x_rows, .lda = ldx};
     up.b = expert_rows(weights.w1, e * H), up.ldb = ld(weights.w1), up.c = h1, up.ldc = F;
     EPX_RETURN_IF_ERROR(gemm(up, threads));
     up.b = expert_rows(weights.w3, e * H), up.ldb = ld(weights.w3), up.c = h3;
     EPX_RETURN_IF_ERROR(gemm(up, threads));
-    detail::swiglu_forward(h1, h3, m * F, config.dtype, a);
-    GemmArgs down{.dtype = config.dtype, .m = m, .n = H, .k = F, .a = a, .lda = F,
+    detail::swiglu_forward(h1, h3, m * F, compute, a);
+    GemmArgs down{.dtype = compute, .m = m, .n = H, .k = F, .a = a, .lda = F,
                   .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = y.row<float>(first), .ldc = ld(y)};
     return gemm(down, threads);
   });
@@ -167,7 +200,7 @@ namespace {
 // rows themselves, or (bf16) rounded into `scratch`. Returns the leading dimension.
 int64_t backward_grad_y(const ExpertFfnConfig& config, const TensorView& grad_y, int64_t first, int64_t m,
                         void* scratch, const void** gy) {
-  if (config.dtype != DType::kBF16) {
+  if (config.gemm_dtype() != DType::kBF16) {
     *gy = grad_y.row(first);
     return ld(grad_y);
   }
@@ -217,7 +250,7 @@ Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeigh
     void* gy_bf16 = nullptr;
     auto carve = [&](Carver& c) {
       grad_a = c.take<float>(m * F);
-      if (config.dtype == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
+      if (config.gemm_dtype() == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
     };
     Carver sizer(nullptr);
     carve(sizer);
@@ -230,13 +263,14 @@ Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeigh
     std::byte* grad_h1 = state->grad_h1.data() + first * F * p.elem;
     std::byte* grad_h3 = state->grad_h3.data() + first * F * p.elem;
     // grad_a = grad_y W2^T
-    GemmArgs g{.dtype = config.dtype, .trans_b = true, .m = m, .n = F, .k = H, .a = gy, .lda = ldgy,
+    const DType compute = config.gemm_dtype();
+    GemmArgs g{.dtype = compute, .trans_b = true, .m = m, .n = F, .k = H, .a = gy, .lda = ldgy,
                .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = grad_a, .ldc = F};
     EPX_RETURN_IF_ERROR(gemm(g, threads));
-    detail::swiglu_backward(cache.h1.data() + first * F, cache.h3.data() + first * F, grad_a, m * F, config.dtype, a,
+    detail::swiglu_backward(cache.h1.data() + first * F, cache.h3.data() + first * F, grad_a, m * F, compute, a,
                             grad_h1, grad_h3);
     // grad_x = grad_h1 W1^T + grad_h3 W3^T
-    GemmArgs d{.dtype = config.dtype, .trans_b = true, .m = m, .n = H, .k = F, .a = grad_h1, .lda = F,
+    GemmArgs d{.dtype = compute, .trans_b = true, .m = m, .n = H, .k = F, .a = grad_h1, .lda = F,
                .b = expert_rows(weights.w1, e * H), .ldb = ld(weights.w1), .c = grad_x.row<float>(first),
                .ldc = ld(grad_x)};
     EPX_RETURN_IF_ERROR(gemm(d, threads));
@@ -262,18 +296,30 @@ Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWe
   const Plan plan = make_plan(p);
   return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
     const int64_t first = offsets[e], m = offsets[e + 1] - first;
-    if (config.dtype == DType::kBF16)
-      EPX_RETURN_IF_ERROR(workspace.reserve(static_cast<std::size_t>(m * H) * sizeof(uint16_t), "an expert's workspace"));
+    const DType compute = config.gemm_dtype();
+    void* gy_bf16 = nullptr;
+    void* x_scratch = nullptr;
+    auto carve = [&](Carver& c) {
+      if (compute == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
+      if (p.convert_x) x_scratch = c.take<std::byte>(m * H * p.elem);
+    };
+    Carver sizer(nullptr);
+    carve(sizer);
+    EPX_RETURN_IF_ERROR(workspace.reserve(sizer.bytes(), "an expert's workspace"));
+    Carver carver(workspace.data());
+    carve(carver);
     const void* gy = nullptr;
-    const int64_t ldgy = backward_grad_y(config, grad_y, first, m, workspace.data(), &gy);
+    const int64_t ldgy = backward_grad_y(config, grad_y, first, m, gy_bf16, &gy);
+    const void* x_rows = nullptr;
+    const int64_t ldx = gemm_x_rows(p, x, first, m, x_scratch, &x_rows);
     const std::byte* a = state.a.data() + first * F * p.elem;
     // grad_W2 += a^T grad_y
-    GemmArgs w{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = F, .n = H, .k = m, .a = a, .lda = F,
+    GemmArgs w{.dtype = compute, .trans_a = true, .accumulate = true, .m = F, .n = H, .k = m, .a = a, .lda = F,
                .b = gy, .ldb = ldgy, .c = grads.w2.row<float>(e * F), .ldc = ld(grads.w2)};
     EPX_RETURN_IF_ERROR(gemm(w, threads));
     // grad_W1 += x^T grad_h1, grad_W3 += x^T grad_h3
-    w = GemmArgs{.dtype = config.dtype, .trans_a = true, .accumulate = true, .m = H, .n = F, .k = m,
-                 .a = x.row(first), .lda = ld(x), .b = state.grad_h1.data() + first * F * p.elem, .ldb = F,
+    w = GemmArgs{.dtype = compute, .trans_a = true, .accumulate = true, .m = H, .n = F, .k = m,
+                 .a = x_rows, .lda = ldx, .b = state.grad_h1.data() + first * F * p.elem, .ldb = F,
                  .c = grads.w1.row<float>(e * H), .ldc = ld(grads.w1)};
     EPX_RETURN_IF_ERROR(gemm(w, threads));
     w.b = state.grad_h3.data() + first * F * p.elem, w.c = grads.w3.row<float>(e * H), w.ldc = ld(grads.w3);

@@ -143,6 +143,11 @@ ScopedOmpThreads::~ScopedOmpThreads() {
   if (omp_get_max_threads() != saved_) omp_set_num_threads(saved_);
 }
 
+bool native_bf16_gemm() {
+  const auto isa = static_cast<int>(dnnl::get_effective_cpu_isa());
+  return (isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
+}
+
 int available_cores() { return omp_get_num_procs(); }
 
 }  // namespace epx::detail

@@ -54,6 +54,11 @@ class ScopedOmpThreads {
   int saved_;
 };
 
+// Whether oneDNN runs bf16 GEMMs on native bf16 dot products here (its
+// effective ISA includes AVX512-BF16, or AMX); without them it widens bf16
+// to f32 inside its kernels, and its bf16 GEMM is slower than its f32 one.
+[[nodiscard]] bool native_bf16_gemm();
+
 // The number of cores the process may run on (omp_get_num_procs).
 [[nodiscard]] int available_cores();
 

@@ -18,9 +18,13 @@ EPX_SIMD_CLONES void forward_f32(const float* h1, const float* h3, int64_t n, fl
   for (int64_t i = 0; i < n; ++i) a[i] = h1[i] * sigmoid(h1[i]) * h3[i];
 }
 
-// d silu(z) / dz = s (1 + z (1 - s)) with s = sigmoid(z).
-EPX_SIMD_CLONES void backward_f32(const float* h1, const float* h3, const float* grad_a, int64_t n, float* a,
-                                          float* grad_h1, float* grad_h3) {
+// d silu(z) / dz = s (1 + z (1 - s)) with s = sigmoid(z). The outputs must
+// not overlap the inputs or each other: with seven pointers GCC would need
+// more run-time overlap checks than it makes, and ran this loop scalar
+// (profiled: 30x the forward's time) until they were declared __restrict.
+EPX_SIMD_CLONES void backward_f32(const float* __restrict h1, const float* __restrict h3,
+                                  const float* __restrict grad_a, int64_t n, float* __restrict a,
+                                  float* __restrict grad_h1, float* __restrict grad_h3) {
   for (int64_t i = 0; i < n; ++i) {
     const float z = h1[i];
     const float s = sigmoid(z);
@@ -43,12 +47,20 @@ EPX_SIMD_CLONES void to_bf16_impl(const float* in, int64_t n, uint16_t* out) {
   }
 }
 
+EPX_SIMD_CLONES void to_f32_impl(const uint16_t* in, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(&out[i], &bits, sizeof(bits));
+  }
+}
+
 // Chunks that stay in L1/L2 between the f32 pass and the bf16 rounding.
 constexpr int64_t kChunk = 4096;
 
 }  // namespace
 
 void to_bf16(const float* in, int64_t n, uint16_t* out) { to_bf16_impl(in, n, out); }
+void to_f32(const uint16_t* in, int64_t n, float* out) { to_f32_impl(in, n, out); }
 
 void swiglu_forward(const float* h1, const float* h3, int64_t n, DType dtype, void* a) {
   if (dtype != DType::kBF16) {

@@ -8,12 +8,12 @@
 //   a  = silu(h1) * h3                   silu(z) = z / (1 + exp(-z))
 //   y  = a W2[e]                         W2: [F, H]
 //
-// Storage is f32 or bf16 (weights and x of the same dtype); accumulation is
-// fp32 and y is f32. Experts with no rows cost nothing; zero (padding) rows
+// Storage is f32 or bf16 (the weights of compute_dtype, x of dtype, which
+// may differ: a bf16 payload into f32 GEMMs); accumulation is fp32 and y is f32. Experts with no rows cost nothing; zero (padding) rows
 // give zero output. Backward gives grad_x and adds the weight gradients into
-// f32 accumulators. With bf16 every GEMM takes bf16 operands: a (forward),
-// and grad_y, a, grad_h1, grad_h3 (backward) are rounded to bf16 (nearest
-// even) on their way in, as bf16 training does; the products still sum in
+// f32 accumulators. With a bf16 compute dtype every GEMM takes bf16 operands:
+// a (forward), and grad_y, a, grad_h1, grad_h3 (backward) are rounded to bf16
+// (nearest even) on their way in, as bf16 training does; the products still sum in
 // fp32. The GEMMs are oneDNN's matmul (docs/design.md, "Experts").
 //
 // Errors: InvalidArgument naming the value and its limit (shapes, dtypes,
@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -56,16 +57,30 @@ struct ExpertFfnConfig {
   int num_experts = 0;  // local experts
   int hidden = 0;       // H
   int ffn_hidden = 0;   // F
-  DType dtype = DType::kF32;  // storage of x and the weights: kF32 or kBF16
+  DType dtype = DType::kF32;  // storage of x: kF32 or kBF16
   // Threads the grouped GEMM may use; 0 = one per core. Inside an in-process
   // world each rank is already a thread: pass 1 there.
   int num_threads = 0;
   ExpertFfnSchedule schedule = ExpertFfnSchedule::kAuto;  // ignored when num_threads = 1
+  // The weights' storage and the GEMMs' operand type; unset = dtype. When it
+  // differs from dtype, each expert's rows of x are converted on their way
+  // into the GEMMs (bf16 -> f32 exactly; f32 -> bf16 to nearest even).
+  std::optional<DType> compute_dtype = std::nullopt;
 
+  [[nodiscard]] DType gemm_dtype() const { return compute_dtype.value_or(dtype); }
   [[nodiscard]] Status validate() const;
 };
 
-// The weights of the local experts, contiguous per expert, of config.dtype.
+// The faster expert-GEMM type for a payload of `payload` on this CPU, by a
+// fixed rule: an f32 payload computes in f32 (bf16 GEMMs would round it); a
+// bf16 payload computes in bf16 where oneDNN has native bf16 dot products
+// (AVX512-BF16 or AMX: its bf16 GEMM runs near twice its f32 rate) and in
+// f32 elsewhere (oneDNN then widens bf16 to f32 inside its kernels: issue
+// 20 measured 140 vs 250 GFLOP/s on a Xeon without them). Honours
+// ONEDNN_MAX_CPU_ISA. docs/benchmarks.md, "The layer near the GEMM limit".
+[[nodiscard]] DType faster_compute_dtype(DType payload);
+
+// The weights of the local experts, contiguous per expert, of the compute dtype.
 struct ExpertWeights {
   TensorView w1;  // [E * H, F]: expert e is rows [e * H, (e + 1) * H)
   TensorView w3;  // [E * H, F]
@@ -108,7 +123,7 @@ struct ExpertFfnCache {
 // single call would see them: the gradients then have the single call's bits.
 // expert_ffn_backward is these two in a row.
 struct ExpertFfnGradState {
-  std::vector<std::byte> a, grad_h1, grad_h3;  // [rows, F] of config.dtype each
+  std::vector<std::byte> a, grad_h1, grad_h3;  // [rows, F] of the compute dtype each
   int64_t rows = 0;
 };
 [[nodiscard]] Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeights& weights,

@@ -12,8 +12,9 @@
 // collectives (dispatch, combine and, with balancing statistics, a small
 // all-reduce): every rank calls them in the same order.
 //
-// Maths in fp32; the dispatch payload and the expert GEMMs use config.dtype
-// (f32 or bf16 storage with fp32 accumulation). Deterministic: the same
+// Maths in fp32; the dispatch payload uses config.dtype and the expert GEMMs
+// config.compute_dtype (default: the same; f32 or bf16 storage with fp32
+// accumulation). Deterministic: the same
 // inputs on the same topology give the same bits on every run.
 //
 // Initialisation is a pure function of (seed, layer_index, logical expert
@@ -34,6 +35,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -84,7 +86,13 @@ struct MoELayerConfig {
   // Shared experts, replicated on every rank: one SwiGLU FFN of width
   // num_shared_experts * ffn_hidden applied to every token.
   int num_shared_experts = 0;
-  DType dtype = DType::kF32;  // dispatch payload and expert GEMMs: kF32 or kBF16
+  DType dtype = DType::kF32;  // dispatch payload (and, by default, expert GEMMs): kF32 or kBF16
+  // What the dispatch sends. Unset (or dtype): dtype. kFP8E4M3: e4m3 with one
+  // scale per 128 channels (hidden a multiple of 128), which the experts read
+  // dequantised to dtype; the combine and the whole backward stay in dtype
+  // (as DeepSeek-V3 trains). The Buffer then has dtype kFP8E4M3 and
+  // gradient_dtype == dtype.
+  std::optional<DType> dispatch_dtype = std::nullopt;
   double aux_loss_coeff = 0.0;
   AuxLossKind aux_loss = AuxLossKind::kMicroBatch;
   double z_loss_coeff = 0.0;
@@ -95,6 +103,12 @@ struct MoELayerConfig {
   float init_std = 0.0f;  // 0: 1/sqrt(fan_in) for every weight
   OverlapMode overlap = OverlapMode::kNone;
   int overlap_chunks = 4;  // kChunked: chunks per forward (the same on every rank), 1..64
+  // The expert GEMMs' operand type (routed and shared experts; kF32 or
+  // kBF16); unset = dtype. A bf16 payload into f32 GEMMs is exact on the way
+  // in (the rows widen); where a CPU's bf16 GEMM is slower than its f32 one
+  // (no native bf16 dot product), that is the faster choice. See
+  // faster_compute_dtype (epx/experts/ffn.h) and `epx train --compute-dtype`.
+  std::optional<DType> compute_dtype = std::nullopt;
 
   [[nodiscard]] Status validate() const;
 };
@@ -108,13 +122,15 @@ struct LayerTimes {
   double experts = 0;   // routed and shared experts (and, overlapped, gathering their rows)
   double combine = 0;   // combine (forward), its backward
   double stats = 0;     // the load-statistics all-reduce
+  double experts_cpu = 0;  // the experts phases' CPU time on the calling thread (the rest of `experts` is
+                           // time the thread waited for its core)
   LayerTimes& operator+=(const LayerTimes& other);
 };
 
 class MoELayer {
  public:
   // `buffer` must be built on `transport` with hidden == config.hidden, dtype
-  // == config.dtype, max_combine_dtype kF32 and num_experts == the number of
+  // == the dispatch dtype (fp8: and gradient_dtype == config.dtype), max_combine_dtype kF32 and num_experts == the number of
   // physical slots; it may be shared by several layers (they use it one after
   // another). `slot_expert` maps each slot of the Buffer to the logical expert
   // it holds (-1 = empty slot); every logical expert needs a slot. Empty: the
