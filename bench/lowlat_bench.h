@@ -1,6 +1,7 @@
 // The low-latency benchmark: LowLatencyBuffer's dispatch and combine against
 // the normal Buffer's at the same decode sizes, in one run, on in-process
-// ranks.
+// ranks (run_lowlat_bench) or on a connected transport's, e.g. MPI processes
+// on two hosts (run_lowlat_bench_on, from epx_mpi_exchange_bench --lowlat).
 //
 // For each token count the ranks build both buffers for exactly that many
 // tokens per rank, run `warmup` untimed rounds, then `reps` rounds of
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "epx/comm/transport.h"
 #include "epx/core/clock.h"
 #include "epx/core/dtype.h"
 #include "epx/core/status.h"
@@ -65,5 +67,9 @@ struct LowLatBenchRow {
 // One row per token count. Progress lines go to `progress`.
 [[nodiscard]] Result<std::vector<LowLatBenchRow>> run_lowlat_bench(const LowLatBenchConfig& config,
                                                                    const ProgressFn& progress = {});
+// The same on `t`'s ranks (every rank calls it; num_ranks and num_nodes come
+// from `t`). Every rank gets the same rows; progress lines on rank 0.
+[[nodiscard]] Result<std::vector<LowLatBenchRow>> run_lowlat_bench_on(Transport& t, LowLatBenchConfig config,
+                                                                      const ProgressFn& progress = {});
 
 }  // namespace epx::bench

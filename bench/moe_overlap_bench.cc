@@ -11,8 +11,20 @@
 // repetition's time is the slowest rank's (the step ends when it does);
 // medians over the repetitions. Rank 0 prints a table (and a JSON line with
 // --json).
+//
+// Where the time goes (per step, the largest over ranks): the main thread's
+// CPU time and its time runnable but not running (waiting for the core:
+// /proc/thread-self/schedstat), the CPU time of the rank's other threads
+// (progress threads, MPI's and UCX's), and, when the rank is pinned to one
+// core (two_hosts.sh --cpus), that core's softirq time (the network stack)
+// and its busy time that is not this process's (other processes).
+#include <sched.h>
+#include <time.h>
+
 #include <algorithm>
 #include <array>
+#include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,11 +56,75 @@ constexpr std::array kModes = {OverlapMode::kNone, OverlapMode::kSharedExperts, 
                                OverlapMode::kTwoMicroBatches};
 // What one repetition records: the maximum over ranks of each field, and
 // the minimum over ranks of the exchange (kExchangeMin).
-enum Field { kTotal, kCompute, kRouter, kDispatch, kExperts, kCombine, kExchangeMin, kFields };
+enum Field { kTotal, kCompute, kRouter, kDispatch, kExperts, kExpertsCpu, kCombine, kMainCpu, kMainWait, kOtherThreads,
+             kCoreSoftirq, kCoreOther, kExchangeMin, kFields };
+
+// CPU accounting of one rank at one instant (seconds).
+struct CpuClock {
+  double main_cpu = 0, main_wait = 0;  // this thread: on a CPU, runnable but waiting for one
+  double process_cpu = 0;              // all threads of the process
+  double core_softirq = 0, core_busy = 0;  // the pinned core (0 when not pinned to one)
+};
+
+double clock_seconds(clockid_t id) {
+  timespec ts{};
+  clock_gettime(id, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// The one CPU this thread may run on, or -1.
+int pinned_cpu() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0 || CPU_COUNT(&set) != 1) return -1;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) return c;
+  return -1;
+}
+
+// Busy and softirq seconds of CPU `cpu` from /proc/stat (jiffies: coarse,
+// so they are summed over the repetitions).
+void read_core(int cpu, CpuClock* c) {
+  std::ifstream in("/proc/stat");
+  const std::string want = fmt::format("cpu{}", cpu);
+  std::string name;
+  while (in >> name) {
+    if (name != want) {
+      in.ignore(1 << 16, '\n');
+      continue;
+    }
+    double f[8] = {};  // user nice system idle iowait irq softirq steal
+    for (double& v : f) in >> v;
+    static const double tick = 1.0 / static_cast<double>(sysconf(_SC_CLK_TCK));
+    c->core_softirq = (f[5] + f[6]) * tick;
+    c->core_busy = (f[0] + f[1] + f[2] + f[5] + f[6]) * tick;
+    return;
+  }
+}
+
+CpuClock cpu_clock(int cpu) {
+  CpuClock c;
+  if (FILE* f = std::fopen("/proc/thread-self/schedstat", "r")) {
+    unsigned long long run = 0, wait = 0;
+    if (std::fscanf(f, "%llu %llu", &run, &wait) == 2) {
+      c.main_cpu = static_cast<double>(run) * 1e-9;
+      c.main_wait = static_cast<double>(wait) * 1e-9;
+    }
+    std::fclose(f);
+  }
+  c.process_cpu = clock_seconds(CLOCK_PROCESS_CPUTIME_ID);
+  if (cpu >= 0) read_core(cpu, &c);
+  return c;
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
+}
+double mean(const std::vector<double>& v) {
+  double sum = 0;
+  for (double x : v) sum += x;
+  return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
 }
 
 // samples[mode][field] = one value per repetition (rank 0's copy is complete).
@@ -85,16 +161,23 @@ Status bench_rank(Transport& t, const Options& o, Samples* samples) {
     g[i] = static_cast<float>(standard_normal(2, static_cast<uint64_t>(t.rank()), i)) * 1e-3f;
   }
   const auto view = [&](std::vector<float>& v) { return TensorView::contiguous(v.data(), DType::kF32, {T, H}); };
+  const int cpu = pinned_cpu();
   for (int rep = -o.warmup; rep < o.reps; ++rep) {
     for (std::size_t m = 0; m < kModes.size(); ++m) {
       MoELayer& layer = *layers[m];
       EPX_RETURN_IF_ERROR(t.barrier(Deadline::after(std::chrono::seconds(120))));
+      const CpuClock c0 = cpu_clock(cpu);
       Stopwatch watch;
       EPX_RETURN_IF_ERROR(layer.forward(view(x), view(out)));
       EPX_RETURN_IF_ERROR(layer.backward(view(g), view(grad_x)));
+      const double wall = watch.seconds();
+      const CpuClock c1 = cpu_clock(cpu);
       const LayerTimes& lt = layer.times();
-      std::array<double, kFields> v = {watch.seconds(), lt.router + lt.experts + lt.stats, lt.router, lt.dispatch,
-                                       lt.experts, lt.combine, lt.dispatch + lt.combine};
+      const double main_cpu = c1.main_cpu - c0.main_cpu, process_cpu = c1.process_cpu - c0.process_cpu;
+      std::array<double, kFields> v = {wall, lt.router + lt.experts + lt.stats, lt.router, lt.dispatch,
+                                       lt.experts, lt.experts_cpu, lt.combine, main_cpu, c1.main_wait - c0.main_wait,
+                                       process_cpu - main_cpu, c1.core_softirq - c0.core_softirq,
+                                       c1.core_busy - c0.core_busy - process_cpu, lt.dispatch + lt.combine};
       const Deadline deadline = Deadline::after(std::chrono::seconds(120));
       EPX_RETURN_IF_ERROR(t.all_reduce(std::span<double>(v.data(), kExchangeMin), ReduceOp::kMax, deadline));
       EPX_RETURN_IF_ERROR(t.all_reduce(std::span<double>(&v[kExchangeMin], 1), ReduceOp::kMin, deadline));
@@ -108,7 +191,8 @@ Status bench_rank(Transport& t, const Options& o, Samples* samples) {
 void report(const Options& o, int num_ranks, int num_nodes, const Samples& s) {
   std::array<std::array<double, kFields>, kModes.size()> med{};
   for (std::size_t m = 0; m < kModes.size(); ++m)
-    for (int f = 0; f < kFields; ++f) med[m][f] = median(s[m][f]);
+    for (int f = 0; f < kFields; ++f)  // the core's jiffies are too coarse for a median
+      med[m][f] = f == kCoreSoftirq || f == kCoreOther ? mean(s[m][f]) : median(s[m][f]);
   // The plain layer's phases overlap nothing, so they are the parts measured
   // alone: its compute on the slowest rank, and its exchange on the rank that
   // waited least in it (the others' waits also hold time spent waiting for
@@ -132,13 +216,23 @@ void report(const Options& o, int num_ranks, int num_nodes, const Samples& s) {
                overlap_mode_name(kModes[m]), med[m][kTotal], med[m][kDispatch], med[m][kCombine], med[m][kExperts],
                med[m][kRouter], med[m][kTotal] / none[kTotal], med[m][kTotal] / ideal);
   fmt::print("(* exposed: the time the caller waited for the exchange)\n");
+  fmt::print("{:<18} {:>11} {:>9} {:>10} {:>10} {:>12} {:>11}\n", "where (ms/step)", "experts cpu", "main cpu",
+             "main wait", "threads", "core softirq", "core others");
+  for (std::size_t m = 0; m < kModes.size(); ++m)
+    fmt::print("{:<18} {:>11.1f} {:>9.1f} {:>10.1f} {:>10.1f} {:>12.1f} {:>11.1f}\n", overlap_mode_name(kModes[m]),
+               med[m][kExpertsCpu], med[m][kMainCpu], med[m][kMainWait], med[m][kOtherThreads], med[m][kCoreSoftirq], med[m][kCoreOther]);
+  fmt::print("(experts cpu: the experts phases' CPU time on the main thread; main cpu/wait: the main thread on a core / runnable, waiting for one; threads: the rank's other "
+             "threads' CPU; core: the pinned core's softirq and other processes' busy time, means; 0 unpinned)\n");
   if (!o.json) return;
   std::string modes;
   for (std::size_t m = 0; m < kModes.size(); ++m)
     modes += fmt::format("{}\"{}\":{{\"step_ms\":{:.3f},\"dispatch_ms\":{:.3f},\"combine_ms\":{:.3f},"
-                         "\"experts_ms\":{:.3f},\"router_ms\":{:.3f}}}",
+                         "\"experts_ms\":{:.3f},\"experts_cpu_ms\":{:.3f},\"router_ms\":{:.3f},\"main_cpu_ms\":{:.3f},"
+                         "\"main_wait_ms\":{:.3f},\"threads_cpu_ms\":{:.3f},\"core_softirq_ms\":{:.3f},"
+                         "\"core_others_ms\":{:.3f}}}",
                          m ? "," : "", overlap_mode_name(kModes[m]), med[m][kTotal], med[m][kDispatch],
-                         med[m][kCombine], med[m][kExperts], med[m][kRouter]);
+                         med[m][kCombine], med[m][kExperts], med[m][kExpertsCpu], med[m][kRouter], med[m][kMainCpu], med[m][kMainWait],
+                         med[m][kOtherThreads], med[m][kCoreSoftirq], med[m][kCoreOther]);
   fmt::print("{{\"ranks\":{},\"nodes\":{},\"tokens\":{},\"hidden\":{},\"ffn_hidden\":{},\"experts\":{},\"topk\":{},"
              "\"compute_ms\":{:.3f},\"exchange_ms\":{:.3f},\"other_ms\":{:.3f},\"modes\":{{{}}}}}\n",
              num_ranks, num_nodes, o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, compute, exchange, rest,

@@ -17,6 +17,9 @@
 // the time (the same bytes for every method). Rank 0 then runs the
 // in-process backend on the same shape with R threads (`epx bench
 // exchange`'s code) while the other processes wait, for the in-process rate.
+//
+// --lowlat: instead, the low-latency benchmark (`epx bench lowlat`'s, on these
+// processes): LowLatencyBuffer against the normal Buffer at --lowlat-tokens.
 #include <mpi.h>
 
 #include <algorithm>
@@ -35,6 +38,7 @@
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/layout.h"
 #include "exchange_bench.h"
+#include "lowlat_bench.h"
 #include "mpi_launch.h"
 #include "synthetic_routing.h"
 
@@ -54,6 +58,10 @@ struct Options {
   bool json = false;
   bool phases = false;
   bool epx_only = false;
+  bool lowlat = false;
+  std::vector<int> lowlat_tokens = {1, 8, 32, 128};
+  int capacity = 0;
+  bool fp8 = false;
 };
 
 double median(std::vector<double> v) {
@@ -64,6 +72,45 @@ double median(std::vector<double> v) {
 
 double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// --lowlat: the low-latency benchmark on these processes; rank 0 prints.
+int run_lowlat(Transport& t, const Options& o) {
+  LowLatBenchConfig c;
+  c.tokens = o.lowlat_tokens;
+  c.hidden = o.hidden;
+  c.num_experts = o.experts;
+  c.topk = o.topk;
+  c.dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16;
+  c.reps = o.reps;
+  c.capacity = o.capacity;
+  c.seed = o.seed;
+  auto rows = run_lowlat_bench_on(t, c, [](const std::string& line) { fmt::print(stderr, "  {}\n", line); });
+  if (!rows.is_ok()) {
+    fmt::print(stderr, "rank {}: {}\n", t.rank(), rows.status().to_string());
+    t.abort(rows.status());
+    return 1;
+  }
+  if (t.rank() != 0) return 0;
+  fmt::print("# low-latency vs normal: {} ranks / {} nodes, hidden {}, top-{} of {}, {}; {} reps (median; last end - "
+             "first start)\n",
+             t.num_ranks(), t.topology().num_nodes(), o.hidden, o.topk, o.experts, o.dtype, o.reps);
+  fmt::print("{:>6} {:>4} {:>12} {:>12} {:>6} {:>12} {:>12} {:>6} {:>16} {:>16}\n", "tokens", "cap", "disp normal",
+             "disp lowlat", "ratio", "comb normal", "comb lowlat", "ratio", "cpu disp n/ll", "cpu comb n/ll");
+  for (const LowLatBenchRow& r : *rows) {
+    fmt::print("{:>6} {:>4} {:>9.3f} ms {:>9.3f} ms {:>5.2f}x {:>9.3f} ms {:>9.3f} ms {:>5.2f}x {:>7.2f} / {:<6.2f} "
+               "{:>7.2f} / {:<6.2f}\n",
+               r.tokens, r.capacity, r.normal_dispatch.time_ms, r.lowlat_dispatch.time_ms, r.dispatch_speedup,
+               r.normal_combine.time_ms, r.lowlat_combine.time_ms, r.combine_speedup, r.normal_dispatch.cpu_ms,
+               r.lowlat_dispatch.cpu_ms, r.normal_combine.cpu_ms, r.lowlat_combine.cpu_ms);
+    if (o.json)
+      fmt::print("{{\"benchmark\":\"lowlat\",\"ranks\":{},\"nodes\":{},\"tokens\":{},\"capacity\":{},\"pairs\":{},\"rows\":{},"
+                 "\"normal_dispatch_ms\":{:.4f},\"lowlat_dispatch_ms\":{:.4f},\"normal_combine_ms\":{:.4f},"
+                 "\"lowlat_combine_ms\":{:.4f}}}\n",
+                 t.num_ranks(), t.topology().num_nodes(), r.tokens, r.capacity, r.pairs, r.rows, r.normal_dispatch.time_ms,
+                 r.lowlat_dispatch.time_ms, r.normal_combine.time_ms, r.lowlat_combine.time_ms);
+  }
+  return 0;
 }
 
 // The naive dispatcher's routes, kept from dispatch for combine.
@@ -91,12 +138,21 @@ int run(int argc, char** argv) {
   app.add_flag("--epx-only", o.epx_only,
                "Only epx's dispatch and combine (no baselines, no in-process run), and print the bytes that crossed "
                "nodes next to the (token, destination node) pairs times the row size");
+  app.add_flag("--lowlat", o.lowlat, "Run the low-latency benchmark instead (LowLatencyBuffer vs Buffer)");
+  app.add_option("--lowlat-tokens", o.lowlat_tokens, "--lowlat: tokens per rank")->delimiter(',')->capture_default_str();
+  app.add_option("--capacity", o.capacity, "--lowlat: rows per (local expert, source); 0 = the routing's largest")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_flag("--fp8", o.fp8,
+               "Also time an fp8 dispatch of the same rows (e4m3, f32 scales, quantised on send), interleaved, and "
+               "print its time and inter-node bytes against the dispatch of --dtype");
   app.add_flag("--phases", o.phases, "Print rank 0's time per exchange phase (tracer spans of the timed reps)");
   CLI11_PARSE(app, argc, argv);
 
   std::unique_ptr<MpiSession> session;
   std::unique_ptr<Transport> connected;
   if (const int code = connect_mpi_rank(&argc, &argv, o.nodes, &session, &connected); code != 0) return code;
+  if (o.lowlat) return run_lowlat(*connected, o);
   const int R = session->world_size();
   int exit_code = 0;
   {
@@ -158,6 +214,15 @@ int run(int argc, char** argv) {
                                                  .timeout = Milliseconds(600000)});
       if (!made.is_ok()) return fail(made.status());
       flat = std::move(made).value();
+    }
+    std::unique_ptr<Buffer> fp8;
+    if (o.fp8) {
+      auto made = Buffer::create(t, BufferConfig{.num_experts = E, .hidden = o.hidden, .dtype = DType::kFP8E4M3,
+                                                 .max_topk = K, .max_tokens_per_rank = T, .max_recv_tokens = max_recv,
+                                                 .max_combine_dtype = dtype, .placement = *placement,
+                                                 .timeout = Milliseconds(600000)});
+      if (!made.is_ok()) return fail(made.status());
+      fp8 = std::move(made).value();
     }
 
     // The baselines run on a communicator numbered like epx's ranks
@@ -299,11 +364,15 @@ int run(int argc, char** argv) {
       }
     };
 
-    enum { kDispatch, kCombine, kFlatDispatch, kFlatCombine, kAlltoallv, kNaiveDispatch, kNaiveCombine, kMethods };
+    enum {
+      kDispatch, kCombine, kFlatDispatch, kFlatCombine, kAlltoallv, kNaiveDispatch, kNaiveCombine, kFp8Dispatch,
+      kMethods
+    };
     const char* names[kMethods] = {"epx dispatch", "epx combine", "epx flat dispatch", "epx flat combine",
-                                   "MPI_Alltoallv (same bytes)", "naive dispatch", "naive combine"};
+                                   "MPI_Alltoallv (same bytes)", "naive dispatch", "naive combine",
+                                   "epx fp8 dispatch"};
     const char* keys[kMethods] = {"dispatch", "combine", "flat_dispatch", "flat_combine", "alltoallv",
-                                  "naive_dispatch", "naive_combine"};
+                                  "naive_dispatch", "naive_combine", "fp8_dispatch"};
     std::vector<std::vector<double>> samples(kMethods);
     std::vector<int64_t> inter_node(kMethods, 0);  // bytes this rank sent to other nodes, timed reps
     int64_t dispatch_payload = 0, dispatch_meta = 0;  // from ExchangeStats, timed reps
@@ -330,7 +399,7 @@ int run(int argc, char** argv) {
       alltoallv_remote_bytes += a_sc[d];
       for (int j = 0; j < n.max_local; ++j) naive_remote_rows += n.chunk_send[d * n.max_local + j];
     }
-    DispatchResult flat_recv;
+    DispatchResult flat_recv, fp8_recv;
     for (int rep = -1; rep < o.reps; ++rep) {  // rep -1: warm-up
       const bool warm = rep >= 0;
       if (rep == 0) tracer.clear();
@@ -346,6 +415,7 @@ int run(int argc, char** argv) {
         if (!warm) std::memcpy(y.data(), recv.recv_x.data(), recv.recv_x.size(0) * row);
         s = timed(warm ? kCombine : -1, [&] { return (*buffer)->combine(y, recv.handle, outv); });
       }
+      if (s.is_ok() && fp8) s = timed(warm ? kFp8Dispatch : -1, [&] { return fp8->dispatch(inputs, &fp8_recv); });
       if (s.is_ok() && flat) {
         s = timed(warm ? kFlatDispatch : -1, [&] { return flat->dispatch(inputs, &flat_recv); });
         if (s.is_ok()) {
@@ -453,6 +523,10 @@ int run(int argc, char** argv) {
                    median(samples[kFlatDispatch]) / d,
                    static_cast<double>(inter_node[kFlatDispatch]) / std::max<double>(1.0, inter_node[kDispatch]),
                    median(samples[kFlatCombine]) / c);
+      if (fp8)
+        fmt::print("fp8 vs {} dispatch: time {:.3f}x, inter-node bytes {:.3f}x\n", o.dtype,
+                   median(samples[kFp8Dispatch]) / d,
+                   static_cast<double>(inter_node[kFp8Dispatch]) / std::max<double>(1.0, inter_node[kDispatch]));
       if (o.epx_only) {
         if (o.json) fmt::print("{}}}\n", json);
         return exit_code;

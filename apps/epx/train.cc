@@ -120,6 +120,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"model.compute_dtype", bind(o.compute_dtype)},
       {"model.overlap", bind(o.overlap)},
       {"model.overlap_chunks", bind(o.overlap_chunks, {.min = 1, .max = 64})},
+      {"model.dispatch_dtype", bind(o.dispatch_dtype)},
       {"model.score", bind(o.score)},
       {"model.normalize", bind(o.normalize)},
       {"model.groups", positive(o.groups)},
@@ -230,6 +231,9 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
     l.compute_dtype = o.compute_dtype == "f32" ? DType::kF32 : DType::kBF16;
   } else {
     return invalid_argument("compute_dtype '{}' is not auto, f32 or bf16", o.compute_dtype);
+  }
+  if (!o.dispatch_dtype.empty()) {
+    EPX_ASSIGN_OR_RETURN(l.dispatch_dtype, parse_dtype(o.dispatch_dtype));
   }
   l.router.num_experts = o.experts;
   l.router.topk = o.topk;
@@ -532,6 +536,11 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--overlap-chunks", o.overlap_chunks, "Chunks of --overlap chunked")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
+                  "What the dispatch sends (default: --dtype): fp8 = e4m3 with one f32 scale per 128 channels "
+                  "(--hidden a multiple of 128), dequantised to --dtype for the experts; combine and backward "
+                  "stay in --dtype")
+      ->check(CLI::IsMember({"fp8", "bf16", "f32"}));
   cmd->add_option("--score", o.score, "Gate: softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}))->capture_default_str();
   cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")->capture_default_str();
   cmd->add_option("--topk-groups", o.topk_groups, "Groups a token may use")->capture_default_str();

@@ -45,6 +45,7 @@ struct TrainOptions {
   std::string compute_dtype = "auto";  // MoELayerConfig::compute_dtype; auto: faster_compute_dtype
   std::string overlap = "none";  // MoELayerConfig::overlap
   int overlap_chunks = 4;
+  std::string dispatch_dtype;  // MoELayerConfig::dispatch_dtype: fp8, bf16, f32; empty = dtype
   std::string score = "softmax";
   bool normalize = true;
   int groups = 1;

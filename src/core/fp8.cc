@@ -6,7 +6,6 @@
 #include <limits>
 #include <vector>
 
-#include "core/simd_clones.h"
 
 namespace epx {
 namespace {
@@ -68,27 +67,86 @@ BlockScale block_scale(float amax, Fp8ScaleFormat format) {
 }
 
 // The row loops below come in AVX-512, AVX2 and baseline versions, picked at
-// load time (core/simd_clones.h); they divide and add in IEEE f32 without
-// FMA, so all give the same bits.
+// load time (as core/simd_clones.h's EPX_SIMD_CLONES); they divide and add in
+// IEEE f32 without FMA, so all give the same bits. Their AVX-512 version is
+// x86-64-v4 (AVX-512 F, BW, VL, DQ), not avx512f alone: they narrow and widen
+// between 8-, 16- and 32-bit lanes, which without BW/VL the compiler did in
+// 256-bit registers with spills; so built, dequantising bf16 rows and the
+// quantising after it ran 2-2.4x slower (AMD EPYC; docs/benchmarks.md, "fp8 in the layer").
+#if defined(__SANITIZE_THREAD__)
+#define EPX_FP8_CLONES
+#else
+#define EPX_FP8_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#endif
 
 // Largest |x| of n elements as f32 bits (finite values order like their
 // bits; anything at or above 0x7f800000 is an infinity or a NaN).
-EPX_SIMD_CLONES uint32_t amax_bits_f32(const uint32_t* x, int n) {
+EPX_FP8_CLONES uint32_t amax_bits_f32(const uint32_t* x, int n) {
   uint32_t m = 0;
   for (int c = 0; c < n; ++c) m = std::max(m, x[c] & 0x7fffffffu);
   return m;
 }
-EPX_SIMD_CLONES uint32_t amax_bits_bf16(const uint16_t* x, int n) {
+EPX_FP8_CLONES uint32_t amax_bits_bf16(const uint16_t* x, int n) {
   uint32_t m = 0;
   for (int c = 0; c < n; ++c) m = std::max(m, static_cast<uint32_t>(x[c] & 0x7fffu));
   return m << 16;
 }
 
-EPX_SIMD_CLONES void encode_f32(const float* x, float scale, uint8_t* q, int n) {
+EPX_FP8_CLONES void encode_f32(const float* x, float scale, uint8_t* q, int n) {
   for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(x[c] / scale);
 }
-EPX_SIMD_CLONES void encode_bf16(const uint16_t* x, float scale, uint8_t* q, int n) {
+EPX_FP8_CLONES void encode_bf16(const uint16_t* x, float scale, uint8_t* q, int n) {
   for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(bf16_to_f32(x[c]) / scale);
+}
+
+// e4m3 code -> f32 by arithmetic, the table's bits: the code's exponent and
+// mantissa placed in an f32's (bits 30..20) read as a number are its value
+// times 2^-120 (subnormal codes land on f32 subnormals m * 2^-129, exactly),
+// so one exact multiply rebiases; 0x7f / 0xff are NaN as in the table.
+inline float e4m3_to_f32_bits(uint32_t code) {
+  const uint32_t magnitude = (code & 0x7fu) << 20;
+  float v;
+  std::memcpy(&v, &magnitude, sizeof(v));
+  v *= 0x1p120f;
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t nan = 0u - static_cast<uint32_t>((code & 0x7fu) == 0x7fu);  // quiet NaN; the sign is set below
+  bits = (bits & ~nan) | (0x7fc00000u & nan);
+  bits |= (code & 0x80u) << 24;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// clamp(e4m3(q) * scale, -limit, limit), keeping NaN (std::clamp's result),
+// on the bits (magnitudes order like their bits), so the loops below vectorise.
+inline float decode_one(uint8_t q, float scale, uint32_t limit_bits) {
+  const float v = e4m3_to_f32_bits(q) * scale;
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint32_t a = bits & 0x7fffffffu;
+  // All ones to saturate: beyond the limit, infinities included, NaN not.
+  const uint32_t over = 0u - (static_cast<uint32_t>(a > limit_bits) & static_cast<uint32_t>(a <= 0x7f800000u));
+  bits = (bits & ~over) | (((bits & 0x80000000u) | limit_bits) & over);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// f32_to_bf16 (epx/core/dtype.h) without its branch.
+inline uint16_t to_bf16_select(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t nan = (bits >> 16) | 0x0040u;
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// out = decode_one of each code, in f32 or rounded to bf16.
+EPX_FP8_CLONES void decode_f32(const uint8_t* q, float scale, uint32_t limit_bits, float* out, int n) {
+  for (int c = 0; c < n; ++c) out[c] = decode_one(q[c], scale, limit_bits);
+}
+EPX_FP8_CLONES void decode_bf16(const uint8_t* q, float scale, uint32_t limit_bits, uint16_t* out, int n) {
+  for (int c = 0; c < n; ++c) out[c] = to_bf16_select(decode_one(q[c], scale, limit_bits));
 }
 
 }  // namespace
@@ -160,17 +218,18 @@ Status dequantize_fp8(const TensorView& q, const TensorView& scales, const Tenso
   EPX_RETURN_IF_ERROR(check_matrix(q, "q", DType::kFP8E4M3, rows, H));
   EPX_ASSIGN_OR_RETURN(const Fp8ScaleFormat format, format_of(scales.dtype()));
   EPX_RETURN_IF_ERROR(check_matrix(scales, "scales", scale_dtype(format), rows, blocks));
-  const std::array<float, 256>& table = e4m3_table();
   // Saturate at the largest finite output: x near FLT_MAX may round up to 2^128.
-  const float limit = out.dtype() == DType::kF32 ? std::numeric_limits<float>::max() : bf16_to_f32(0x7f7f);
+  const uint32_t limit_bits = out.dtype() == DType::kF32 ? 0x7f7fffffu : 0x7f7f0000u;  // FLT_MAX, largest bf16
   for (int64_t t = 0; t < rows; ++t) {
     const auto* q_row = q.row<uint8_t>(t);
     std::byte* out_row = out.row<std::byte>(t);
     for (int64_t b = 0; b < blocks; ++b) {
       const float scale = format == Fp8ScaleFormat::kF32 ? scales.row<float>(t)[b] : ue8m0_to_f32(scales.row<uint8_t>(t)[b]);
-      for (int64_t c = b * kFp8BlockSize; c < (b + 1) * kFp8BlockSize; ++c)
-        store_from_f32(out_row, out.dtype(), static_cast<std::size_t>(c),
-                       std::clamp(table[q_row[c]] * scale, -limit, limit));
+      const int64_t first = b * kFp8BlockSize;
+      if (out.dtype() == DType::kF32)
+        decode_f32(q_row + first, scale, limit_bits, reinterpret_cast<float*>(out_row) + first, kFp8BlockSize);
+      else
+        decode_bf16(q_row + first, scale, limit_bits, reinterpret_cast<uint16_t*>(out_row) + first, kFp8BlockSize);
     }
   }
   return Status::ok();

@@ -142,6 +142,7 @@ struct Buffer::Impl {
   std::size_t row_bytes = 0;
   std::size_t combine_row_bytes = 0;
   detail::PayloadFormat payload;  // what a dispatch row holds (fp8: codes + scales)
+  detail::PayloadFormat gradients;  // what the backward passes' rows hold (fp8: gradient_dtype)
   std::unique_ptr<PeerMemory> memory;
   std::vector<Region> regions;  // by rank; only this node's ranks are set
 
@@ -238,6 +239,10 @@ struct Buffer::Impl {
   void finish_receive(detail::HandleData& h);
   // A rank whose local_status is an error takes part only to tell the others.
   // x_name names the caller's argument in error messages.
+  // The backward passes' cached dispatch of gradients: dispatch_cached_impl
+  // with the rows of `gradients` for its duration (operations run one at a time).
+  Status dispatch_gradients(Status local_status, const TensorView& grad, const Handle& handle, TensorView* recv,
+                            std::string_view op);
   Status dispatch_cached_impl(Status local_status, const TensorView& x, const Handle& handle, TensorView* recv_x,
                               std::string_view op, std::string_view x_name);
   Status check_handle(const Handle& handle, std::string_view op) const;
@@ -277,8 +282,10 @@ std::size_t Buffer::region_bytes() const { return impl_->memory ? impl_->memory-
 int64_t Buffer::estimate_region_bytes(const BufferConfig& config, int num_ranks) {
   const int64_t rows = detail::max_recv_rows(config, num_ranks);
   auto payload = detail::PayloadFormat::of(config);
-  const int64_t row_bytes = payload.is_ok() ? static_cast<int64_t>(payload->row_bytes())
-                                            : int64_t{config.hidden} * static_cast<int64_t>(dtype_size(config.dtype));
+  auto gradients = detail::PayloadFormat::gradients_of(config);
+  int64_t row_bytes = payload.is_ok() ? static_cast<int64_t>(payload->row_bytes())
+                                      : int64_t{config.hidden} * static_cast<int64_t>(dtype_size(config.dtype));
+  if (gradients.is_ok()) row_bytes = std::max(row_bytes, static_cast<int64_t>(gradients->row_bytes()));
   const int64_t combine_row_bytes = int64_t{config.hidden} * static_cast<int64_t>(dtype_size(config.max_combine_dtype));
   // Every row's share of the region, with room for the alignment padding.
   const int64_t per_row = saturating_sum(row_bytes + combine_row_bytes, int64_t{4} * (1 + 3 * int64_t{config.max_topk}));
@@ -305,12 +312,12 @@ Result<std::unique_ptr<Buffer>> Buffer::create_now(Transport& transport, BufferC
     fields = {config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
               config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
               detail::placement_hash(*config.placement), static_cast<int64_t>(config.fp8_scales),
-              config.record_waits ? 1 : 0};
+              config.record_waits ? 1 : 0, static_cast<int64_t>(config.gradient_dtype.value_or(config.dtype))};
   }
   static constexpr const char* kNames[] = {"num_experts",      "hidden",           "dtype",
                                            "max_topk",         "max_recv_tokens",  "expert_alignment",
                                            "max_combine_dtype", "algorithm",       "placement (hash)",
-                                           "fp8_scales",       "record_waits"};
+                                           "fp8_scales",       "record_waits",     "gradient_dtype"};
   EPX_RETURN_IF_ERROR(
       detail::agree_on_config(transport, local_status, fields, kNames, "BufferConfig", "Buffer", deadline));
 
@@ -327,16 +334,19 @@ Result<std::unique_ptr<Buffer>> Buffer::create_now(Transport& transport, BufferC
   m.hierarchical = m.num_nodes > 1 && m.config.algorithm != DispatchAlgorithm::kFlat;
   m.max_recv = detail::max_recv_rows(m.config, num_ranks);
   m.payload = *detail::PayloadFormat::of(m.config);
+  m.gradients = *detail::PayloadFormat::gradients_of(m.config);
   m.row_bytes = m.payload.row_bytes();
   m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
+  // Receive rows of either format fit (an fp8 Buffer's gradients are wider).
+  const std::size_t region_row_bytes = std::max(m.row_bytes, m.gradients.row_bytes());
 
   const std::size_t bytes =
-      Region::carve(nullptr, m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes, nullptr);
+      Region::carve(nullptr, m.max_recv, region_row_bytes, m.config.max_topk, m.combine_row_bytes, nullptr);
   EPX_ASSIGN_OR_RETURN(m.memory, transport.map_peer_memory(bytes, deadline));
   m.regions.resize(num_ranks);
   for (int r = 0; r < num_ranks; ++r)
     if (topo.same_node(r, m.rank))
-      Region::carve(m.memory->peer(r), m.max_recv, m.row_bytes, m.config.max_topk, m.combine_row_bytes,
+      Region::carve(m.memory->peer(r), m.max_recv, region_row_bytes, m.config.max_topk, m.combine_row_bytes,
                     &m.regions[r]);
   return std::unique_ptr<Buffer>(new Buffer(std::move(impl)));
 }
@@ -734,6 +744,18 @@ Status Buffer::Impl::dispatch_cached_impl(Status local_status, const TensorView&
   return Status::ok();
 }
 
+Status Buffer::Impl::dispatch_gradients(Status local_status, const TensorView& grad, const Handle& handle,
+                                        TensorView* recv, std::string_view op) {
+  if (local_status.is_ok()) local_status = gradients.check_gradient_payload(op);
+  const detail::PayloadFormat forward = payload;
+  payload = gradients;
+  row_bytes = gradients.row_bytes();
+  Status status = dispatch_cached_impl(std::move(local_status), grad, handle, recv, op, "grad_out");
+  payload = forward;
+  row_bytes = forward.row_bytes();
+  return status;
+}
+
 Result<TensorView> Buffer::recv_scales(const Handle& handle) const {
   const Impl& m = *impl_;
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "recv_scales"));
@@ -977,8 +999,7 @@ Status Buffer::dispatch_backward_now(const TensorView& grad_recv_x, const Handle
 }
 
 Status Buffer::combine_backward_now(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
-  return impl_->dispatch_cached_impl(impl_->payload.check_gradient_payload("combine_backward"), grad_out, handle, grad_y,
-                                     "combine_backward", "grad_out");
+  return impl_->dispatch_gradients(Status::ok(), grad_out, handle, grad_y, "combine_backward");
 }
 
 const ExpandedLayout& Buffer::expanded_layout(const Handle& handle) const {
@@ -1058,7 +1079,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   Impl& m = *impl_;
   constexpr std::string_view kOp = "combine_expanded_backward";
   Status local_status = m.check_handle(handle, kOp);
-  if (local_status.is_ok()) local_status = m.payload.check_gradient_payload(kOp);
+  if (local_status.is_ok()) local_status = m.gradients.check_gradient_payload(kOp);
   const float* w = nullptr;
   if (local_status.is_ok()) {
     const detail::HandleData& h = handle.data();
@@ -1084,7 +1105,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   }
   // grad of each partial row = grad_out of its token, brought back along the dispatch routes.
   TensorView grad_partial;
-  EPX_RETURN_IF_ERROR(m.dispatch_cached_impl(local_status, grad_out, handle, &grad_partial, kOp, "grad_out"));
+  EPX_RETURN_IF_ERROR(m.dispatch_gradients(local_status, grad_out, handle, &grad_partial, kOp));
   const detail::HandleData& h = handle.data();
   const ExpandedLayout& layout = h.expanded();
   const int H = m.config.hidden, K = h.topk;
@@ -1093,7 +1114,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   std::vector<float> g(H);
   for (int64_t i = 0; i < h.num_recv; ++i) {
     const std::byte* src = grad_partial.row<std::byte>(i);
-    for (int c = 0; c < H; ++c) g[c] = load_as_f32(src, m.config.dtype, c);
+    for (int c = 0; c < H; ++c) g[c] = load_as_f32(src, grad_partial.dtype(), c);
     for (int k = 0; k < K; ++k) {
       const int64_t row = layout.row_of[i * K + k];
       if (row < 0) {

@@ -13,6 +13,7 @@ Status validate_buffer_config(BufferConfig* config_ptr, int num_ranks) {
   if (config.num_experts < 1) return invalid_argument("num_experts = {} must be at least 1", config.num_experts);
   if (config.hidden < 1) return invalid_argument("hidden = {} must be at least 1", config.hidden);
   EPX_RETURN_IF_ERROR(PayloadFormat::of(*config_ptr).status());  // dtype, fp8 scales, row size
+  EPX_RETURN_IF_ERROR(PayloadFormat::gradients_of(*config_ptr).status());  // gradient_dtype
   if (config.max_combine_dtype != DType::kF32 && config.max_combine_dtype != DType::kBF16)
     return invalid_argument("max_combine_dtype = {} must be bf16 or f32", dtype_name(config.max_combine_dtype));
   if (config.max_topk < 1 || config.max_topk > config.num_experts)

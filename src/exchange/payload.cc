@@ -34,6 +34,19 @@ Result<PayloadFormat> PayloadFormat::of(const BufferConfig& config) {
   return p;
 }
 
+Result<PayloadFormat> PayloadFormat::gradients_of(const BufferConfig& config) {
+  if (!config.gradient_dtype || *config.gradient_dtype == config.dtype) return of(config);
+  const DType g = *config.gradient_dtype;
+  if (config.dtype != DType::kFP8E4M3 || !is_wide_dtype(g))
+    return invalid_argument("gradient_dtype = {} with dtype = {}: only fp8_e4m3 Buffers take one, and it must be bf16 "
+                            "or f32",
+                            dtype_name(g), dtype_name(config.dtype));
+  BufferConfig wide = config;
+  wide.dtype = g;
+  wide.gradient_dtype.reset();
+  return of(wide);
+}
+
 Status PayloadFormat::check_input(const TensorView& x, std::string_view name, int64_t rows) const {
   if (!fp8()) return check_matrix(x, name, dtype_, rows, hidden_);
   if (!is_wide_dtype(x.dtype()))
@@ -63,8 +76,8 @@ Status PayloadFormat::stage(const TensorView& x, AlignedBuffer* stage, TensorVie
 Status PayloadFormat::check_gradient_payload(std::string_view op) const {
   if (!fp8()) return Status::ok();
   return failed_precondition(
-      "{} sends gradients, and this Buffer's payload is fp8_e4m3 (forward activations only); run the backward "
-      "passes on a bf16 or f32 Buffer",
+      "{} sends gradients, and this Buffer's payload is fp8_e4m3 (forward activations only); set "
+      "BufferConfig::gradient_dtype (bf16 or f32) or run the backward passes on a bf16 or f32 Buffer",
       op);
 }
 

@@ -24,6 +24,9 @@ class PayloadFormat {
   PayloadFormat() = default;
   // Checks the config's dtype, fp8_scales and hidden (InvalidArgument naming the value).
   static Result<PayloadFormat> of(const BufferConfig& config);
+  // The rows the backward passes send: of config.gradient_dtype when set
+  // (fp8 Buffers), else those of `of`. Checks gradient_dtype.
+  static Result<PayloadFormat> gradients_of(const BufferConfig& config);
 
   [[nodiscard]] std::size_t row_bytes() const { return row_bytes_; }
   [[nodiscard]] bool fp8() const { return dtype_ == DType::kFP8E4M3; }

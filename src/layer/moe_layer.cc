@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "epx/core/clock.h"
+#include "epx/core/fp8.h"
 #include "epx/core/random.h"
 #include "epx/experts/ffn.h"
 #include "epx/routing/aux_loss.h"
@@ -75,6 +76,7 @@ LayerTimes& LayerTimes::operator+=(const LayerTimes& o) {
   experts += o.experts;
   combine += o.combine;
   stats += o.stats;
+  experts_cpu += o.experts_cpu;
   return *this;
 }
 
@@ -84,6 +86,12 @@ Status MoELayerConfig::validate() const {
   if (num_shared_experts < 0) return invalid_argument("num_shared_experts = {} is below 0", num_shared_experts);
   if (dtype != DType::kF32 && dtype != DType::kBF16)
     return invalid_argument("dtype {} is not supported by the layer; use f32 or bf16", dtype_name(dtype));
+  if (dispatch_dtype && *dispatch_dtype != dtype && *dispatch_dtype != DType::kFP8E4M3)
+    return invalid_argument("dispatch_dtype {} with dtype {}: the layer dispatches its dtype or fp8_e4m3",
+                            dtype_name(*dispatch_dtype), dtype_name(dtype));
+  if (dispatch_dtype == DType::kFP8E4M3 && hidden % kFp8BlockSize != 0)
+    return invalid_argument("dispatch_dtype fp8_e4m3 needs hidden a multiple of {} (one scale per block), got {}",
+                            kFp8BlockSize, hidden);
   if (compute_dtype && *compute_dtype != DType::kF32 && *compute_dtype != DType::kBF16)
     return invalid_argument("compute_dtype {} is not supported by the layer; use f32 or bf16",
                             dtype_name(*compute_dtype));
@@ -180,15 +188,23 @@ struct MoELayer::Impl {
   class Phase {
    public:
     Phase(Impl& impl, double& slot, const char* name)
-        : slot_(slot), span_(impl.tracer, impl.global.world_rank(impl.global.rank()), name) {
+        : slot_(slot),
+          cpu_slot_(&slot == &impl.times.experts ? &impl.times.experts_cpu : nullptr),
+          cpu_start_(cpu_slot_ ? thread_cpu_seconds() : 0.0),
+          span_(impl.tracer, impl.global.world_rank(impl.global.rank()), name) {
       impl.phase_name = name;
     }
-    ~Phase() { slot_ += watch_.seconds(); }
+    ~Phase() {
+      slot_ += watch_.seconds();
+      if (cpu_slot_) *cpu_slot_ += thread_cpu_seconds() - cpu_start_;
+    }
     Phase(const Phase&) = delete;
     Phase& operator=(const Phase&) = delete;
 
    private:
     double& slot_;
+    double* cpu_slot_;  // times.experts_cpu for the experts phases
+    double cpu_start_;
     Stopwatch watch_;
     ScopedSpan span_;
   };
@@ -211,6 +227,31 @@ struct MoELayer::Impl {
   DType compute_dtype() const { return config.compute_dtype.value_or(config.dtype); }
   TensorView payload_view(const std::vector<std::byte>& bytes, int64_t rows) const {
     return TensorView::contiguous(bytes.data(), config.dtype, {rows, config.hidden});
+  }
+
+  // The received rows laid out per local expert in config.dtype (`rows`
+  // expanded rows, padding zero); fp8 rows are dequantised with their scales
+  // on the way.
+  Status expand_received(const DispatchResult& recv, int64_t rows, std::vector<std::byte>* into) const {
+    const std::size_t row_bytes = static_cast<std::size_t>(hidden()) * dtype_size(config.dtype);
+    into->resize(static_cast<std::size_t>(std::max<int64_t>(rows, 1)) * row_bytes);
+    if (!recv.recv_scales.defined()) return buffer.expand(recv.recv_x, recv.handle, payload_view(*into, rows));
+    const std::vector<int64_t>& recv_row = buffer.expanded_layout(recv.handle).recv_row;
+    const int64_t H = hidden(), blocks = H / kFp8BlockSize;
+    for (int64_t row = 0; row < rows; ++row) {
+      std::byte* dst = into->data() + row * row_bytes;
+      const int64_t r = recv_row[row];
+      if (r < 0) {
+        std::memset(dst, 0, row_bytes);
+        continue;
+      }
+      const TensorView& q = recv.recv_x;
+      const TensorView& s = recv.recv_scales;
+      EPX_RETURN_IF_ERROR(dequantize_fp8(TensorView(q.row<std::byte>(r), q.dtype(), {1, H}, {q.stride(0), 1}),
+                                         TensorView(s.row<std::byte>(r), s.dtype(), {1, blocks}, {s.stride(0), 1}),
+                                         TensorView::contiguous(dst, config.dtype, {1, H})));
+    }
+    return Status::ok();
   }
 
   // Sets the slot map (empty: identity over the Buffer's slots) and derives
@@ -348,8 +389,7 @@ struct MoELayer::Impl {
     const ExpandedLayout& expanded = buffer.expanded_layout(handle);
     offsets = expanded.expert_offsets;
     const int64_t rows = expanded.num_rows();
-    x_expanded.resize(static_cast<std::size_t>(std::max<int64_t>(rows, 1) * H) * dtype_size(config.dtype));
-    EPX_RETURN_IF_ERROR(buffer.expand(recv.recv_x, handle, payload_view(x_expanded, rows)));
+    EPX_RETURN_IF_ERROR(expand_received(recv, rows, &x_expanded));
     phase.reset();
 
     phase.emplace(*this, times.experts, "experts");
@@ -543,8 +583,7 @@ struct MoELayer::Impl {
       c.offsets = expanded.expert_offsets;
       c.src_rank = copy_ints(c.recv.recv_src_rank);
       const int64_t rows = expanded.num_rows();
-      c.x_expanded.resize(static_cast<std::size_t>(std::max<int64_t>(rows, 1) * H) * dtype_size(config.dtype));
-      EPX_RETURN_IF_ERROR(buffer.expand(c.recv.recv_x, c.recv.handle, payload_view(c.x_expanded, rows)));
+      EPX_RETURN_IF_ERROR(expand_received(c.recv, rows, &c.x_expanded));
       phase.reset();
       // The region is free again: the next chunk's rows may come.
       if (i + 1 < C) start_dispatch(chunks[i + 1], per_half_routing);
@@ -933,9 +972,14 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create_now(const MoELayerConfig& con
   const BufferConfig& bc = buffer.config();
   if (bc.hidden != config.hidden)
     return invalid_argument("the Buffer's hidden = {} differs from the layer's hidden = {}", bc.hidden, config.hidden);
-  if (bc.dtype != config.dtype)
-    return invalid_argument("the Buffer's dtype {} differs from the layer's dtype {}", dtype_name(bc.dtype),
-                            dtype_name(config.dtype));
+  const DType dispatch_dtype = config.dispatch_dtype.value_or(config.dtype);
+  if (bc.dtype != dispatch_dtype)
+    return invalid_argument("the Buffer's dtype {} differs from the layer's dispatch dtype {}", dtype_name(bc.dtype),
+                            dtype_name(dispatch_dtype));
+  if (dispatch_dtype == DType::kFP8E4M3 && bc.gradient_dtype != config.dtype)
+    return invalid_argument("the Buffer's gradient_dtype {} differs from the layer's dtype {} (its backward sends "
+                            "gradients in dtype)",
+                            bc.gradient_dtype ? dtype_name(*bc.gradient_dtype) : "(unset)", dtype_name(config.dtype));
   if (bc.max_topk < config.router.topk)
     return invalid_argument("the Buffer's max_topk = {} is below the router's topk = {}", bc.max_topk,
                             config.router.topk);

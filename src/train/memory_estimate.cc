@@ -99,7 +99,8 @@ void add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, Me
   BufferConfig bc;  // as MoEModel makes it
   bc.num_experts = static_cast<int>(s.local * s.R);
   bc.hidden = m.layer.hidden;
-  bc.dtype = m.layer.dtype;
+  bc.dtype = m.layer.dispatch_dtype.value_or(m.layer.dtype);
+  if (bc.dtype == DType::kFP8E4M3) bc.gradient_dtype = m.layer.dtype;
   bc.max_topk = m.layer.router.topk;
   bc.max_tokens_per_rank = m.max_tokens_per_rank;
   const int64_t buffers = c.balancing.eplb ? s.L : 1;  // eplb: one Buffer per layer

@@ -69,7 +69,10 @@ struct MoEModel::Impl {
     }
     return Buffer::create(transport, {.num_experts = num_experts,
                                       .hidden = lc.hidden,
-                                      .dtype = lc.dtype,
+                                      .dtype = lc.dispatch_dtype.value_or(lc.dtype),
+                                      .gradient_dtype = lc.dispatch_dtype.value_or(lc.dtype) == DType::kFP8E4M3
+                                                            ? std::optional<DType>(lc.dtype)
+                                                            : std::nullopt,
                                       .max_topk = lc.router.topk,
                                       .max_tokens_per_rank = config.max_tokens_per_rank,
                                       .placement = placement,

@@ -3,6 +3,7 @@
 // blocks, the largest f32 and bf16 values, and the stated round-trip bound.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -275,6 +276,38 @@ TEST_P(Fp8Quantize, DequantizesToF32AndBf16) {
     ASSERT_EQ(out[i], expected) << i;
     ASSERT_EQ(out16[i], f32_to_bf16(expected)) << i;
     EXPECT_LE(std::fabs(out[i] - x[i]), 0x1p-4f * std::fabs(x[i]) + 0x1p-10f * scale_at(qz, format, i / kFp8BlockSize));
+  }
+}
+
+// The vectorised dequantisation gives the scalar definition's bits: every
+// code (NaN, subnormals, +-0 included) at scales that keep, round, flush to
+// f32 subnormals, and saturate (f32 and bf16 limits), into f32 and bf16.
+TEST(Fp8Dequantize, EveryCodeAtEveryKindOfScaleMatchesTheScalarDefinition) {
+  const int64_t H = 256;  // the 256 codes in two blocks, each block with its own scale
+  std::vector<uint8_t> q(H);
+  for (int64_t c = 0; c < H; ++c) q[c] = static_cast<uint8_t>(c);
+  const float bf16_max = bf16_to_f32(0x7f7f);
+  const float scales[] = {1.0f, 0x1p-126f, 0x1p-140f, 3.0f / 448, 1.7e-3f, 0x1p119f, 0x1p120f, 1e36f, 1e37f};
+  for (float s0 : scales) {
+    for (float s1 : {s0, 1.0f}) {
+      const float s[2] = {s0, s1};
+      std::vector<float> out(H);
+      std::vector<uint16_t> out16(H);
+      const TensorView qv = TensorView::contiguous(q.data(), DType::kFP8E4M3, {1, H});
+      const TensorView sv = TensorView::contiguous(s, DType::kF32, {1, 2});
+      ASSERT_TRUE(dequantize_fp8(qv, sv, TensorView::contiguous(out.data(), DType::kF32, {1, H})).is_ok());
+      ASSERT_TRUE(dequantize_fp8(qv, sv, TensorView::contiguous(out16.data(), DType::kBF16, {1, H})).is_ok());
+      for (int64_t c = 0; c < H; ++c) {
+        const float v = e4m3_to_f32(q[c]) * s[c / kFp8BlockSize];
+        const float want = std::clamp(v, -std::numeric_limits<float>::max(), std::numeric_limits<float>::max());
+        const uint16_t want16 = f32_to_bf16(std::clamp(v, -bf16_max, bf16_max));
+        uint32_t got_bits, want_bits;
+        std::memcpy(&got_bits, &out[c], 4);
+        std::memcpy(&want_bits, &want, 4);
+        ASSERT_EQ(got_bits, want_bits) << "code " << c % 256 << " scale " << s[c / kFp8BlockSize];
+        ASSERT_EQ(out16[c], want16) << "code " << c % 256 << " scale " << s[c / kFp8BlockSize];
+      }
+    }
   }
 }
 

@@ -2,7 +2,8 @@
 // quantize_fp8 makes of its sources' x (codes and scales, bit for bit), in the
 // order and with the metadata the bf16 dispatch delivers; the byte counters
 // count the scales; the cached dispatch re-quantises; combine stays bf16/f32;
-// the backward passes and bad inputs fail clearly. Swept over world sizes,
+// the backward passes carry gradient_dtype rows, or without it fail clearly,
+// as bad inputs do. Swept over world sizes,
 // node shapes (two-hop and flat across nodes), both scale formats and both
 // input dtypes; runs in-process and under MPI (mpi_main.cc).
 #include <gtest/gtest.h>
@@ -86,6 +87,7 @@ std::size_t fp8_row_bytes(int hidden, Fp8ScaleFormat format) {
 
 struct RankResult {
   Matrix recv_q, recv_scales, recv_deq, out, cached_q, cached_scales;
+  Matrix grad_y, cached_q_after;  // the Buffer with gradient_dtype: combine_backward, then a cached dispatch
   std::vector<int32_t> recv_idx, recv_src_rank, recv_src_idx, counts;
   int64_t recv_row_stride = 0;
   ExchangeStats stats;
@@ -161,6 +163,17 @@ TEST_P(Fp8Dispatch, DeliversTheQuantisedRowsLikeTheBf16Dispatch) {
         const ExpandedLayout& layout = buffer->expanded_layout(d.handle);
         Matrix y(DType::kF32, layout.num_rows(), hidden), gy(DType::kF32, layout.num_rows(), hidden);
         res.expanded_backward = buffer->combine_expanded_backward(xs2[r].view(), d.handle, y.view(), {}, gy.view());
+        // With gradient_dtype, combine_backward carries the gradient rows
+        // unquantised, and the next cached dispatch is fp8 again.
+        BufferConfig with_gradients = config;
+        with_gradients.gradient_dtype = shape.input_dtype;
+        EPX_ASSIGN_OR_RETURN(auto gbuffer, Buffer::create(t, with_gradients));
+        DispatchResult gd;
+        EPX_RETURN_IF_ERROR(gbuffer->dispatch(inputs[r].dispatch_inputs(), &gd));
+        EPX_RETURN_IF_ERROR(gbuffer->combine_backward(xs2[r].view(), gd.handle, &grad_y));
+        res.grad_y = Matrix::copy_of(grad_y);
+        EPX_RETURN_IF_ERROR(gbuffer->dispatch_cached(xs2[r].view(), gd.handle, &cached));
+        res.cached_q_after = Matrix::copy_of(cached);
         return Status::ok();
       });
 
@@ -176,7 +189,7 @@ TEST_P(Fp8Dispatch, DeliversTheQuantisedRowsLikeTheBf16Dispatch) {
       }
       const std::vector<Matrix> want_q = gather_rows(qs, recv), want_scales = gather_rows(scales, recv),
                                 want_q2 = gather_rows(qs2, recv), want_scales2 = gather_rows(scales2, recv),
-                                want_deq = gather_rows(deq, recv);
+                                want_deq = gather_rows(deq, recv), want_grad = gather_rows(xs2, recv);
       const std::vector<Matrix> want_out = reference_combine(
           spec, inputs, recv, want_deq, {}, DType::kBF16, expected_combine_order(topology, shape.algorithm));
       const std::size_t row_bytes = fp8_row_bytes(hidden, shape.scales);
@@ -204,6 +217,8 @@ TEST_P(Fp8Dispatch, DeliversTheQuantisedRowsLikeTheBf16Dispatch) {
         EXPECT_TRUE(same_vector(res.counts, recv[r].num_recv_tokens_per_expert));
         EXPECT_EQ(res.backward.code(), StatusCode::kFailedPrecondition) << res.backward.to_string();
         EXPECT_EQ(res.expanded_backward.code(), StatusCode::kFailedPrecondition) << res.expanded_backward.to_string();
+        EXPECT_TRUE(same_matrix(res.grad_y, want_grad[r]));
+        EXPECT_TRUE(same_matrix(res.cached_q_after, want_q2[r]));
         totals[kPayloadBytes] += res.stats.inter_node_payload_bytes;
         totals[kWireBytes] += static_cast<int64_t>(res.counters.inter_node_bytes);
         totals[kIntraBytes] += res.stats.intra_node_payload_bytes;
@@ -267,7 +282,7 @@ TEST(Fp8DispatchErrors, RejectsBadConfigsAndInputs) {
   const Topology topology = *Topology::create(R, 1);
   const std::string why = test_world().cannot_run(topology);
   if (!why.empty()) GTEST_SKIP() << why;
-  std::vector<Status> create_status(R), inf_status(R), dtype_status(R), scales_status(R);
+  std::vector<Status> create_status(R), inf_status(R), dtype_status(R), scales_status(R), gradient_status(R);
   const std::vector<Status> statuses = test_world().run(topology, [&](Transport& t) -> Status {
     const int r = t.rank();
     BufferConfig config;
@@ -278,6 +293,10 @@ TEST(Fp8DispatchErrors, RejectsBadConfigsAndInputs) {
     config.max_tokens_per_rank = 4;
     create_status[r] = Buffer::create(t, config).status();
     config.hidden = 256;
+    BufferConfig bf16_with_gradients = config;  // gradient_dtype is for fp8 Buffers
+    bf16_with_gradients.dtype = DType::kBF16;
+    bf16_with_gradients.gradient_dtype = DType::kF32;
+    gradient_status[r] = Buffer::create(t, bf16_with_gradients).status();
     EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(t, config));
     Matrix x(DType::kBF16, 4, 256);
     for (int64_t c = 0; c < 256; ++c) x.set(0, c, 1.0f);
@@ -301,6 +320,8 @@ TEST(Fp8DispatchErrors, RejectsBadConfigsAndInputs) {
     ASSERT_TRUE(statuses[r].is_ok()) << statuses[r].to_string();
     EXPECT_EQ(create_status[r].code(), StatusCode::kInvalidArgument);
     EXPECT_NE(create_status[r].message().find("hidden = 192"), std::string::npos) << create_status[r].to_string();
+    EXPECT_NE(gradient_status[r].message().find("gradient_dtype = f32 with dtype = bf16"), std::string::npos)
+        << gradient_status[r].to_string();
     if (r == R - 1) {
       EXPECT_EQ(inf_status[r].code(), StatusCode::kInvalidArgument);
       EXPECT_NE(inf_status[r].message().find("x[2][131] = inf"), std::string::npos) << inf_status[r].to_string();

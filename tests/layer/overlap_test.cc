@@ -29,6 +29,8 @@ struct LayerWorld {
   int alignment = 1;
   int shared = 1;
   int steps = 2;  // forward + backward twice: buffers reused across calls
+  int hidden = 64;
+  std::optional<DType> dispatch_dtype;  // MoELayerConfig::dispatch_dtype
 };
 
 struct RankOutcome {
@@ -40,7 +42,8 @@ struct RankOutcome {
 
 MoELayerConfig layer_config(const LayerWorld& s, OverlapMode mode, int chunks) {
   MoELayerConfig c;
-  c.hidden = 64;
+  c.hidden = s.hidden;
+  c.dispatch_dtype = s.dispatch_dtype;
   c.ffn_hidden = 32;
   c.router = {.num_experts = 16, .topk = 4, .normalize_weights = true};
   c.num_shared_experts = s.shared;
@@ -64,7 +67,8 @@ std::vector<RankOutcome> run(const LayerWorld& s, OverlapMode mode, int chunks) 
     BufferConfig bc;
     bc.num_experts = config.router.num_experts;
     bc.hidden = H;
-    bc.dtype = config.dtype;
+    bc.dtype = config.dispatch_dtype.value_or(config.dtype);
+    if (bc.dtype == DType::kFP8E4M3) bc.gradient_dtype = config.dtype;
     bc.max_topk = config.router.topk;
     bc.max_tokens_per_rank = 64;
     bc.expert_alignment = s.alignment;
@@ -157,6 +161,18 @@ TEST(MoELayerOverlap, TwoMicroBatches) {
   bf16.num_nodes = 2;
   bf16.tokens = {33, 64};
   expect_same(bf16, OverlapMode::kTwoMicroBatches, 2);
+}
+
+// fp8 dispatch: each row is quantised on its own, so every mode still gives
+// the plain fp8 layer's bits (forward and backward, which stays bf16).
+TEST(MoELayerOverlap, Fp8DispatchInEveryMode) {
+  LayerWorld fp8;
+  fp8.dtype = DType::kBF16;
+  fp8.hidden = 128;
+  fp8.dispatch_dtype = DType::kFP8E4M3;
+  expect_same(fp8, OverlapMode::kSharedExperts, 1);
+  expect_same(fp8, OverlapMode::kChunked, 3);
+  expect_same(fp8, OverlapMode::kTwoMicroBatches, 2);
 }
 
 TEST(MoELayerOverlap, ConfigErrorsNameTheValue) {

@@ -31,6 +31,13 @@
 #   --burst B          tbf burst (default 256kb), --tbf-latency L (default 20ms)
 #   --delay D          netem delay on both ends (with --rate: netem's rate, no tbf);
 #                      needs sch_netem, which this machine's kernel lacks (exit 77)
+#   --cpus LIST        give each host its own CPUs: LIST has one entry per host, in
+#                      host order, separated by '/' (e.g. 0/1, or 0-1/2-3); host a's
+#                      mpirun and ranks run under taskset -c on the first, host b's
+#                      orted and ranks (fake-ssh) on the second, ...; with --bind-to
+#                      none the ranks keep it. The kernel's network work (softirq:
+#                      the veth, tbf, TCP) runs where it is raised, mostly on the
+#                      sending host's CPU. Default: no pinning
 #   --timeout S        kill the whole run after S seconds (default 300)
 #   --subnet A.B.C     the /24 the two hosts use (default 10.231.77)
 #   --mpirun-arg ARG   extra mpirun argument (repeatable), e.g. --mpirun-arg -x --mpirun-arg FOO
@@ -47,7 +54,7 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 me=two_hosts.sh
 
-np=2 hosts=2 rate='' rate_host='' burst=256kb tbf_latency=20ms delay='' timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
+np=2 hosts=2 cpus='' rate='' rate_host='' burst=256kb tbf_latency=20ms delay='' timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
 extra=()
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -55,6 +62,7 @@ while [ $# -gt 0 ]; do
     --np-per-host|--ranks-per-host) np=$2; shift 2 ;;
     --hosts) hosts=$2; shift 2 ;;
     --rate) rate=$2; shift 2 ;;
+    --cpus) cpus=$2; shift 2 ;;
     --rate-host) rate_host=$2; shift 2 ;;
     --burst) burst=$2; shift 2 ;;
     --tbf-latency) tbf_latency=$2; shift 2 ;;
@@ -77,6 +85,16 @@ case $np in ''|*[!0-9]*|0) echo "$me: --np-per-host needs a positive number" >&2
 case $hosts$rate_host in 2|3|2a|2b|3a|3b|3c) ;; *) echo "$me: --rate-host $rate_host: expected a or b (a, b or c with --hosts 3)" >&2; exit 2 ;; esac
 if [ -n "$rate" ] && ! [[ $rate =~ ^[0-9]+(\.[0-9]+)?([kKmMgGtT]?(bit|bps))?$ ]]; then
   echo "$me: --rate $rate: expected a tc rate such as 1gbit or 200mbit" >&2; exit 2
+fi
+
+cpu_sets=()
+if [ -n "$cpus" ]; then
+  IFS=/ read -r -a cpu_sets <<<"$cpus"
+  [ "${#cpu_sets[@]}" = "$hosts" ] || { echo "$me: --cpus $cpus: expected $hosts CPU lists separated by '/'" >&2; exit 2; }
+  for c in "${cpu_sets[@]}"; do
+    [[ $c =~ ^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$ ]] || { echo "$me: --cpus $cpus: '$c' is not a CPU list such as 0 or 0-1,4" >&2; exit 2; }
+  done
+  command -v taskset >/dev/null || { echo "$me: --cpus needs taskset (util-linux)" >&2; exit 2; }
 fi
 
 skip() { echo "$me: SKIP: $*" >&2; exit 77; }
@@ -220,6 +238,14 @@ for h in "${names[@]}"; do
   host_list+="${host_list:+,}${!n}:$np"
 done
 export EPX_FAKE_SSH_HOSTS
+# --cpus: fake-ssh starts each remote host's orted under taskset -c (host a's
+# mpirun gets its own below).
+EPX_FAKE_SSH_CPUS=
+if [ -n "$cpus" ]; then
+  i=0
+  for h in "${names[@]}"; do EPX_FAKE_SSH_CPUS+="$(ns_of "$h")=${cpu_sets[$i]} "; i=$((i + 1)); done
+fi
+export EPX_FAKE_SSH_CPUS
 if [ "$verbose" = 1 ]; then export EPX_FAKE_SSH_LOG=/dev/stderr; fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 [ "$uts" = 1 ] || export EPX_FAKE_SSH_NO_UTS=1
@@ -252,6 +278,7 @@ if [ "$uts" = 1 ]; then
 else
   in_host_a=(ip netns exec "$ns_a")
 fi
+[ -n "$cpus" ] && in_host_a+=(taskset -c "${cpu_sets[0]}")
 [ "$verbose" = 1 ] && echo "$me: ip netns exec $ns_a unshare --uts (hostname $host_a): ${mpirun_cmd[*]}" >&2
 t0=$(date +%s.%N)
 "${in_host_a[@]}" timeout --kill-after=10 "$timeout_s" "${mpirun_cmd[@]}" &

@@ -6,6 +6,8 @@
 //   EPX_RETURN_IF_ERROR(transport.barrier(deadline));
 #pragma once
 
+#include <time.h>
+
 #include <chrono>
 #include <cstdint>
 
@@ -17,6 +19,13 @@ using Milliseconds = std::chrono::milliseconds;
 // Nanoseconds on the monotonic clock (arbitrary origin).
 [[nodiscard]] inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// CPU time of the calling thread, in seconds (CLOCK_THREAD_CPUTIME_ID).
+[[nodiscard]] inline double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 class Stopwatch {

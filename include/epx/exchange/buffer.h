@@ -72,8 +72,14 @@ struct BufferConfig {
   // x in bf16 or f32 and quantises each row on send (epx/core/fp8.h), one scale
   // per 128 channels of this format travelling in the row; recv_x is e4m3 and
   // recv_scales its scales. Combine stays bf16/f32; the backward passes
-  // (combine_backward, combine_expanded_backward) need a bf16 or f32 Buffer.
+  // (combine_backward, combine_expanded_backward) carry gradients in
+  // gradient_dtype.
   Fp8ScaleFormat fp8_scales = Fp8ScaleFormat::kF32;
+  // fp8 Buffers: the dtype of the gradients the backward passes send, kBF16
+  // or kF32 (the receive region then has room for rows of that size; each
+  // operation moves only its own rows' bytes). Unset: the backward passes
+  // are refused. Other Buffers: unset or dtype.
+  std::optional<DType> gradient_dtype = std::nullopt;
   int max_topk = 8;                    // widest topk_idx accepted
   int max_tokens_per_rank = 0;         // inputs with more tokens are rejected
   int64_t max_recv_tokens = 0;         // rows one rank can receive; 0: num_ranks * max_tokens_per_rank

@@ -87,6 +87,12 @@ struct MoELayerConfig {
   // num_shared_experts * ffn_hidden applied to every token.
   int num_shared_experts = 0;
   DType dtype = DType::kF32;  // dispatch payload (and, by default, expert GEMMs): kF32 or kBF16
+  // What the dispatch sends. Unset (or dtype): dtype. kFP8E4M3: e4m3 with one
+  // scale per 128 channels (hidden a multiple of 128), which the experts read
+  // dequantised to dtype; the combine and the whole backward stay in dtype
+  // (as DeepSeek-V3 trains). The Buffer then has dtype kFP8E4M3 and
+  // gradient_dtype == dtype.
+  std::optional<DType> dispatch_dtype = std::nullopt;
   double aux_loss_coeff = 0.0;
   AuxLossKind aux_loss = AuxLossKind::kMicroBatch;
   double z_loss_coeff = 0.0;
@@ -116,13 +122,15 @@ struct LayerTimes {
   double experts = 0;   // routed and shared experts (and, overlapped, gathering their rows)
   double combine = 0;   // combine (forward), its backward
   double stats = 0;     // the load-statistics all-reduce
+  double experts_cpu = 0;  // the experts phases' CPU time on the calling thread (the rest of `experts` is
+                           // time the thread waited for its core)
   LayerTimes& operator+=(const LayerTimes& other);
 };
 
 class MoELayer {
  public:
   // `buffer` must be built on `transport` with hidden == config.hidden, dtype
-  // == config.dtype, max_combine_dtype kF32 and num_experts == the number of
+  // == the dispatch dtype (fp8: and gradient_dtype == config.dtype), max_combine_dtype kF32 and num_experts == the number of
   // physical slots; it may be shared by several layers (they use it one after
   // another). `slot_expert` maps each slot of the Buffer to the logical expert
   // it holds (-1 = empty slot); every logical expert needs a slot. Empty: the
