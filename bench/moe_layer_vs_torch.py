@@ -125,21 +125,28 @@ def epx_torch_layer(torch, tokens, hidden, ffn, experts, topk, threads, reps):
     return epx.InprocWorld(num_ranks=1).run(rank_fn)[0]
 
 
-def cxx_layer(binary, tokens, hidden, ffn, experts, topk, threads, reps, dtype="f32"):
+def cxx_layer(binary, tokens, hidden, ffn, experts, topk, threads, reps, dtype="f32", compute_dtype=None):
+    """moe_layer_bench's JSON object (times, and the GEMM library's rate on the same FLOPs in the same run)."""
     cmd = [binary, "--tokens", str(tokens), "--hidden", str(hidden), "--ffn-hidden", str(ffn),
            "--experts", str(experts), "--topk", str(topk), "--ranks", str(threads), "--reps", str(reps),
-           "--dtype", dtype]
-    e = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    return e["forward_s"], e["train_s"]
+           "--dtype", dtype] + (["--compute-dtype", compute_dtype] if compute_dtype else [])
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
 def shape_row(args, torch, shape, dtype, med):
     tokens, hidden, ffn, experts, topk = shape
     row = {"tokens": tokens, "hidden": hidden, "ffn_hidden": ffn, "experts": experts, "topk": topk,
            "dtype": dtype, "threads": args.threads, "torch_version": torch.__version__}
-    for side, (f, b) in med.items():
-        row[f"{side}_forward_tok_s"] = tokens / f
-        row[f"{side}_train_tok_s"] = tokens / b
+    for side, times in med.items():
+        row[f"{side}_forward_tok_s"] = tokens / times[0]
+        row[f"{side}_train_tok_s"] = tokens / times[1]
+    if "epx" in med:  # the layer's expert GEMM FLOPs over its time, against the GEMM library's rate
+        flop = 6.0 * tokens * topk * hidden * ffn
+        row["gemm_gflops"] = med["epx"][2]
+        row["epx_forward_gflops"] = flop / med["epx"][0] / 1e9
+        row["epx_train_gflops"] = 3 * flop / med["epx"][1] / 1e9
+        row["forward_of_gemm"] = row["epx_forward_gflops"] / row["gemm_gflops"]
+        row["train_of_gemm"] = row["epx_train_gflops"] / row["gemm_gflops"]
     for side in med:
         if side != "torch":
             prefix = "" if side == "epx" else f"{side}_"
@@ -152,7 +159,7 @@ def print_table(rows, sides):
     head = f"{'shape (T x H x F, E, k)':>28} {'dtype':>5}"
     for side in sides:
         head += f" {side + ' fwd':>14} {side + ' f+b':>14}"
-    print(head + "   (tokens/s)")
+    print(head + "   (tokens/s)" + ("   epx GFLOP/s fwd, f+b / GEMM lib" if "epx" in sides else ""))
     for r in rows:
         line = f"{r['tokens']}x{r['hidden']}x{r['ffn_hidden']}, {r['experts']}, {r['topk']}"
         line = f"{line:>28} {r['dtype']:>5}"
@@ -161,6 +168,9 @@ def print_table(rows, sides):
                 line += f" {r[side + '_forward_tok_s']:14.0f} {r[side + '_train_tok_s']:14.0f}"
             else:
                 line += f" {'-':>14} {'-':>14}"
+        if "gemm_gflops" in r:
+            line += (f"   {r['epx_forward_gflops']:.0f} ({r['forward_of_gemm']:.2f}x), "
+                     f"{r['epx_train_gflops']:.0f} ({r['train_of_gemm']:.2f}x) / {r['gemm_gflops']:.0f}")
         print(line)
 
 
@@ -173,6 +183,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", choices=["f32", "bf16", "both"], default="both")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="issue20")
+    ap.add_argument("--compute-dtype", choices=["f32", "bf16"], default=None,
+                    help="epx's expert GEMMs (moe_layer_bench --compute-dtype; default: --dtype)")
     args = ap.parse_args()
     try:
         import torch
@@ -193,12 +205,13 @@ def measure_shape(args, torch, shape, dtype, sides):
     runs = {side: [] for side in sides if side != "epx_torch" or dtype == "f32"}  # epx.torch: f32 rows only
     for rnd in range(args.rounds):
         if "epx" in runs:
-            runs["epx"].append(cxx_layer(args.bench, *shape, args.threads, args.reps, dtype))
+            e = cxx_layer(args.bench, *shape, args.threads, args.reps, dtype, args.compute_dtype)
+            runs["epx"].append((e["forward_s"], e["train_s"], e["gemm_gflops"]))
         runs["torch"].append(torch_layer(torch, *shape, args.threads, args.reps, dtype))
         if "epx_torch" in runs:
             runs["epx_torch"].append(epx_torch_layer(torch, *shape, args.threads, args.reps))
         print(f"  shape {shape} {dtype}: round {rnd + 1}/{args.rounds}", file=sys.stderr)
-    med = {k: (bu.median([f for f, _ in v]), bu.median([b for _, b in v])) for k, v in runs.items()}
+    med = {k: tuple(bu.median(list(col)) for col in zip(*v)) for k, v in runs.items()}
     return shape_row(args, torch, shape, dtype, med)
 
 

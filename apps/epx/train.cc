@@ -21,6 +21,7 @@
 #include "epx/comm/parallel_layout.h"
 #include "epx/core/clock.h"
 #include "epx/core/memory.h"
+#include "epx/experts/ffn.h"
 #include "epx/observe/chrome_trace.h"
 #include "epx/observe/metrics.h"
 #include "epx/observe/output_path.h"
@@ -116,6 +117,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"model.topk", positive(o.topk)},
       {"model.shared_experts", non_negative(o.shared_experts)},
       {"model.dtype", bind(o.dtype)},
+      {"model.compute_dtype", bind(o.compute_dtype)},
       {"model.overlap", bind(o.overlap)},
       {"model.overlap_chunks", bind(o.overlap_chunks, {.min = 1, .max = 64})},
       {"model.dispatch_dtype", bind(o.dispatch_dtype)},
@@ -222,6 +224,13 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
     l.dtype = DType::kBF16;
   } else {
     return invalid_argument("dtype '{}' is not f32 or bf16", o.dtype);
+  }
+  if (o.compute_dtype == "auto") {
+    l.compute_dtype = faster_compute_dtype(l.dtype);
+  } else if (o.compute_dtype == "f32" || o.compute_dtype == "bf16") {
+    l.compute_dtype = o.compute_dtype == "f32" ? DType::kF32 : DType::kBF16;
+  } else {
+    return invalid_argument("compute_dtype '{}' is not auto, f32 or bf16", o.compute_dtype);
   }
   if (!o.dispatch_dtype.empty()) {
     EPX_ASSIGN_OR_RETURN(l.dispatch_dtype, parse_dtype(o.dispatch_dtype));
@@ -374,12 +383,14 @@ std::FILE* text_stream(const TrainOptions& o) { return o.metrics_path == "-" ? s
 void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
   const ModelConfig& m = c.model;
   fmt::print(stderr,
-             "epx train: {} {} ranks ({} nodes{}), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}), "
+             "epx train: {} {} ranks ({} nodes{}), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}, "
+             "expert GEMMs {}), "
              "{} tokens/step, balancing {}, data {}\n",
              c.num_ranks, mpi ? "MPI" : "in-process", c.num_nodes,
              c.ep_size() == c.num_ranks ? "" : fmt::format(", EP {} x EDP {}", c.ep_size(), c.num_ranks / c.ep_size()),
              m.num_layers, m.layer.router.num_experts,
-             m.layer.router.topk, m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype), c.batch_tokens,
+             m.layer.router.topk, m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype),
+             dtype_name(m.layer.compute_dtype.value_or(m.layer.dtype)), c.batch_tokens,
              c.balancing.name(), o.data);
 }
 
@@ -508,8 +519,14 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--topk", o.topk, "Experts per token")->capture_default_str();
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (every token, every rank)")->capture_default_str();
-  cmd->add_option("--dtype", o.dtype, "Dispatch payload and expert GEMMs: f32 or bf16")
+  cmd->add_option("--dtype", o.dtype, "Dispatch payload (and the expert GEMMs' input): f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--compute-dtype", o.compute_dtype,
+                  "Expert GEMMs: f32, bf16, or auto = the faster for --dtype on this CPU (f32 payload: f32; bf16 "
+                  "payload: bf16 where oneDNN has native bf16 dot products, AVX512-BF16 or AMX, else f32, as "
+                  "oneDNN's bf16 GEMM is then slower than its f32 one; docs/design.md, Experts)")
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}))
       ->capture_default_str();
   cmd->add_option("--overlap", o.overlap,
                   "Exchange under compute in each MoE layer: none, shared (shared experts under the dispatch), "

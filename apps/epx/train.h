@@ -42,6 +42,7 @@ struct TrainOptions {
   int topk = 2;
   int shared_experts = 0;
   std::string dtype = "f32";
+  std::string compute_dtype = "auto";  // MoELayerConfig::compute_dtype; auto: faster_compute_dtype
   std::string overlap = "none";  // MoELayerConfig::overlap
   int overlap_chunks = 4;
   std::string dispatch_dtype;  // MoELayerConfig::dispatch_dtype: fp8, bf16, f32; empty = dtype

@@ -76,6 +76,18 @@ int64_t gemm_x_rows(const Problem& p, const TensorView& x, int64_t first, int64_
   return H;
 }
 
+// Sizes the pieces `carve` takes from a Carver, reserves that much of
+// `workspace`, then carves them out of it.
+template <typename Carve>
+Status carve_workspace(AlignedBuffer& workspace, Carve&& carve) {
+  Carver sizer(nullptr);
+  carve(sizer);
+  EPX_RETURN_IF_ERROR(workspace.reserve(sizer.bytes(), "an expert's workspace"));
+  Carver carver(workspace.data());
+  carve(carver);
+  return Status::ok();
+}
+
 // Experts with rows, largest first (ties: lower id), and the threads each GEMM gets.
 struct Plan {
   std::vector<int> experts;
@@ -170,11 +182,7 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
       a = c.take<std::byte>(m * F * p.elem);
       if (p.convert_x) x_scratch = c.take<std::byte>(m * H * p.elem);
     };
-    Carver sizer(nullptr);
-    carve(sizer);
-    EPX_RETURN_IF_ERROR(workspace.reserve(sizer.bytes(), "an expert's workspace"));
-    Carver carver(workspace.data());
-    carve(carver);
+    EPX_RETURN_IF_ERROR(carve_workspace(workspace, carve));
     if (cache != nullptr) {
       h1 = cache->h1.data() + first * F;
       h3 = cache->h3.data() + first * F;
@@ -252,11 +260,7 @@ Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeigh
       grad_a = c.take<float>(m * F);
       if (config.gemm_dtype() == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
     };
-    Carver sizer(nullptr);
-    carve(sizer);
-    EPX_RETURN_IF_ERROR(workspace.reserve(sizer.bytes(), "an expert's workspace"));
-    Carver carver(workspace.data());
-    carve(carver);
+    EPX_RETURN_IF_ERROR(carve_workspace(workspace, carve));
     const void* gy = nullptr;
     const int64_t ldgy = backward_grad_y(config, grad_y, first, m, gy_bf16, &gy);
     std::byte* a = state->a.data() + first * F * p.elem;
@@ -303,11 +307,7 @@ Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWe
       if (compute == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
       if (p.convert_x) x_scratch = c.take<std::byte>(m * H * p.elem);
     };
-    Carver sizer(nullptr);
-    carve(sizer);
-    EPX_RETURN_IF_ERROR(workspace.reserve(sizer.bytes(), "an expert's workspace"));
-    Carver carver(workspace.data());
-    carve(carver);
+    EPX_RETURN_IF_ERROR(carve_workspace(workspace, carve));
     const void* gy = nullptr;
     const int64_t ldgy = backward_grad_y(config, grad_y, first, m, gy_bf16, &gy);
     const void* x_rows = nullptr;

@@ -1,6 +1,8 @@
 #include "epx/experts/ffn.h"
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <random>
 #include <thread>
 #include <vector>
@@ -273,6 +275,55 @@ TEST(ExpertFfn, PaddingRowsGiveZeroOutputAndGradients) {
     for (int64_t r : {4, 5, 9})
       for (int64_t h = 0; h < H; ++h) ASSERT_EQ(o.y[r * H + h], 0.0f) << "padding row " << r << " column " << h;
   }
+}
+
+// x stored in `dtype` (its values rounded to bf16 first when either side is
+// bf16, so both stand for the same numbers).
+Stored restore(const Stored& s, DType dtype) {
+  Stored out = s;
+  out.dtype = dtype;
+  out.bf16.resize(s.f32.size());
+  for (std::size_t i = 0; i < s.f32.size(); ++i) out.bf16[i] = f32_to_bf16(s.f32[i]);
+  if (dtype == DType::kF32) out.bf16.clear();
+  return out;
+}
+
+void expect_same_bits(const Outputs& got, const Outputs& want) {
+  for (auto [g, w, what] : {std::tuple{&got.y, &want.y, "y"}, {&got.grad_x, &want.grad_x, "grad_x"},
+                            {&got.grad_w1, &want.grad_w1, "grad_w1"}, {&got.grad_w3, &want.grad_w3, "grad_w3"},
+                            {&got.grad_w2, &want.grad_w2, "grad_w2"}}) {
+    ASSERT_EQ(g->size(), w->size()) << what;
+    ASSERT_TRUE(std::any_of(w->begin(), w->end(), [](float v) { return v != 0.0f; })) << what << " is all zero";
+    for (std::size_t i = 0; i < g->size(); ++i) ASSERT_EQ((*g)[i], (*w)[i]) << what << "[" << i << "]";
+  }
+}
+
+// compute_dtype apart from dtype: x converted on its way into the GEMMs
+// gives the bits of x stored in the compute dtype (a bf16 payload widens
+// exactly; an f32 payload rounds to nearest even as the bf16 path does).
+TEST(ExpertFfn, ComputeDtypeApartFromThePayloadGivesTheComputeDtypesBits) {
+  for (DType compute : {DType::kF32, DType::kBF16}) {
+    const DType payload = compute == DType::kF32 ? DType::kBF16 : DType::kF32;
+    SCOPED_TRACE(testing::Message() << "payload " << dtype_name(payload) << ", compute " << dtype_name(compute));
+    Problem want = make_problem(compute, 40, 56, {19, 0, 5, 33}, 11);  // 19, 5: rows past whole blocks of 16
+    std::mt19937 rng(12);
+    want.x = restore(make_stored(DType::kBF16, want.rows(), 40, rng, 1.5f), compute);
+    Problem got = want;
+    got.x = restore(want.x, payload);
+    got.config.dtype = payload;
+    got.config.compute_dtype = compute;
+    const auto grad_y = random_f32(want.rows() * 40, 13);
+    expect_same_bits(run_both(got, grad_y, 0.5f), run_both(want, grad_y, 0.5f));
+  }
+}
+
+TEST(ExpertFfn, WeightsOfThePayloadDtypeAreRefusedWhenComputeDiffers) {
+  Problem p = make_problem(DType::kBF16, 16, 24, {3}, 14);
+  p.config.compute_dtype = DType::kF32;
+  std::vector<float> y(3 * 16);
+  const Status s = expert_ffn_forward(p.config, p.weights(), p.x.view(), p.offsets, f32_view(y, 3, 16), nullptr);
+  EXPECT_NE(s.message().find("weights.w1"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("f32"), std::string::npos) << s.to_string();
 }
 
 // d/dv of sum(y * g) by central differences, for every weight and x value of

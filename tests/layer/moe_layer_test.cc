@@ -299,6 +299,15 @@ TEST(MoELayerPrecision, Bf16FollowsF32WithinBf16Rounding) {
   EXPECT_GT(out_err, 0.0) << "bf16 should round somewhere";
   EXPECT_LT(out_err, 2e-2);
   EXPECT_LT(grad_err, 3e-2);
+  // A bf16 payload into f32 GEMMs rounds only the dispatched rows.
+  config.compute_dtype = DType::kF32;
+  const RunResult payload_only = run_layer(2, 32, config);
+  EXPECT_EQ(f32.tokens_per_expert, payload_only.tokens_per_expert);
+  const double payload_err = max_rel(f32.out, payload_only.out);
+  EXPECT_GT(payload_err, 0.0) << "the bf16 payload should round somewhere";
+  EXPECT_LT(payload_err, 2e-2);
+  EXPECT_LT(max_rel(f32.grad_x, payload_only.grad_x), 3e-2);
+  EXPECT_NE(payload_only.out, bf16.out) << "compute_dtype f32 should change the expert GEMMs";
 }
 
 // Redundant experts: 4 logical experts in 6 slots over 2 ranks (experts 0

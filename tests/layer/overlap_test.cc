@@ -25,6 +25,7 @@ struct LayerWorld {
   int num_nodes = 2;
   std::vector<int> tokens = {37, 0, 50, 23};
   DType dtype = DType::kF32;
+  std::optional<DType> compute_dtype;  // the expert GEMMs' (unset = dtype)
   int alignment = 1;
   int shared = 1;
   int steps = 2;  // forward + backward twice: buffers reused across calls
@@ -47,6 +48,7 @@ MoELayerConfig layer_config(const LayerWorld& s, OverlapMode mode, int chunks) {
   c.router = {.num_experts = 16, .topk = 4, .normalize_weights = true};
   c.num_shared_experts = s.shared;
   c.dtype = s.dtype;
+  c.compute_dtype = s.compute_dtype;
   c.aux_loss_coeff = 0.01;
   c.aux_loss = AuxLossKind::kGlobalBatch;  // an all-reduce inside forward, too
   c.z_loss_coeff = 0.001;
@@ -140,6 +142,9 @@ TEST(MoELayerOverlap, ChunkedPipelining) {
   bf16.dtype = DType::kBF16;
   bf16.alignment = 4;
   expect_same(bf16, OverlapMode::kChunked, 4);
+  LayerWorld bf16_into_f32 = bf16;  // a bf16 payload, f32 expert GEMMs
+  bf16_into_f32.compute_dtype = DType::kF32;
+  expect_same(bf16_into_f32, OverlapMode::kChunked, 4);
   LayerWorld one_node;
   one_node.num_nodes = 1;
   one_node.shared = 0;
