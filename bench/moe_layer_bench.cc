@@ -12,7 +12,7 @@
 // forward 6 x tokens x topk x hidden x ffn_hidden, forward+backward 3x that.
 // Each repetition times the reference, the forward, then forward+backward;
 // the figures are medians over --reps, the phase times (rank 0's LayerTimes,
-// forward+backward) too.
+// forward+backward; forward_combine_s: the forward's combine alone) too.
 //
 // bench/moe_layer_vs_torch.py runs it next to a PyTorch eager MoE layer of the
 // same shape, interleaved, and reports the ratio.
@@ -40,12 +40,12 @@ double median(std::vector<double> v) {
 
 struct Options {
   int tokens = 2048, hidden = 256, ffn_hidden = 512, experts = 16, topk = 2, ranks = 1, reps = 7;
-  std::string dtype = "f32", compute_dtype = "";
+  std::string dtype = "f32", compute_dtype = "", combine_dtype = "f32";
 };
 
 // What rank 0 records per repetition (seconds).
 struct Samples {
-  std::vector<double> gemm_fixed, gemm_runtime, forward, train, router, dispatch, experts, combine;
+  std::vector<double> gemm_fixed, gemm_runtime, forward, train, router, dispatch, experts, combine, forward_combine;
 };
 
 // One rank's share of the reference GEMM, in the compute dtype.
@@ -105,6 +105,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", o.dtype, "Dispatch payload")->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
   app.add_option("--compute-dtype", o.compute_dtype, "Expert GEMMs (default: --dtype)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--combine-dtype", o.combine_dtype, "MoELayerConfig::combine_dtype: the combine's partial rows")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   epx::MoELayerConfig config;
@@ -112,6 +115,7 @@ int main(int argc, char** argv) {
   config.ffn_hidden = o.ffn_hidden;
   config.router = {.num_experts = o.experts, .topk = o.topk, .normalize_weights = true};
   config.dtype = *epx::parse_dtype(o.dtype);
+  config.combine_dtype = *epx::parse_dtype(o.combine_dtype);
   if (!o.compute_dtype.empty()) config.compute_dtype = *epx::parse_dtype(o.compute_dtype);
   const epx::DType compute = config.compute_dtype.value_or(config.dtype);
   Samples s;
@@ -132,14 +136,15 @@ int main(int argc, char** argv) {
   const double ref_rows = double((int64_t(o.tokens) * o.topk + o.ranks - 1) / o.ranks) * o.ranks;
   const double gemm_gflops = 2.0 * ref_rows * o.hidden * o.ffn_hidden / gemm_s / 1e9;
   fmt::print("{{\"impl\":\"epx\",\"tokens\":{},\"hidden\":{},\"ffn_hidden\":{},\"experts\":{},\"topk\":{},\"ranks\":{},"
-             "\"dtype\":\"{}\",\"compute_dtype\":\"{}\",\"forward_s\":{:.6g},\"train_s\":{:.6g},"
+             "\"dtype\":\"{}\",\"compute_dtype\":\"{}\",\"combine_dtype\":\"{}\",\"forward_s\":{:.6g},\"train_s\":{:.6g},"
              "\"forward_tokens_per_s\":{:.6g},\"train_tokens_per_s\":{:.6g},\"gemm_gflops\":{:.6g},"
              "\"gemm_fixed_s\":{:.6g},\"gemm_runtime_s\":{:.6g},\"forward_gflops\":{:.6g},\"train_gflops\":{:.6g},"
              "\"train_router_s\":{:.6g},\"train_dispatch_s\":{:.6g},\"train_experts_s\":{:.6g},"
-             "\"train_combine_s\":{:.6g}}}\n",
-             o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, o.ranks, o.dtype, epx::dtype_name(compute), f, b,
+             "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g}}}\n",
+             o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, o.ranks, o.dtype, epx::dtype_name(compute), o.combine_dtype, f, b,
              o.tokens / f, o.tokens / b, gemm_gflops, median(s.gemm_fixed), median(s.gemm_runtime), flop / f / 1e9,
-             3 * flop / b / 1e9, median(s.router), median(s.dispatch), median(s.experts), median(s.combine));
+             3 * flop / b / 1e9, median(s.router), median(s.dispatch), median(s.experts), median(s.combine),
+             median(s.forward_combine));
   return 0;
 }
 
@@ -172,6 +177,7 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
     EPX_ASSIGN_OR_RETURN(const double fixed, timed([&] { reference.run_fixed(); return epx::Status::ok(); }));
     EPX_ASSIGN_OR_RETURN(const double runtime, timed([&] { return reference.run_runtime(); }));
     EPX_ASSIGN_OR_RETURN(const double fwd, timed([&] { return layer->forward(view(x), view(y)); }));
+    const double fwd_combine = layer->times().combine;
     EPX_ASSIGN_OR_RETURN(const double both, timed([&]() -> epx::Status {
                            for (epx::Parameter* p : layer->parameters()) p->zero_grad();
                            EPX_RETURN_IF_ERROR(layer->forward(view(x), view(y)));
@@ -184,6 +190,7 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
     out.forward.push_back(fwd), out.train.push_back(both);
     out.router.push_back(lt.router), out.dispatch.push_back(lt.dispatch);
     out.experts.push_back(lt.experts), out.combine.push_back(lt.combine);
+    out.forward_combine.push_back(fwd_combine);
   }
   return epx::Status::ok();
 }

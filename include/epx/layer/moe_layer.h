@@ -93,6 +93,10 @@ struct MoELayerConfig {
   // (as DeepSeek-V3 trains). The Buffer then has dtype kFP8E4M3 and
   // gradient_dtype == dtype.
   std::optional<DType> dispatch_dtype = std::nullopt;
+  // The combine's per-(token, rank) partial rows (CombineOptions::partial_dtype):
+  // kF32 (exact) or kBF16 (half the combine's bytes, each partial rounded once;
+  // the backward is the same).
+  DType combine_dtype = DType::kF32;
   double aux_loss_coeff = 0.0;
   AuxLossKind aux_loss = AuxLossKind::kMicroBatch;
   double z_loss_coeff = 0.0;
