@@ -137,7 +137,7 @@ BufferConfig bench_buffer_config(const ExchangeBenchConfig& c) {
   b.dtype = c.dtype;
   b.max_topk = c.topk;
   b.max_tokens_per_rank = c.num_tokens;
-  b.max_combine_dtype = c.layer_combine ? DType::kF32 : c.dtype;  // combine_expanded sends f32 partials
+  b.max_combine_dtype = c.layer_combine ? DType::kF32 : c.dtype;  // the layer's Buffer is f32
   return b;
 }
 
@@ -385,10 +385,14 @@ class RankBench {
   Status layer_combine(bool record, bool check) {
     if (layer_y_.size() == 0) prepare_layer_inputs();
     if (check) std::memset(layer_out_.data(), 0, layer_out_.size());
+    CombineOptions options;
+    options.partial_dtype = config_.layer_combine_dtype;
     EPX_RETURN_IF_ERROR(timed(kLayerCombine, record, [&] {
-      return buffer_->combine_expanded(layer_y_view_, recv_.handle, layer_out_view_);
+      return buffer_->combine_expanded(layer_y_view_, recv_.handle, layer_out_view_, {}, options);
     }));
-    if (check) return check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32, 1e-5);
+    // bf16 partials: each (token, rank) partial is rounded once to bf16.
+    const double tolerance = config_.layer_combine_dtype == DType::kBF16 ? 1e-2 : 1e-5;
+    if (check) return check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32, tolerance);
     return Status::ok();
   }
 
@@ -422,11 +426,12 @@ class RankBench {
     return config_.layer_combine ? memcpy_layer_op(record) : Status::ok();
   }
 
-  // The limit of the layer's combine: the f32 partial bytes it sends
-  // (received rows x hidden x 4), copied in chunks of the memcpy buffers'
+  // The limit of the layer's combine: the partial bytes it sends (received
+  // rows x hidden x 4 for f32 partials, x 2 for bf16), copied in chunks of the memcpy buffers'
   // size (larger than the last-level cache: every chunk goes to memory).
   Status memcpy_layer_op(bool record) {
-    const std::size_t bytes = static_cast<std::size_t>(plan_.recv_rows[rank_]) * config_.hidden * 4;
+    const std::size_t bytes =
+        static_cast<std::size_t>(plan_.recv_rows[rank_]) * config_.hidden * dtype_size(config_.layer_combine_dtype);
     std::span<std::byte> dst = naive_->scratch(0);
     std::span<std::byte> src = naive_->scratch(1);
     const std::size_t chunk = std::min(dst.size(), src.size());
@@ -736,7 +741,8 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.memcpy = summarize(shared, kMemcpy, r.recv_bytes, config.num_ranks);
   r.naive_dispatch = summarize(shared, kNaiveDispatch, r.recv_bytes, config.num_ranks);
   r.naive_combine = summarize(shared, kNaiveCombine, r.recv_bytes, config.num_ranks);
-  r.layer_bytes = config.layer_combine ? r.recv_rows * config.hidden * 4 : 0;
+  r.layer_bytes =
+      config.layer_combine ? r.recv_rows * config.hidden * static_cast<int64_t>(dtype_size(config.layer_combine_dtype)) : 0;
   r.layer_combine = summarize(shared, kLayerCombine, r.layer_bytes, config.num_ranks);
   r.memcpy_layer = summarize(shared, kMemcpyLayer, r.layer_bytes, config.num_ranks);
   auto ratio = [](double num, double den) { return den > 0 ? num / den : 0.0; };

@@ -54,6 +54,9 @@ struct ExchangeBenchConfig {
   // expanded per-expert f32 rows, weighted, f32 partials sent, f32 out) and a
   // memcpy of the bytes it sends. Its Buffers then take max_combine_dtype = f32.
   bool layer_combine = true;
+  // The partials' dtype of that combine (CombineOptions::partial_dtype): f32
+  // or bf16 (issue 20: half the bytes, each partial rounded once).
+  DType layer_combine_dtype = DType::kF32;
   // Share of MemAvailable a shape may plan to use. Above it the methods run
   // one after the other (epx, then naive + memcpy) instead of interleaved;
   // when even that does not fit the shape fails with ResourceExhausted.

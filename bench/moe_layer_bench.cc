@@ -28,7 +28,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   int tokens = 2048, hidden = 256, ffn_hidden = 512, experts = 16, topk = 2, ranks = 1, reps = 7;
-  std::string dtype = "f32";
+  std::string dtype = "f32", combine_dtype = "f32";
   CLI::App app{"MoELayer forward and forward+backward throughput (tokens/s), medians of --reps"};
   app.add_option("--tokens", tokens, "Tokens over all ranks")->capture_default_str();
   app.add_option("--hidden", hidden)->capture_default_str();
@@ -38,6 +38,9 @@ int main(int argc, char** argv) {
   app.add_option("--ranks", ranks, "In-process ranks (threads)")->capture_default_str();
   app.add_option("--reps", reps)->capture_default_str();
   app.add_option("--dtype", dtype)->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
+  app.add_option("--combine-dtype", combine_dtype, "MoELayerConfig::combine_dtype: the combine's partial rows")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   epx::MoELayerConfig config;
@@ -45,7 +48,8 @@ int main(int argc, char** argv) {
   config.ffn_hidden = ffn_hidden;
   config.router = {.num_experts = experts, .topk = topk, .normalize_weights = true};
   config.dtype = dtype == "bf16" ? epx::DType::kBF16 : epx::DType::kF32;
-  std::vector<double> forward_s, train_s;
+  config.combine_dtype = combine_dtype == "bf16" ? epx::DType::kBF16 : epx::DType::kF32;
+  std::vector<double> forward_s, train_s, combine_s, train_combine_s;  // LayerTimes::combine of rank 0
   std::mutex mu;
   auto topology = epx::Topology::create(ranks);
   if (!topology.is_ok()) {
@@ -70,7 +74,7 @@ int main(int argc, char** argv) {
       epx::Stopwatch watch;
       EPX_RETURN_IF_ERROR(layer->forward(view(x), view(out)));
       EPX_RETURN_IF_ERROR(t.barrier(deadline()));
-      const double fwd = watch.seconds();
+      const double fwd = watch.seconds(), fwd_combine = layer->times().combine;
       EPX_RETURN_IF_ERROR(t.barrier(deadline()));
       watch.reset();
       for (epx::Parameter* p : layer->parameters()) p->zero_grad();
@@ -82,6 +86,8 @@ int main(int argc, char** argv) {
         std::lock_guard lock(mu);
         forward_s.push_back(fwd);
         train_s.push_back(both);
+        combine_s.push_back(fwd_combine);
+        train_combine_s.push_back(layer->times().combine);
       }
     }
     return epx::Status::ok();
@@ -92,8 +98,10 @@ int main(int argc, char** argv) {
   }
   const double f = median(forward_s), b = median(train_s);
   fmt::print("{{\"impl\":\"epx\",\"tokens\":{},\"hidden\":{},\"ffn_hidden\":{},\"experts\":{},\"topk\":{},\"ranks\":{},"
-             "\"dtype\":\"{}\",\"forward_s\":{:.6g},\"train_s\":{:.6g},\"forward_tokens_per_s\":{:.6g},"
-             "\"train_tokens_per_s\":{:.6g}}}\n",
-             tokens, hidden, ffn_hidden, experts, topk, ranks, dtype, f, b, tokens / f, tokens / b);
+             "\"dtype\":\"{}\",\"combine_dtype\":\"{}\",\"forward_s\":{:.6g},\"train_s\":{:.6g},"
+             "\"forward_tokens_per_s\":{:.6g},\"train_tokens_per_s\":{:.6g},\"combine_s\":{:.6g},"
+             "\"train_combine_s\":{:.6g}}}\n",
+             tokens, hidden, ffn_hidden, experts, topk, ranks, dtype, combine_dtype, f, b, tokens / f, tokens / b,
+             median(combine_s), median(train_combine_s));
   return 0;
 }

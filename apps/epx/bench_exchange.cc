@@ -174,7 +174,8 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
                                    .seed = o.seed,
                                    .verify = !o.no_verify,
                                    .record_waits = o.record_waits == "on",
-                                   .layer_combine = o.layer_combine == "on",
+                                   .layer_combine = o.layer_combine != "off",
+                                   .layer_combine_dtype = o.layer_combine == "bf16" ? DType::kBF16 : DType::kF32,
                                    .memory_fraction = o.memory_fraction};
       if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
       // A shape that cannot fit is refused now, before any is planned or run.
@@ -245,9 +246,10 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
              "\nGB/s = received rows x row bytes / time (logical, DeepEP's figure), the same bytes for every method; "
              "vs memcpy = memcpy time / time, vs naive = naive time / time; medians of {} interleaved reps; cpu ms = "
              "CPU time of all rank threads in the operation; {} rank threads share {} cores. layer combine = "
-             "MoELayer's combine_expanded (f32 expert rows, weighted, f32 partials sent, f32 out); its GB/s and "
-             "memcpy (layer) are of the f32 partial bytes it sends (rows x hidden x 4).\n",
-             o.reps, o.num_ranks, machine.cores);
+             "MoELayer's combine_expanded (f32 expert rows, weighted, {} partials sent, f32 out); its GB/s and "
+             "memcpy (layer) are of the partial bytes it sends (rows x hidden x {}).\n",
+             o.reps, o.num_ranks, machine.cores, o.layer_combine == "bf16" ? "bf16" : "f32",
+             o.layer_combine == "bf16" ? 2 : 4);
   if (o.phases) {
     for (std::size_t i = 0; i < shapes_json.size(); ++i) {
       if (!shapes_json[i].contains("phases")) continue;

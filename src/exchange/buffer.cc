@@ -1070,18 +1070,46 @@ Status Buffer::expand(const TensorView& recv_x, const Handle& handle, const Tens
   return Status::ok();
 }
 
+namespace {
+
+// Each received row's partial into `partials` (this rank's combine region):
+// its local slots' rows weighted, in top-k order, summed in fp32 and
+// rounded once to the partials' dtype.
+void write_expanded_partials(const detail::HandleData& h, const TensorView& y_expanded, const float* w,
+                             const TensorView& partials) {
+  const int K = h.topk, H = static_cast<int>(partials.size(1));
+  const ExpandedLayout& layout = h.expanded();
+  std::vector<const std::byte*> rows(static_cast<std::size_t>(K));
+  std::vector<float> weights(static_cast<std::size_t>(K));
+  for (int64_t i = 0; i < h.num_recv; ++i) {
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      const int64_t row = layout.row_of[i * K + k];
+      if (row < 0) continue;
+      rows[n] = y_expanded.row<std::byte>(row);
+      weights[n++] = w[i * K + k];
+    }
+    detail::weighted_partial(partials.row<std::byte>(i), partials.dtype(), rows.data(), weights.data(), n,
+                             y_expanded.dtype(), H);
+  }
+}
+
+}  // namespace
+
 Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                     const TensorView& weights, const CombineOptions& options) {
   Impl& m = *impl_;
   Status local_status = m.check_handle(handle, "combine_expanded");
   const detail::HandleData& h = handle_data_or_empty(handle);
   const int H = m.config.hidden, K = h.topk;
+  // The partials go out in f32, or bf16 (rounded once per (token, holder)).
+  const DType partial_dtype = options.partial_dtype;
   const float* w = nullptr;
   if (local_status.is_ok()) {
     local_status = [&]() -> Status {
-      if (m.config.max_combine_dtype != DType::kF32)
-        return failed_precondition("combine_expanded sums in fp32 and needs max_combine_dtype = f32, not {}",
-                                   dtype_name(m.config.max_combine_dtype));
+      if (!is_payload_dtype(partial_dtype) || dtype_size(partial_dtype) > dtype_size(m.config.max_combine_dtype))
+        return invalid_argument("combine_expanded partial_dtype = {} must be bf16 or f32 and no wider than "
+                                "max_combine_dtype = {}", dtype_name(partial_dtype), dtype_name(m.config.max_combine_dtype));
       if (y_expanded.ndim() != 2 || !is_payload_dtype(y_expanded.dtype()))
         return invalid_argument("y_expanded must be a 2-D bf16 or f32 array, got {}", y_expanded.describe());
       EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), h.expanded().num_rows(), H));
@@ -1097,23 +1125,12 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
       } else {
         return invalid_argument("combine_expanded needs weights: none were dispatched and none were passed");
       }
-      TensorView partial_view = TensorView::contiguous(m.local().combine, DType::kF32, {h.num_recv, H});
+      TensorView partial_view = TensorView::contiguous(m.local().combine, partial_dtype, {h.num_recv, H});
       return m.validate_combine(partial_view, h, out, options);
     }();
   }
-  // Each received row's partial: its local slots in top-k order, in fp32.
-  TensorView partial_view = TensorView::contiguous(m.local().combine, DType::kF32, {h.num_recv, H});
-  if (local_status.is_ok()) {
-    auto* partial = reinterpret_cast<float*>(m.local().combine);
-    for (int64_t i = 0; i < h.num_recv; ++i) {
-      float* p = partial + i * H;
-      std::fill(p, p + H, 0.0f);
-      for (int k = 0; k < K; ++k) {
-        const int64_t row = h.expanded().row_of[i * K + k];
-        if (row >= 0) detail::accumulate_weighted(p, w[i * K + k], y_expanded.row<std::byte>(row), y_expanded.dtype(), H);
-      }
-    }
-  }
+  TensorView partial_view = TensorView::contiguous(m.local().combine, partial_dtype, {h.num_recv, H});
+  if (local_status.is_ok()) write_expanded_partials(h, y_expanded, w, partial_view);
   return m.combine_impl(local_status, partial_view, h, out, options, "combine_expanded");
 }
 

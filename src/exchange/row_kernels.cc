@@ -69,6 +69,39 @@ EPX_SIMD_CLONES void add_weighted_bf16(float* acc, float w, const uint16_t* src,
   for (int c = 0; c < n; ++c) acc[c] += w * bf16_to_f32(src[c]);
 }
 
+// acc = 0 + w * src: the first row of a weighted partial (0 + keeps the
+// sign of zero that a zeroed accumulator gives).
+EPX_SIMD_CLONES void first_weighted_f32(float* acc, float w, const float* src, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = 0.0f + w * src[c];
+}
+
+EPX_SIMD_CLONES void first_weighted_bf16(float* acc, float w, const uint16_t* src, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = 0.0f + w * bf16_to_f32(src[c]);
+}
+
+// Two rows per pass: acc = (acc + wa * a) + wb * b, the same order as two passes.
+EPX_SIMD_CLONES void add2_weighted_f32(float* acc, float wa, const float* a, float wb, const float* b, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = (acc[c] + wa * a[c]) + wb * b[c];
+}
+
+EPX_SIMD_CLONES void add2_weighted_bf16(float* acc, float wa, const uint16_t* a, float wb, const uint16_t* b, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = (acc[c] + wa * bf16_to_f32(a[c])) + wb * bf16_to_f32(b[c]);
+}
+
+void first_weighted(float* acc, float w, const std::byte* src, DType dtype, int n) {
+  if (dtype == DType::kBF16)
+    first_weighted_bf16(acc, w, reinterpret_cast<const uint16_t*>(src), n);
+  else
+    first_weighted_f32(acc, w, reinterpret_cast<const float*>(src), n);
+}
+
+void accumulate2_weighted(float* acc, float wa, const std::byte* a, float wb, const std::byte* b, DType dtype, int n) {
+  if (dtype == DType::kBF16)
+    add2_weighted_bf16(acc, wa, reinterpret_cast<const uint16_t*>(a), wb, reinterpret_cast<const uint16_t*>(b), n);
+  else
+    add2_weighted_f32(acc, wa, reinterpret_cast<const float*>(a), wb, reinterpret_cast<const float*>(b), n);
+}
+
 EPX_SIMD_CLONES void store_bf16(uint16_t* dst, const float* acc, int n) {
   for (int c = 0; c < n; ++c) dst[c] = f32_to_bf16(acc[c]);
 }
@@ -97,6 +130,26 @@ void store(std::byte* dst, DType dtype, const float* acc, int n) {
     store_bf16(reinterpret_cast<uint16_t*>(dst), acc, n);
   else
     std::memcpy(dst, acc, sizeof(float) * static_cast<std::size_t>(n));
+}
+
+void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* rows, const float* weights,
+                      int num_rows, DType row_dtype, int hidden) {
+  alignas(64) float acc[kSlice];
+  const std::size_t in_size = dtype_size(row_dtype), out_size = dtype_size(out_dtype);
+  for (int c0 = 0; c0 < hidden; c0 += kSlice) {
+    const int n = std::min(kSlice, hidden - c0);
+    const std::size_t offset = static_cast<std::size_t>(c0) * in_size;
+    if (num_rows == 0) {
+      std::fill(acc, acc + n, 0.0f);
+    } else {
+      first_weighted(acc, weights[0], rows[0] + offset, row_dtype, n);
+      int r = 1;
+      for (; r + 1 < num_rows; r += 2)
+        accumulate2_weighted(acc, weights[r], rows[r] + offset, weights[r + 1], rows[r + 1] + offset, row_dtype, n);
+      if (r < num_rows) accumulate_weighted(acc, weights[r], rows[r] + offset, row_dtype, n);
+    }
+    store(out + static_cast<std::size_t>(c0) * out_size, out_dtype, acc, n);
+  }
 }
 
 void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,

@@ -21,6 +21,13 @@ void accumulate_weighted(float* acc, float w, const std::byte* src, DType dtype,
 // dst[c] = acc[c], rounded to nearest even for bf16.
 void store(std::byte* dst, DType dtype, const float* acc, int n);
 
+// out = 0 + w_0 * r_0 + w_1 * r_1 + ... in fp32 (left to right), then one
+// rounding to out_dtype: combine_expanded's partial of one received row,
+// its local slots in top-k order. No rows: zeros. The same bits as
+// zeroing an fp32 row and calling accumulate_weighted once per row.
+void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* rows, const float* weights,
+                      int num_rows, DType row_dtype, int hidden);
+
 // A group of rows summed on their own first (one node's partial sum in the
 // two-hop combine); a group of one row is that row.
 struct SumGroup {

@@ -84,6 +84,8 @@ Status MoELayerConfig::validate() const {
   if (num_shared_experts < 0) return invalid_argument("num_shared_experts = {} is below 0", num_shared_experts);
   if (dtype != DType::kF32 && dtype != DType::kBF16)
     return invalid_argument("dtype {} is not supported by the layer; use f32 or bf16", dtype_name(dtype));
+  if (combine_dtype != DType::kF32 && combine_dtype != DType::kBF16)
+    return invalid_argument("combine_dtype {} is not supported by the layer; use f32 or bf16", dtype_name(combine_dtype));
   if (!(aux_loss_coeff >= 0) || !std::isfinite(aux_loss_coeff))
     return invalid_argument("aux_loss_coeff = {} must be finite and >= 0", aux_loss_coeff);
   if (!(z_loss_coeff >= 0) || !std::isfinite(z_loss_coeff))
@@ -194,6 +196,11 @@ struct MoELayer::Impl {
       : config(c), transport(t), global(g), buffer(b), layer_index(index), bias(c.router.num_experts, c.bias_rate) {}
 
   [[nodiscard]] int hidden() const { return config.hidden; }
+  [[nodiscard]] CombineOptions combine_options() const {
+    CombineOptions options;
+    options.partial_dtype = config.combine_dtype;
+    return options;
+  }
   [[nodiscard]] int shared_width() const { return config.num_shared_experts * config.ffn_hidden; }
   [[nodiscard]] Deadline deadline() const { return Deadline::after(buffer.config().timeout); }
 
@@ -358,7 +365,8 @@ struct MoELayer::Impl {
     phase.emplace(*this, times.combine, "combine");
     float* combined = ensure(moe_out, T * H);
     EPX_RETURN_IF_ERROR(buffer.combine_expanded(TensorView::contiguous(y, DType::kF32, {rows, H}), handle,
-                                                TensorView::contiguous(combined, DType::kF32, {T, H})));
+                                                TensorView::contiguous(combined, DType::kF32, {T, H}), {},
+                                                combine_options()));
     phase.reset();
     add_residual(T, out);
     return finish_forward(T);
@@ -551,7 +559,8 @@ struct MoELayer::Impl {
       phase.reset();
       // Queued behind the next chunk's dispatch.
       c.op = buffer.combine_expanded_async(TensorView::contiguous(y, DType::kF32, {rows, H}), c.recv.handle,
-                                           TensorView::contiguous(combined + c.begin * H, DType::kF32, {c.count, H}));
+                                           TensorView::contiguous(combined + c.begin * H, DType::kF32, {c.count, H}),
+                                           {}, combine_options());
     }
     phase.emplace(*this, times.combine, "combine");
     EPX_RETURN_IF_ERROR(wait_chunks());

@@ -301,6 +301,32 @@ TEST(MoELayerPrecision, Bf16FollowsF32WithinBf16Rounding) {
   EXPECT_LT(grad_err, 3e-2);
 }
 
+// combine_dtype bf16 (issue 20): the combine sends each
+// (token, rank) partial rounded once to bf16, so the output differs from the
+// f32 partials' by bf16 rounding of those partials only, the same bits on
+// every run; the backward treats the rounding as the identity, so grad_x and
+// every gradient keep the f32 partials' bits.
+TEST(MoELayerPrecision, Bf16PartialsFollowF32PartialsWithinBf16Rounding) {
+  MoELayerConfig config = small_layer();
+  config.router = {.num_experts = 8, .topk = 4, .normalize_weights = true};
+  config.dtype = DType::kBF16;
+  const RunResult f32 = run_layer(4, 48, config);
+  config.combine_dtype = DType::kBF16;
+  const RunResult bf16 = run_layer(4, 48, config);
+  const RunResult again = run_layer(4, 48, config);
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < f32.out.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::abs(f32.out[i] - bf16.out[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(f32.out[i])));
+  }
+  EXPECT_GT(diff, 0.0) << "bf16 partials should round somewhere";
+  EXPECT_LT(diff / scale, 1e-2);
+  EXPECT_EQ(bf16.out, again.out) << "bf16 partials: not the same bits twice";
+  EXPECT_EQ(f32.grad_x, bf16.grad_x);
+  ASSERT_EQ(f32.grads.size(), bf16.grads.size());
+  for (const auto& [name, grad] : f32.grads) EXPECT_EQ(grad, bf16.grads.at(name)) << name;
+}
+
 // Redundant experts: 4 logical experts in 6 slots over 2 ranks (experts 0
 // and 1 twice, on different ranks). The layer computes the same function as
 // the plain one, tokens_per_expert stays logical, the work moves with the

@@ -79,7 +79,6 @@ struct BufferConfig {
   int64_t max_recv_tokens = 0;         // rows one rank can receive; 0: num_ranks * max_tokens_per_rank
   int expert_alignment = 1;            // per-expert counts and expanded segments round up to this
   DType max_combine_dtype = DType::kF32;  // widest combine input; kBF16 halves the combine region
-                                          // (combine_expanded needs kF32)
   std::optional<ExpertPlacement> placement;  // default: contiguous blocks of E / R
   DispatchAlgorithm algorithm = DispatchAlgorithm::kAuto;
   Milliseconds timeout{30000};         // for each whole operation
@@ -180,6 +179,10 @@ struct CombineOptions {
   // takes the value from the rank holding expert topk_idx[t][k] (0 for -1).
   TensorView grad_recv_topk_weights;
   TensorView grad_topk_weights;
+  // combine_expanded only: the dtype its per-(token, rank) partial rows are
+  // rounded to and sent in, f32 (exact) or bf16 (half the bytes, each partial
+  // rounded once); no wider than max_combine_dtype; every rank passes the same.
+  DType partial_dtype = DType::kF32;
 };
 
 // The expanded per-expert layout of one rank's received rows: one row per
@@ -269,8 +272,10 @@ class Buffer {
   [[nodiscard]] Status expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) const;
   // Weighted combine over the expanded layout (collective): each rank first
   // sums w[row, k] * y[row_of(row, k)] over its local slots in top-k order in
-  // fp32, then the partial rows are combined as by combine(). `weights` is
-  // [num_recv, K] f32; undefined means the dispatched recv_topk_weights.
+  // fp32 and rounds that partial once to options.partial_dtype (f32: exact;
+  // bf16: to nearest even, half the bytes), then the partial rows are
+  // combined as by combine() (an fp32 sum in the fixed order). `weights` is [num_recv, K]
+  // f32; undefined means the dispatched recv_topk_weights.
   [[nodiscard]] Status combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                         const TensorView& weights = {}, const CombineOptions& options = {});
 

@@ -69,7 +69,8 @@ class CudaBuffer {
   [[nodiscard]] Result<const ExpandedLayout*> expanded_layout(const Handle& handle);
   // Local: received rows into the expanded layout (device views).
   [[nodiscard]] Status expand(const TensorView& recv_x, const Handle& handle, const TensorView& out);
-  // Collective, as Buffer::combine_expanded (needs max_combine_dtype = f32).
+  // Collective, as Buffer::combine_expanded (needs max_combine_dtype = f32);
+  // the CUDA backend sends f32 partials only (options.partial_dtype = f32).
   [[nodiscard]] Status combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                         const TensorView& weights = {}, const CombineOptions& options = {});
   // Collective, as Buffer::combine_expanded_backward.

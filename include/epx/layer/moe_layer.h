@@ -85,6 +85,10 @@ struct MoELayerConfig {
   // num_shared_experts * ffn_hidden applied to every token.
   int num_shared_experts = 0;
   DType dtype = DType::kF32;  // dispatch payload and expert GEMMs: kF32 or kBF16
+  // The combine's per-(token, rank) partial rows (CombineOptions::partial_dtype):
+  // kF32 (exact) or kBF16 (half the combine's bytes, each partial rounded once;
+  // the backward is the same).
+  DType combine_dtype = DType::kF32;
   double aux_loss_coeff = 0.0;
   AuxLossKind aux_loss = AuxLossKind::kMicroBatch;
   double z_loss_coeff = 0.0;

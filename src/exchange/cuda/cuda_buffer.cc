@@ -438,6 +438,9 @@ Status CudaBuffer::combine_expanded_now(const TensorView& y_expanded, const Hand
     EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout_now(handle));
     EPX_RETURN_IF_ERROR(
         detail::check_expanded_inputs(m.config, false, y_expanded, weights, {}, {}, layout->num_rows(), m.shape()));
+    if (options.partial_dtype != DType::kF32)
+      return invalid_argument("combine_expanded partial_dtype = {}: the CUDA backend sends f32 partials only",
+                              dtype_name(options.partial_dtype));
     EPX_RETURN_IF_ERROR(detail::check_outside_combine_region(
         y_expanded, m.regions[m.rank].combine, static_cast<std::size_t>(m.max_recv) * m.combine_row_bytes));
     const float* w = nullptr;
