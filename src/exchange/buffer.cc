@@ -14,6 +14,7 @@
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
 #include "exchange/payload.h"
+#include "exchange/row_copy.h"
 #include "exchange/row_kernels.h"
 #include "exchange/split.h"
 #include "exchange/waits.h"
@@ -64,7 +65,21 @@ struct RemoteTarget {
   int peer = 0;
   int64_t first_row = 0;  // in the staging buffers
   int64_t num_rows = 0;
+  int64_t num_runs = 0;  // runs of consecutive tokens its rows make in x
+  bool direct = false;   // rows sent as runs straight from x, not staged
 };
+
+// Consecutive tokens of x whose rows go to one remote target.
+struct TokenRun {
+  int target = 0;
+  int first_token = 0;
+  int num_tokens = 0;
+};
+
+// Sending a run costs a message; staging it costs a copy of its bytes. A
+// message pays for itself above this many bytes on average (a 14 KB row is
+// copied in about a microsecond, about what a message costs the transports).
+constexpr std::size_t kDirectRunBytes = std::size_t{64} << 10;
 
 // The sends of one operation. An operation that leaves early on an error
 // aborts the world, so peers fail at once instead of at their deadlines, and
@@ -214,6 +229,46 @@ struct Buffer::Impl {
     std::lock_guard lock(waits_mu);
     waits_sum += op_waits.record();
     return Status::ok();
+  }
+
+  // Receives `out.size()` bytes of rows from `peer` (kTagPayload), as one
+  // message or as several (a sender sends direct targets' rows as runs).
+  Status recv_rows(int peer, std::span<std::byte> out, const Deadline& deadline) {
+    std::size_t done = 0;
+    while (done < out.size()) {
+      EPX_ASSIGN_OR_RETURN(std::size_t got, recv_from(peer, kTagPayload, out.subspan(done), deadline));
+      if (got == 0 || got % row_bytes != 0)
+        return internal_error("a dispatch payload message from rank {} was {} bytes, not a positive multiple of the "
+                              "{}-byte row; {} of {} bytes had arrived", peer, got, row_bytes, done, out.size());
+      done += got;
+    }
+    return Status::ok();
+  }
+  // The runs of this rank's tokens per remote target (each token once per
+  // target), in token order, and each target's num_runs.
+  void plan_remote_runs(const detail::HandleData& h, const std::vector<int>& target_of,
+                        std::vector<RemoteTarget>* targets, std::vector<TokenRun>* runs) const {
+    const int R = num_ranks;
+    std::vector<int> last_token(targets->size(), -2);
+    std::vector<int64_t> open_run(targets->size(), -1);  // index in *runs
+    for (int t = 0; t < h.num_tokens && !targets->empty(); ++t) {
+      for (int d = 0; d < R; ++d) {
+        const int ti = target_of[d];
+        if (ti < 0 || h.send_row[static_cast<std::size_t>(t) * R + d] < 0 || last_token[ti] == t) continue;
+        if (last_token[ti] == t - 1) {
+          ++(*runs)[open_run[ti]].num_tokens;
+        } else {
+          open_run[ti] = static_cast<int64_t>(runs->size());
+          runs->push_back({ti, t, 1});
+          ++(*targets)[ti].num_runs;
+        }
+        last_token[ti] = t;
+      }
+    }
+  }
+  bool direct_send_pays(const RemoteTarget& tg) const {
+    return tg.num_runs > 0 &&
+           static_cast<std::size_t>(tg.num_rows) * row_bytes >= static_cast<std::size_t>(tg.num_runs) * kDirectRunBytes;
   }
 
   void write_meta(int dest, int64_t row, int topk, int32_t src_idx, const int32_t* topk_global,
@@ -509,6 +564,10 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
   const bool with_meta = topk_idx != nullptr;
   const int mw = with_meta ? meta_words(K, h.has_weights) : 0;
   const std::size_t meta_bytes = static_cast<std::size_t>(mw) * 4;
+  int64_t rows_out = 0;  // rows this rank's tokens make, as every rank of the node writes at once
+  for (int d = 0; d < R; ++d) rows_out += h.counts[static_cast<std::size_t>(rank) * R + d];
+  const detail::RowStores stores =
+      detail::row_stores_for(static_cast<std::size_t>(rows_out) * row_bytes * static_cast<std::size_t>(ranks_per_node));
 
   // 1. Inside the node: one copy per (token, rank).
   for (int t = 0; t < T; ++t) {
@@ -517,7 +576,7 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       const int d = topology.rank_of(node, l);
       const int32_t row = h.send_row[static_cast<std::size_t>(t) * R + d];
       if (row < 0) continue;
-      std::memcpy(regions[d].recv_x + static_cast<std::size_t>(row) * row_bytes, src, row_bytes);
+      detail::copy_row(regions[d].recv_x + static_cast<std::size_t>(row) * row_bytes, src, row_bytes, stores);
       if (with_meta)
         write_meta(d, row, K, t, topk_idx->row<int32_t>(t), topk_weights ? topk_weights->row<float>(t) : nullptr);
       ++stats->rows_sent;
@@ -545,17 +604,18 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
     tg.first_row = staged;
     staged += tg.num_rows;
   }
+  std::vector<TokenRun> runs;
+  plan_remote_runs(h, target_of, &targets, &runs);
+  const bool contiguous = x.ndim() == 2 && x.row_stride_bytes() == row_bytes;
+  for (RemoteTarget& tg : targets) tg.direct = contiguous && direct_send_pays(tg);
   EPX_RETURN_IF_ERROR(send_payload.reserve(static_cast<std::size_t>(staged) * row_bytes, "the rows to other nodes"));
   EPX_RETURN_IF_ERROR(send_meta.reserve(static_cast<std::size_t>(staged) * meta_bytes, "the metadata to other nodes"));
   std::vector<int64_t> fill(targets.size(), 0);
-  std::vector<int> last_token(targets.size(), -1);
-  for (int t = 0; t < T && !targets.empty(); ++t) {
-    for (int d = 0; d < R; ++d) {
-      const int ti = target_of[d];
-      if (ti < 0 || h.send_row[static_cast<std::size_t>(t) * R + d] < 0 || last_token[ti] == t) continue;
-      last_token[ti] = t;
-      const int64_t slot = targets[ti].first_row + fill[ti]++;
-      std::memcpy(send_payload.data() + slot * row_bytes, x.row<std::byte>(t), row_bytes);
+  for (const TokenRun& run : runs) {
+    RemoteTarget& tg = targets[run.target];
+    for (int t = run.first_token; t < run.first_token + run.num_tokens; ++t) {
+      const int64_t slot = tg.first_row + fill[run.target]++;
+      if (!tg.direct) detail::copy_row(send_payload.data() + slot * row_bytes, x.row<std::byte>(t), row_bytes, stores);
       if (with_meta) {
         auto* meta = reinterpret_cast<int32_t*>(send_meta.data() + slot * meta_bytes);
         meta[0] = t;
@@ -564,13 +624,21 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       }
     }
   }
+  if (stores == detail::RowStores::kStreamed) detail::finish_streamed_rows();  // before the peers read them
   SendGroup sends(transport, deadline, "dispatch");
+  // Direct targets get their rows as runs straight from x, in token order.
+  for (const TokenRun& run : runs) {
+    if (!targets[run.target].direct) continue;
+    const std::size_t n = static_cast<std::size_t>(run.num_tokens);
+    EPX_RETURN_IF_ERROR(sends.post(targets[run.target].peer, kTagPayload, {x.row<std::byte>(run.first_token), n * row_bytes}));
+  }
   for (std::size_t ti = 0; ti < targets.size(); ++ti) {
     const RemoteTarget& tg = targets[ti];
     EPX_CHECK_EQ(fill[ti], tg.num_rows);
     if (tg.num_rows == 0) continue;
     const std::size_t n = static_cast<std::size_t>(tg.num_rows);
-    EPX_RETURN_IF_ERROR(sends.post(tg.peer, kTagPayload, {send_payload.data() + tg.first_row * row_bytes, n * row_bytes}));
+    if (!tg.direct)
+      EPX_RETURN_IF_ERROR(sends.post(tg.peer, kTagPayload, {send_payload.data() + tg.first_row * row_bytes, n * row_bytes}));
     stats->inter_node_payload_bytes += static_cast<int64_t>(n * row_bytes);
     if (with_meta) {
       EPX_RETURN_IF_ERROR(sends.post(tg.peer, kTagMeta, {send_meta.data() + tg.first_row * meta_bytes, n * meta_bytes}));
@@ -587,12 +655,10 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       const int64_t n = h.counts[static_cast<std::size_t>(s) * R + rank];
       if (n == 0) continue;
       const int64_t base = block_base(h, R, s, rank);
-      EPX_ASSIGN_OR_RETURN(std::size_t got, recv_from(s, kTagPayload,
-                                                            {local().recv_x + base * row_bytes, n * row_bytes}, deadline));
-      EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a dispatch payload"));
+      EPX_RETURN_IF_ERROR(recv_rows(s, {local().recv_x + base * row_bytes, n * row_bytes}, deadline));
       if (!with_meta) continue;
       EPX_RETURN_IF_ERROR(recv_meta.reserve(n * meta_bytes, "the dispatch metadata from another node"));
-      EPX_ASSIGN_OR_RETURN(got, recv_from(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
+      EPX_ASSIGN_OR_RETURN(std::size_t got, recv_from(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
       EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "dispatch metadata"));
       for (int64_t j = 0; j < n; ++j) {
         const auto* meta = reinterpret_cast<const int32_t*>(recv_meta.data() + j * meta_bytes);
@@ -615,12 +681,10 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       const int64_t n = h.node_counts[static_cast<std::size_t>(s) * num_nodes + node];
       if (n == 0) continue;
       EPX_RETURN_IF_ERROR(recv_payload.reserve(n * row_bytes, "the rows forwarded from another node"));
-      EPX_ASSIGN_OR_RETURN(std::size_t got,
-                           recv_from(s, kTagPayload, {recv_payload.data(), n * row_bytes}, deadline));
-      EPX_RETURN_IF_ERROR(expect_size(got, n * row_bytes, s, "a forwarded dispatch payload"));
+      EPX_RETURN_IF_ERROR(recv_rows(s, {recv_payload.data(), n * row_bytes}, deadline));
       if (plan) {
         EPX_RETURN_IF_ERROR(recv_meta.reserve(n * meta_bytes, "the metadata forwarded from another node"));
-        EPX_ASSIGN_OR_RETURN(got, recv_from(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
+        EPX_ASSIGN_OR_RETURN(std::size_t got, recv_from(s, kTagMeta, {recv_meta.data(), n * meta_bytes}, deadline));
         EPX_RETURN_IF_ERROR(expect_size(got, n * meta_bytes, s, "forwarded dispatch metadata"));
         // Decide each row's destinations: ascending local rank, rows in source order.
         for (int l = 0; l < ranks_per_node; ++l) {
@@ -658,7 +722,7 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
           const int32_t row = fwd_row[j * ranks_per_node + l];
           if (row < 0) continue;
           const int d = topology.rank_of(node, l);
-          std::memcpy(regions[d].recv_x + static_cast<std::size_t>(row) * row_bytes, src, row_bytes);
+          detail::copy_row(regions[d].recv_x + static_cast<std::size_t>(row) * row_bytes, src, row_bytes, stores);
           if (meta)
             write_meta(d, row, K, meta[0], meta + 1,
                        h.has_weights ? reinterpret_cast<const float*>(meta + 1 + K) : nullptr);
@@ -671,6 +735,7 @@ Status Buffer::Impl::move_rows(const TensorView& x, const TensorView* topk_idx, 
       for (int d = 0; d < R; ++d)
         if (!topology.same_node(d, rank) && h.send_row[static_cast<std::size_t>(t) * R + d] >= 0) ++stats->rows_sent;
   }
+  if (stores == detail::RowStores::kStreamed) detail::finish_streamed_rows();
   return sends.finish();
 }
 

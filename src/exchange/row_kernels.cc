@@ -26,11 +26,39 @@ EPX_SIMD_CLONES void add2_bf16(float* acc, const uint16_t* a, const uint16_t* b,
   for (int c = 0; c < n; ++c) acc[c] = (acc[c] + bf16_to_f32(a[c])) + bf16_to_f32(b[c]);
 }
 
-void accumulate2(float* acc, const std::byte* a, const std::byte* b, DType dtype, int n) {
-  if (dtype == DType::kBF16)
-    add2_bf16(acc, reinterpret_cast<const uint16_t*>(a), reinterpret_cast<const uint16_t*>(b), n);
-  else
-    add2_f32(acc, reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b), n);
+// The first rows of a sum, without zeroing the accumulator first: acc = 0 + a
+// and acc = (0 + a) + b, the same bits as a zeroed acc and one or two passes
+// (0 + keeps the sign of zero that the zeroed acc gives).
+EPX_SIMD_CLONES void start_f32(float* acc, const float* a, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = 0.0f + a[c];
+}
+
+EPX_SIMD_CLONES void start_bf16(float* acc, const uint16_t* a, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = 0.0f + bf16_to_f32(a[c]);
+}
+
+EPX_SIMD_CLONES void start2_f32(float* acc, const float* a, const float* b, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = (0.0f + a[c]) + b[c];
+}
+
+EPX_SIMD_CLONES void start2_bf16(float* acc, const uint16_t* a, const uint16_t* b, int n) {
+  for (int c = 0; c < n; ++c) acc[c] = (0.0f + bf16_to_f32(a[c])) + bf16_to_f32(b[c]);
+}
+
+// acc (+)= a, or acc (+)= a + b: `started` says whether acc holds a sum yet.
+void add_rows(float* acc, bool started, const std::byte* a, const std::byte* b, DType dtype, int n) {
+  const bool bf16 = dtype == DType::kBF16;
+  const auto* a16 = reinterpret_cast<const uint16_t*>(a);
+  const auto* b16 = reinterpret_cast<const uint16_t*>(b);
+  const auto* a32 = reinterpret_cast<const float*>(a);
+  const auto* b32 = reinterpret_cast<const float*>(b);
+  if (b == nullptr) {
+    if (started) bf16 ? add_bf16(acc, a16, n) : add_f32(acc, a32, n);
+    else bf16 ? start_bf16(acc, a16, n) : start_f32(acc, a32, n);
+  } else {
+    if (started) bf16 ? add2_bf16(acc, a16, b16, n) : add2_f32(acc, a32, b32, n);
+    else bf16 ? start2_bf16(acc, a16, b16, n) : start2_f32(acc, a32, b32, n);
+  }
 }
 
 EPX_SIMD_CLONES void add_weighted_f32(float* acc, float w, const float* src, int n) {
@@ -130,27 +158,28 @@ void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, 
   alignas(64) float partial[kSlice];
   for (int c0 = 0; c0 < hidden; c0 += kSlice) {
     const int n = std::min(kSlice, hidden - c0);
-    std::fill(acc, acc + n, 0.0f);
+    bool started = false;  // acc = 0 + the groups so far; unread before the first
     for (std::size_t i = 0; i < groups.size(); ++i) {
       const SumGroup& g = groups[i];
       const std::size_t offset = static_cast<std::size_t>(c0) * dtype_size(g.dtype);
       if (g.num_rows == 1) {
         // Runs of single rows go two per pass.
         const SumGroup* next = i + 1 < groups.size() ? &groups[i + 1] : nullptr;
-        if (next && next->num_rows == 1 && next->dtype == g.dtype) {
-          accumulate2(acc, g.rows[0] + offset, next->rows[0] + offset, g.dtype, n);
-          ++i;
-        } else {
-          accumulate(acc, g.rows[0] + offset, g.dtype, n);
-        }
+        const bool pair = next && next->num_rows == 1 && next->dtype == g.dtype;
+        add_rows(acc, started, g.rows[0] + offset, pair ? next->rows[0] + offset : nullptr, g.dtype, n);
+        started = true;
+        if (pair) ++i;
         continue;
       }
-      std::fill(partial, partial + n, 0.0f);
-      int r = 0;
-      for (; r + 1 < g.num_rows; r += 2) accumulate2(partial, g.rows[r] + offset, g.rows[r + 1] + offset, g.dtype, n);
-      if (r < g.num_rows) accumulate(partial, g.rows[r] + offset, g.dtype, n);
-      add_f32(acc, partial, n);
+      if (g.num_rows == 0) std::fill(partial, partial + n, 0.0f);
+      for (int r = 0; r < g.num_rows; r += 2) {
+        const std::byte* second = r + 1 < g.num_rows ? g.rows[r + 1] + offset : nullptr;
+        add_rows(partial, r > 0, g.rows[r] + offset, second, g.dtype, n);
+      }
+      add_rows(acc, started, reinterpret_cast<const std::byte*>(partial), nullptr, DType::kF32, n);
+      started = true;
     }
+    if (!started) std::fill(acc, acc + n, 0.0f);
     if (bias) accumulate(acc, bias + static_cast<std::size_t>(c0) * dtype_size(bias_dtype), bias_dtype, n);
     store(out + static_cast<std::size_t>(c0) * dtype_size(out_dtype), out_dtype, acc, n);
   }

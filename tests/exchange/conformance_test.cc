@@ -761,5 +761,34 @@ TEST(ConformanceUnevenPlacement, MatchesTheReference) {
   }
 }
 
+// Rows wide enough (16 KB in f32, 8 KB in bf16) that a rank sends the rows
+// for another node as runs of consecutive tokens straight from x, not staged
+// (a run pays for its message above 64 KB on average): flat and two-hop,
+// with long runs (uniform) and a mix of sent and staged targets (skewed).
+TEST(ConformanceWideRows, MatchesTheReference) {
+  EPX_SKIP_UNLESS_RUNNABLE(8, 2);
+  uint32_t index = 0;
+  for (const Shape& shape : {Shape{4, 2, DispatchAlgorithm::kFlat, DType::kF32},
+                             Shape{8, 2, DispatchAlgorithm::kHierarchical, DType::kBF16}}) {
+    for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+      Case c;
+      c.shape = shape;
+      c.num_experts = 8 * shape.num_ranks;
+      c.topk = 8;
+      c.routing = routing;
+      c.seed = 900u + index;
+      c.hidden = 4096;
+      c.with_weights = index % 2 == 0;
+      c.pass_layout = index % 3 == 0;
+      c.combine_input_dtype = index % 2 ? DType::kBF16 : DType::kF32;
+      c.explicit_expand_weights = !c.with_weights;
+      c.form = static_cast<Form>(index % 3);
+      check_case(c);
+      if (test_world().any(HasFailure())) return;
+      ++index;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace epx::exchange_test
