@@ -121,6 +121,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"model.overlap", bind(o.overlap)},
       {"model.overlap_chunks", bind(o.overlap_chunks, {.min = 1, .max = 64})},
       {"model.dispatch_dtype", bind(o.dispatch_dtype)},
+      {"model.combine_dtype", bind(o.combine_dtype)},
       {"model.score", bind(o.score)},
       {"model.normalize", bind(o.normalize)},
       {"model.groups", positive(o.groups)},
@@ -235,6 +236,9 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   if (!o.dispatch_dtype.empty()) {
     EPX_ASSIGN_OR_RETURN(l.dispatch_dtype, parse_dtype(o.dispatch_dtype));
   }
+  if (o.combine_dtype != "f32" && o.combine_dtype != "bf16")
+    return invalid_argument("combine_dtype '{}' is not f32 or bf16", o.combine_dtype);
+  l.combine_dtype = o.combine_dtype == "bf16" ? DType::kBF16 : DType::kF32;
   l.router.num_experts = o.experts;
   l.router.topk = o.topk;
   if (o.score == "softmax") {
@@ -384,13 +388,18 @@ void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
   const ModelConfig& m = c.model;
   fmt::print(stderr,
              "epx train: {} {} ranks ({} nodes{}), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}, "
-             "expert GEMMs {}), "
+             "expert GEMMs {}{}{}), "
              "{} tokens/step, balancing {}, data {}\n",
              c.num_ranks, mpi ? "MPI" : "in-process", c.num_nodes,
              c.ep_size() == c.num_ranks ? "" : fmt::format(", EP {} x EDP {}", c.ep_size(), c.num_ranks / c.ep_size()),
              m.num_layers, m.layer.router.num_experts,
              m.layer.router.topk, m.layer.hidden, m.layer.ffn_hidden, dtype_name(m.layer.dtype),
-             dtype_name(m.layer.compute_dtype.value_or(m.layer.dtype)), c.batch_tokens,
+             dtype_name(m.layer.compute_dtype.value_or(m.layer.dtype)),
+             m.layer.dispatch_dtype.value_or(m.layer.dtype) == m.layer.dtype
+                 ? ""
+                 : fmt::format(", dispatch {}", dtype_name(*m.layer.dispatch_dtype)),
+             m.layer.combine_dtype == DType::kF32 ? "" : fmt::format(", combine partials {}", dtype_name(m.layer.combine_dtype)),
+             c.batch_tokens,
              c.balancing.name(), o.data);
 }
 
@@ -541,6 +550,12 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "(--hidden a multiple of 128), dequantised to --dtype for the experts; combine and backward "
                   "stay in --dtype")
       ->check(CLI::IsMember({"fp8", "bf16", "f32"}));
+  cmd->add_option("--combine-dtype", o.combine_dtype,
+                  "The combine's partial rows, one per (token, rank): f32 (exact) or bf16 (each partial rounded "
+                  "once, half the combine's bytes; the sum across ranks stays fp32 in a fixed order and the "
+                  "backward is the same; docs/design.md, Expanded layout and weighted combine)")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
   cmd->add_option("--score", o.score, "Gate: softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}))->capture_default_str();
   cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")->capture_default_str();
   cmd->add_option("--topk-groups", o.topk_groups, "Groups a token may use")->capture_default_str();

@@ -46,6 +46,7 @@ struct TrainOptions {
   std::string overlap = "none";  // MoELayerConfig::overlap
   int overlap_chunks = 4;
   std::string dispatch_dtype;  // MoELayerConfig::dispatch_dtype: fp8, bf16, f32; empty = dtype
+  std::string combine_dtype = "f32";  // MoELayerConfig::combine_dtype: the combine's partial rows, f32 or bf16
   std::string score = "softmax";
   bool normalize = true;
   int groups = 1;
