@@ -146,6 +146,7 @@ struct MoELayer::Impl {
   Handle handle;
   std::vector<int64_t> offsets;
   std::vector<std::byte> x_expanded;
+  std::vector<std::byte> recv_dequantised;  // fp8 dispatch: the received rows in config.dtype, before expand
   std::vector<float> y_expanded, moe_out, shared_out;
   // Backward's buffers, kept between calls.
   struct BackwardScratch {
@@ -237,28 +238,16 @@ struct MoELayer::Impl {
   }
 
   // The received rows laid out per local expert in config.dtype (`rows`
-  // expanded rows, padding zero); fp8 rows are dequantised with their scales
-  // on the way.
-  Status expand_received(const DispatchResult& recv, int64_t rows, std::vector<std::byte>* into) const {
+  // expanded rows, padding zero): Buffer::expand, after dequantising fp8
+  // rows with their scales (into recv_dequantised).
+  Status expand_received(const DispatchResult& recv, int64_t rows, std::vector<std::byte>* into) {
     const std::size_t row_bytes = static_cast<std::size_t>(hidden()) * dtype_size(config.dtype);
     into->resize(static_cast<std::size_t>(std::max<int64_t>(rows, 1)) * row_bytes);
     if (!recv.recv_scales.defined()) return buffer.expand(recv.recv_x, recv.handle, payload_view(*into, rows));
-    const std::vector<int64_t>& recv_row = buffer.expanded_layout(recv.handle).recv_row;
-    const int64_t H = hidden(), blocks = H / kFp8BlockSize;
-    for (int64_t row = 0; row < rows; ++row) {
-      std::byte* dst = into->data() + row * row_bytes;
-      const int64_t r = recv_row[row];
-      if (r < 0) {
-        std::memset(dst, 0, row_bytes);
-        continue;
-      }
-      const TensorView& q = recv.recv_x;
-      const TensorView& s = recv.recv_scales;
-      EPX_RETURN_IF_ERROR(dequantize_fp8(TensorView(q.row<std::byte>(r), q.dtype(), {1, H}, {q.stride(0), 1}),
-                                         TensorView(s.row<std::byte>(r), s.dtype(), {1, blocks}, {s.stride(0), 1}),
-                                         TensorView::contiguous(dst, config.dtype, {1, H})));
-    }
-    return Status::ok();
+    const int64_t received = recv.recv_x.size(0);
+    recv_dequantised.resize(static_cast<std::size_t>(std::max<int64_t>(received, 1)) * row_bytes);
+    EPX_RETURN_IF_ERROR(dequantize_fp8(recv.recv_x, recv.recv_scales, payload_view(recv_dequantised, received)));
+    return buffer.expand(payload_view(recv_dequantised, received), recv.handle, payload_view(*into, rows));
   }
 
   // Sets the slot map (empty: identity over the Buffer's slots) and derives

@@ -35,6 +35,7 @@ std::string driver(std::initializer_list<Setting> settings) {
 // Buffers span them); local: experts (slots) per rank, E / R or slots / R.
 struct Shape {
   int64_t R, nodes, L, H, F, E, K, S, T, local, inputs, outputs, batch_tokens, dtype_bytes, bucket_bytes, edp;
+  bool fp8_dispatch;  // the layer dequantises the received rows into a buffer of their own
 };
 
 Shape shape_of(const TrainConfig& config, const ModelConfig& m) {
@@ -47,7 +48,7 @@ Shape shape_of(const TrainConfig& config, const ModelConfig& m) {
   return {R, R > per_node ? R / per_node : 1, m.num_layers, l.hidden, l.ffn_hidden, E, l.router.topk,
           l.num_shared_experts, m.max_tokens_per_rank, slots / R, m.num_inputs(),
           m.num_outputs(), config.batch_tokens, static_cast<int64_t>(dtype_size(l.dtype)),
-          config.grad_bucket_bytes, config.num_ranks / R};
+          config.grad_bucket_bytes, config.num_ranks / R, l.dispatch_dtype == DType::kFP8E4M3};
 }
 
 void add_parameters(const Shape& s, MemoryEstimate* e) {
@@ -81,9 +82,11 @@ void add_activations(const Shape& s, MemoryEstimate* e) {
   // router's logits, scores and their gradients [T, E]; the expanded rows
   // (T * topk of them when routing is balanced) in and out, the expert FFN's
   // h1, h3 and activation and their gradients [rows, F]; shared experts
-  // likewise over all T tokens.
+  // likewise over all T tokens. An fp8 dispatch adds the received rows
+  // dequantised (at most the expanded rows).
   const int64_t rows = s.T * s.K;
   int64_t per_layer = saturating_product({s.T, s.H, 4, 8});
+  if (s.fp8_dispatch) per_layer = saturating_sum(per_layer, saturating_product({rows, s.H, s.dtype_bytes}));
   per_layer = saturating_sum(per_layer, saturating_product({s.T, s.E, 4, 3}));
   per_layer = saturating_sum(per_layer, saturating_product({rows, s.H, s.dtype_bytes + 12}));
   per_layer = saturating_sum(per_layer, saturating_product({rows, s.F, 4, 6}));
