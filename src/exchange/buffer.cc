@@ -194,6 +194,11 @@ struct Buffer::Impl {
   // Before the combine region is overwritten: copies the pinned expanded
   // rows into their handle (if it still lives), then forgets them.
   void spill_pinned_y();
+  // The backward was the rows' last reader: nothing to keep for `h` any more.
+  void release_y(const detail::HandleData& h) {
+    if (pinned_y.lock().get() == &h) pinned_y.reset();
+    std::vector<std::byte>().swap(h.y_spill);
+  }
   void pin_y(const Handle& handle, int64_t rows, DType dtype) {
     pinned_y = handle.data_;
     pinned_seq = handle.data().dispatch_seq;
@@ -385,6 +390,17 @@ int64_t Buffer::estimate_region_bytes(const BufferConfig& config, int num_ranks)
   if (saturating_product({combine_rows, combine_row_bytes, 2}) == kMemoryUnbounded) return kMemoryUnbounded;
   return static_cast<int64_t>(Region::carve(nullptr, rows, static_cast<std::size_t>(row_bytes), config.max_topk,
                                             combine_rows, static_cast<std::size_t>(combine_row_bytes), nullptr));
+}
+
+int64_t Buffer::expanded_rows_bound(const BufferConfig& config, int num_ranks, DType y_dtype) {
+  int64_t local = (config.num_experts + num_ranks - 1) / std::max(num_ranks, 1);
+  if (config.placement)
+    for (int r = 0; r < num_ranks; ++r) local = std::max<int64_t>(local, config.placement->num_local_experts(r));
+  const int64_t rows = saturating_sum(
+      saturating_product({detail::max_recv_rows(config, num_ranks), std::min<int64_t>(config.max_topk, local)}),
+      saturating_product({local, std::max(config.expert_alignment, 1) - 1}));
+  const auto wide = static_cast<int64_t>(dtype_size(config.max_combine_dtype)), narrow = static_cast<int64_t>(dtype_size(y_dtype));
+  return saturating_product({rows, narrow}) / wide + 1;
 }
 
 Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfig config) {
@@ -1484,6 +1500,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
       for (int c = 0; c < H; ++c) gy[c] = wk * g[c];
     }
   }
+  m.release_y(h);
   return Status::ok();
 }
 

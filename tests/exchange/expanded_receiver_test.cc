@@ -198,10 +198,11 @@ Status backward(Buffer& buffer, const DispatchResult& d, const TensorView& y, st
 
 // y written into the combine region survives for the backward: read there
 // while nothing overwrote it, from the copy the Buffer kept with the handle
-// after a later combine did; a view of rows no receiver combine of this
-// handle read is refused.
+// after a later combine did. After the backward (the rows' last reader), or
+// for rows no receiver combine of the handle read, the view is refused.
 TEST(CombineExpandedReceiver, BackwardFindsYInTheRegionOrItsKeptCopy) {
   InprocWorld world(*Topology::create(4, 1));
+  std::vector<Status> second(4), unread(4);
   const std::vector<Status> statuses = world.run([&](Transport& t) -> Status {
     const int r = t.rank();
     EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(t, make_config(DispatchAlgorithm::kFlat)));
@@ -211,28 +212,35 @@ TEST(CombineExpandedReceiver, BackwardFindsYInTheRegionOrItsKeptCopy) {
     std::vector<uint16_t> outside(std::max<int64_t>(rows, 1) * kHidden);
     const TensorView y_out = TensorView::contiguous(outside.data(), DType::kBF16, {rows, kHidden});
     fill_y(*buffer, d, r, y_out);
-    std::vector<float> out(kTokens * kHidden), expected, live, kept;
+    std::vector<float> out(kTokens * kHidden), expected, kept, live, refused;
     const TensorView out_view = TensorView::contiguous(out.data(), DType::kF32, {kTokens, kHidden});
     EPX_RETURN_IF_ERROR(backward(*buffer, d, y_out, &expected));
     EPX_ASSIGN_OR_RETURN(TensorView y_in, buffer->combine_expanded_input(d.handle, DType::kBF16));
     fill_y(*buffer, d, r, y_in);
     EPX_RETURN_IF_ERROR(buffer->combine_expanded(y_in, d.handle, out_view, {}, receiver()));
-    EPX_RETURN_IF_ERROR(backward(*buffer, d, y_in, &live));
     // A holder-weighted combine overwrites the region with its partials.
     EPX_RETURN_IF_ERROR(buffer->combine_expanded(y_out, d.handle, out_view));
     EPX_RETURN_IF_ERROR(backward(*buffer, d, y_in, &kept));
-    EXPECT_EQ(live, expected) << "rank " << r;
+    // Zero copy again; the backward reads the region itself.
+    fill_y(*buffer, d, r, *buffer->combine_expanded_input(d.handle, DType::kBF16));
+    EPX_RETURN_IF_ERROR(buffer->combine_expanded(y_in, d.handle, out_view, {}, receiver()));
+    EPX_RETURN_IF_ERROR(backward(*buffer, d, y_in, &live));
     EXPECT_EQ(kept, expected) << "rank " << r;
-    // A second dispatch's view, written but never combined: refused.
+    EXPECT_EQ(live, expected) << "rank " << r;
+    second[r] = backward(*buffer, d, y_in, &refused);
+    // A second dispatch's view, written but never combined.
     DispatchResult d2;
     EPX_RETURN_IF_ERROR(dispatch(*buffer, make_routing(r + 5), &d2));
     EPX_ASSIGN_OR_RETURN(TensorView y2, buffer->combine_expanded_input(d2.handle, DType::kBF16));
-    std::vector<float> refused;
-    return backward(*buffer, d2, y2, &refused);
+    unread[r] = backward(*buffer, d2, y2, &refused);
+    return Status::ok();
   });
-  for (const Status& s : statuses) {
-    EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.to_string();
-    EXPECT_NE(s.message().find("combine region"), std::string::npos) << s.to_string();
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(statuses[r].is_ok()) << statuses[r].to_string();
+    for (const Status& s : {second[r], unread[r]}) {
+      EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s.to_string();
+      EXPECT_NE(s.message().find("combine region"), std::string::npos) << s.to_string();
+    }
   }
 }
 

@@ -335,8 +335,10 @@ class Buffer {
   // y_expanded may be the combine_expanded_input view a receiver-weighted
   // combine_expanded of this handle read: when a later combine-like call
   // overwrote the region, that call first kept a copy of those rows with the
-  // handle, and the backward reads the copy. Any other y_expanded inside the
-  // combine region: FailedPrecondition.
+  // handle, and the backward reads the copy. The backward is the rows' last
+  // reader: after it nothing is kept for the handle, and a second backward
+  // with that view, like any other y_expanded inside the combine region,
+  // returns FailedPrecondition.
   [[nodiscard]] Status combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
                                                  const TensorView& y_expanded, const TensorView& weights,
                                                  const TensorView& grad_y_expanded,
@@ -394,6 +396,11 @@ class Buffer {
   // by the same carving as create(), before anything is allocated;
   // saturates at INT64_MAX for sizes no machine has.
   [[nodiscard]] static int64_t estimate_region_bytes(const BufferConfig& config, int num_ranks);
+  // The max_expanded_rows that makes room for every receiver-weighted
+  // combine_expanded with y of `y_dtype` on `num_ranks` ranks: the worst
+  // case, max_recv rows times min(max_topk, local experts) plus each local
+  // expert's alignment padding, in rows of max_combine_dtype.
+  [[nodiscard]] static int64_t expanded_rows_bound(const BufferConfig& config, int num_ranks, DType y_dtype);
 
  private:
   struct Impl;
