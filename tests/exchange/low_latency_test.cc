@@ -323,6 +323,42 @@ INSTANTIATE_TEST_SUITE_P(Exchange, LowLatency,
                            return fmt::format("{}ranks_{}nodes", info.param.num_ranks, info.param.num_nodes);
                          });
 
+// A token that goes to several experts of one rank crosses to that rank as one
+// row with its list of (local expert, k); the owner copies it into each of
+// those experts' rows. Every token here names every expert (top-k = E, the
+// slots in a random order per token; with holes some are -1), so each rank
+// holds 2 or 3 of a token's experts: a row copied into the wrong expert, or
+// left out of one, changes that expert's rows, sources or the combine's sum
+// (y depends on the expert) and fails the bit-for-bit comparison.
+TEST_P(LowLatency, TokenToSeveralExpertsOfOneRank) {
+  const Shape shape = GetParam();
+  EPX_SKIP_UNLESS_RUNNABLE(shape.num_ranks, shape.num_nodes);
+  if (shape.num_ranks > 4) GTEST_SKIP() << "top-k = E needs E <= 8: at most 4 ranks of 2 experts";
+  uint32_t index = 0;
+  int64_t nonzero = 0;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int per_rank : {2, 3}) {
+      const int experts = per_rank * shape.num_ranks;
+      if (experts > 8) continue;
+      for (Routing routing : {Routing::kUniform, Routing::kHoles}) {
+        LLCase c;
+        c.num_ranks = shape.num_ranks;
+        c.num_nodes = shape.num_nodes;
+        c.dtype = dtype;
+        c.y_dtype = dtype;
+        c.num_experts = experts;
+        c.topk = experts;
+        c.routing = routing;
+        c.seed = 7000u + 16u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index;
+        c.tight_capacity = index % 2 == 0;
+        check_case(c, &nonzero);
+        if (test_world().any(::testing::Test::HasFailure())) return;
+      }
+    }
+  }
+  EXPECT_GT(nonzero, 0) << "every compared tensor was zero";
+}
+
 // Errors: a first call that fails in a stated way on every rank, then a good
 // dispatch + combine that must match the reference (the buffer is still usable).
 struct ErrorRun {
