@@ -70,21 +70,27 @@ struct LLRegion {
 // node) or after a message's header (other nodes): rows in token order,
 //   row_meta [rows][2] i32: (token, number of pairs)
 //   pairs    [pairs][2] i32: (local expert, k), a row's pairs in k order
+//   weights  [pairs] f32, padded to 8 bytes (only with combine_per_rank:
+//            the owner applies them)
 //   x        [rows][row_bytes] (left out when the source is the owner: it
 //            reads its own rows from x)
 struct DispatchBlock {
   int32_t* row_meta = nullptr;
   int32_t* pairs = nullptr;
+  float* weights = nullptr;
   std::byte* x = nullptr;
-  static DispatchBlock at(std::byte* base, int64_t rows, int64_t pairs) {
+  static int64_t weight_words(int64_t pairs, bool weights) { return weights ? (pairs + 1) / 2 : 0; }
+  static DispatchBlock at(std::byte* base, int64_t rows, int64_t pairs, bool weights) {
     DispatchBlock b;
     b.row_meta = reinterpret_cast<int32_t*>(base);
     b.pairs = b.row_meta + 2 * rows;
-    b.x = base + (rows + pairs) * 8;
+    b.weights = reinterpret_cast<float*>(b.pairs + 2 * pairs);
+    b.x = base + (rows + pairs + weight_words(pairs, weights)) * 8;
     return b;
   }
-  static std::size_t bytes(int64_t rows, int64_t pairs, std::size_t row_bytes) {
-    return static_cast<std::size_t>(rows + pairs) * 8 + static_cast<std::size_t>(rows) * row_bytes;
+  static std::size_t bytes(int64_t rows, int64_t pairs, bool weights, std::size_t row_bytes) {
+    return static_cast<std::size_t>(rows + pairs + weight_words(pairs, weights)) * 8 +
+           static_cast<std::size_t>(rows) * row_bytes;
   }
 };
 
@@ -151,6 +157,18 @@ struct LowLatencyBuffer::Impl {
   std::vector<int64_t> pairs_written; // [R]
   std::vector<int64_t> next_row;      // [max_local]: the next recv_x row of each local expert
   std::vector<int64_t> row_end;       // [max_local]: where the current source's rows of each expert end
+  // combine_per_rank: the latest dispatch's rows by source, for the owner's
+  // per-rank sums: row i of source s (its token, first slot k, pairs) and
+  // each pair's y row and weight.
+  struct HeldRow {
+    int32_t token = 0, first_slot = 0;
+    int64_t first_pair = 0, num_pairs = 0;
+  };
+  std::vector<HeldRow> held;              // [R][max_tokens]
+  std::vector<int64_t> held_rows;         // [R]
+  std::vector<int64_t> held_pair_row;     // [R][max_tokens * pairs_per_row]
+  std::vector<float> held_pair_weight;    // [R][max_tokens * pairs_per_row]
+  std::vector<float> partial;             // [hidden]
   std::vector<Request> requests;
   AlignedBuffer send_staging, recv_staging;
   std::vector<float> acc;             // [hidden]
@@ -256,6 +274,17 @@ struct LowLatencyBuffer::Impl {
                           ExchangeStats* stats);
   Status expand_from(int src, const int64_t* sig, const LowLatencyDispatchInputs& in);
   void finish_experts(int64_t* received);
+  // Combine steps.
+  std::byte* combine_dst(int s, int t, int k, std::size_t y_row);
+  void stage_pair_rows(const TensorView& y, std::size_t y_row);
+  void stage_rank_sums(const TensorView& y, std::size_t y_row);
+  void sum_combine(const TensorView& y, std::size_t y_row, const TensorView& out);
+  // The first slot of a token's top-k row `idx` (up to k) naming an expert of `owner`.
+  int first_slot_on(const int32_t* idx, int k, int owner) const {
+    for (int j = 0; j < k; ++j)
+      if (idx[j] >= 0 && placement.rank_of(idx[j]) == owner) return j;
+    return k;
+  }
   // After hearing from every rank: waits for this rank's sends, then returns
   // its own error, else the one every rank returns (peer_error), else OK.
   Status finish_call(const Status& local_status, std::string_view op, const Deadline& deadline) {
@@ -331,9 +360,11 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
               config.max_topk,
               config.capacity > 0 ? config.capacity : config.max_tokens_per_rank,
               static_cast<int64_t>(config.max_combine_dtype),
-              detail::placement_hash(*config.placement)};
-  static constexpr const char* kNames[] = {"num_experts", "hidden",   "dtype",             "max_tokens_per_rank",
-                                           "max_topk",    "capacity", "max_combine_dtype", "placement (hash)"};
+              detail::placement_hash(*config.placement),
+              config.combine_per_rank ? 1 : 0};
+  static constexpr const char* kNames[] = {"num_experts", "hidden",           "dtype",
+                                           "max_tokens_per_rank", "max_topk", "capacity",
+                                           "max_combine_dtype",   "placement (hash)", "combine_per_rank"};
   EPX_RETURN_IF_ERROR(detail::agree_on_config(transport, local_status, fields, kNames, "LowLatencyConfig",
                                               "LowLatencyBuffer", deadline));
 
@@ -356,7 +387,7 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
   const std::size_t combine_slots = static_cast<std::size_t>(c.max_tokens_per_rank) * c.max_topk;
   auto round_up = [](std::size_t n) { return (n + kCacheLine - 1) / kCacheLine * kCacheLine; };
   m.inbox_bytes = round_up(DispatchBlock::bytes(c.max_tokens_per_rank, c.max_tokens_per_rank * m.pairs_per_row(),
-                                                m.row_bytes));
+                                                c.combine_per_rank, m.row_bytes));
   const std::size_t bytes = LLRegion::carve(nullptr, slots, m.row_bytes, num_ranks, m.inbox_bytes, m.sig_words,
                                             combine_slots, m.combine_row_bytes, nullptr);
   EPX_ASSIGN_OR_RETURN(m.memory, transport.map_peer_memory(bytes, deadline));
@@ -382,7 +413,7 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
     const int64_t dispatch_rows = static_cast<int64_t>(c.max_tokens_per_rank) * std::min(c.max_topk, num_remote);
     const int64_t combine_rows = std::min<int64_t>(static_cast<int64_t>(num_remote) * token_slots,
                                                    static_cast<int64_t>(m.num_local) * num_remote * m.capacity);
-    send_bytes = num_remote * m.header_bytes + std::max(DispatchBlock::bytes(dispatch_rows, token_slots, m.row_bytes),
+    send_bytes = num_remote * m.header_bytes + std::max(DispatchBlock::bytes(dispatch_rows, token_slots, c.combine_per_rank, m.row_bytes),
                                                         static_cast<std::size_t>(combine_rows) * combine_row);
     recv_bytes = std::max(num_remote * m.peer_stride,
                           m.header_bytes + static_cast<std::size_t>(rows_per_peer) * combine_row);
@@ -417,6 +448,13 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
   m.pairs_written.assign(R, 0);
   m.next_row.assign(m.max_local, 0);
   m.row_end.assign(m.max_local, 0);
+  m.held_rows.assign(R, 0);
+  if (c.combine_per_rank) {
+    m.held.assign(R * c.max_tokens_per_rank, Impl::HeldRow{});
+    m.held_pair_row.assign(R * c.max_tokens_per_rank * m.pairs_per_row(), 0);
+    m.held_pair_weight.assign(R * c.max_tokens_per_rank * m.pairs_per_row(), 0.0f);
+    m.partial.assign(c.hidden, 0.0f);
+  }
   m.requests.reserve(R);
   m.acc.assign(c.hidden, 0.0f);
   return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(impl)));
@@ -522,9 +560,9 @@ void LowLatencyBuffer::Impl::place_blocks(bool send_rows) {
     } else {
       block_of[d] = static_cast<int64_t>(staged);
       base = send_staging.data() + staged + header_bytes;
-      staged += header_bytes + DispatchBlock::bytes(rows_to[d], pairs_to[d], row_bytes);
+      staged += header_bytes + DispatchBlock::bytes(rows_to[d], pairs_to[d], config.combine_per_rank, row_bytes);
     }
-    block_to[d] = DispatchBlock::at(base, rows_to[d], pairs_to[d]);
+    block_to[d] = DispatchBlock::at(base, rows_to[d], pairs_to[d], config.combine_per_rank);
   }
   EPX_CHECK(staged <= send_staging.size());
 }
@@ -537,6 +575,7 @@ void LowLatencyBuffer::Impl::write_rows(const LowLatencyDispatchInputs& in, int 
   std::fill(pairs_written.begin(), pairs_written.end(), 0);
   for (int t = 0; t < T; ++t) {
     const int32_t* row = in.topk_idx.row<int32_t>(t);
+    const float* w = in.topk_weights.defined() ? in.topk_weights.row<float>(t) : nullptr;
     for (int k = 0; k < K; ++k) {
       if (row[k] < 0) continue;
       const int d = placement.rank_of(row[k]);
@@ -553,6 +592,7 @@ void LowLatencyBuffer::Impl::write_rows(const LowLatencyDispatchInputs& in, int 
       const int64_t j = pairs_written[d]++;
       b.pairs[2 * j] = placement.local_id(row[k]);
       b.pairs[2 * j + 1] = k;
+      if (config.combine_per_rank) b.weights[j] = w ? w[k] : 1.0f;
       ++b.row_meta[2 * (fill[d] - 1) + 1];
     }
   }
@@ -576,7 +616,7 @@ Status LowLatencyBuffer::Impl::publish_dispatch(const int64_t* status, bool send
     }
     sig[kSigSeq] = seq;
     const std::size_t payload = static_cast<std::size_t>(rows_to[d]) * row_bytes;
-    const std::size_t n = header_bytes + DispatchBlock::bytes(rows_to[d], pairs_to[d], row_bytes);
+    const std::size_t n = header_bytes + DispatchBlock::bytes(rows_to[d], pairs_to[d], config.combine_per_rank, row_bytes);
     auto request = transport.send_async(d, kTagDispatch, {send_staging.data() + block_of[d], n});
     if (!request.is_ok()) return fail(request.status(), deadline);
     requests.push_back(std::move(*request));
@@ -591,7 +631,7 @@ Status LowLatencyBuffer::Impl::publish_dispatch(const int64_t* status, bool send
 // checks the block against the counts `sig` announced.
 Status LowLatencyBuffer::Impl::expand_from(int src, const int64_t* sig, const LowLatencyDispatchInputs& in) {
   const int64_t rows = sig[kSigRows], pairs = announced_pairs(sig);
-  const DispatchBlock b = DispatchBlock::at(inbox_of(src), rows, pairs);
+  const DispatchBlock b = DispatchBlock::at(inbox_of(src), rows, pairs, config.combine_per_rank);
   const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * capacity;
   for (int e = 0; e < num_local; ++e)
     row_end[e] = next_row[e] + recv_counts[static_cast<std::size_t>(src) * max_local + e];
@@ -602,6 +642,13 @@ Status LowLatencyBuffer::Impl::expand_from(int src, const int64_t* sig, const Lo
       return internal_error("rank {} sent rank {} a row for token {} with {} pairs after {} of {}", src, rank, t, n,
                             pair, pairs);
     const std::byte* x = src == rank ? in.x.row<std::byte>(t) : b.x + i * row_bytes;
+    if (config.combine_per_rank) {
+      HeldRow& h = held[static_cast<std::size_t>(src) * config.max_tokens_per_rank + i];
+      h.token = t;
+      h.first_slot = b.pairs[2 * pair + 1];
+      h.first_pair = pair;
+      h.num_pairs = n;
+    }
     for (const int64_t last = pair + n; pair < last; ++pair) {
       const int32_t e = b.pairs[2 * pair], k = b.pairs[2 * pair + 1];
       if (e < 0 || e >= num_local || k < 0 || k >= config.max_topk || next_row[e] >= row_end[e])
@@ -613,8 +660,14 @@ Status LowLatencyBuffer::Impl::expand_from(int src, const int64_t* sig, const Lo
       src_rank[o] = src;
       src_idx[o] = t;
       src_slot[o] = k;
+      if (config.combine_per_rank) {
+        const std::size_t p = static_cast<std::size_t>(src) * config.max_tokens_per_rank * pairs_per_row() + pair;
+        held_pair_row[p] = static_cast<int64_t>(o);
+        held_pair_weight[p] = b.weights[pair];
+      }
     }
   }
+  held_rows[src] = rows;
   for (int e = 0; e < num_local; ++e)
     if (next_row[e] != row_end[e])
       return internal_error("rank {} sent rank {} {} rows fewer than it announced for local expert {}", src, rank,
@@ -679,7 +732,7 @@ Status LowLatencyBuffer::dispatch_now(const LowLatencyDispatchInputs& in, LowLat
   auto unpack = [&](int src, const int64_t* sig, std::size_t bytes) -> Status {
     EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
     const std::size_t expected =
-        m.header_bytes + DispatchBlock::bytes(sig[kSigRows], m.announced_pairs(sig), m.row_bytes);
+        m.header_bytes + DispatchBlock::bytes(sig[kSigRows], m.announced_pairs(sig), m.config.combine_per_rank, m.row_bytes);
     if (bytes != expected)
       return internal_error("low-latency dispatch message from rank {} was {} bytes for {} rows, expected {}", src,
                             bytes, sig[kSigRows], expected);
@@ -763,14 +816,15 @@ Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle
   const bool send_rows = local_status.is_ok();
   if (send_rows) m.combined = true;
   const std::size_t y_row = send_rows ? static_cast<std::size_t>(m.config.hidden) * dtype_size(y.dtype()) : 0;
-  const int64_t rows_per_expert = static_cast<int64_t>(R) * m.capacity;
 
   // Messages to other nodes: one per source rank, rows in (expert, row) order.
   int64_t staged = 0;
   for (int s = 0; s < R; ++s) {
     if (m.same_node(s)) continue;
     int64_t n = 0;
-    for (int e = 0; e < m.num_local && send_rows; ++e) n += m.recv_counts[static_cast<std::size_t>(s) * EL + e];
+    if (m.config.combine_per_rank && send_rows) n = m.held_rows[s];
+    for (int e = 0; e < m.num_local && send_rows && !m.config.combine_per_rank; ++e)
+      n += m.recv_counts[static_cast<std::size_t>(s) * EL + e];
     m.rows_to[s] = n;
     m.block_of[s] = staged;
     m.fill[s] = 0;
@@ -778,25 +832,11 @@ Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle
   }
   EPX_CHECK(static_cast<std::size_t>(staged) <= m.send_staging.size());
 
-  // Rows: into each source's combine slot (token, k), or staged.
-  for (int e = 0; e < m.num_local && send_rows; ++e) {
-    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
-    for (int64_t j = 0; j < m.counts_out[e]; ++j) {
-      const int s = m.src_rank[base + j], t = m.src_idx[base + j], k = m.src_slot[base + j];
-      const std::byte* src = y.data_as<std::byte>() + (base + j) * y_row;
-      if (s == m.rank) {
-        m.own_row[static_cast<std::size_t>(t) * MK + k] = static_cast<int64_t>(base + j);  // read from y at the sum
-      } else if (m.same_node(s)) {
-        std::memcpy(m.regions[s].combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes, src, y_row);
-      } else {
-        std::byte* block = m.send_staging.data() + m.block_of[s];
-        const int64_t i = m.fill[s]++;
-        auto* meta = reinterpret_cast<int32_t*>(block + m.header_bytes) + 2 * i;
-        meta[0] = t;
-        meta[1] = k;
-        std::memcpy(block + m.header_bytes + m.rows_to[s] * 8 + i * y_row, src, y_row);
-      }
-    }
+  if (send_rows) {
+    if (m.config.combine_per_rank)
+      m.stage_rank_sums(y, y_row);
+    else
+      m.stage_pair_rows(y, y_row);
   }
   // Signals only after the peers' rows are out of y. This rank's own rows
   // stay in y until the sum below (y may be recv_x, which only this rank's
@@ -855,22 +895,82 @@ Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle
                       record));
   EPX_RETURN_IF_ERROR(m.finish_call(local_status, "combine", deadline));
 
-  // out[t] = sum over k ascending of w[t][k] * y(t, k), in fp32.
-  const int H = m.config.hidden;
-  for (int t = 0; t < m.num_tokens; ++t) {
-    std::fill(m.acc.begin(), m.acc.end(), 0.0f);
-    for (int k = 0; k < m.topk; ++k) {
-      const int32_t e = m.topk_idx[static_cast<std::size_t>(t) * MK + k];
-      if (e < 0) continue;
-      const std::size_t slot = static_cast<std::size_t>(t) * MK + k;
-      const int owner = m.placement.rank_of(e);
-      const std::byte* row = owner == m.rank ? y.data_as<std::byte>() + m.own_row[slot] * y_row
-                                             : m.local().combine + slot * m.combine_row_bytes;
-      detail::accumulate_weighted(m.acc.data(), m.weights[slot], row, static_cast<DType>(m.owner_dtype[owner]), H);
-    }
-    detail::store(out.row<std::byte>(t), out.dtype(), m.acc.data(), H);
-  }
+  m.sum_combine(y, y_row, out);
   return Status::ok();
+}
+
+// Where the row for slot (t, k) of source s goes: its combine slot inside the
+// node, the next row of its message otherwise (with its (t, k)).
+std::byte* LowLatencyBuffer::Impl::combine_dst(int s, int t, int k, std::size_t y_row) {
+  if (same_node(s)) return regions[s].combine + (static_cast<std::size_t>(t) * config.max_topk + k) * combine_row_bytes;
+  std::byte* block = send_staging.data() + block_of[s];
+  const int64_t i = fill[s]++;
+  auto* meta = reinterpret_cast<int32_t*>(block + header_bytes) + 2 * i;
+  meta[0] = t;
+  meta[1] = k;
+  return block + header_bytes + rows_to[s] * 8 + i * y_row;
+}
+
+// One row per (token, expert): y's rows as they are. This rank's own
+// tokens' rows stay in y, read by sum_combine.
+void LowLatencyBuffer::Impl::stage_pair_rows(const TensorView& y, std::size_t y_row) {
+  const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * capacity;
+  for (int e = 0; e < num_local; ++e) {
+    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
+    for (int64_t j = 0; j < counts_out[e]; ++j) {
+      const int s = src_rank[base + j], t = src_idx[base + j], k = src_slot[base + j];
+      if (s == rank) {
+        own_row[static_cast<std::size_t>(t) * config.max_topk + k] = static_cast<int64_t>(base + j);
+        continue;
+      }
+      std::memcpy(combine_dst(s, t, k, y_row), y.data_as<std::byte>() + (base + j) * y_row, y_row);
+    }
+  }
+}
+
+// combine_per_rank: one row per (source, token), at the token's first slot
+// on this rank: sum over its slots k here, ascending, of w[t][k] * y(t, k) in
+// fp32 from 0, rounded once to y's dtype.
+void LowLatencyBuffer::Impl::stage_rank_sums(const TensorView& y, std::size_t y_row) {
+  const std::size_t pairs_per_source = static_cast<std::size_t>(config.max_tokens_per_rank) * pairs_per_row();
+  for (int s = 0; s < num_ranks; ++s) {
+    for (int64_t i = 0; i < held_rows[s]; ++i) {
+      const HeldRow& h = held[static_cast<std::size_t>(s) * config.max_tokens_per_rank + i];
+      std::fill(partial.begin(), partial.end(), 0.0f);
+      for (int64_t p = h.first_pair; p < h.first_pair + h.num_pairs; ++p) {
+        const std::size_t q = s * pairs_per_source + p;
+        detail::accumulate_weighted(partial.data(), held_pair_weight[q],
+                                    y.data_as<std::byte>() + held_pair_row[q] * y_row, y.dtype(), config.hidden);
+      }
+      detail::store(combine_dst(s, h.token, h.first_slot, y_row), y.dtype(), partial.data(), config.hidden);
+    }
+  }
+}
+
+// out[t] = sum over k ascending of w[t][k] * y(t, k), in fp32; with
+// combine_per_rank, the sum of the owners' rows in the order of their first
+// slot k. One rounding to out's dtype.
+void LowLatencyBuffer::Impl::sum_combine(const TensorView& y, std::size_t y_row, const TensorView& out) {
+  const int H = config.hidden, MK = config.max_topk;
+  for (int t = 0; t < num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int32_t* idx = &topk_idx[static_cast<std::size_t>(t) * MK];
+    for (int k = 0; k < topk; ++k) {
+      if (idx[k] < 0) continue;
+      const std::size_t slot = static_cast<std::size_t>(t) * MK + k;
+      const int owner = placement.rank_of(idx[k]);
+      const auto dtype = static_cast<DType>(owner_dtype[owner]);
+      if (config.combine_per_rank) {
+        if (first_slot_on(idx, k, owner) != k) continue;
+        detail::accumulate_weighted(acc.data(), 1.0f, local().combine + slot * combine_row_bytes, dtype, H);
+        continue;
+      }
+      const std::byte* row = owner == rank ? y.data_as<std::byte>() + own_row[slot] * y_row
+                                           : local().combine + slot * combine_row_bytes;
+      detail::accumulate_weighted(acc.data(), weights[slot], row, dtype, H);
+    }
+    detail::store(out.row<std::byte>(t), out.dtype(), acc.data(), H);
+  }
 }
 
 }  // namespace epx

@@ -78,6 +78,14 @@ struct LowLatencyConfig {
   DType max_combine_dtype = DType::kF32;  // widest y accepted by combine
   std::optional<ExpertPlacement> placement;  // default: contiguous blocks of E / R
   Milliseconds timeout{30000};        // for each whole operation
+  // Combine sends one row per (token, rank) instead of one per (token,
+  // expert): the owner sums w[t][k] * y(t, k) over the token's slots k that
+  // name its experts (k ascending, fp32, from 0) and rounds the sum once to
+  // y's dtype; the source adds those rows in fp32 in the order of each
+  // rank's first slot k. Dispatch carries the weights to the owners. Other
+  // bits than the default's top-k sum (a rounding per (token, rank) when y
+  // is bf16, another order), the normal mode's combine bytes.
+  bool combine_per_rank = false;
 };
 
 // Names one dispatch; combine takes the latest one's.
