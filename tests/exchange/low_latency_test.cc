@@ -309,6 +309,32 @@ struct Shape {
 
 class LowLatency : public ::testing::TestWithParam<Shape> {};
 
+// A case on `shape`'s world; the tests vary the rest.
+LLCase case_on(const Shape& shape, DType dtype, int experts, int topk, Routing routing, uint32_t seed) {
+  LLCase c;
+  c.num_ranks = shape.num_ranks;
+  c.num_nodes = shape.num_nodes;
+  c.dtype = dtype;
+  c.y_dtype = dtype;
+  c.num_experts = experts;
+  c.topk = topk;
+  c.routing = routing;
+  c.seed = seed;
+  return c;
+}
+
+// The options the big tests cycle through with a case's index.
+void vary_with_index(uint32_t index, LLCase* c) {
+  c->out_dtype = index % 2 == 0 ? DType::kBF16 : DType::kF32;
+  c->with_weights = index % 4 != 1;
+  c->tight_capacity = index % 2 == 1;
+  c->hidden = index % 2 == 0 ? 16 : 36;
+  c->async = index % 3 == 2;
+  // Every fifth case: experts dealt over all ranks but the last, which holds none.
+  if (index % 5 == 0 && c->num_ranks > 1)
+    for (int e = 0; e < c->num_experts; ++e) c->expert_map.push_back(e % (c->num_ranks - 1));
+}
+
 
 TEST_P(LowLatency, MatchesTheReference) {
   const Shape shape = GetParam();
@@ -320,23 +346,10 @@ TEST_P(LowLatency, MatchesTheReference) {
       for (int topk : {1, 2, 8}) {
         if (topk > experts) continue;
         for (Routing routing : kAllRoutings) {
-          LLCase c;
-          c.num_ranks = shape.num_ranks;
-          c.num_nodes = shape.num_nodes;
-          c.dtype = dtype;
-          c.num_experts = experts;
-          c.topk = topk;
-          c.routing = routing;
-          c.seed = 1000u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index;
+          LLCase c = case_on(shape, dtype, experts, topk, routing,
+                             1000u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
           c.y_dtype = index % 3 == 0 ? DType::kBF16 : dtype;
-          c.out_dtype = index % 2 == 0 ? DType::kBF16 : DType::kF32;
-          c.with_weights = index % 4 != 1;
-          c.tight_capacity = index % 2 == 1;
-          c.hidden = index % 2 == 0 ? 16 : 36;
-          c.async = index % 3 == 2;
-          // Every fifth case: experts dealt over all ranks but the last, which holds none.
-          if (index % 5 == 0 && shape.num_ranks > 1)
-            for (int e = 0; e < experts; ++e) c.expert_map.push_back(e % (shape.num_ranks - 1));
+          vary_with_index(index, &c);
           check_case(c, &nonzero);
           if (test_world().any(::testing::Test::HasFailure())) return;
         }
@@ -371,15 +384,8 @@ TEST_P(LowLatency, TokenToSeveralExpertsOfOneRank) {
       const int experts = per_rank * shape.num_ranks;
       if (experts > 8) continue;
       for (Routing routing : {Routing::kUniform, Routing::kHoles}) {
-        LLCase c;
-        c.num_ranks = shape.num_ranks;
-        c.num_nodes = shape.num_nodes;
-        c.dtype = dtype;
-        c.y_dtype = dtype;
-        c.num_experts = experts;
-        c.topk = experts;
-        c.routing = routing;
-        c.seed = 7000u + 16u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index;
+        LLCase c = case_on(shape, dtype, experts, experts, routing,
+                           7000u + 16u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
         c.tight_capacity = index % 2 == 0;
         for (bool per_rank : {false, true}) {
           c.per_rank = per_rank;
@@ -405,22 +411,11 @@ TEST_P(LowLatency, CombinePerRankMatchesItsFormula) {
       const int experts = 4 * shape.num_ranks;
       if (topk > experts) continue;
       for (Routing routing : {Routing::kUniform, Routing::kHoles, Routing::kOneRankPerToken, Routing::kEmptyRank}) {
-        LLCase c;
-        c.num_ranks = shape.num_ranks;
-        c.num_nodes = shape.num_nodes;
-        c.dtype = dtype;
-        c.num_experts = experts;
-        c.topk = topk;
-        c.routing = routing;
+        LLCase c = case_on(shape, dtype, experts, topk, routing,
+                           9000u + 64u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
         c.per_rank = true;
-        c.seed = 9000u + 64u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index;
-        c.y_dtype = index % 2 == 0 ? DType::kBF16 : DType::kF32;
-        c.out_dtype = index % 3 == 0 ? DType::kBF16 : DType::kF32;
-        c.with_weights = index % 4 != 1;
-        c.tight_capacity = index % 2 == 1;
-        c.async = index % 3 == 2;
-        if (index % 5 == 0 && shape.num_ranks > 1)
-          for (int e = 0; e < experts; ++e) c.expert_map.push_back(e % (shape.num_ranks - 1));
+        c.y_dtype = index % 3 != 1 ? DType::kBF16 : DType::kF32;
+        vary_with_index(index, &c);
         check_case(c, &nonzero);
         if (test_world().any(::testing::Test::HasFailure())) return;
       }
