@@ -413,8 +413,10 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
     const int64_t dispatch_rows = static_cast<int64_t>(c.max_tokens_per_rank) * std::min(c.max_topk, num_remote);
     const int64_t combine_rows = std::min<int64_t>(static_cast<int64_t>(num_remote) * token_slots,
                                                    static_cast<int64_t>(m.num_local) * num_remote * m.capacity);
-    send_bytes = num_remote * m.header_bytes + std::max(DispatchBlock::bytes(dispatch_rows, token_slots, c.combine_per_rank, m.row_bytes),
-                                                        static_cast<std::size_t>(combine_rows) * combine_row);
+    // (+ 8 bytes per message: each pads its weights to 8 bytes)
+    send_bytes = num_remote * (m.header_bytes + 8) +
+                 std::max(DispatchBlock::bytes(dispatch_rows, token_slots, c.combine_per_rank, m.row_bytes),
+                          static_cast<std::size_t>(combine_rows) * combine_row);
     recv_bytes = std::max(num_remote * m.peer_stride,
                           m.header_bytes + static_cast<std::size_t>(rows_per_peer) * combine_row);
   }
