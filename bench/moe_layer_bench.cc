@@ -32,13 +32,11 @@
 #include "epx/layer/moe_layer.h"
 #include "experts/gemm.h"
 #include "gemm_reference.h"
+#include "stats.h"
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using epx::bench::median;
 
 struct Options {
   int tokens = 2048, hidden = 256, ffn_hidden = 512, experts = 16, topk = 2, ranks = 1, reps = 7;
