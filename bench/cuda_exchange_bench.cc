@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "epx/exchange/cuda_group.h"
+#include "stats.h"
 
 namespace {
 
@@ -60,8 +61,7 @@ double median_ms(int warmup, int reps, F fn) {
   }
   BENCH_CUDA(cudaEventDestroy(start));
   BENCH_CUDA(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
+  return epx::bench::median(std::vector<double>(ms.begin(), ms.end()));
 }
 
 void die_on(const epx::Status& s, const char* what) {

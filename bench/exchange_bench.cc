@@ -633,14 +633,6 @@ MethodTiming summarize(const Shared& shared, Method method, int64_t bytes, int n
 
 }  // namespace
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-
 CpuSnapshot cpu_snapshot() {
   CpuSnapshot snap;
   std::ifstream in("/proc/stat");

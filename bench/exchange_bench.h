@@ -32,6 +32,7 @@
 #include "epx/core/status.h"
 #include "epx/core/trace.h"
 #include "epx/exchange/buffer.h"
+#include "stats.h"
 
 namespace epx::bench {
 
@@ -149,10 +150,6 @@ struct MemoryPlan {
   [[nodiscard]] bool fits_interleaved() const { return common + epx + naive <= budget; }
   [[nodiscard]] bool fits_phased() const { return common + std::max(epx, naive) <= budget; }
 };
-
-// The median of `v` (the mean of the middle two for an even count; 0 when
-// empty): every benchmark's summary of its repetitions.
-double median(std::vector<double> v);
 
 // InvalidArgument naming the first bad field and its limit.
 [[nodiscard]] Status validate_exchange_bench_config(const ExchangeBenchConfig& config);

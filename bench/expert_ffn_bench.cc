@@ -32,6 +32,7 @@
 #include "epx/experts/ffn.h"
 #include "experts/gemm.h"
 #include "gemm_reference.h"
+#include "stats.h"
 
 namespace {
 
@@ -50,16 +51,8 @@ double cpu_seconds() {
 struct Timing {
   std::vector<double> seconds;
   std::vector<double> cpu;  // process CPU seconds over wall seconds
-  double median() const {
-    auto s = seconds;
-    std::sort(s.begin(), s.end());
-    return s[s.size() / 2];
-  }
-  double median_cpu() const {
-    auto s = cpu;
-    std::sort(s.begin(), s.end());
-    return s[s.size() / 2];
-  }
+  double median() const { return epx::bench::median(seconds); }
+  double median_cpu() const { return epx::bench::median(cpu); }
 };
 
 void time_once(Timing& t, const std::function<void()>& f) {

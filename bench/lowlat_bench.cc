@@ -11,6 +11,7 @@
 #include "epx/comm/inproc.h"
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/low_latency.h"
+#include "stats.h"
 #include "synthetic_routing.h"
 
 namespace epx::bench {
@@ -22,12 +23,6 @@ int64_t thread_cpu_ns() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-double median_of(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // One token count's routing (every rank's), what it moves, and the capacity.
@@ -154,9 +149,9 @@ Status finish_row(const RankResult& r, LowLatBenchRow* row) {
                                        &row->lowlat_combine};
   for (int m = 0; m < kNumMethods; ++m) {
     timing[m]->samples_ms = r.samples[m];
-    timing[m]->time_ms = median_of(r.samples[m]);
+    timing[m]->time_ms = median(r.samples[m]);
     timing[m]->min_ms = *std::min_element(r.samples[m].begin(), r.samples[m].end());
-    timing[m]->cpu_ms = median_of(r.cpu_samples[m]);
+    timing[m]->cpu_ms = median(r.cpu_samples[m]);
   }
   row->dispatch_speedup = row->normal_dispatch.time_ms / row->lowlat_dispatch.time_ms;
   row->combine_speedup = row->normal_combine.time_ms / row->lowlat_combine.time_ms;

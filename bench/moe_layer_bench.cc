@@ -10,7 +10,9 @@
 // dtype, the better of fixed sizes (bench/gemm_reference.h) and run-time
 // sizes (the experts' path). GFLOP/s count the routed experts' GEMM FLOPs:
 // forward 6 x tokens x topk x hidden x ffn_hidden, forward+backward 3x that.
-// Each repetition times the reference, the forward, then forward+backward;
+// Each repetition times the reference, the forward, zero_grad of every
+// parameter (zero_grad_s, reported apart: the reference has no gradients),
+// then forward+backward (train_s: the layer's forward and backward only);
 // the figures are medians over --reps, the phase times (rank 0's LayerTimes,
 // forward+backward; forward_combine_s: the forward's combine alone) too.
 //
@@ -30,13 +32,11 @@
 #include "epx/layer/moe_layer.h"
 #include "experts/gemm.h"
 #include "gemm_reference.h"
+#include "stats.h"
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using epx::bench::median;
 
 struct Options {
   int tokens = 2048, hidden = 256, ffn_hidden = 512, experts = 16, topk = 2, ranks = 1, reps = 7;
@@ -45,7 +45,7 @@ struct Options {
 
 // What rank 0 records per repetition (seconds).
 struct Samples {
-  std::vector<double> gemm_fixed, gemm_runtime, forward, train, router, dispatch, experts, combine, forward_combine;
+  std::vector<double> gemm_fixed, gemm_runtime, forward, train, zero_grad, router, dispatch, experts, combine, forward_combine;
 };
 
 // One rank's share of the reference GEMM, in the compute dtype.
@@ -147,16 +147,21 @@ int main(int argc, char** argv) {
              "\"forward_tokens_per_s\":{:.6g},\"train_tokens_per_s\":{:.6g},\"gemm_gflops\":{:.6g},"
              "\"gemm_fixed_s\":{:.6g},\"gemm_runtime_s\":{:.6g},\"forward_gflops\":{:.6g},\"train_gflops\":{:.6g},"
              "\"train_router_s\":{:.6g},\"train_dispatch_s\":{:.6g},\"train_experts_s\":{:.6g},"
-             "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g}}}\n",
+             "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g},\"zero_grad_s\":{:.6g}}}\n",
              o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, o.ranks, o.dtype, epx::dtype_name(compute), o.combine_dtype,
              o.combine_weights, f, b,
              o.tokens / f, o.tokens / b, gemm_gflops, median(s.gemm_fixed), median(s.gemm_runtime), flop / f / 1e9,
              3 * flop / b / 1e9, median(s.router), median(s.dispatch), median(s.experts), median(s.combine),
-             median(s.forward_combine));
+             median(s.forward_combine), median(s.zero_grad));
   return 0;
 }
 
 namespace {
+
+epx::Status zero_grads(epx::MoELayer& layer) {
+  for (epx::Parameter* p : layer.parameters()) p->zero_grad();
+  return epx::Status::ok();
+}
 
 epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::Transport& t, Samples& out,
                      std::mutex& mu) {
@@ -164,7 +169,7 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
   epx::BufferConfig bc{.num_experts = o.experts, .hidden = H, .dtype = config.dtype, .max_topk = o.topk,
                        .max_tokens_per_rank = o.tokens, .placement = {}};
   if (config.combine_weights == epx::CombineWeights::kReceiver)
-    bc.max_expanded_rows = epx::Buffer::expanded_rows_bound(bc, t.num_ranks(), config.dtype);
+    bc.max_expanded_rows = int64_t{o.tokens} * o.topk;  // every (token, expert) pair of the batch
   EPX_ASSIGN_OR_RETURN(auto buffer, epx::Buffer::create(t, bc));
   EPX_ASSIGN_OR_RETURN(auto layer, epx::MoELayer::create(config, t, *buffer, 0));
   ReferenceGemm reference(o, config.compute_dtype.value_or(config.dtype));
@@ -188,8 +193,9 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
     EPX_ASSIGN_OR_RETURN(const double runtime, timed([&] { return reference.run_runtime(); }));
     EPX_ASSIGN_OR_RETURN(const double fwd, timed([&] { return layer->forward(view(x), view(y)); }));
     const double fwd_combine = layer->times().combine;
+    // zero_grad is outside the timed step: the reference has no gradients to clear.
+    EPX_ASSIGN_OR_RETURN(const double zero, timed([&] { return zero_grads(*layer); }));
     EPX_ASSIGN_OR_RETURN(const double both, timed([&]() -> epx::Status {
-                           for (epx::Parameter* p : layer->parameters()) p->zero_grad();
                            EPX_RETURN_IF_ERROR(layer->forward(view(x), view(y)));
                            return layer->backward(view(grad), view(grad_x));
                          }));
@@ -197,7 +203,7 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
     std::lock_guard lock(mu);
     const epx::LayerTimes& lt = layer->times();
     out.gemm_fixed.push_back(fixed), out.gemm_runtime.push_back(runtime);
-    out.forward.push_back(fwd), out.train.push_back(both);
+    out.forward.push_back(fwd), out.train.push_back(both), out.zero_grad.push_back(zero);
     out.router.push_back(lt.router), out.dispatch.push_back(lt.dispatch);
     out.experts.push_back(lt.experts), out.combine.push_back(lt.combine);
     out.forward_combine.push_back(fwd_combine);

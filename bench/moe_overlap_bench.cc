@@ -38,6 +38,7 @@
 #include "epx/core/random.h"
 #include "epx/layer/moe_layer.h"
 #include "mpi_launch.h"
+#include "stats.h"
 
 namespace epx::bench {
 namespace {
@@ -117,10 +118,6 @@ CpuClock cpu_clock(int cpu) {
   return c;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
 double mean(const std::vector<double>& v) {
   double sum = 0;
   for (double x : v) sum += x;

@@ -19,13 +19,11 @@
 #include "epx/comm/inproc.h"
 #include "epx/core/clock.h"
 #include "exchange/waits.h"
+#include "stats.h"
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using epx::bench::median;
 
 // Nanoseconds of one operation's bookkeeping on `num_ranks` ranks, with one
 // timed receive from every other rank (the flat worst case).

@@ -15,6 +15,7 @@
 #include "epx/core/buffer.h"
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/layout.h"
+#include "stats.h"
 #include "synthetic_routing.h"
 
 namespace epx::app {
@@ -33,10 +34,7 @@ double imbalance(const std::vector<int64_t>& v) {
   return mean > 0 ? static_cast<double>(*std::max_element(v.begin(), v.end())) / mean : 0;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
-}
+using epx::bench::median;
 
 // What the ranks report back.
 struct DemoShared {

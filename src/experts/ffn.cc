@@ -278,16 +278,15 @@ Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeigh
   state->grad_h1.resize(state_bytes);
   state->grad_h3.resize(state_bytes);
   state->rows = p.rows;
+  const bool round_grad_y = config.gemm_dtype() == DType::kBF16;
+  state->grad_y.resize(round_grad_y ? static_cast<std::size_t>(p.rows * H) * sizeof(uint16_t) : 0);
   const Plan plan = make_plan(p);
   return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
     const int64_t first = offsets[e], m = offsets[e + 1] - first;
     float* grad_a = nullptr;
-    void* gy_bf16 = nullptr;
-    auto carve = [&](Carver& c) {
-      grad_a = c.take<float>(m * F);
-      if (config.gemm_dtype() == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
-    };
+    auto carve = [&](Carver& c) { grad_a = c.take<float>(m * F); };
     EPX_RETURN_IF_ERROR(carve_workspace(workspace, carve));
+    void* gy_bf16 = round_grad_y ? state->grad_y.data() + first * H * sizeof(uint16_t) : nullptr;
     const void* gy = nullptr;
     const int64_t ldgy = backward_grad_y(config, grad_y, first, m, gy_bf16, &gy);
     std::byte* a = state->a.data() + first * F * p.elem;
@@ -324,19 +323,22 @@ Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWe
     return invalid_argument("state holds {} rows but x has {}: pass the state expert_ffn_backward_data filled for "
                             "this x",
                             state.rows, p.rows);
+  const DType compute = config.gemm_dtype();
+  // The data pass's rounded grad_y where the state holds all of it.
+  const bool rounded = compute == DType::kBF16 &&
+                       state.grad_y.size() == static_cast<std::size_t>(p.rows * H) * sizeof(uint16_t);
   const Plan plan = make_plan(p);
   return run_plan(plan, [&](int e, int threads, AlignedBuffer& workspace) -> Status {
     const int64_t first = offsets[e], m = offsets[e + 1] - first;
-    const DType compute = config.gemm_dtype();
     void* gy_bf16 = nullptr;
     void* x_scratch = nullptr;
     auto carve = [&](Carver& c) {
-      if (compute == DType::kBF16) gy_bf16 = c.take<uint16_t>(m * H);
+      if (compute == DType::kBF16 && !rounded) gy_bf16 = c.take<uint16_t>(m * H);
       if (p.convert_x) x_scratch = c.take<std::byte>(m * H * p.elem);
     };
     EPX_RETURN_IF_ERROR(carve_workspace(workspace, carve));
-    const void* gy = nullptr;
-    const int64_t ldgy = backward_grad_y(config, grad_y, first, m, gy_bf16, &gy);
+    const void* gy = rounded ? state.grad_y.data() + first * H * sizeof(uint16_t) : nullptr;
+    const int64_t ldgy = rounded ? H : backward_grad_y(config, grad_y, first, m, gy_bf16, &gy);
     const void* x_rows = nullptr;
     const int64_t ldx = gemm_x_rows(p, x, first, m, x_scratch, &x_rows);
     const std::byte* a = state.a.data() + first * F * p.elem;

@@ -29,14 +29,41 @@ void init_normal(std::span<float> out, uint64_t seed, uint64_t stream, float std
 }
 
 // The f32 master weights as the expert GEMMs read them: the masters
-// themselves for f32, a rounded copy (refreshed every forward) for bf16.
+// themselves for f32, a rounded copy for bf16, made again only when the
+// parameter's version moved (Parameter::mark_written) since the last copy.
 struct StorageCopy {
   std::vector<std::byte> bytes;
-  TensorView refresh(const Parameter& p, DType dtype) {
+  std::optional<uint64_t> version;  // of the values `bytes` holds; none before the first copy
+
+  // `copies` counts the copies made (MoELayer::weight_copies).
+  Result<TensorView> refresh(const Parameter& p, DType dtype, int64_t& copies) {
     if (dtype == DType::kF32) return p.view();
-    bytes.resize(static_cast<std::size_t>(p.numel()) * dtype_size(dtype));
-    detail::convert_from_f32(p.value.data(), p.numel(), dtype, bytes.data());
+    const std::size_t size = static_cast<std::size_t>(p.numel()) * dtype_size(dtype);
+    if (version == p.version && bytes.size() == size) {
+      EPX_RETURN_IF_ERROR(check_unchanged(p, dtype));
+    } else {
+      bytes.resize(size);
+      detail::convert_from_f32(p.value.data(), p.numel(), dtype, bytes.data());
+      version = p.version;
+      ++copies;
+    }
     return TensorView::contiguous(bytes.data(), dtype, {p.rows, p.cols});
+  }
+
+  // A tripwire for a writer that forgot mark_written(): 64 values spread over
+  // the parameter must still round to the copy's bits.
+  Status check_unchanged(const Parameter& p, DType dtype) const {
+    const std::size_t width = dtype_size(dtype), n = p.value.size(), samples = std::min<std::size_t>(n, 64);
+    std::byte rounded[8];
+    for (std::size_t s = 0; s < samples; ++s) {
+      const std::size_t i = s * n / samples;
+      detail::convert_from_f32(&p.value[i], 1, dtype, rounded);
+      if (std::memcmp(rounded, bytes.data() + i * width, width) != 0)
+        return internal_error("parameter {} changed at [{}] since its {} copy at version {} without "
+                              "Parameter::mark_written()",
+                              p.name, i, dtype_name(dtype), p.version);
+    }
+    return Status::ok();
   }
 };
 
@@ -143,6 +170,7 @@ struct MoELayer::Impl {
   Parameter shared_w1, shared_w3, shared_w2;
   Parameter w1, w3, w2;
   StorageCopy w1_copy, w3_copy, w2_copy, shared_w1_copy, shared_w3_copy, shared_w2_copy;
+  int64_t weight_copies = 0;
   ExpertWeights weights, shared_weights;
   ExpertBias bias;
 
@@ -338,14 +366,19 @@ struct MoELayer::Impl {
     return Status::ok();
   }
 
-  void refresh_weights() {
-    if (num_local > 0)
-      weights = {w1_copy.refresh(w1, compute_dtype()), w3_copy.refresh(w3, compute_dtype()),
-                 w2_copy.refresh(w2, compute_dtype())};
-    if (config.num_shared_experts > 0)
-      shared_weights = {shared_w1_copy.refresh(shared_w1, compute_dtype()),
-                        shared_w3_copy.refresh(shared_w3, compute_dtype()),
-                        shared_w2_copy.refresh(shared_w2, compute_dtype())};
+  Status refresh_weights() {
+    const DType dtype = compute_dtype();
+    if (num_local > 0) {
+      EPX_ASSIGN_OR_RETURN(weights.w1, w1_copy.refresh(w1, dtype, weight_copies));
+      EPX_ASSIGN_OR_RETURN(weights.w3, w3_copy.refresh(w3, dtype, weight_copies));
+      EPX_ASSIGN_OR_RETURN(weights.w2, w2_copy.refresh(w2, dtype, weight_copies));
+    }
+    if (config.num_shared_experts > 0) {
+      EPX_ASSIGN_OR_RETURN(shared_weights.w1, shared_w1_copy.refresh(shared_w1, dtype, weight_copies));
+      EPX_ASSIGN_OR_RETURN(shared_weights.w3, shared_w3_copy.refresh(shared_w3, dtype, weight_copies));
+      EPX_ASSIGN_OR_RETURN(shared_weights.w2, shared_w2_copy.refresh(shared_w2, dtype, weight_copies));
+    }
+    return Status::ok();
   }
 
   Status forward(const TensorView& x_in, const TensorView& out) {
@@ -401,7 +434,7 @@ struct MoELayer::Impl {
     phase.reset();
 
     phase.emplace(*this, times.experts, "experts");
-    refresh_weights();
+    EPX_RETURN_IF_ERROR(refresh_weights());
     EPX_ASSIGN_OR_RETURN(y_view, routed_output(rows));
     if (num_local > 0)
       EPX_RETURN_IF_ERROR(
@@ -585,7 +618,7 @@ struct MoELayer::Impl {
       phase.reset();
     }
     phase.emplace(*this, times.experts, "experts");
-    refresh_weights();
+    EPX_RETURN_IF_ERROR(refresh_weights());
     EPX_RETURN_IF_ERROR(shared_forward(T));
     phase.reset();
 
@@ -1064,6 +1097,7 @@ Status MoELayer::backward(const TensorView& grad_out, const TensorView& grad_x) 
 double MoELayer::aux_loss() const { return impl_->aux_loss; }
 const LoadStats& MoELayer::load_stats() const { return impl_->stats; }
 const LayerTimes& MoELayer::times() const { return impl_->times; }
+int64_t MoELayer::weight_copies() const { return impl_->weight_copies; }
 const WaitRecord& MoELayer::waits() const { return impl_->waits; }
 ExpertBias& MoELayer::bias() { return impl_->bias; }
 void MoELayer::set_tracer(Tracer* tracer) { impl_->tracer = tracer; }

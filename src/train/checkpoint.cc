@@ -969,6 +969,7 @@ void apply(RankPart& part, std::span<Parameter* const> params, AdamW& adam, std:
     PartState::Param& q = part.dense.params[i++];
     AdamW::Moments& m = adam.moments()[p->name];
     p->value = std::move(q.value);
+    p->mark_written();
     m.m = std::move(q.m);
     m.v = std::move(q.v);
   }
@@ -988,6 +989,7 @@ void apply(RankPart& part, std::span<Parameter* const> params, AdamW& adam, std:
           else std::fill(b.begin(), b.end(), 0.0f);  // an empty slot
         }
       }
+      p->mark_written();
     }
   for (std::size_t l = 0; l < layers.size(); ++l) layers[l]->bias().set_values(part.dense.biases[l]);
   adam.set_num_steps(part.dense.adam_steps);

@@ -62,6 +62,7 @@ void unpack_slots(MoELayer& layer, AdamW& adam, std::size_t hf, const std::vecto
         }
       }
   }
+  for (Parameter* p : layer.expert_parameters()) p->mark_written();
 }
 
 }  // namespace

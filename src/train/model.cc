@@ -266,7 +266,10 @@ Status MoEModel::replace_layer(int layer, std::vector<int32_t> slot_expert) {
   MoELayer& old = *m.layers[layer];
   const std::vector<Parameter*> from = old.parameters(), to = fresh->parameters();
   for (std::size_t i = 0; i < from.size(); ++i)
-    if (from[i]->kind == ParamKind::kDense) to[i]->value = from[i]->value;
+    if (from[i]->kind == ParamKind::kDense) {
+      to[i]->value = from[i]->value;
+      to[i]->mark_written();
+    }
   fresh->bias().set_values(old.bias().values());
   fresh->bias().set_frozen(old.bias().frozen());
   fresh->bias().set_rate(old.bias().rate());

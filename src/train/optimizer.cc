@@ -40,6 +40,7 @@ void AdamW::step(std::span<Parameter* const> params, double lr) {
       s.v[i] = b2 * s.v[i] + (1.0f - b2) * g * g;
       p->value[i] = p->value[i] * shrink - step_size * s.m[i] / (std::sqrt(s.v[i] * inv_c2) + eps);
     }
+    p->mark_written();
   }
 }
 

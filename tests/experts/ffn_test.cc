@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 #include <random>
 #include <thread>
@@ -430,6 +431,44 @@ TEST(ExpertFfn, Bf16YIsTheF32YRounded) {
     }
     EXPECT_GT(differs, 0) << "nothing was rounded";
   }
+}
+
+// bf16 GEMMs: the data pass keeps grad_y rounded for the weight pass, which
+// rounds grad_y itself when the state holds none (a state gathered from
+// parts); both give the same bits, and the kept rows are grad_y's rounding.
+TEST(ExpertFfn, WeightPassReadsTheDataPassRoundingOfGradY) {
+  Problem p = make_problem(DType::kBF16, 48, 80, {20, 0, 33, 5}, 42);
+  const int64_t E = p.config.num_experts, H = 48, F = 80, rows = p.rows();
+  std::vector<float> y(rows * H), grad_x(rows * H), gy = random_f32(rows * H, 43);
+  ExpertFfnCache cache;
+  ASSERT_TRUE(expert_ffn_forward(p.config, p.weights(), p.x.view(), p.offsets, f32_view(y, rows, H), &cache).is_ok());
+  ExpertFfnGradState state;
+  ASSERT_TRUE(expert_ffn_backward_data(p.config, p.weights(), p.x.view(), p.offsets, cache, f32_view(gy, rows, H),
+                                       f32_view(grad_x, rows, H), &state)
+                  .is_ok());
+  ASSERT_EQ(state.grad_y.size(), static_cast<std::size_t>(rows * H) * 2);
+  for (int64_t i = 0; i < rows * H; ++i) {
+    uint16_t kept;
+    std::memcpy(&kept, state.grad_y.data() + i * 2, 2);
+    ASSERT_EQ(kept, f32_to_bf16(gy[i])) << "grad_y[" << i << "]";
+  }
+  auto weight_pass = [&](const ExpertFfnGradState& s) {
+    std::vector<float> g(static_cast<std::size_t>(E * H * F * 2 + E * F * H), 0.5f);
+    float* w1 = g.data();
+    float* w3 = w1 + E * H * F;
+    float* w2 = w3 + E * H * F;
+    ExpertGrads grads{TensorView::contiguous(w1, DType::kF32, {E * H, F}),
+                      TensorView::contiguous(w3, DType::kF32, {E * H, F}),
+                      TensorView::contiguous(w2, DType::kF32, {E * F, H})};
+    EXPECT_TRUE(expert_ffn_backward_weights(p.config, p.weights(), p.x.view(), p.offsets, f32_view(gy, rows, H), s,
+                                            grads)
+                    .is_ok());
+    return g;
+  };
+  const std::vector<float> kept = weight_pass(state);
+  ExpertFfnGradState without = state;
+  without.grad_y.clear();
+  EXPECT_EQ(kept, weight_pass(without));
 }
 
 void expect_invalid(const Status& s, const std::string& text) {

@@ -125,6 +125,11 @@ struct ExpertFfnCache {
 // expert_ffn_backward is these two in a row.
 struct ExpertFfnGradState {
   std::vector<std::byte> a, grad_h1, grad_h3;  // [rows, F] of the compute dtype each
+  // bf16 GEMMs: grad_y [rows, H] as the data pass rounded it, read again by
+  // the weight pass instead of rounding grad_y a second time (same bits);
+  // when empty (f32 GEMMs, or a state gathered from parts) the weight pass
+  // rounds grad_y itself.
+  std::vector<std::byte> grad_y;
   int64_t rows = 0;
 };
 [[nodiscard]] Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeights& weights,

@@ -185,6 +185,11 @@ class MoELayer {
   // worst_rank is such an EP rank.
   [[nodiscard]] const LoadStats& load_stats() const;
   [[nodiscard]] const LayerTimes& times() const;
+  // How many weight matrices the forwards so far rounded into the compute
+  // dtype: with bf16 GEMMs each expert and shared-expert weight is copied on
+  // the first forward and again only after Parameter::mark_written(); f32
+  // GEMMs read the masters and copy none.
+  [[nodiscard]] int64_t weight_copies() const;
   // Who this rank waited for in the last forward's and backward's dispatches
   // and combines, summed (WaitRecord, over the ranks of the layer's EP
   // group); zeros when the Buffer's record_waits is off.

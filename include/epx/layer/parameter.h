@@ -27,6 +27,12 @@ struct Parameter {
   int64_t cols = 0;
   std::vector<float> value;
   std::vector<float> grad;
+  // Bumped by mark_written(): every writer of `value` after construction (the
+  // optimizer step, a checkpoint load, a rebalance, a rebuild) calls it, so
+  // that copies made from the values (the layer's bf16 GEMM weights) know to
+  // refresh. The layer checks sampled values of its copies against `value` and
+  // names a parameter that changed without a bump.
+  uint64_t version = 0;
 
   Parameter() = default;
   Parameter(std::string name_in, ParamKind kind_in, int64_t rows_in, int64_t cols_in)
@@ -46,6 +52,7 @@ struct Parameter {
     return TensorView::contiguous(grad.data(), DType::kF32, {rows, cols});
   }
   void zero_grad() { std::fill(grad.begin(), grad.end(), 0.0f); }
+  void mark_written() { ++version; }
 };
 
 }  // namespace epx
