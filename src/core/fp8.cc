@@ -6,7 +6,6 @@
 #include <limits>
 #include <vector>
 
-#include "core/simd_clones.h"
 
 namespace epx {
 namespace {
@@ -67,27 +66,36 @@ BlockScale block_scale(float amax, Fp8ScaleFormat format) {
   return s;
 }
 
-// The row loops below are EPX_SIMD_CLONES (core/simd_clones.h): AVX-512
-// (x86-64-v4), AVX2 and baseline versions, picked at load time; they divide
-// and add in IEEE f32 without FMA, so all give the same bits.
+// The row loops below come in AVX-512, AVX2 and baseline versions, picked at
+// load time (as core/simd_clones.h's EPX_SIMD_CLONES); they divide and add in
+// IEEE f32 without FMA, so all give the same bits. Their AVX-512 version is
+// x86-64-v4 (AVX-512 F, BW, VL, DQ), not avx512f alone: they narrow and widen
+// between 8-, 16- and 32-bit lanes, which without BW/VL the compiler did in
+// 256-bit registers with spills; so built, dequantising bf16 rows and the
+// quantising after it ran 2-2.4x slower (AMD EPYC; docs/benchmarks.md, "fp8 in the layer").
+#if defined(__SANITIZE_THREAD__)
+#define EPX_FP8_CLONES
+#else
+#define EPX_FP8_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#endif
 
 // Largest |x| of n elements as f32 bits (finite values order like their
 // bits; anything at or above 0x7f800000 is an infinity or a NaN).
-EPX_SIMD_CLONES uint32_t amax_bits_f32(const uint32_t* x, int n) {
+EPX_FP8_CLONES uint32_t amax_bits_f32(const uint32_t* x, int n) {
   uint32_t m = 0;
   for (int c = 0; c < n; ++c) m = std::max(m, x[c] & 0x7fffffffu);
   return m;
 }
-EPX_SIMD_CLONES uint32_t amax_bits_bf16(const uint16_t* x, int n) {
+EPX_FP8_CLONES uint32_t amax_bits_bf16(const uint16_t* x, int n) {
   uint32_t m = 0;
   for (int c = 0; c < n; ++c) m = std::max(m, static_cast<uint32_t>(x[c] & 0x7fffu));
   return m << 16;
 }
 
-EPX_SIMD_CLONES void encode_f32(const float* x, float scale, uint8_t* q, int n) {
+EPX_FP8_CLONES void encode_f32(const float* x, float scale, uint8_t* q, int n) {
   for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(x[c] / scale);
 }
-EPX_SIMD_CLONES void encode_bf16(const uint16_t* x, float scale, uint8_t* q, int n) {
+EPX_FP8_CLONES void encode_bf16(const uint16_t* x, float scale, uint8_t* q, int n) {
   for (int c = 0; c < n; ++c) q[c] = f32_to_e4m3_not_nan(bf16_to_f32(x[c]) / scale);
 }
 
@@ -134,10 +142,10 @@ inline uint16_t to_bf16_select(float value) {
 }
 
 // out = decode_one of each code, in f32 or rounded to bf16.
-EPX_SIMD_CLONES void decode_f32(const uint8_t* q, float scale, uint32_t limit_bits, float* out, int n) {
+EPX_FP8_CLONES void decode_f32(const uint8_t* q, float scale, uint32_t limit_bits, float* out, int n) {
   for (int c = 0; c < n; ++c) out[c] = decode_one(q[c], scale, limit_bits);
 }
-EPX_SIMD_CLONES void decode_bf16(const uint8_t* q, float scale, uint32_t limit_bits, uint16_t* out, int n) {
+EPX_FP8_CLONES void decode_bf16(const uint8_t* q, float scale, uint32_t limit_bits, uint16_t* out, int n) {
   for (int c = 0; c < n; ++c) out[c] = to_bf16_select(decode_one(q[c], scale, limit_bits));
 }
 
