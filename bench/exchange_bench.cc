@@ -35,11 +35,13 @@ enum Method : int {
   kNaiveCombine,
   kLayerCombine,
   kMemcpyLayer,
+  kMemcpyExpanded,
   kNumMethods
 };
 constexpr std::array<std::string_view, kNumMethods> kSpanName = {
     "bench.dispatch",       "bench.combine",       "bench.combine_copy_in", "bench.memcpy",
-    "bench.naive_dispatch", "bench.naive_combine", "bench.layer_combine",   "bench.memcpy_layer"};
+    "bench.naive_dispatch", "bench.naive_combine", "bench.layer_combine",   "bench.memcpy_layer",
+    "bench.memcpy_expanded"};
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -150,6 +152,14 @@ std::size_t layer_combine_bytes(const ExchangeBenchConfig& c, int64_t expanded_r
          f32_row;
 }
 
+// Receiver weights: the f32 combine-region rows that hold the most bf16
+// expanded rows (its (token, expert) rows, no padding) a rank of the plan gets.
+int64_t expanded_region_rows(const ExchangeBenchConfig& c, const ShapePlan& plan) {
+  if (!c.layer_combine || c.layer_combine_weights != CombineWeights::kReceiver) return 0;
+  const int64_t most = *std::max_element(plan.naive_recv.begin(), plan.naive_recv.end());
+  return most / 2 + 1;
+}
+
 MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan) {
   const std::size_t row_bytes = static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
   const std::size_t num_ranks = static_cast<std::size_t>(config.num_ranks);
@@ -162,6 +172,7 @@ MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan)
   const std::size_t staged_row = config.num_nodes > 1 ? static_cast<std::size_t>(config.hidden) * 4 : 0;
   BufferConfig buffer = bench_buffer_config(config);
   buffer.max_recv_tokens = plan.max_recv_rows;
+  buffer.max_expanded_rows = expanded_region_rows(config, plan);
   m.epx_after_create = num_ranks * 2 * tokens * staged_row;
   for (int r = 0; r < config.num_ranks; ++r) m.epx_after_create += layer_combine_bytes(config, plan.naive_recv[r]);
   m.epx = num_ranks * static_cast<std::size_t>(Buffer::estimate_region_bytes(buffer, config.num_ranks)) +
@@ -223,6 +234,7 @@ class RankBench {
 
     BufferConfig buffer_config = bench_buffer_config(config_);
     buffer_config.max_recv_tokens = plan_.max_recv_rows;
+    buffer_config.max_expanded_rows = expanded_region_rows(config_, plan_);
     buffer_config.placement = plan_.placement;
     buffer_config.timeout = config_.timeout;
     buffer_config.tracer = config_.tracer;
@@ -387,11 +399,22 @@ class RankBench {
     if (check) std::memset(layer_out_.data(), 0, layer_out_.size());
     CombineOptions options;
     options.partial_dtype = config_.layer_combine_dtype;
+    options.weights_at = config_.layer_combine_weights;
+    TensorView y = layer_y_view_;
+    if (options.weights_at == CombineWeights::kReceiver) {
+      // The experts' bf16 rows, written into the region untimed (the other
+      // combines overwrite it between repetitions).
+      EPX_ASSIGN_OR_RETURN(y, buffer_->combine_expanded_input(recv_.handle, DType::kBF16));
+      for (int64_t i = 0; i < y.size(0); ++i)
+        for (int64_t c = 0; c < config_.hidden; ++c) y.row<uint16_t>(i)[c] = f32_to_bf16(layer_y_view_.row<float>(i)[c]);
+    }
     EPX_RETURN_IF_ERROR(timed(kLayerCombine, record, [&] {
-      return buffer_->combine_expanded(layer_y_view_, recv_.handle, layer_out_view_, {}, options);
+      return buffer_->combine_expanded(y, recv_.handle, layer_out_view_, {}, options);
     }));
     // bf16 partials: each (token, rank) partial is rounded once to bf16.
-    const double tolerance = config_.layer_combine_dtype == DType::kBF16 ? 1e-2 : 1e-5;
+    // Receiver weights round f32 payload rows to bf16 in y.
+    const bool rounded = config_.layer_combine_dtype == DType::kBF16 || (receiver() && config_.dtype != DType::kBF16);
+    const double tolerance = rounded ? 1e-2 : 1e-5;
     if (check) return check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32, tolerance);
     return Status::ok();
   }
@@ -430,12 +453,20 @@ class RankBench {
   // rows x hidden x 4 for f32 partials, x 2 for bf16), copied in chunks of the memcpy buffers'
   // size (larger than the last-level cache: every chunk goes to memory).
   Status memcpy_layer_op(bool record) {
-    const std::size_t bytes =
-        static_cast<std::size_t>(plan_.recv_rows[rank_]) * config_.hidden * dtype_size(config_.layer_combine_dtype);
+    const std::size_t bytes = static_cast<std::size_t>(plan_.recv_rows[rank_]) * config_.hidden *
+                              (receiver() ? 2 : dtype_size(config_.layer_combine_dtype));
+    EPX_RETURN_IF_ERROR(chunked_memcpy(kMemcpyLayer, bytes, record));
+    if (!receiver()) return Status::ok();
+    return chunked_memcpy(kMemcpyExpanded, static_cast<std::size_t>(plan_.naive_recv[rank_]) * config_.hidden * 2,
+                          record);
+  }
+  bool receiver() const { return config_.layer_combine_weights == CombineWeights::kReceiver; }
+  // `bytes` copied in chunks of the memcpy buffers' size, timed as `method`.
+  Status chunked_memcpy(Method method, std::size_t bytes, bool record) {
     std::span<std::byte> dst = naive_->scratch(0);
     std::span<std::byte> src = naive_->scratch(1);
     const std::size_t chunk = std::min(dst.size(), src.size());
-    return timed(kMemcpyLayer, record, [&] {
+    return timed(method, record, [&] {
       for (std::size_t done = 0; done < bytes; done += chunk)
         std::memcpy(dst.data(), src.data(), std::min(chunk, bytes - done));
       return Status::ok();
@@ -733,10 +764,13 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.memcpy = summarize(shared, kMemcpy, r.recv_bytes, config.num_ranks);
   r.naive_dispatch = summarize(shared, kNaiveDispatch, r.recv_bytes, config.num_ranks);
   r.naive_combine = summarize(shared, kNaiveCombine, r.recv_bytes, config.num_ranks);
-  r.layer_bytes =
-      config.layer_combine ? r.recv_rows * config.hidden * static_cast<int64_t>(dtype_size(config.layer_combine_dtype)) : 0;
+  const bool receiver = config.layer_combine_weights == CombineWeights::kReceiver;
+  const int64_t layer_row = config.hidden * static_cast<int64_t>(receiver ? 2 : dtype_size(config.layer_combine_dtype));
+  r.layer_bytes = config.layer_combine ? r.recv_rows * layer_row : 0;
+  r.expanded_bytes = config.layer_combine && receiver ? r.naive_rows * config.hidden * 2 : 0;
   r.layer_combine = summarize(shared, kLayerCombine, r.layer_bytes, config.num_ranks);
   r.memcpy_layer = summarize(shared, kMemcpyLayer, r.layer_bytes, config.num_ranks);
+  r.memcpy_expanded = summarize(shared, kMemcpyExpanded, r.expanded_bytes, config.num_ranks);
   auto ratio = [](double num, double den) { return den > 0 ? num / den : 0.0; };
   r.dispatch_vs_memcpy = ratio(r.memcpy.time_ms, r.dispatch.time_ms);
   r.combine_vs_memcpy = ratio(r.memcpy.time_ms, r.combine.time_ms);

@@ -31,6 +31,7 @@
 #include "epx/core/memory.h"
 #include "epx/core/status.h"
 #include "epx/core/trace.h"
+#include "epx/exchange/buffer.h"
 #include "stats.h"
 
 namespace epx::bench {
@@ -58,6 +59,13 @@ struct ExchangeBenchConfig {
   // The partials' dtype of that combine (CombineOptions::partial_dtype): f32
   // or bf16 (issue 20: half the bytes, each partial rounded once).
   DType layer_combine_dtype = DType::kF32;
+  // Where that combine applies the weights (CombineOptions::weights_at).
+  // kReceiver: the experts' rows are bf16 in the combine region
+  // (combine_expanded_input), written before timing as MoELayer's experts
+  // write them; its yardstick is memcpy of the bytes a bf16 combine needs
+  // (received rows x hidden x 2), and memcpy_expanded times a memcpy of the
+  // expanded bf16 rows it reads.
+  CombineWeights layer_combine_weights = CombineWeights::kHolder;
   // Share of MemAvailable a shape may plan to use. Above it the methods run
   // one after the other (epx, then naive + memcpy) instead of interleaved;
   // when even that does not fit the shape fails with ResourceExhausted.
@@ -113,7 +121,9 @@ struct ExchangeBenchResult {
   // partial row per (token, rank) pair), in chunks through the memcpy buffers.
   MethodTiming layer_combine;
   MethodTiming memcpy_layer;
-  int64_t layer_bytes = 0;  // recv_rows * hidden * 4, summed over ranks
+  MethodTiming memcpy_expanded;  // receiver weights: memcpy of the expanded bf16 rows
+  int64_t layer_bytes = 0;  // recv_rows * hidden * 4 (2: bf16 partials, receiver weights), summed over ranks
+  int64_t expanded_bytes = 0;  // receiver weights: (token, expert) rows * hidden * 2, summed over ranks
   double dispatch_vs_memcpy = 0;  // memcpy time / dispatch time (share of the memcpy rate reached)
   double combine_vs_memcpy = 0;
   double dispatch_vs_naive = 0;   // naive time / epx time (speed-up over the baseline)

@@ -89,6 +89,7 @@ Status lowlat_rank(Transport& t, const LowLatBenchConfig& config, const Plan& pl
   ll_config.capacity = std::min(plan.row.capacity, T);
   ll_config.max_combine_dtype = config.dtype;
   ll_config.timeout = config.timeout;
+  ll_config.combine_per_rank = config.combine_per_rank;
   EPX_ASSIGN_OR_RETURN(auto ll, LowLatencyBuffer::create(t, ll_config));
   result->normal_region = normal->region_bytes();
   result->lowlat_region = ll->region_bytes();

@@ -46,6 +46,7 @@ struct LowLatBenchConfig {
   // Rows per (local expert, source rank); 0: the largest count of the run's
   // routing (the tightest capacity that fits it).
   int capacity = 0;
+  bool combine_per_rank = false;  // LowLatencyConfig::combine_per_rank
   uint64_t seed = 1;
   Milliseconds timeout{120000};
 };

@@ -40,7 +40,7 @@ using epx::bench::median;
 
 struct Options {
   int tokens = 2048, hidden = 256, ffn_hidden = 512, experts = 16, topk = 2, ranks = 1, reps = 7;
-  std::string dtype = "f32", compute_dtype = "", combine_dtype = "f32";
+  std::string dtype = "f32", compute_dtype = "", combine_dtype = "f32", combine_weights = "holder";
 };
 
 // What rank 0 records per repetition (seconds).
@@ -108,6 +108,11 @@ int main(int argc, char** argv) {
   app.add_option("--combine-dtype", o.combine_dtype, "MoELayerConfig::combine_dtype: the combine's partial rows")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
+  app.add_option("--combine-weights", o.combine_weights,
+                 "MoELayerConfig::combine_weights: holder (weighted partials) or receiver (the experts write y in "
+                 "--dtype into the combine region, the receiver weighs)")
+      ->check(CLI::IsMember({"holder", "receiver"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   epx::MoELayerConfig config;
@@ -116,6 +121,7 @@ int main(int argc, char** argv) {
   config.router = {.num_experts = o.experts, .topk = o.topk, .normalize_weights = true};
   config.dtype = *epx::parse_dtype(o.dtype);
   config.combine_dtype = *epx::parse_dtype(o.combine_dtype);
+  if (o.combine_weights == "receiver") config.combine_weights = epx::CombineWeights::kReceiver;
   if (!o.compute_dtype.empty()) config.compute_dtype = *epx::parse_dtype(o.compute_dtype);
   const epx::DType compute = config.compute_dtype.value_or(config.dtype);
   Samples s;
@@ -136,12 +142,14 @@ int main(int argc, char** argv) {
   const double ref_rows = double((int64_t(o.tokens) * o.topk + o.ranks - 1) / o.ranks) * o.ranks;
   const double gemm_gflops = 2.0 * ref_rows * o.hidden * o.ffn_hidden / gemm_s / 1e9;
   fmt::print("{{\"impl\":\"epx\",\"tokens\":{},\"hidden\":{},\"ffn_hidden\":{},\"experts\":{},\"topk\":{},\"ranks\":{},"
-             "\"dtype\":\"{}\",\"compute_dtype\":\"{}\",\"combine_dtype\":\"{}\",\"forward_s\":{:.6g},\"train_s\":{:.6g},"
+             "\"dtype\":\"{}\",\"compute_dtype\":\"{}\",\"combine_dtype\":\"{}\",\"combine_weights\":\"{}\","
+             "\"forward_s\":{:.6g},\"train_s\":{:.6g},"
              "\"forward_tokens_per_s\":{:.6g},\"train_tokens_per_s\":{:.6g},\"gemm_gflops\":{:.6g},"
              "\"gemm_fixed_s\":{:.6g},\"gemm_runtime_s\":{:.6g},\"forward_gflops\":{:.6g},\"train_gflops\":{:.6g},"
              "\"train_router_s\":{:.6g},\"train_dispatch_s\":{:.6g},\"train_experts_s\":{:.6g},"
              "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g},\"zero_grad_s\":{:.6g}}}\n",
-             o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, o.ranks, o.dtype, epx::dtype_name(compute), o.combine_dtype, f, b,
+             o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, o.ranks, o.dtype, epx::dtype_name(compute), o.combine_dtype,
+             o.combine_weights, f, b,
              o.tokens / f, o.tokens / b, gemm_gflops, median(s.gemm_fixed), median(s.gemm_runtime), flop / f / 1e9,
              3 * flop / b / 1e9, median(s.router), median(s.dispatch), median(s.experts), median(s.combine),
              median(s.forward_combine), median(s.zero_grad));
@@ -158,9 +166,11 @@ epx::Status zero_grads(epx::MoELayer& layer) {
 epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::Transport& t, Samples& out,
                      std::mutex& mu) {
   const int T = o.tokens / o.ranks + (t.rank() < o.tokens % o.ranks ? 1 : 0), H = o.hidden;
-  EPX_ASSIGN_OR_RETURN(auto buffer,
-                       epx::Buffer::create(t, {.num_experts = o.experts, .hidden = H, .dtype = config.dtype,
-                                               .max_topk = o.topk, .max_tokens_per_rank = o.tokens, .placement = {}}));
+  epx::BufferConfig bc{.num_experts = o.experts, .hidden = H, .dtype = config.dtype, .max_topk = o.topk,
+                       .max_tokens_per_rank = o.tokens, .placement = {}};
+  if (config.combine_weights == epx::CombineWeights::kReceiver)
+    bc.max_expanded_rows = int64_t{o.tokens} * o.topk;  // every (token, expert) pair of the batch
+  EPX_ASSIGN_OR_RETURN(auto buffer, epx::Buffer::create(t, bc));
   EPX_ASSIGN_OR_RETURN(auto layer, epx::MoELayer::create(config, t, *buffer, 0));
   ReferenceGemm reference(o, config.compute_dtype.value_or(config.dtype));
   std::vector<float> x(static_cast<std::size_t>(T) * H), y(x.size()), grad(x.size()), grad_x(x.size());

@@ -61,6 +61,7 @@ struct Options {
   bool lowlat = false;
   std::vector<int> lowlat_tokens = {1, 8, 32, 128};
   int capacity = 0;
+  bool lowlat_combine_per_rank = false;
   bool fp8 = false;
 };
 
@@ -78,6 +79,7 @@ int run_lowlat(Transport& t, const Options& o) {
   c.dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16;
   c.reps = o.reps;
   c.capacity = o.capacity;
+  c.combine_per_rank = o.lowlat_combine_per_rank;
   c.seed = o.seed;
   auto rows = run_lowlat_bench_on(t, c, [](const std::string& line) { fmt::print(stderr, "  {}\n", line); });
   if (!rows.is_ok()) {
@@ -134,6 +136,8 @@ int run(int argc, char** argv) {
                "nodes next to the (token, destination node) pairs times the row size");
   app.add_flag("--lowlat", o.lowlat, "Run the low-latency benchmark instead (LowLatencyBuffer vs Buffer)");
   app.add_option("--lowlat-tokens", o.lowlat_tokens, "--lowlat: tokens per rank")->delimiter(',')->capture_default_str();
+  app.add_flag("--lowlat-combine-per-rank", o.lowlat_combine_per_rank,
+               "--lowlat: low-latency combine with one row per (token, rank), summed by the expert's rank");
   app.add_option("--capacity", o.capacity, "--lowlat: rows per (local expert, source); 0 = the routing's largest")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();

@@ -77,7 +77,9 @@ nlohmann::json result_json(const bench::ExchangeBenchResult& r) {
           {"naive_combine", timing_json(r.naive_combine)},
           {"layer_combine", timing_json(r.layer_combine)},
           {"memcpy_layer", timing_json(r.memcpy_layer)},
+          {"memcpy_expanded", timing_json(r.memcpy_expanded)},
           {"layer_bytes", r.layer_bytes},
+          {"expanded_bytes", r.expanded_bytes},
           {"layer_combine_vs_memcpy", r.layer_combine_vs_memcpy},
           {"layer_combine_vs_naive", r.layer_combine_vs_naive},
           {"dispatch_vs_memcpy", r.dispatch_vs_memcpy},
@@ -112,6 +114,8 @@ void print_table(std::FILE* f, const std::vector<bench::ExchangeBenchResult>& re
     if (r.config.layer_combine) {
       line("layer combine", r.layer_combine, r.layer_combine_vs_memcpy, r.layer_combine_vs_naive);
       line("memcpy (layer)", r.memcpy_layer, 0, 0);
+      if (r.expanded_bytes > 0)
+        line("memcpy (expanded)", r.memcpy_expanded, r.memcpy_expanded.time_ms / r.layer_combine.time_ms, 0);
     }
     fmt::print(f, "{:>14}  {} rows, {:.1f} MB received ({} max on one rank); naive moves {} rows; {}; {}",
                "", r.recv_rows, static_cast<double>(r.recv_bytes) / 1e6, r.max_recv_rows, r.naive_rows,
@@ -176,6 +180,8 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
                                    .record_waits = o.record_waits == "on",
                                    .layer_combine = o.layer_combine != "off",
                                    .layer_combine_dtype = o.layer_combine == "bf16" ? DType::kBF16 : DType::kF32,
+                                   .layer_combine_weights = o.layer_combine == "receiver" ? CombineWeights::kReceiver
+                                                                                          : CombineWeights::kHolder,
                                    .memory_fraction = o.memory_fraction};
       if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
       // A shape that cannot fit is refused now, before any is planned or run.
@@ -246,10 +252,17 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
              "\nGB/s = received rows x row bytes / time (logical, DeepEP's figure), the same bytes for every method; "
              "vs memcpy = memcpy time / time, vs naive = naive time / time; medians of {} interleaved reps; cpu ms = "
              "CPU time of all rank threads in the operation; {} rank threads share {} cores. layer combine = "
-             "MoELayer's combine_expanded (f32 expert rows, weighted, {} partials sent, f32 out); its GB/s and "
-             "memcpy (layer) are of the partial bytes it sends (rows x hidden x {}).\n",
-             o.reps, o.num_ranks, machine.cores, o.layer_combine == "bf16" ? "bf16" : "f32",
-             o.layer_combine == "bf16" ? 2 : 4);
+             "MoELayer's combine_expanded ({}); its GB/s and memcpy (layer) are of {} (rows x hidden x {}){}.\n",
+             o.reps, o.num_ranks, machine.cores,
+             o.layer_combine == "receiver" ? "bf16 expert rows in the combine region, weighted by the receiver, f32 out"
+             : o.layer_combine == "bf16"   ? "f32 expert rows, weighted, bf16 partials sent, f32 out"
+                                           : "f32 expert rows, weighted, f32 partials sent, f32 out",
+             o.layer_combine == "receiver" ? "the bytes a bf16 combine moves" : "the partial bytes it sends",
+             o.layer_combine == "bf16" || o.layer_combine == "receiver" ? 2 : 4,
+             o.layer_combine == "receiver"
+                 ? "; memcpy (expanded) copies the expanded bf16 rows it reads, its vs memcpy = its time / the layer "
+                   "combine's"
+                 : "");
   if (o.phases) {
     for (std::size_t i = 0; i < shapes_json.size(); ++i) {
       if (!shapes_json[i].contains("phases")) continue;

@@ -29,6 +29,8 @@ CLI::App* add_bench_lowlat_command(CLI::App* bench_cmd, BenchLowLatOptions& o) {
       ->check(CLI::Range(0, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--seed", o.seed, "Routing seed")->capture_default_str();
+  cmd->add_flag("--combine-per-rank", o.combine_per_rank,
+                "Low-latency combine: one row per (token, rank), summed by the expert's rank (other bits)");
   cmd->add_flag("--json", o.json, "Print exactly one JSON object on stdout (table on stderr)");
   return cmd;
 }
@@ -53,6 +55,7 @@ int run_bench_lowlat(const BenchLowLatOptions& o) {
   c.reps = o.reps;
   c.warmup = o.warmup;
   c.capacity = o.capacity;
+  c.combine_per_rank = o.combine_per_rank;
   c.seed = o.seed;
   if (Status s = bench::validate_lowlat_bench_config(c); !s.is_ok()) {
     fmt::print(stderr, "epx bench lowlat: {}\n", s.message());

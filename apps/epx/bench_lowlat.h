@@ -21,6 +21,7 @@ struct BenchLowLatOptions {
   int reps = 5;
   int warmup = 1;
   int capacity = 0;
+  bool combine_per_rank = false;
   uint64_t seed = 1;
   bool json = false;
 };

@@ -41,7 +41,7 @@ struct BenchExchangeOptions {
   uint64_t seed = 1;
   bool no_verify = false;
   std::string record_waits = "on";  // BufferConfig::record_waits: on or off
-  std::string layer_combine = "on";  // also time MoELayer's combine_expanded: on (f32 partials), bf16 or off
+  std::string layer_combine = "on";  // also time MoELayer's combine_expanded: on (f32 partials), bf16, receiver or off
   double memory_fraction = 0.85;
   bool phases = false;
   std::string trace_path;

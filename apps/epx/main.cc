@@ -106,9 +106,11 @@ int main(int argc, char** argv) {
   exchange_cmd->add_option("--layer-combine", bench.layer_combine,
                            "on: also time the combine MoELayer runs (combine_expanded: f32 expert rows, weighted, "
                            "f32 partials, f32 out; the Buffer then keeps an f32 combine region) against memcpy of "
-                           "its bytes; bf16: the same with bf16 partials (CombineOptions::partial_dtype); off: not, which "
-                           "saves its memory")
-      ->check(CLI::IsMember({"on", "bf16", "off"}))
+                           "its bytes; bf16: the same with bf16 partials (CombineOptions::partial_dtype); receiver: "
+                           "weighted by the receiver (CombineOptions::weights_at), bf16 expert rows already in the "
+                           "combine region, against memcpy of a bf16 combine's bytes (and of the expanded bf16 rows "
+                           "it reads); off: not, which saves its memory")
+      ->check(CLI::IsMember({"on", "bf16", "receiver", "off"}))
       ->capture_default_str();
   exchange_cmd->add_option("--memory-fraction", bench.memory_fraction,
                            "Share of available memory a shape may use; above it methods run one after the other")

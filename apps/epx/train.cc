@@ -122,6 +122,7 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
       {"model.overlap_chunks", bind(o.overlap_chunks, {.min = 1, .max = 64})},
       {"model.dispatch_dtype", bind(o.dispatch_dtype)},
       {"model.combine_dtype", bind(o.combine_dtype)},
+      {"model.combine_weights", bind(o.combine_weights)},
       {"model.score", bind(o.score)},
       {"model.normalize", bind(o.normalize)},
       {"model.groups", positive(o.groups)},
@@ -239,6 +240,9 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   if (o.combine_dtype != "f32" && o.combine_dtype != "bf16")
     return invalid_argument("combine_dtype '{}' is not f32 or bf16", o.combine_dtype);
   l.combine_dtype = o.combine_dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  if (o.combine_weights != "holder" && o.combine_weights != "receiver")
+    return invalid_argument("combine_weights '{}' is not holder or receiver", o.combine_weights);
+  l.combine_weights = o.combine_weights == "receiver" ? CombineWeights::kReceiver : CombineWeights::kHolder;
   l.router.num_experts = o.experts;
   l.router.topk = o.topk;
   if (o.score == "softmax") {
@@ -388,7 +392,7 @@ void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
   const ModelConfig& m = c.model;
   fmt::print(stderr,
              "epx train: {} {} ranks ({} nodes{}), {} MoE layers of {} experts (top-{}, hidden {}, expert width {}, {}, "
-             "expert GEMMs {}{}{}), "
+             "expert GEMMs {}{}{}{}), "
              "{} tokens/step, balancing {}, data {}\n",
              c.num_ranks, mpi ? "MPI" : "in-process", c.num_nodes,
              c.ep_size() == c.num_ranks ? "" : fmt::format(", EP {} x EDP {}", c.ep_size(), c.num_ranks / c.ep_size()),
@@ -399,6 +403,7 @@ void print_run_line(const TrainOptions& o, const TrainConfig& c, bool mpi) {
                  ? ""
                  : fmt::format(", dispatch {}", dtype_name(*m.layer.dispatch_dtype)),
              m.layer.combine_dtype == DType::kF32 ? "" : fmt::format(", combine partials {}", dtype_name(m.layer.combine_dtype)),
+             m.layer.combine_weights == CombineWeights::kHolder ? "" : ", combine weighted by the receiver",
              c.batch_tokens,
              c.balancing.name(), o.data);
 }
@@ -555,6 +560,14 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "once, half the combine's bytes; the sum across ranks stays fp32 in a fixed order and the "
                   "backward is the same; docs/design.md, Expanded layout and weighted combine)")
       ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--combine-weights", o.combine_weights,
+                  "Where the combine applies the top-k weights: holder (each expert rank sends one weighted "
+                  "partial per (token, rank), of --combine-dtype) or receiver (the experts write y in --dtype "
+                  "straight into the combine region and each token's rank sums w * y in top-k order in fp32: "
+                  "fewer bytes, other bits, the same on any number of ranks; needs --overlap none, "
+                  "--combine-dtype f32 and a flat exchange; docs/design.md, Expanded layout and weighted combine)")
+      ->check(CLI::IsMember({"holder", "receiver"}))
       ->capture_default_str();
   cmd->add_option("--score", o.score, "Gate: softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}))->capture_default_str();
   cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")->capture_default_str();

@@ -47,6 +47,7 @@ struct TrainOptions {
   int overlap_chunks = 4;
   std::string dispatch_dtype;  // MoELayerConfig::dispatch_dtype: fp8, bf16, f32; empty = dtype
   std::string combine_dtype = "f32";  // MoELayerConfig::combine_dtype: the combine's partial rows, f32 or bf16
+  std::string combine_weights = "holder";  // MoELayerConfig::combine_weights: holder or receiver
   std::string score = "softmax";
   bool normalize = true;
   int groups = 1;

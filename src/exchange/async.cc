@@ -56,6 +56,14 @@ Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
   });
 }
 
+Result<TensorView> Buffer::combine_expanded_input(const Handle& handle, DType dtype) {
+  // As combine_input: the region may still be in use by a queued combine.
+  return detail::guard("combine_expanded_input", [&]() -> Result<TensorView> {
+    EPX_RETURN_IF_ERROR(settle());
+    return combine_expanded_input_now(handle, dtype);
+  });
+}
+
 Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options) {
   return detail::guard("combine", [&] {
     EPX_RETURN_IF_ERROR(settle());

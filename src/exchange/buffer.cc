@@ -38,12 +38,15 @@ struct Region {
   int32_t* src_idx = nullptr;
   int32_t* topk_idx = nullptr;     // [max_recv, K] local ids, K = the dispatch's topk
   float* topk_weights = nullptr;   // [max_recv, K]
-  std::byte* combine = nullptr;    // [max_recv, hidden] of the combine's dtype
+  std::byte* combine = nullptr;    // [combine_rows, hidden] of the combine's dtype
   float* combine_slots = nullptr;  // [max_recv, K]
+  // [max_recv, K]: the expanded row of each received row's slot k (-1: not
+  // local), published by a receiver-weighted combine_expanded.
+  int32_t* combine_rows = nullptr;
 
   // Returns the bytes; fills the pointers when base is not null.
   static std::size_t carve(std::byte* base, int64_t max_recv, std::size_t row_bytes, int max_topk,
-                           std::size_t combine_row_bytes, Region* out) {
+                           int64_t combine_rows, std::size_t combine_row_bytes, Region* out) {
     Carver c(base);
     const auto rows = static_cast<std::size_t>(max_recv);
     Region r;
@@ -51,8 +54,9 @@ struct Region {
     r.src_idx = c.take<int32_t>(rows);
     r.topk_idx = c.take<int32_t>(rows * max_topk);
     r.topk_weights = c.take<float>(rows * max_topk);
-    r.combine = c.take<std::byte>(rows * combine_row_bytes);
+    r.combine = c.take<std::byte>(static_cast<std::size_t>(combine_rows) * combine_row_bytes);
     r.combine_slots = c.take<float>(rows * max_topk);
+    r.combine_rows = c.take<int32_t>(rows * max_topk);
     if (out) *out = r;
     return c.bytes();
   }
@@ -156,6 +160,7 @@ struct Buffer::Impl {
   int64_t max_recv = 0;
   std::size_t row_bytes = 0;
   std::size_t combine_row_bytes = 0;
+  int64_t combine_rows = 0;  // rows of combine_row_bytes in the combine region
   detail::PayloadFormat payload;  // what a dispatch row holds (fp8: codes + scales)
   detail::PayloadFormat gradients;  // what the backward passes' rows hold (fp8: gradient_dtype)
   std::unique_ptr<PeerMemory> memory;
@@ -176,7 +181,30 @@ struct Buffer::Impl {
   std::mutex waits_mu;
   WaitRecord waits_sum;
 
+  // The receiver-weighted combine_expanded whose expanded rows the combine
+  // region holds (its handle and dispatch number), kept with the handle
+  // before anything overwrites them.
+  std::weak_ptr<const detail::HandleData> pinned_y;
+  int64_t pinned_seq = 0;
+  int64_t pinned_rows = 0;
+  DType pinned_dtype = DType::kF32;
+
   const Region& local() const { return regions[rank]; }
+  std::size_t combine_bytes() const { return static_cast<std::size_t>(combine_rows) * combine_row_bytes; }
+  // Before the combine region is overwritten: copies the pinned expanded
+  // rows into their handle (if it still lives), then forgets them.
+  void spill_pinned_y();
+  // The backward was the rows' last reader: nothing to keep for `h` any more.
+  void release_y(const detail::HandleData& h) {
+    if (pinned_y.lock().get() == &h) pinned_y.reset();
+    std::vector<std::byte>().swap(h.y_spill);
+  }
+  void pin_y(const Handle& handle, int64_t rows, DType dtype) {
+    pinned_y = handle.data_;
+    pinned_seq = handle.data().dispatch_seq;
+    pinned_rows = rows;
+    pinned_dtype = dtype;
+  }
   int meta_words(int topk, bool has_weights) const { return 1 + topk + (has_weights ? topk : 0); }
 
   // Row offset on rank d of the block that rank s sends it.
@@ -316,6 +344,19 @@ struct Buffer::Impl {
       local_status = validate_combine(y, handle.data(), out, options, y_name, out_name);
     return combine_impl(local_status, y, handle_data_or_empty(handle), out, options, op);
   }
+  // combine_expanded with CombineWeights::kReceiver (buffer.cc, below).
+  Status check_receiver_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
+                                const TensorView& weights, const CombineOptions& options, const float** w) const;
+  Status check_expanded_capacity(int64_t rows, DType dtype, std::string_view op) const;
+  void place_expanded_rows(const TensorView& y, const Handle& handle);
+  Status combine_receiver(Status local_status, const TensorView& y, const detail::HandleData& h, const TensorView& out,
+                          const float* w);
+  Status post_receiver_rows(const detail::HandleData& h, std::size_t yrow, SendGroup& sends);
+  Status recv_receiver_rows(const detail::HandleData& h, std::size_t yrow, std::vector<int64_t>* stage_first,
+                            const Deadline& deadline);
+  void sum_receiver_rows(const detail::HandleData& h, DType ydtype, const std::vector<int64_t>& stage_first,
+                         const float* w, const TensorView& out) const;
+  Result<TensorView> backward_y(const TensorView& y, const Handle& handle) const;
   // y_name and out_name name the caller's arguments in error messages.
   Status validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
                           const CombineOptions& options, std::string_view y_name = "y",
@@ -343,10 +384,23 @@ int64_t Buffer::estimate_region_bytes(const BufferConfig& config, int num_ranks)
   if (gradients.is_ok()) row_bytes = std::max(row_bytes, static_cast<int64_t>(gradients->row_bytes()));
   const int64_t combine_row_bytes = int64_t{config.hidden} * static_cast<int64_t>(dtype_size(config.max_combine_dtype));
   // Every row's share of the region, with room for the alignment padding.
-  const int64_t per_row = saturating_sum(row_bytes + combine_row_bytes, int64_t{4} * (1 + 3 * int64_t{config.max_topk}));
+  const int64_t per_row = saturating_sum(row_bytes + combine_row_bytes, int64_t{4} * (1 + 4 * int64_t{config.max_topk}));
   if (saturating_product({rows, per_row, 2}) == kMemoryUnbounded) return kMemoryUnbounded;
+  const int64_t combine_rows = detail::combine_region_rows(config, num_ranks);
+  if (saturating_product({combine_rows, combine_row_bytes, 2}) == kMemoryUnbounded) return kMemoryUnbounded;
   return static_cast<int64_t>(Region::carve(nullptr, rows, static_cast<std::size_t>(row_bytes), config.max_topk,
-                                            static_cast<std::size_t>(combine_row_bytes), nullptr));
+                                            combine_rows, static_cast<std::size_t>(combine_row_bytes), nullptr));
+}
+
+int64_t Buffer::expanded_rows_bound(const BufferConfig& config, int num_ranks, DType y_dtype) {
+  int64_t local = (config.num_experts + num_ranks - 1) / std::max(num_ranks, 1);
+  if (config.placement)
+    for (int r = 0; r < num_ranks; ++r) local = std::max<int64_t>(local, config.placement->num_local_experts(r));
+  const int64_t rows = saturating_sum(
+      saturating_product({detail::max_recv_rows(config, num_ranks), std::min<int64_t>(config.max_topk, local)}),
+      saturating_product({local, std::max(config.expert_alignment, 1) - 1}));
+  const auto wide = static_cast<int64_t>(dtype_size(config.max_combine_dtype)), narrow = static_cast<int64_t>(dtype_size(y_dtype));
+  return saturating_product({rows, narrow}) / wide + 1;
 }
 
 Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfig config) {
@@ -367,12 +421,14 @@ Result<std::unique_ptr<Buffer>> Buffer::create_now(Transport& transport, BufferC
     fields = {config.num_experts, config.hidden, static_cast<int64_t>(config.dtype), config.max_topk, max_recv,
               config.expert_alignment, static_cast<int64_t>(config.max_combine_dtype), hierarchical ? 1 : 0,
               detail::placement_hash(*config.placement), static_cast<int64_t>(config.fp8_scales),
-              config.record_waits ? 1 : 0, static_cast<int64_t>(config.gradient_dtype.value_or(config.dtype))};
+              config.record_waits ? 1 : 0, static_cast<int64_t>(config.gradient_dtype.value_or(config.dtype)),
+              config.max_expanded_rows};
   }
   static constexpr const char* kNames[] = {"num_experts",      "hidden",           "dtype",
                                            "max_topk",         "max_recv_tokens",  "expert_alignment",
                                            "max_combine_dtype", "algorithm",       "placement (hash)",
-                                           "fp8_scales",       "record_waits",     "gradient_dtype"};
+                                           "fp8_scales",       "record_waits",     "gradient_dtype",
+                                           "max_expanded_rows"};
   EPX_RETURN_IF_ERROR(
       detail::agree_on_config(transport, local_status, fields, kNames, "BufferConfig", "Buffer", deadline));
 
@@ -392,17 +448,18 @@ Result<std::unique_ptr<Buffer>> Buffer::create_now(Transport& transport, BufferC
   m.gradients = *detail::PayloadFormat::gradients_of(m.config);
   m.row_bytes = m.payload.row_bytes();
   m.combine_row_bytes = static_cast<std::size_t>(m.config.hidden) * dtype_size(m.config.max_combine_dtype);
+  m.combine_rows = detail::combine_region_rows(m.config, num_ranks);
   // Receive rows of either format fit (an fp8 Buffer's gradients are wider).
   const std::size_t region_row_bytes = std::max(m.row_bytes, m.gradients.row_bytes());
 
   const std::size_t bytes =
-      Region::carve(nullptr, m.max_recv, region_row_bytes, m.config.max_topk, m.combine_row_bytes, nullptr);
+      Region::carve(nullptr, m.max_recv, region_row_bytes, m.config.max_topk, m.combine_rows, m.combine_row_bytes, nullptr);
   EPX_ASSIGN_OR_RETURN(m.memory, transport.map_peer_memory(bytes, deadline));
   m.regions.resize(num_ranks);
   for (int r = 0; r < num_ranks; ++r)
     if (topo.same_node(r, m.rank))
-      Region::carve(m.memory->peer(r), m.max_recv, region_row_bytes, m.config.max_topk, m.combine_row_bytes,
-                    &m.regions[r]);
+      Region::carve(m.memory->peer(r), m.max_recv, region_row_bytes, m.config.max_topk, m.combine_rows,
+                    m.combine_row_bytes, &m.regions[r]);
   return std::unique_ptr<Buffer>(new Buffer(std::move(impl)));
 }
 
@@ -516,6 +573,9 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
     const int32_t* row = in.topk_idx.row<int32_t>(t);
     for (int k = 0; k < topk; ++k) h->topk_rank[t * topk + k] = row[k] < 0 ? -1 : m.placement.rank_of(row[k]);
   }
+  h->topk_weights.resize(has_weights ? static_cast<std::size_t>(T) * topk : 0);
+  for (int t = 0; t < T && has_weights; ++t)
+    std::copy_n(in.topk_weights.row<float>(t), topk, h->topk_weights.data() + static_cast<std::size_t>(t) * topk);
 
   ExchangeStats stats;
   {
@@ -835,6 +895,7 @@ Result<TensorView> Buffer::combine_input_now(const Handle& handle, DType dtype) 
   if (!is_payload_dtype(dtype) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
     return invalid_argument("combine_input dtype {} must be bf16 or f32 and no wider than max_combine_dtype = {}",
                             dtype_name(dtype), dtype_name(m.config.max_combine_dtype));
+  m.spill_pinned_y();  // the caller writes the region next
   return TensorView::contiguous(m.local().combine, dtype, {handle.num_recv_tokens(), m.config.hidden});
 }
 
@@ -885,6 +946,7 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
 
   // Put y in this rank's combine region, where peers read it.
   if (local_status.is_ok()) {
+    spill_pinned_y();
     if (y.data() != mine.combine)
       for (int64_t i = 0; i < h.num_recv; ++i) std::memcpy(mine.combine + i * yrow, y.row<std::byte>(i), yrow);
     if (slots)
@@ -901,7 +963,9 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
       return invalid_argument("{} inputs differ between ranks: rank {} has y {}{} and rank {} has y {}{}", op, rank,
                               dtype_name(ydtype), slots ? " with weight gradients" : "", r,
                               dtype_name(static_cast<DType>(all[r * stride + 1])),
-                              all[r * stride + 2] ? " with weight gradients" : "");
+                              all[r * stride + 2] == 2   ? " weighted by the receiver"
+                              : all[r * stride + 2] != 0 ? " with weight gradients"
+                                                         : "");
 
   const std::size_t prow = hierarchical ? static_cast<std::size_t>(H) * sizeof(float) : yrow;  // row on the wire
   SendGroup sends(transport, deadline, op);
@@ -1117,11 +1181,226 @@ void write_expanded_partials(const detail::HandleData& h, const TensorView& y_ex
 
 }  // namespace
 
+void Buffer::Impl::spill_pinned_y() {
+  const std::shared_ptr<const detail::HandleData> h = pinned_y.lock();
+  pinned_y.reset();
+  if (!h || h->dispatch_seq != pinned_seq) return;  // gone, or its storage reused by a later dispatch
+  const std::size_t bytes = static_cast<std::size_t>(pinned_rows) * config.hidden * dtype_size(pinned_dtype);
+  h->y_spill.assign(local().combine, local().combine + bytes);
+  h->y_spill_dtype = pinned_dtype;
+}
+
+Status Buffer::Impl::check_expanded_capacity(int64_t rows, DType dtype, std::string_view op) const {
+  const std::size_t row = static_cast<std::size_t>(config.hidden) * dtype_size(dtype);
+  const auto fits = std::min<int64_t>(static_cast<int64_t>(combine_bytes() / row), INT32_MAX);
+  if (rows <= fits) return Status::ok();
+  const auto needed = static_cast<int64_t>((static_cast<std::size_t>(rows) * row + combine_row_bytes - 1) / combine_row_bytes);
+  return invalid_argument("{} needs {} expanded rows of {} in the combine region, which holds {} such rows; raise "
+                          "BufferConfig::max_expanded_rows to at least {} (rows of max_combine_dtype = {})",
+                          op, rows, dtype_name(dtype), fits, needed, dtype_name(config.max_combine_dtype));
+}
+
+Status Buffer::Impl::check_receiver_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
+                                            const TensorView& weights, const CombineOptions& options,
+                                            const float** w) const {
+  if (hierarchical)
+    return invalid_argument("CombineOptions::weights_at = kReceiver takes the flat path, but this Buffer is two-hop "
+                            "({} nodes x {} ranks); use kHolder, or BufferConfig::algorithm = kFlat",
+                            num_nodes, ranks_per_node);
+  if (options.partial_dtype != DType::kF32)
+    return invalid_argument("partial_dtype = {} applies to holder partials; with weights_at = kReceiver the rows "
+                            "travel unweighted in y's dtype", dtype_name(options.partial_dtype));
+  if (options.bias.defined() || options.grad_recv_topk_weights.defined() || options.grad_topk_weights.defined())
+    return invalid_argument("combine_expanded with weights_at = kReceiver takes no bias and no weight gradients");
+  const int64_t rows = h.expanded().num_rows();
+  if (y.ndim() != 2 || !is_payload_dtype(y.dtype()) || dtype_size(y.dtype()) > dtype_size(config.max_combine_dtype))
+    return invalid_argument("y_expanded must be a 2-D bf16 or f32 array no wider than max_combine_dtype = {}, got {}",
+                            dtype_name(config.max_combine_dtype), y.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(y, "y_expanded", y.dtype(), rows, config.hidden));
+  EPX_RETURN_IF_ERROR(check_expanded_capacity(rows, y.dtype(), "combine_expanded"));
+  if (y.data() != local().combine && rows > 0 &&
+      !detail::check_outside_combine_region(y, local().combine, combine_bytes()).is_ok())
+    return invalid_argument("y_expanded overlaps the combine region but is not the view combine_expanded_input returned");
+  if (y.data() == local().combine && y.stride(0) != config.hidden)
+    return invalid_argument("y_expanded in the combine region must be dense, got {}", y.describe());
+  if (out.ndim() != 2 || !is_payload_dtype(out.dtype()))
+    return invalid_argument("out must be a 2-D bf16 or f32 array, got {}", out.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(out, "out", out.dtype(), h.num_tokens, config.hidden));
+  if (weights.defined()) {
+    EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_tokens, h.topk));
+    if (weights.stride(0) != h.topk) return invalid_argument("weights must be dense, got {}", weights.describe());
+    *w = weights.data_as<float>();
+  } else if (h.has_weights) {
+    *w = h.topk_weights.data();
+  } else {
+    return invalid_argument("combine_expanded needs weights: none were dispatched and none were passed");
+  }
+  return Status::ok();
+}
+
+// Puts y's rows in this rank's combine region (unless they are there) and
+// publishes each received row's expanded rows, where same-node peers read them.
+void Buffer::Impl::place_expanded_rows(const TensorView& y, const Handle& handle) {
+  const detail::HandleData& h = handle.data();
+  const Region& mine = local();
+  const std::size_t yrow = static_cast<std::size_t>(config.hidden) * y.element_size();
+  const int64_t rows = y.size(0);
+  if (y.data() != mine.combine) {
+    spill_pinned_y();
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(mine.combine + i * yrow, y.row<std::byte>(i), yrow);
+  }
+  const std::vector<int64_t>& row_of = h.expanded().row_of;
+  for (std::size_t i = 0; i < row_of.size(); ++i) mine.combine_rows[i] = static_cast<int32_t>(row_of[i]);
+  pin_y(handle, rows, y.dtype());
+}
+
+// Flat, to each source rank on another node: the expanded rows of its
+// tokens, in (its token, slot) order.
+Status Buffer::Impl::post_receiver_rows(const detail::HandleData& h, std::size_t yrow, SendGroup& sends) {
+  const int R = num_ranks, K = h.topk;
+  const std::vector<int64_t>& row_of = h.expanded().row_of;
+  std::vector<int64_t> first(R, 0), count(R, 0);
+  int64_t total = 0;
+  for (int s = 0; s < R; ++s) {
+    if (topology.same_node(s, rank)) continue;
+    const int64_t base = block_base(h, R, s, rank), n = h.counts[static_cast<std::size_t>(s) * R + rank];
+    first[s] = total;
+    for (int64_t i = base * K; i < (base + n) * K; ++i) count[s] += row_of[i] >= 0 ? 1 : 0;
+    total += count[s];
+  }
+  EPX_RETURN_IF_ERROR(send_payload.reserve(total * yrow, "the expanded rows for other nodes"));
+  for (int s = 0; s < R; ++s) {
+    if (count[s] == 0) continue;
+    const int64_t base = block_base(h, R, s, rank), n = h.counts[static_cast<std::size_t>(s) * R + rank];
+    std::byte* dst = send_payload.data() + first[s] * yrow;
+    for (int64_t i = base * K; i < (base + n) * K; ++i)
+      if (row_of[i] >= 0) std::memcpy(dst, local().combine + row_of[i] * yrow, yrow), dst += yrow;
+    EPX_RETURN_IF_ERROR(sends.post(s, kTagCombine, {send_payload.data() + first[s] * yrow, count[s] * yrow}));
+  }
+  return Status::ok();
+}
+
+// Flat, from each holder on another node: its rows of this rank's (token,
+// slot) pairs, staged in recv_payload from (*stage_first)[d] (-1: none).
+Status Buffer::Impl::recv_receiver_rows(const detail::HandleData& h, std::size_t yrow, std::vector<int64_t>* stage_first,
+                                        const Deadline& deadline) {
+  const int R = num_ranks;
+  std::vector<int64_t> count(R, 0);
+  for (const int32_t d : h.topk_rank)
+    if (d >= 0 && !topology.same_node(d, rank)) ++count[d];
+  stage_first->assign(R, -1);
+  int64_t total = 0;
+  for (int d = 0; d < R; ++d)
+    if (count[d] > 0) (*stage_first)[d] = total, total += count[d];
+  EPX_RETURN_IF_ERROR(recv_payload.reserve(total * yrow, "the expanded rows from other nodes"));
+  for (int d = 0; d < R; ++d) {
+    if (count[d] == 0) continue;
+    const std::size_t bytes = count[d] * yrow;
+    EPX_ASSIGN_OR_RETURN(std::size_t got,
+                         recv_from(d, kTagCombine, {recv_payload.data() + (*stage_first)[d] * yrow, bytes}, deadline));
+    EPX_RETURN_IF_ERROR(expect_size(got, bytes, d, "expanded combine rows"));
+  }
+  return Status::ok();
+}
+
+// out[t] = 0 + w[t, 0] * y[t, 0] + ... + w[t, K-1] * y[t, K-1] in fp32, slots
+// without an expert left out, one rounding to out's dtype.
+void Buffer::Impl::sum_receiver_rows(const detail::HandleData& h, DType ydtype, const std::vector<int64_t>& stage_first,
+                                     const float* w, const TensorView& out) const {
+  const int R = num_ranks, K = h.topk, H = config.hidden;
+  const std::size_t yrow = static_cast<std::size_t>(H) * dtype_size(ydtype);
+  std::vector<int64_t> next(stage_first);
+  std::vector<const std::byte*> rows(static_cast<std::size_t>(K));
+  std::vector<float> weights(static_cast<std::size_t>(K));
+  for (int t = 0; t < h.num_tokens; ++t) {
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      const int d = h.topk_rank[static_cast<std::size_t>(t) * K + k];
+      if (d < 0) continue;
+      if (topology.same_node(d, rank)) {
+        const int64_t recv_row = h.send_row[static_cast<std::size_t>(t) * R + d];
+        rows[n] = regions[d].combine + regions[d].combine_rows[recv_row * K + k] * yrow;
+      } else {
+        rows[n] = recv_payload.data() + next[d]++ * yrow;
+      }
+      weights[n++] = w[static_cast<std::size_t>(t) * K + k];
+    }
+    detail::weighted_partial(out.row<std::byte>(t), out.dtype(), rows.data(), weights.data(), n, ydtype, H);
+  }
+}
+
+Status Buffer::Impl::combine_receiver(Status local_status, const TensorView& y, const detail::HandleData& h,
+                                      const TensorView& out, const float* w) {
+  constexpr std::string_view kOp = "combine_expanded";
+  constexpr int64_t kReceiverWord = 2;  // in combine_impl's header, where it holds the weight-gradient flag
+  ScopedSpan span(config.tracer, rank, std::string(kOp));
+  const Deadline deadline = Deadline::after(config.timeout);
+  const DType ydtype = local_status.is_ok() ? y.dtype() : DType::kF32;
+  const std::size_t yrow = static_cast<std::size_t>(config.hidden) * dtype_size(ydtype);
+  start_op();
+  std::vector<int64_t> all;
+  EPX_RETURN_IF_ERROR(
+      gather_header(local_status, {static_cast<int64_t>(ydtype), kReceiverWord, h.dispatch_seq}, &all, kOp, deadline));
+  const std::size_t stride = all.size() / num_ranks;
+  EPX_RETURN_IF_ERROR(check_same_dispatch(all, stride, 3, kOp));
+  for (int r = 0; r < num_ranks; ++r)
+    if (all[r * stride + 1] != static_cast<int64_t>(ydtype) || all[r * stride + 2] != kReceiverWord)
+      return invalid_argument("combine_expanded inputs differ between ranks: rank {} weighs by the receiver with y {} "
+                              "and rank {} {} with y {}", rank, dtype_name(ydtype), r,
+                              all[r * stride + 2] == kReceiverWord ? "too" : "weighs by the holder",
+                              dtype_name(static_cast<DType>(all[r * stride + 1])));
+  SendGroup sends(transport, deadline, kOp);
+  EPX_RETURN_IF_ERROR(post_receiver_rows(h, yrow, sends));
+  std::vector<int64_t> stage_first;
+  EPX_RETURN_IF_ERROR(recv_receiver_rows(h, yrow, &stage_first, deadline));
+  sum_receiver_rows(h, ydtype, stage_first, w, out);
+  EPX_RETURN_IF_ERROR(sends.finish());
+  // No rank may overwrite its combine region while a peer still reads it.
+  return close_op(deadline);
+}
+
+Result<TensorView> Buffer::combine_expanded_input_now(const Handle& handle, DType dtype) {
+  Impl& m = *impl_;
+  EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_expanded_input"));
+  if (!is_payload_dtype(dtype) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
+    return invalid_argument("combine_expanded_input dtype {} must be bf16 or f32 and no wider than max_combine_dtype "
+                            "= {}", dtype_name(dtype), dtype_name(m.config.max_combine_dtype));
+  const int64_t rows = handle.data().expanded().num_rows();
+  EPX_RETURN_IF_ERROR(m.check_expanded_capacity(rows, dtype, "combine_expanded_input"));
+  m.spill_pinned_y();  // the caller writes the region next
+  return TensorView::contiguous(m.local().combine, dtype, {rows, m.config.hidden});
+}
+
+// The y rows the backward reads: y itself, or, for the combine_expanded_input
+// view of a receiver-weighted combine whose rows were since overwritten, the
+// copy kept with the handle.
+Result<TensorView> Buffer::Impl::backward_y(const TensorView& y, const Handle& handle) const {
+  const auto* begin = static_cast<const std::byte*>(y.data());
+  if (y.size(0) == 0 || detail::check_outside_combine_region(y, local().combine, combine_bytes()).is_ok()) return y;
+  const detail::HandleData& h = handle.data();
+  const bool is_view = begin == local().combine && y.stride(0) == config.hidden;
+  if (is_view && pinned_y.lock().get() == &h && pinned_seq == h.dispatch_seq && pinned_dtype == y.dtype() &&
+      pinned_rows == y.size(0))
+    return y;
+  const std::size_t bytes = static_cast<std::size_t>(y.size(0)) * config.hidden * y.element_size();
+  if (is_view && h.y_spill_dtype == y.dtype() && h.y_spill.size() == bytes)
+    return TensorView::contiguous(h.y_spill.data(), y.dtype(), {y.size(0), config.hidden});
+  return failed_precondition("y_expanded lies in this Buffer's combine region, but the rows there are not those a "
+                             "receiver-weighted combine_expanded of this handle read (overwritten since, or never "
+                             "written by one); pass y from outside the region");
+}
+
 Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                     const TensorView& weights, const CombineOptions& options) {
   Impl& m = *impl_;
   Status local_status = m.check_handle(handle, "combine_expanded");
   const detail::HandleData& h = handle_data_or_empty(handle);
+  if (options.weights_at == CombineWeights::kReceiver) {
+    const float* w = nullptr;
+    if (local_status.is_ok()) local_status = m.check_receiver_combine(y_expanded, h, out, weights, options, &w);
+    if (local_status.is_ok()) m.place_expanded_rows(y_expanded, handle);
+    return m.combine_receiver(local_status, y_expanded, h, out, w);
+  }
   const int H = m.config.hidden, K = h.topk;
   // The partials go out in f32, or bf16 (rounded once per (token, holder)).
   const DType partial_dtype = options.partial_dtype;
@@ -1136,7 +1415,7 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
       EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), h.expanded().num_rows(), H));
       // The partial sums are written into the combine region: y must not live there.
       EPX_RETURN_IF_ERROR(detail::check_outside_combine_region(y_expanded, m.local().combine,
-                                                               m.max_recv * m.combine_row_bytes));
+                                                               m.combine_bytes()));
       if (weights.defined()) {
         EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_recv, K));
         if (weights.stride(0) != K) return invalid_argument("weights must be dense, got {}", weights.describe());
@@ -1151,7 +1430,10 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
     }();
   }
   TensorView partial_view = TensorView::contiguous(m.local().combine, partial_dtype, {h.num_recv, H});
-  if (local_status.is_ok()) write_expanded_partials(h, y_expanded, w, partial_view);
+  if (local_status.is_ok()) {
+    m.spill_pinned_y();
+    write_expanded_partials(h, y_expanded, w, partial_view);
+  }
   return m.combine_impl(local_status, partial_view, h, out, options, "combine_expanded");
 }
 
@@ -1163,6 +1445,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   Status local_status = m.check_handle(handle, kOp);
   if (local_status.is_ok()) local_status = m.gradients.check_gradient_payload(kOp);
   const float* w = nullptr;
+  TensorView y_rows;  // y_expanded, or the copy of its rows kept with the handle
   if (local_status.is_ok()) {
     const detail::HandleData& h = handle.data();
     const int64_t rows = h.expanded().num_rows();
@@ -1170,6 +1453,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
       if (y_expanded.ndim() != 2 || !is_payload_dtype(y_expanded.dtype()))
         return invalid_argument("y_expanded must be a 2-D bf16 or f32 array, got {}", y_expanded.describe());
       EPX_RETURN_IF_ERROR(check_matrix(y_expanded, "y_expanded", y_expanded.dtype(), rows, m.config.hidden));
+      EPX_ASSIGN_OR_RETURN(y_rows, m.backward_y(y_expanded, handle));
       EPX_RETURN_IF_ERROR(check_matrix(grad_y_expanded, "grad_y_expanded", DType::kF32, rows, m.config.hidden));
       if (grad_weights.defined())
         EPX_RETURN_IF_ERROR(check_matrix(grad_weights, "grad_weights", DType::kF32, h.num_recv, h.topk));
@@ -1206,9 +1490,9 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
       // d out / d w = <grad, y[row]>, summed in column order; d out / d y[row] = w.
       // The dot product comes first, so grad_y_expanded may reuse y's memory.
       if (grad_weights.defined()) {
-        const std::byte* y = y_expanded.row<std::byte>(row);
+        const std::byte* y = y_rows.row<std::byte>(row);
         float dot = 0.0f;
-        for (int c = 0; c < H; ++c) dot += g[c] * load_as_f32(y, y_expanded.dtype(), c);
+        for (int c = 0; c < H; ++c) dot += g[c] * load_as_f32(y, y_rows.dtype(), c);
         grad_weights.row<float>(i)[k] = dot;
       }
       const float wk = w[i * K + k];
@@ -1216,6 +1500,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
       for (int c = 0; c < H; ++c) gy[c] = wk * g[c];
     }
   }
+  m.release_y(h);
   return Status::ok();
 }
 

@@ -22,6 +22,9 @@ Status validate_buffer_config(BufferConfig* config_ptr, int num_ranks) {
     return invalid_argument("max_tokens_per_rank = {} must be at least 1", config.max_tokens_per_rank);
   if (config.max_recv_tokens < 0)
     return invalid_argument("max_recv_tokens = {} must be 0 (the worst case) or positive", config.max_recv_tokens);
+  if (config.max_expanded_rows < 0 || config.max_expanded_rows > INT32_MAX)
+    return invalid_argument("max_expanded_rows = {} is outside [0 (the receive rows only), {}] (rows are indexed "
+                            "with int32)", config.max_expanded_rows, INT32_MAX);
   if (config.expert_alignment < 1)
     return invalid_argument("expert_alignment = {} must be at least 1", config.expert_alignment);
   if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
@@ -35,6 +38,10 @@ Status validate_buffer_config(BufferConfig* config_ptr, int num_ranks) {
 int64_t max_recv_rows(const BufferConfig& config, int num_ranks) {
   return config.max_recv_tokens > 0 ? config.max_recv_tokens
                                     : static_cast<int64_t>(num_ranks) * config.max_tokens_per_rank;
+}
+
+int64_t combine_region_rows(const BufferConfig& config, int num_ranks) {
+  return std::max(max_recv_rows(config, num_ranks), config.max_expanded_rows);
 }
 
 int64_t block_base(std::span<const int32_t> counts, int num_ranks, int s, int d) {

@@ -22,6 +22,9 @@ namespace epx::detail {
 Status validate_buffer_config(BufferConfig* config, int num_ranks);
 // Rows one rank can receive: max_recv_tokens, or num_ranks * max_tokens_per_rank when 0.
 int64_t max_recv_rows(const BufferConfig& config, int num_ranks);
+// Rows of max_combine_dtype in the combine region: max_recv_rows, or
+// max_expanded_rows when larger.
+int64_t combine_region_rows(const BufferConfig& config, int num_ranks);
 
 // counts[s * R + d]: rows rank s sends to rank d. The row on rank d where the
 // block from rank s starts: the sum of counts[q * R + d] over q < s.

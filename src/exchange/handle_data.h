@@ -36,6 +36,9 @@ struct HandleData {
   std::vector<int32_t> send_row;
   // topk_rank[t * K + k]: rank holding the expert of slot k of token t, or -1.
   std::vector<int32_t> topk_rank;
+  // [T, K]: the weights this rank dispatched (has_weights), for a
+  // receiver-weighted combine_expanded.
+  std::vector<float> topk_weights;
 
   ForwardPlan forward;
 
@@ -52,7 +55,17 @@ struct HandleData {
   // The expanded layout, built on first use (most dispatches never need it).
   [[nodiscard]] const ExpandedLayout& expanded() const;
   // Forgets the expanded layout, for a handle whose storage is reused.
-  void reset_expanded() { expanded_ready_ = false; }
+  void reset_expanded() {
+    expanded_ready_ = false;
+    y_spill.clear();
+  }
+
+  // The expanded rows a receiver-weighted combine_expanded of this handle
+  // read from the combine region, copied here by the Buffer before a later
+  // call overwrote them (empty: never overwritten); rows of y_spill_dtype.
+  // Written and read only by the Buffer's operations, which run one at a time.
+  mutable std::vector<std::byte> y_spill;
+  mutable DType y_spill_dtype = DType::kF32;
 
  private:
   mutable std::mutex expanded_mutex_;

@@ -28,8 +28,9 @@ enum SignalStatus : int64_t {
 };
 // Signal words: [0] sequence number (published last, release/acquire),
 // [1] status, [2..4] status details (combine: [2] = y's dtype, [3] = rows),
-// [5..] rows per local expert of the destination (dispatch).
-constexpr int kSigSeq = 0, kSigStatus = 1, kSigA = 2, kSigB = 3, kSigCounts = 5;  // [4]: c
+// [5] rows (dispatch: one per token the source sends this rank),
+// [6..] (token, expert) pairs per local expert of the destination (dispatch).
+constexpr int kSigSeq = 0, kSigStatus = 1, kSigA = 2, kSigB = 3, kSigRows = 5, kSigCounts = 6;  // [4]: c
 
 bool is_payload_dtype(DType dtype) { return dtype == DType::kF32 || dtype == DType::kBF16; }
 
@@ -38,29 +39,58 @@ void store_release(int64_t* word, int64_t value) {
   std::atomic_ref<int64_t>(*word).store(value, std::memory_order_release);
 }
 
-// One rank's peer-mapped region. Rows of source s for local expert e sit in
-// slot block [e][s][0, capacity) until the owner packs them.
+// One rank's peer-mapped region. Source s writes its dispatch rows for this
+// rank into inbox s (one row per token, with the (local expert, k) pairs it
+// goes to); the owner copies each into its experts' rows of recv_x.
 struct LLRegion {
-  std::byte* recv_x = nullptr;     // [E_max][R][capacity][row_bytes]
-  int32_t* recv_meta = nullptr;    // [E_max][R][capacity][2]: (token, k)
+  std::byte* recv_x = nullptr;     // [E_max][R * capacity][row_bytes], written by the owner only
+  std::byte* inbox = nullptr;      // [R][inbox_bytes]: a dispatch's rows of source s (DispatchBlock)
   int64_t* dispatch_sig = nullptr; // [R][sig_words], written by source s into row s
   std::byte* combine = nullptr;    // [max_tokens][max_topk][combine_row_bytes]
   int64_t* combine_sig = nullptr;  // [R][sig_words], written by owner d into row d
   int64_t* poison = nullptr;       // [8]: rank + 1 of a rank that failed mid-call
 
   static std::size_t carve(std::byte* base, std::size_t slots, std::size_t row_bytes, int num_ranks,
-                           std::size_t sig_words, std::size_t combine_slots, std::size_t combine_row_bytes,
-                           LLRegion* out) {
+                           std::size_t inbox_bytes, std::size_t sig_words, std::size_t combine_slots,
+                           std::size_t combine_row_bytes, LLRegion* out) {
     Carver c(base);
     LLRegion r;
     r.recv_x = c.take<std::byte>(slots * row_bytes);
-    r.recv_meta = c.take<int32_t>(slots * 2);
+    r.inbox = c.take<std::byte>(static_cast<std::size_t>(num_ranks) * inbox_bytes);
     r.dispatch_sig = c.take<int64_t>(static_cast<std::size_t>(num_ranks) * sig_words);
     r.combine = c.take<std::byte>(combine_slots * combine_row_bytes);
     r.combine_sig = c.take<int64_t>(static_cast<std::size_t>(num_ranks) * sig_words);
     r.poison = c.take<int64_t>(8);
     if (out) *out = r;
     return c.bytes();
+  }
+};
+
+// One source's dispatch rows for one destination rank, in an inbox (same
+// node) or after a message's header (other nodes): rows in token order,
+//   row_meta [rows][2] i32: (token, number of pairs)
+//   pairs    [pairs][2] i32: (local expert, k), a row's pairs in k order
+//   weights  [pairs] f32, padded to 8 bytes (only with combine_per_rank:
+//            the owner applies them)
+//   x        [rows][row_bytes] (left out when the source is the owner: it
+//            reads its own rows from x)
+struct DispatchBlock {
+  int32_t* row_meta = nullptr;
+  int32_t* pairs = nullptr;
+  float* weights = nullptr;
+  std::byte* x = nullptr;
+  static int64_t weight_words(int64_t pairs, bool weights) { return weights ? (pairs + 1) / 2 : 0; }
+  static DispatchBlock at(std::byte* base, int64_t rows, int64_t pairs, bool weights) {
+    DispatchBlock b;
+    b.row_meta = reinterpret_cast<int32_t*>(base);
+    b.pairs = b.row_meta + 2 * rows;
+    b.weights = reinterpret_cast<float*>(b.pairs + 2 * pairs);
+    b.x = base + (rows + pairs + weight_words(pairs, weights)) * 8;
+    return b;
+  }
+  static std::size_t bytes(int64_t rows, int64_t pairs, bool weights, std::size_t row_bytes) {
+    return static_cast<std::size_t>(rows + pairs + weight_words(pairs, weights)) * 8 +
+           static_cast<std::size_t>(rows) * row_bytes;
   }
 };
 
@@ -89,6 +119,8 @@ struct LowLatencyBuffer::Impl {
   int max_local = 0;     // the most experts on any rank (region shape)
   int64_t capacity = 0;  // rows per (local expert, source)
   std::size_t row_bytes = 0, combine_row_bytes = 0, sig_words = 0, header_bytes = 0;
+  std::size_t inbox_bytes = 0;  // one source's DispatchBlock at its largest
+  std::size_t peer_stride = 0;  // recv_staging bytes per remote source in dispatch (header + inbox)
   std::unique_ptr<PeerMemory> memory;
   std::vector<LLRegion> regions;  // by rank; this node's ranks only
 
@@ -106,6 +138,7 @@ struct LowLatencyBuffer::Impl {
   int num_tokens = 0, topk = 0;
   std::vector<int32_t> topk_idx;      // [max_tokens][max_topk]
   std::vector<float> weights;         // [max_tokens][max_topk]
+  std::vector<int64_t> own_row;       // [max_tokens][max_topk]: y row of a slot this rank's expert holds
   std::vector<int64_t> recv_counts;   // [R][max_local]: rows from source s for local expert e
   std::vector<int32_t> counts_out;    // [num_local]
   std::vector<int32_t> src_rank, src_idx, src_slot;  // [num_local][R * capacity]
@@ -114,20 +147,41 @@ struct LowLatencyBuffer::Impl {
 
   // Scratch, sized once.
   std::vector<int64_t> send_counts;   // [R][max_local]
-  std::vector<int64_t> fill;          // [R][max_local]
+  std::vector<int64_t> fill;          // [R] (combine: rows staged per source)
   std::vector<int64_t> block_of;      // [R]: byte offset of each remote peer's message in send staging
-  std::vector<int64_t> rows_to;       // [R]
+  std::vector<int64_t> rows_to;       // [R]: dispatch rows (tokens) / combine rows to each rank
+  std::vector<int64_t> pairs_to;      // [R]: (token, expert) pairs to each rank
+  std::vector<int64_t> last_token;    // [R]: the latest token with a row to each rank
+  std::vector<DispatchBlock> block_to;  // [R]: where this rank writes its rows for each rank
+  std::vector<int> remote_slot;       // [R]: index among the remote ranks (dispatch recv staging)
+  std::vector<int64_t> pairs_written; // [R]
+  std::vector<int64_t> next_row;      // [max_local]: the next recv_x row of each local expert
+  std::vector<int64_t> row_end;       // [max_local]: where the current source's rows of each expert end
+  // combine_per_rank: the latest dispatch's rows by source, for the owner's
+  // per-rank sums: row i of source s (its token, first slot k, pairs) and
+  // each pair's y row and weight.
+  struct HeldRow {
+    int32_t token = 0, first_slot = 0;
+    int64_t first_pair = 0, num_pairs = 0;
+  };
+  std::vector<HeldRow> held;              // [R][max_tokens]
+  std::vector<int64_t> held_rows;         // [R]
+  std::vector<int64_t> held_pair_row;     // [R][max_tokens * pairs_per_row]
+  std::vector<float> held_pair_weight;    // [R][max_tokens * pairs_per_row]
+  std::vector<float> partial;             // [hidden]
   std::vector<Request> requests;
   AlignedBuffer send_staging, recv_staging;
   std::vector<float> acc;             // [hidden]
 
   const LLRegion& local() const { return regions[rank]; }
   bool same_node(int r) const { return topology.same_node(r, rank); }
-  std::byte* slot_row(const LLRegion& r, int e, int s, int64_t i) const {
-    return r.recv_x + ((static_cast<std::size_t>(e) * num_ranks + s) * capacity + i) * row_bytes;
+  std::byte* recv_row(int e, int64_t j) const {
+    return local().recv_x + (static_cast<std::size_t>(e) * num_ranks * capacity + j) * row_bytes;
   }
-  int32_t* slot_meta(const LLRegion& r, int e, int s, int64_t i) const {
-    return r.recv_meta + ((static_cast<std::size_t>(e) * num_ranks + s) * capacity + i) * 2;
+  // Where source s's dispatch block for this rank lies once heard from.
+  std::byte* inbox_of(int s) const {
+    return same_node(s) ? local().inbox + static_cast<std::size_t>(s) * inbox_bytes
+                        : recv_staging.data() + remote_slot[s] * peer_stride + header_bytes;
   }
 
   Status validate_dispatch(const LowLatencyDispatchInputs& in) const;
@@ -144,11 +198,13 @@ struct LowLatencyBuffer::Impl {
   }
   // Hears from every rank in call `seq`: a same-node rank through its row of
   // `sig_rows` (in this rank's region), any other through one message with
-  // `tag` into recv_staging, which `unpack(peer, sig, bytes)` takes in; then
-  // `record(peer, sig)`. Same-node ranks first: their rows are already here.
+  // `tag` into recv_staging (at remote_slot[peer] * peer_stride when
+  // `per_peer`, else at its start), which `unpack(peer, sig, bytes)` takes
+  // in; then `record(peer, sig)`. Same-node ranks first: their rows are
+  // already here.
   template <typename Unpack, typename Record>
-  Status hear_from_all(int64_t* sig_rows, int tag, int64_t seq, std::string_view what, const Deadline& deadline,
-                       Unpack&& unpack, Record&& record) {
+  Status hear_from_all(int64_t* sig_rows, int tag, int64_t seq, std::string_view what, bool per_peer,
+                       const Deadline& deadline, Unpack&& unpack, Record&& record) {
     for (int pass = 0; pass < 2; ++pass) {
       for (int peer = 0; peer < num_ranks; ++peer) {
         if (same_node(peer) != (pass == 0)) continue;
@@ -159,9 +215,12 @@ struct LowLatencyBuffer::Impl {
           if (!st.is_ok()) return fail(std::move(st), deadline);
           sig = word;
         } else {
-          auto got = transport.recv(peer, tag, {recv_staging.data(), recv_staging.size()}, deadline);
+          const std::span<std::byte> area =
+              per_peer ? std::span<std::byte>(recv_staging.data() + remote_slot[peer] * peer_stride, peer_stride)
+                       : std::span<std::byte>(recv_staging.data(), recv_staging.size());
+          auto got = transport.recv(peer, tag, area, deadline);
           if (!got.is_ok()) return fail(got.status(), deadline);
-          sig = recv_staging.as<int64_t>();
+          sig = reinterpret_cast<const int64_t*>(area.data());
           if (*got < header_bytes || sig[kSigSeq] != seq)
             return fail(internal_error("{} message from rank {} was {} bytes for call {}, expected call {}: the ranks "
                                        "are out of step",
@@ -179,13 +238,52 @@ struct LowLatencyBuffer::Impl {
   // The per-expert counts of a dispatch signal from `peer` fit this rank's
   // slots (a mismatch would mean a bug, never a reason to write past them).
   Status check_counts(int peer, const int64_t* sig) const {
+    int64_t pairs = 0;
     for (int e = 0; e < max_local; ++e) {
       const int64_t n = sig[kSigCounts + e];
       if (n < 0 || n > capacity || (e >= num_local && n > 0))
         return internal_error("rank {} announced {} rows for local expert {} of rank {} ({} experts, capacity {})",
                               peer, n, e, rank, num_local, capacity);
+      pairs += n;
     }
+    const int64_t rows = sig[kSigRows];
+    if (rows < 0 || rows > config.max_tokens_per_rank || rows > pairs || pairs > rows * pairs_per_row())
+      return internal_error("rank {} announced {} rows for {} (token, expert) pairs to rank {} (at most {} tokens, {} "
+                            "pairs per token)",
+                            peer, rows, pairs, rank, config.max_tokens_per_rank, pairs_per_row());
     return Status::ok();
+  }
+  int64_t announced_pairs(const int64_t* sig) const {
+    int64_t n = 0;
+    for (int e = 0; e < max_local; ++e) n += sig[kSigCounts + e];
+    return n;
+  }
+  // A source's dispatch signal, once heard from: its row of dispatch_sig
+  // inside the node, its message's header otherwise.
+  const int64_t* dispatch_sig_of(int s) const {
+    return same_node(s) ? local().dispatch_sig + static_cast<std::size_t>(s) * sig_words
+                        : reinterpret_cast<const int64_t*>(recv_staging.data() + remote_slot[s] * peer_stride);
+  }
+  // The most local experts of one rank a token can go to.
+  int64_t pairs_per_row() const { return std::min(config.max_topk, max_local); }
+  // Dispatch steps (dispatch_now runs them in this order).
+  void count_rows(const LowLatencyDispatchInputs& in, int T, int K);
+  void place_blocks(bool send_rows);
+  void write_rows(const LowLatencyDispatchInputs& in, int T, int K, ExchangeStats* stats);
+  Status publish_dispatch(const int64_t* status, bool send_rows, int64_t seq, const Deadline& deadline,
+                          ExchangeStats* stats);
+  Status expand_from(int src, const int64_t* sig, const LowLatencyDispatchInputs& in);
+  void finish_experts(int64_t* received);
+  // Combine steps.
+  std::byte* combine_dst(int s, int t, int k, std::size_t y_row);
+  void stage_pair_rows(const TensorView& y, std::size_t y_row);
+  void stage_rank_sums(const TensorView& y, std::size_t y_row);
+  void sum_combine(const TensorView& y, std::size_t y_row, const TensorView& out);
+  // The first slot of a token's top-k row `idx` (up to k) naming an expert of `owner`.
+  int first_slot_on(const int32_t* idx, int k, int owner) const {
+    for (int j = 0; j < k; ++j)
+      if (idx[j] >= 0 && placement.rank_of(idx[j]) == owner) return j;
+    return k;
   }
   // After hearing from every rank: waits for this rank's sends, then returns
   // its own error, else the one every rank returns (peer_error), else OK.
@@ -262,9 +360,11 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
               config.max_topk,
               config.capacity > 0 ? config.capacity : config.max_tokens_per_rank,
               static_cast<int64_t>(config.max_combine_dtype),
-              detail::placement_hash(*config.placement)};
-  static constexpr const char* kNames[] = {"num_experts", "hidden",   "dtype",             "max_tokens_per_rank",
-                                           "max_topk",    "capacity", "max_combine_dtype", "placement (hash)"};
+              detail::placement_hash(*config.placement),
+              config.combine_per_rank ? 1 : 0};
+  static constexpr const char* kNames[] = {"num_experts", "hidden",           "dtype",
+                                           "max_tokens_per_rank", "max_topk", "capacity",
+                                           "max_combine_dtype",   "placement (hash)", "combine_per_rank"};
   EPX_RETURN_IF_ERROR(detail::agree_on_config(transport, local_status, fields, kNames, "LowLatencyConfig",
                                               "LowLatencyBuffer", deadline));
 
@@ -285,32 +385,40 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
 
   const std::size_t slots = static_cast<std::size_t>(m.max_local) * num_ranks * m.capacity;
   const std::size_t combine_slots = static_cast<std::size_t>(c.max_tokens_per_rank) * c.max_topk;
-  const std::size_t bytes =
-      LLRegion::carve(nullptr, slots, m.row_bytes, num_ranks, m.sig_words, combine_slots, m.combine_row_bytes, nullptr);
+  auto round_up = [](std::size_t n) { return (n + kCacheLine - 1) / kCacheLine * kCacheLine; };
+  m.inbox_bytes = round_up(DispatchBlock::bytes(c.max_tokens_per_rank, c.max_tokens_per_rank * m.pairs_per_row(),
+                                                c.combine_per_rank, m.row_bytes));
+  const std::size_t bytes = LLRegion::carve(nullptr, slots, m.row_bytes, num_ranks, m.inbox_bytes, m.sig_words,
+                                            combine_slots, m.combine_row_bytes, nullptr);
   EPX_ASSIGN_OR_RETURN(m.memory, transport.map_peer_memory(bytes, deadline));
   m.regions.resize(num_ranks);
   for (int r = 0; r < num_ranks; ++r)
     if (topo.same_node(r, m.rank))
-      LLRegion::carve(m.memory->peer(r), slots, m.row_bytes, num_ranks, m.sig_words, combine_slots,
+      LLRegion::carve(m.memory->peer(r), slots, m.row_bytes, num_ranks, m.inbox_bytes, m.sig_words, combine_slots,
                       m.combine_row_bytes, &m.regions[r]);
 
-  // Private memory, all of it now. A message to or from one remote rank
-  // holds at most min(T K, E_local capacity) rows, and this rank's rows to all
-  // remote ranks together at most T K.
+  // Private memory, all of it now. Dispatch: this rank's messages to all
+  // remote ranks hold at most T min(K, remote ranks) rows and T K pairs; one
+  // remote source's message is at most a header and an inbox, and each
+  // remote source has its own. Combine: a message to or from one remote rank
+  // holds at most min(T K, E_local capacity) rows, to all of them together at
+  // most remote ranks x that.
   const int num_remote = num_ranks - topo.ranks_per_node();
   const int64_t token_slots = static_cast<int64_t>(c.max_tokens_per_rank) * c.max_topk;
   const int64_t rows_per_peer = std::min<int64_t>(token_slots, static_cast<int64_t>(m.max_local) * m.capacity);
-  const std::size_t dispatch_row = 8 + m.row_bytes, combine_row = 8 + m.combine_row_bytes;
+  const std::size_t combine_row = 8 + m.combine_row_bytes;
+  m.peer_stride = round_up(m.header_bytes + m.inbox_bytes);
   std::size_t send_bytes = 0, recv_bytes = 0;
   if (num_remote > 0) {
-    // dispatch: rows to all remote ranks; combine: rows back to all remote sources.
+    const int64_t dispatch_rows = static_cast<int64_t>(c.max_tokens_per_rank) * std::min(c.max_topk, num_remote);
     const int64_t combine_rows = std::min<int64_t>(static_cast<int64_t>(num_remote) * token_slots,
                                                    static_cast<int64_t>(m.num_local) * num_remote * m.capacity);
-    send_bytes = num_remote * m.header_bytes +
-                 std::max(static_cast<std::size_t>(token_slots) * dispatch_row,
+    // (+ 8 bytes per message: each pads its weights to 8 bytes)
+    send_bytes = num_remote * (m.header_bytes + 8) +
+                 std::max(DispatchBlock::bytes(dispatch_rows, token_slots, c.combine_per_rank, m.row_bytes),
                           static_cast<std::size_t>(combine_rows) * combine_row);
-    recv_bytes = m.header_bytes + std::max(static_cast<std::size_t>(rows_per_peer) * dispatch_row,
-                                           static_cast<std::size_t>(rows_per_peer) * combine_row);
+    recv_bytes = std::max(num_remote * m.peer_stride,
+                          m.header_bytes + static_cast<std::size_t>(rows_per_peer) * combine_row);
   }
   // Every rank learns whether every other got its staging.
   const Status staged = allocate_staging(send_bytes, recv_bytes, &m.send_staging, &m.recv_staging);
@@ -320,6 +428,7 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
   const std::size_t R = num_ranks;
   m.topk_idx.assign(combine_slots, -1);
   m.weights.assign(combine_slots, 0.0f);
+  m.own_row.assign(combine_slots, 0);
   m.recv_counts.assign(R * m.max_local, 0);
   m.counts_out.assign(m.num_local, 0);
   const std::size_t out_rows = static_cast<std::size_t>(m.num_local) * R * m.capacity;
@@ -329,9 +438,25 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport
   m.peer_status.assign(R * 4, 0);
   m.owner_dtype.assign(R, 0);
   m.send_counts.assign(R * m.max_local, 0);
-  m.fill.assign(R * m.max_local, 0);
+  m.fill.assign(R, 0);
   m.block_of.assign(R, 0);
   m.rows_to.assign(R, 0);
+  m.pairs_to.assign(R, 0);
+  m.last_token.assign(R, -1);
+  m.block_to.assign(R, DispatchBlock{});
+  m.remote_slot.assign(R, -1);
+  for (int r = 0, i = 0; r < num_ranks; ++r)
+    if (!topo.same_node(r, m.rank)) m.remote_slot[r] = i++;
+  m.pairs_written.assign(R, 0);
+  m.next_row.assign(m.max_local, 0);
+  m.row_end.assign(m.max_local, 0);
+  m.held_rows.assign(R, 0);
+  if (c.combine_per_rank) {
+    m.held.assign(R * c.max_tokens_per_rank, Impl::HeldRow{});
+    m.held_pair_row.assign(R * c.max_tokens_per_rank * m.pairs_per_row(), 0);
+    m.held_pair_weight.assign(R * c.max_tokens_per_rank * m.pairs_per_row(), 0.0f);
+    m.partial.assign(c.hidden, 0.0f);
+  }
   m.requests.reserve(R);
   m.acc.assign(c.hidden, 0.0f);
   return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(impl)));
@@ -403,134 +528,216 @@ Status LowLatencyBuffer::Impl::peer_error(std::string_view op) const {
   return Status::ok();
 }
 
-Status LowLatencyBuffer::dispatch_now(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
-  Impl& m = *impl_;
-  if (!m.poisoned.is_ok()) return m.poisoned;
-  Stopwatch watch;
-  const Deadline deadline = Deadline::after(m.config.timeout);
-  const int R = m.num_ranks, EL = m.max_local;
-  const int64_t cap = m.capacity;
-  const Status local_status = out ? m.validate_dispatch(in) : invalid_argument("dispatch needs an output");
-  const int64_t seq = ++m.dispatch_seq;
-  m.dispatch_ok = false;
-  m.combined = false;
-  if (m.last_call == Impl::LastCall::kDispatch) {
-    // No combine since the last dispatch: a peer may still read its recv_x.
-    Status st = m.transport.barrier(deadline);
-    if (!st.is_ok()) return m.fail(std::move(st), deadline);
-  }
-  m.last_call = Impl::LastCall::kDispatch;
-
-  // Rows per (destination, local expert), and the first expert over capacity.
-  const int T = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(0)) : 0;
-  const int K = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(1)) : 0;
-  std::fill(m.send_counts.begin(), m.send_counts.end(), 0);
+// Rows per (destination, local expert), and per destination its rows (one
+// per token that goes there) and its (token, expert) pairs.
+void LowLatencyBuffer::Impl::count_rows(const LowLatencyDispatchInputs& in, int T, int K) {
+  std::fill(send_counts.begin(), send_counts.end(), 0);
+  std::fill(rows_to.begin(), rows_to.end(), 0);
+  std::fill(pairs_to.begin(), pairs_to.end(), 0);
+  std::fill(last_token.begin(), last_token.end(), -1);
   for (int t = 0; t < T; ++t) {
     const int32_t* row = in.topk_idx.row<int32_t>(t);
-    for (int k = 0; k < K; ++k)
-      if (row[k] >= 0) ++m.send_counts[static_cast<std::size_t>(m.placement.rank_of(row[k])) * EL + m.placement.local_id(row[k])];
-  }
-  int64_t status[4] = {local_status.is_ok() ? kSignalOk : kSignalRejected, 0, 0, 0};
-  for (int e = 0; e < m.config.num_experts && status[0] == kSignalOk; ++e) {
-    const int64_t n = m.send_counts[static_cast<std::size_t>(m.placement.rank_of(e)) * EL + m.placement.local_id(e)];
-    if (n > cap) {
-      status[0] = kSignalOverflow;
-      status[1] = e;
-      status[2] = n;
-      status[3] = cap;
-    }
-  }
-  const bool send_rows = status[0] == kSignalOk;
-  ExchangeStats stats;
-
-  // Where each remote destination's message sits in the send staging.
-  int64_t staged = 0;
-  for (int d = 0; d < R; ++d) {
-    if (m.same_node(d)) continue;
-    int64_t n = 0;
-    for (int e = 0; e < EL && send_rows; ++e) n += m.send_counts[static_cast<std::size_t>(d) * EL + e];
-    m.rows_to[d] = n;
-    m.block_of[d] = staged;
-    staged += static_cast<int64_t>(m.header_bytes + n * (8 + m.row_bytes));
-  }
-  EPX_CHECK(static_cast<std::size_t>(staged) <= m.send_staging.size());
-
-  // Rows: into same-node slots directly, into the staging for other nodes
-  // (grouped by local expert, token order inside a group).
-  std::fill(m.fill.begin(), m.fill.end(), 0);
-  if (send_rows) {
-    for (int d = 0; d < R; ++d) {
-      if (m.same_node(d)) continue;
-      int64_t first = 0;  // the fill counter starts at the group's first row in the message
-      for (int e = 0; e < EL; ++e) {
-        m.fill[static_cast<std::size_t>(d) * EL + e] = first;
-        first += m.send_counts[static_cast<std::size_t>(d) * EL + e];
-      }
-    }
-    for (int t = 0; t < T; ++t) {
-      const int32_t* row = in.topk_idx.row<int32_t>(t);
-      const std::byte* src = in.x.row<std::byte>(t);
-      for (int k = 0; k < K; ++k) {
-        if (row[k] < 0) continue;
-        const int d = m.placement.rank_of(row[k]), e = m.placement.local_id(row[k]);
-        const int64_t i = m.fill[static_cast<std::size_t>(d) * EL + e]++;
-        ++stats.rows_sent;
-        if (m.same_node(d)) {
-          std::memcpy(m.slot_row(m.regions[d], e, m.rank, i), src, m.row_bytes);
-          int32_t* meta = m.slot_meta(m.regions[d], e, m.rank, i);
-          meta[0] = t;
-          meta[1] = k;
-          stats.intra_node_payload_bytes += static_cast<int64_t>(m.row_bytes);
-        } else {
-          std::byte* block = m.send_staging.data() + m.block_of[d];
-          auto* meta = reinterpret_cast<int32_t*>(block + m.header_bytes) + 2 * i;
-          meta[0] = t;
-          meta[1] = k;
-          std::memcpy(block + m.header_bytes + m.rows_to[d] * 8 + i * m.row_bytes, src, m.row_bytes);
-        }
+    for (int k = 0; k < K; ++k) {
+      if (row[k] < 0) continue;
+      const int d = placement.rank_of(row[k]);
+      ++send_counts[static_cast<std::size_t>(d) * max_local + placement.local_id(row[k])];
+      ++pairs_to[d];
+      if (last_token[d] != t) {
+        last_token[d] = t;
+        ++rows_to[d];
       }
     }
   }
+}
 
-  // Signals: the counts and the status, then the sequence number.
-  for (int d = 0; d < R; ++d) {
-    const bool near = m.same_node(d);
-    int64_t* sig = near ? m.regions[d].dispatch_sig + static_cast<std::size_t>(m.rank) * m.sig_words
-                        : reinterpret_cast<int64_t*>(m.send_staging.data() + m.block_of[d]);
+// Where this rank's block for each rank goes: into the peer's inbox inside
+// the node, after the message header in the send staging for other nodes.
+void LowLatencyBuffer::Impl::place_blocks(bool send_rows) {
+  std::size_t staged = 0;
+  for (int d = 0; d < num_ranks; ++d) {
+    if (!send_rows) rows_to[d] = pairs_to[d] = 0;
+    std::byte* base = nullptr;
+    if (same_node(d)) {
+      base = regions[d].inbox + static_cast<std::size_t>(rank) * inbox_bytes;
+    } else {
+      block_of[d] = static_cast<int64_t>(staged);
+      base = send_staging.data() + staged + header_bytes;
+      staged += header_bytes + DispatchBlock::bytes(rows_to[d], pairs_to[d], config.combine_per_rank, row_bytes);
+    }
+    block_to[d] = DispatchBlock::at(base, rows_to[d], pairs_to[d], config.combine_per_rank);
+  }
+  EPX_CHECK(staged <= send_staging.size());
+}
+
+// Each token's row once per destination rank, with the (local expert, k)
+// pairs it goes to there in k order. Rows for this rank stay in x.
+void LowLatencyBuffer::Impl::write_rows(const LowLatencyDispatchInputs& in, int T, int K, ExchangeStats* stats) {
+  std::fill(last_token.begin(), last_token.end(), -1);
+  std::fill(fill.begin(), fill.end(), 0);  // rows written to each rank
+  std::fill(pairs_written.begin(), pairs_written.end(), 0);
+  for (int t = 0; t < T; ++t) {
+    const int32_t* row = in.topk_idx.row<int32_t>(t);
+    const float* w = in.topk_weights.defined() ? in.topk_weights.row<float>(t) : nullptr;
+    for (int k = 0; k < K; ++k) {
+      if (row[k] < 0) continue;
+      const int d = placement.rank_of(row[k]);
+      DispatchBlock& b = block_to[d];
+      if (last_token[d] != t) {
+        last_token[d] = t;
+        const int64_t i = fill[d]++;
+        b.row_meta[2 * i] = t;
+        b.row_meta[2 * i + 1] = 0;
+        if (d != rank) std::memcpy(b.x + i * row_bytes, in.x.row<std::byte>(t), row_bytes);
+        ++stats->rows_sent;
+        if (d != rank && same_node(d)) stats->intra_node_payload_bytes += static_cast<int64_t>(row_bytes);
+      }
+      const int64_t j = pairs_written[d]++;
+      b.pairs[2 * j] = placement.local_id(row[k]);
+      b.pairs[2 * j + 1] = k;
+      if (config.combine_per_rank) b.weights[j] = w ? w[k] : 1.0f;
+      ++b.row_meta[2 * (fill[d] - 1) + 1];
+    }
+  }
+}
+
+// The counts and the status, then the sequence number (inside the node) or
+// the message (other nodes).
+Status LowLatencyBuffer::Impl::publish_dispatch(const int64_t* status, bool send_rows, int64_t seq,
+                                                const Deadline& deadline, ExchangeStats* stats) {
+  for (int d = 0; d < num_ranks; ++d) {
+    const bool near = same_node(d);
+    int64_t* sig = near ? regions[d].dispatch_sig + static_cast<std::size_t>(rank) * sig_words
+                        : reinterpret_cast<int64_t*>(send_staging.data() + block_of[d]);
     std::copy(status, status + 4, sig + kSigStatus);
-    for (int e = 0; e < EL; ++e) sig[kSigCounts + e] = send_rows ? m.send_counts[static_cast<std::size_t>(d) * EL + e] : 0;
+    sig[kSigRows] = rows_to[d];
+    for (int e = 0; e < max_local; ++e)
+      sig[kSigCounts + e] = send_rows ? send_counts[static_cast<std::size_t>(d) * max_local + e] : 0;
     if (near) {
       store_release(sig + kSigSeq, seq);
       continue;
     }
     sig[kSigSeq] = seq;
-    const std::size_t n = m.header_bytes + static_cast<std::size_t>(m.rows_to[d]) * (8 + m.row_bytes);
-    auto request = m.transport.send_async(d, kTagDispatch, {m.send_staging.data() + m.block_of[d], n});
-    if (!request.is_ok()) return m.fail(request.status(), deadline);
-    m.requests.push_back(std::move(*request));
-    stats.inter_node_payload_bytes += m.rows_to[d] * static_cast<int64_t>(m.row_bytes);
-    stats.inter_node_meta_bytes += static_cast<int64_t>(n) - m.rows_to[d] * static_cast<int64_t>(m.row_bytes);
+    const std::size_t payload = static_cast<std::size_t>(rows_to[d]) * row_bytes;
+    const std::size_t n = header_bytes + DispatchBlock::bytes(rows_to[d], pairs_to[d], config.combine_per_rank, row_bytes);
+    auto request = transport.send_async(d, kTagDispatch, {send_staging.data() + block_of[d], n});
+    if (!request.is_ok()) return fail(request.status(), deadline);
+    requests.push_back(std::move(*request));
+    stats->inter_node_payload_bytes += static_cast<int64_t>(payload);
+    stats->inter_node_meta_bytes += static_cast<int64_t>(n - payload);
   }
+  return Status::ok();
+}
 
-  // Hear from every rank; rows from other nodes go into their slot blocks
-  // like a same-node source's.
+// Copies source `src`'s rows into its experts' rows of recv_x, after those of
+// lower source ranks (sources go in ascending rank), with their sources;
+// checks the block against the counts `sig` announced.
+Status LowLatencyBuffer::Impl::expand_from(int src, const int64_t* sig, const LowLatencyDispatchInputs& in) {
+  const int64_t rows = sig[kSigRows], pairs = announced_pairs(sig);
+  const DispatchBlock b = DispatchBlock::at(inbox_of(src), rows, pairs, config.combine_per_rank);
+  const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * capacity;
+  for (int e = 0; e < num_local; ++e)
+    row_end[e] = next_row[e] + recv_counts[static_cast<std::size_t>(src) * max_local + e];
+  int64_t pair = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int32_t t = b.row_meta[2 * i], n = b.row_meta[2 * i + 1];
+    if (t < 0 || t >= config.max_tokens_per_rank || n < 1 || pair + n > pairs)
+      return internal_error("rank {} sent rank {} a row for token {} with {} pairs after {} of {}", src, rank, t, n,
+                            pair, pairs);
+    const std::byte* x = src == rank ? in.x.row<std::byte>(t) : b.x + i * row_bytes;
+    if (config.combine_per_rank) {
+      HeldRow& h = held[static_cast<std::size_t>(src) * config.max_tokens_per_rank + i];
+      h.token = t;
+      h.first_slot = b.pairs[2 * pair + 1];
+      h.first_pair = pair;
+      h.num_pairs = n;
+    }
+    for (const int64_t last = pair + n; pair < last; ++pair) {
+      const int32_t e = b.pairs[2 * pair], k = b.pairs[2 * pair + 1];
+      if (e < 0 || e >= num_local || k < 0 || k >= config.max_topk || next_row[e] >= row_end[e])
+        return internal_error("rank {} sent rank {} token {} for local expert {} slot {} beyond its announced counts",
+                              src, rank, t, e, k);
+      const int64_t j = next_row[e]++;
+      std::memcpy(recv_row(e, j), x, row_bytes);
+      const std::size_t o = static_cast<std::size_t>(e) * rows_per_expert + j;
+      src_rank[o] = src;
+      src_idx[o] = t;
+      src_slot[o] = k;
+      if (config.combine_per_rank) {
+        const std::size_t p = static_cast<std::size_t>(src) * config.max_tokens_per_rank * pairs_per_row() + pair;
+        held_pair_row[p] = static_cast<int64_t>(o);
+        held_pair_weight[p] = b.weights[pair];
+      }
+    }
+  }
+  held_rows[src] = rows;
+  for (int e = 0; e < num_local; ++e)
+    if (next_row[e] != row_end[e])
+      return internal_error("rank {} sent rank {} {} rows fewer than it announced for local expert {}", src, rank,
+                            row_end[e] - next_row[e], e);
+  return Status::ok();
+}
+
+// Counts and the -1 sources past them, once every source is in.
+void LowLatencyBuffer::Impl::finish_experts(int64_t* received) {
+  const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * capacity;
+  *received = 0;
+  for (int e = 0; e < num_local; ++e) {
+    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
+    const int64_t n = next_row[e];
+    std::fill(src_rank.begin() + base + n, src_rank.begin() + base + rows_per_expert, -1);
+    std::fill(src_idx.begin() + base + n, src_idx.begin() + base + rows_per_expert, -1);
+    std::fill(src_slot.begin() + base + n, src_slot.begin() + base + rows_per_expert, -1);
+    counts_out[e] = static_cast<int32_t>(n);
+    *received += n;
+  }
+}
+
+Status LowLatencyBuffer::dispatch_now(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
+  Impl& m = *impl_;
+  if (!m.poisoned.is_ok()) return m.poisoned;
+  Stopwatch watch;
+  const Deadline deadline = Deadline::after(m.config.timeout);
+  const int EL = m.max_local;
+  const Status local_status = out ? m.validate_dispatch(in) : invalid_argument("dispatch needs an output");
+  const int64_t seq = ++m.dispatch_seq;
+  m.dispatch_ok = false;
+  m.combined = false;
+  if (m.last_call == Impl::LastCall::kDispatch) {
+    // No combine since the last dispatch: a peer may still read its inbox.
+    Status st = m.transport.barrier(deadline);
+    if (!st.is_ok()) return m.fail(std::move(st), deadline);
+  }
+  m.last_call = Impl::LastCall::kDispatch;
+
+  // Counts, and the first expert over capacity.
+  const int T = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(0)) : 0;
+  const int K = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(1)) : 0;
+  m.count_rows(in, T, K);
+  int64_t status[4] = {local_status.is_ok() ? kSignalOk : kSignalRejected, 0, 0, 0};
+  for (int e = 0; e < m.config.num_experts && status[0] == kSignalOk; ++e) {
+    const int64_t n = m.send_counts[static_cast<std::size_t>(m.placement.rank_of(e)) * EL + m.placement.local_id(e)];
+    if (n > m.capacity) {
+      status[0] = kSignalOverflow;
+      status[1] = e;
+      status[2] = n;
+      status[3] = m.capacity;
+    }
+  }
+  const bool send_rows = status[0] == kSignalOk;
+  ExchangeStats stats;
+  m.place_blocks(send_rows);
+  if (send_rows) m.write_rows(in, T, K, &stats);
+  EPX_RETURN_IF_ERROR(m.publish_dispatch(status, send_rows, seq, deadline, &stats));
+
+  // Hear from every rank (a remote source's message stays in its own part of
+  // the receive staging), then lay the rows out in ascending source rank.
   auto unpack = [&](int src, const int64_t* sig, std::size_t bytes) -> Status {
     EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
-    int64_t n = 0;
-    for (int e = 0; e < EL; ++e) n += sig[kSigCounts + e];
-    const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + m.row_bytes);
+    const std::size_t expected =
+        m.header_bytes + DispatchBlock::bytes(sig[kSigRows], m.announced_pairs(sig), m.config.combine_per_rank, m.row_bytes);
     if (bytes != expected)
       return internal_error("low-latency dispatch message from rank {} was {} bytes for {} rows, expected {}", src,
-                            bytes, n, expected);
-    const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
-    const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
-    int64_t j = 0;
-    for (int e = 0; e < m.num_local; ++e) {
-      const int64_t count = sig[kSigCounts + e];
-      std::memcpy(m.slot_row(m.local(), e, src, 0), rows + j * m.row_bytes, count * m.row_bytes);
-      std::memcpy(m.slot_meta(m.local(), e, src, 0), meta + 2 * j, count * 8);
-      j += count;
-    }
+                            bytes, sig[kSigRows], expected);
     return Status::ok();
   };
   auto record = [&](int src, const int64_t* sig) -> Status {
@@ -539,35 +746,16 @@ Status LowLatencyBuffer::dispatch_now(const LowLatencyDispatchInputs& in, LowLat
     for (int e = 0; e < EL; ++e) m.recv_counts[static_cast<std::size_t>(src) * EL + e] = sig[kSigCounts + e];
     return Status::ok();
   };
-  EPX_RETURN_IF_ERROR(
-      m.hear_from_all(m.local().dispatch_sig, kTagDispatch, seq, "a low-latency dispatch", deadline, unpack, record));
+  EPX_RETURN_IF_ERROR(m.hear_from_all(m.local().dispatch_sig, kTagDispatch, seq, "a low-latency dispatch", true,
+                                      deadline, unpack, record));
   EPX_RETURN_IF_ERROR(m.finish_call(local_status, "dispatch", deadline));
-
-  // Pack each expert's blocks in ascending source rank (blocks only move
-  // down, so in place).
-  const int64_t rows_per_expert = static_cast<int64_t>(R) * cap;
-  int64_t received = 0;
-  for (int e = 0; e < m.num_local; ++e) {
-    int64_t next = 0;
-    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
-    for (int s = 0; s < R; ++s) {
-      const int64_t n = m.recv_counts[static_cast<std::size_t>(s) * EL + e];
-      const int32_t* meta = m.slot_meta(m.local(), e, s, 0);
-      for (int64_t i = 0; i < n; ++i) {
-        m.src_rank[base + next + i] = s;
-        m.src_idx[base + next + i] = meta[2 * i];
-        m.src_slot[base + next + i] = meta[2 * i + 1];
-      }
-      if (next != s * cap && n > 0)
-        std::memmove(m.slot_row(m.local(), e, 0, next), m.slot_row(m.local(), e, s, 0), n * m.row_bytes);
-      next += n;
-    }
-    std::fill(m.src_rank.begin() + base + next, m.src_rank.begin() + base + rows_per_expert, -1);
-    std::fill(m.src_idx.begin() + base + next, m.src_idx.begin() + base + rows_per_expert, -1);
-    std::fill(m.src_slot.begin() + base + next, m.src_slot.begin() + base + rows_per_expert, -1);
-    m.counts_out[e] = static_cast<int32_t>(next);
-    received += next;
+  std::fill(m.next_row.begin(), m.next_row.end(), 0);
+  for (int s = 0; s < m.num_ranks; ++s) {
+    Status st = m.expand_from(s, m.dispatch_sig_of(s), in);
+    if (!st.is_ok()) return m.fail(std::move(st), deadline);
   }
+  int64_t received = 0;
+  m.finish_experts(&received);
 
   // What combine needs of this rank's own tokens.
   m.num_tokens = T;
@@ -583,7 +771,7 @@ Status LowLatencyBuffer::dispatch_now(const LowLatencyDispatchInputs& in, LowLat
   }
   m.dispatch_ok = true;
 
-  const int64_t EN = m.num_local;
+  const int64_t EN = m.num_local, rows_per_expert = m.num_ranks * m.capacity;
   out->recv_x = TensorView::contiguous(m.local().recv_x, m.config.dtype, {EN, rows_per_expert, m.config.hidden});
   out->num_recv_tokens_per_expert = TensorView::contiguous(m.counts_out.data(), DType::kI32, {EN});
   out->recv_src_rank = TensorView::contiguous(m.src_rank.data(), DType::kI32, {EN, rows_per_expert});
@@ -630,14 +818,15 @@ Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle
   const bool send_rows = local_status.is_ok();
   if (send_rows) m.combined = true;
   const std::size_t y_row = send_rows ? static_cast<std::size_t>(m.config.hidden) * dtype_size(y.dtype()) : 0;
-  const int64_t rows_per_expert = static_cast<int64_t>(R) * m.capacity;
 
   // Messages to other nodes: one per source rank, rows in (expert, row) order.
   int64_t staged = 0;
   for (int s = 0; s < R; ++s) {
     if (m.same_node(s)) continue;
     int64_t n = 0;
-    for (int e = 0; e < m.num_local && send_rows; ++e) n += m.recv_counts[static_cast<std::size_t>(s) * EL + e];
+    if (m.config.combine_per_rank && send_rows) n = m.held_rows[s];
+    for (int e = 0; e < m.num_local && send_rows && !m.config.combine_per_rank; ++e)
+      n += m.recv_counts[static_cast<std::size_t>(s) * EL + e];
     m.rows_to[s] = n;
     m.block_of[s] = staged;
     m.fill[s] = 0;
@@ -645,26 +834,15 @@ Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle
   }
   EPX_CHECK(static_cast<std::size_t>(staged) <= m.send_staging.size());
 
-  // Rows: into each source's combine slot (token, k), or staged.
-  for (int e = 0; e < m.num_local && send_rows; ++e) {
-    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
-    for (int64_t j = 0; j < m.counts_out[e]; ++j) {
-      const int s = m.src_rank[base + j], t = m.src_idx[base + j], k = m.src_slot[base + j];
-      const std::byte* src = y.data_as<std::byte>() + (base + j) * y_row;
-      if (m.same_node(s)) {
-        std::memcpy(m.regions[s].combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes, src, y_row);
-      } else {
-        std::byte* block = m.send_staging.data() + m.block_of[s];
-        const int64_t i = m.fill[s]++;
-        auto* meta = reinterpret_cast<int32_t*>(block + m.header_bytes) + 2 * i;
-        meta[0] = t;
-        meta[1] = k;
-        std::memcpy(block + m.header_bytes + m.rows_to[s] * 8 + i * y_row, src, y_row);
-      }
-    }
+  if (send_rows) {
+    if (m.config.combine_per_rank)
+      m.stage_rank_sums(y, y_row);
+    else
+      m.stage_pair_rows(y, y_row);
   }
-  // Signals only after every read of y (y may be recv_x, which peers' next
-  // dispatch overwrites once they have heard from this rank).
+  // Signals only after the peers' rows are out of y. This rank's own rows
+  // stay in y until the sum below (y may be recv_x, which only this rank's
+  // next dispatch overwrites: peers write into its inbox).
   for (int s = 0; s < R; ++s) {
     const bool near = m.same_node(s);
     int64_t* sig = near ? m.regions[s].combine_sig + static_cast<std::size_t>(m.rank) * m.sig_words
@@ -715,24 +893,86 @@ Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle
     return Status::ok();
   };
   EPX_RETURN_IF_ERROR(
-      m.hear_from_all(m.local().combine_sig, kTagCombine, seq, "a low-latency combine", deadline, unpack, record));
+      m.hear_from_all(m.local().combine_sig, kTagCombine, seq, "a low-latency combine", false, deadline, unpack,
+                      record));
   EPX_RETURN_IF_ERROR(m.finish_call(local_status, "combine", deadline));
 
-  // out[t] = sum over k ascending of w[t][k] * y(t, k), in fp32.
-  const int H = m.config.hidden;
-  for (int t = 0; t < m.num_tokens; ++t) {
-    std::fill(m.acc.begin(), m.acc.end(), 0.0f);
-    for (int k = 0; k < m.topk; ++k) {
-      const int32_t e = m.topk_idx[static_cast<std::size_t>(t) * MK + k];
-      if (e < 0) continue;
-      const auto dtype = static_cast<DType>(m.owner_dtype[m.placement.rank_of(e)]);
-      detail::accumulate_weighted(m.acc.data(), m.weights[static_cast<std::size_t>(t) * MK + k],
-                                  m.local().combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes,
-                                  dtype, H);
-    }
-    detail::store(out.row<std::byte>(t), out.dtype(), m.acc.data(), H);
-  }
+  m.sum_combine(y, y_row, out);
   return Status::ok();
+}
+
+// Where the row for slot (t, k) of source s goes: its combine slot inside the
+// node, the next row of its message otherwise (with its (t, k)).
+std::byte* LowLatencyBuffer::Impl::combine_dst(int s, int t, int k, std::size_t y_row) {
+  if (same_node(s)) return regions[s].combine + (static_cast<std::size_t>(t) * config.max_topk + k) * combine_row_bytes;
+  std::byte* block = send_staging.data() + block_of[s];
+  const int64_t i = fill[s]++;
+  auto* meta = reinterpret_cast<int32_t*>(block + header_bytes) + 2 * i;
+  meta[0] = t;
+  meta[1] = k;
+  return block + header_bytes + rows_to[s] * 8 + i * y_row;
+}
+
+// One row per (token, expert): y's rows as they are. This rank's own
+// tokens' rows stay in y, read by sum_combine.
+void LowLatencyBuffer::Impl::stage_pair_rows(const TensorView& y, std::size_t y_row) {
+  const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * capacity;
+  for (int e = 0; e < num_local; ++e) {
+    const std::size_t base = static_cast<std::size_t>(e) * rows_per_expert;
+    for (int64_t j = 0; j < counts_out[e]; ++j) {
+      const int s = src_rank[base + j], t = src_idx[base + j], k = src_slot[base + j];
+      if (s == rank) {
+        own_row[static_cast<std::size_t>(t) * config.max_topk + k] = static_cast<int64_t>(base + j);
+        continue;
+      }
+      std::memcpy(combine_dst(s, t, k, y_row), y.data_as<std::byte>() + (base + j) * y_row, y_row);
+    }
+  }
+}
+
+// combine_per_rank: one row per (source, token), at the token's first slot
+// on this rank: sum over its slots k here, ascending, of w[t][k] * y(t, k) in
+// fp32 from 0, rounded once to y's dtype.
+void LowLatencyBuffer::Impl::stage_rank_sums(const TensorView& y, std::size_t y_row) {
+  const std::size_t pairs_per_source = static_cast<std::size_t>(config.max_tokens_per_rank) * pairs_per_row();
+  for (int s = 0; s < num_ranks; ++s) {
+    for (int64_t i = 0; i < held_rows[s]; ++i) {
+      const HeldRow& h = held[static_cast<std::size_t>(s) * config.max_tokens_per_rank + i];
+      std::fill(partial.begin(), partial.end(), 0.0f);
+      for (int64_t p = h.first_pair; p < h.first_pair + h.num_pairs; ++p) {
+        const std::size_t q = s * pairs_per_source + p;
+        detail::accumulate_weighted(partial.data(), held_pair_weight[q],
+                                    y.data_as<std::byte>() + held_pair_row[q] * y_row, y.dtype(), config.hidden);
+      }
+      detail::store(combine_dst(s, h.token, h.first_slot, y_row), y.dtype(), partial.data(), config.hidden);
+    }
+  }
+}
+
+// out[t] = sum over k ascending of w[t][k] * y(t, k), in fp32; with
+// combine_per_rank, the sum of the owners' rows in the order of their first
+// slot k. One rounding to out's dtype.
+void LowLatencyBuffer::Impl::sum_combine(const TensorView& y, std::size_t y_row, const TensorView& out) {
+  const int H = config.hidden, MK = config.max_topk;
+  for (int t = 0; t < num_tokens; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int32_t* idx = &topk_idx[static_cast<std::size_t>(t) * MK];
+    for (int k = 0; k < topk; ++k) {
+      if (idx[k] < 0) continue;
+      const std::size_t slot = static_cast<std::size_t>(t) * MK + k;
+      const int owner = placement.rank_of(idx[k]);
+      const auto dtype = static_cast<DType>(owner_dtype[owner]);
+      if (config.combine_per_rank) {
+        if (first_slot_on(idx, k, owner) != k) continue;
+        detail::accumulate_weighted(acc.data(), 1.0f, local().combine + slot * combine_row_bytes, dtype, H);
+        continue;
+      }
+      const std::byte* row = owner == rank ? y.data_as<std::byte>() + own_row[slot] * y_row
+                                           : local().combine + slot * combine_row_bytes;
+      detail::accumulate_weighted(acc.data(), weights[slot], row, dtype, H);
+    }
+    detail::store(out.row<std::byte>(t), out.dtype(), acc.data(), H);
+  }
 }
 
 }  // namespace epx

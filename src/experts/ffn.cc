@@ -156,11 +156,36 @@ Status ExpertFfnConfig::validate() const {
   return Status::ok();
 }
 
+namespace {
+
+// oneDNN stores bf16 straight from bf16 GEMMs; f32 GEMMs (not supported with
+// a bf16 destination) store f32 rows into scratch, rounded after.
+bool down_needs_f32_scratch(const ExpertFfnConfig& config, const TensorView& y) {
+  return y.dtype() == DType::kBF16 && config.gemm_dtype() != DType::kBF16;
+}
+
+// y's rows [first, first + down.m) = the down GEMM `down` (its C unset), in y's dtype.
+Status down_projection(GemmArgs down, const TensorView& y, int64_t first, float* y_scratch, int threads) {
+  if (y_scratch == nullptr) {
+    down.c = y.row(first), down.ldc = ld(y), down.c_dtype = y.dtype();
+    return gemm(down, threads);
+  }
+  down.c = y_scratch, down.ldc = down.n;
+  EPX_RETURN_IF_ERROR(gemm(down, threads));
+  for (int64_t r = 0; r < down.m; ++r)
+    detail::to_bf16(y_scratch + r * down.n, down.n, y.row<uint16_t>(first + r));
+  return Status::ok();
+}
+
+}  // namespace
+
 Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,
                           std::span<const int64_t> offsets, const TensorView& y, ExpertFfnCache* cache) {
   Problem p;
   EPX_RETURN_IF_ERROR(check_common(config, weights, x, offsets, &p));
-  EPX_RETURN_IF_ERROR(check_matrix(y, "y", DType::kF32, p.rows, p.hidden));
+  if (y.dtype() != DType::kF32 && y.dtype() != DType::kBF16)
+    return invalid_argument("y must be f32 or bf16, got {}", y.describe());
+  EPX_RETURN_IF_ERROR(check_matrix(y, "y", y.dtype(), p.rows, p.hidden));
   const int64_t H = p.hidden, F = p.ffn;
   if (cache != nullptr) {
     cache->h1.resize(static_cast<std::size_t>(p.rows * F));
@@ -174,6 +199,7 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
     float* h3 = nullptr;
     void* a = nullptr;
     void* x_scratch = nullptr;
+    float* y_scratch = nullptr;
     auto carve = [&](Carver& c) {
       if (cache == nullptr) {
         h1 = c.take<float>(m * F);
@@ -181,6 +207,7 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
       }
       a = c.take<std::byte>(m * F * p.elem);
       if (p.convert_x) x_scratch = c.take<std::byte>(m * H * p.elem);
+      if (down_needs_f32_scratch(config, y)) y_scratch = c.take<float>(m * H);
     };
     EPX_RETURN_IF_ERROR(carve_workspace(workspace, carve));
     if (cache != nullptr) {
@@ -197,8 +224,8 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
     EPX_RETURN_IF_ERROR(gemm(up, threads));
     detail::swiglu_forward(h1, h3, m * F, compute, a);
     GemmArgs down{.dtype = compute, .m = m, .n = H, .k = F, .a = a, .lda = F,
-                  .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = y.row<float>(first), .ldc = ld(y)};
-    return gemm(down, threads);
+                  .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2)};
+    return down_projection(down, y, first, y_scratch, threads);
   });
 }
 

@@ -40,7 +40,7 @@ struct Primitive {
   std::size_t scratchpad_bytes = 0;
 };
 
-using Key = std::tuple<DType, bool, bool, bool, int>;
+using Key = std::tuple<DType, bool, bool, bool, int, DType>;
 
 // Primitives are built once per key (a few hundred microseconds each) and
 // then shared: oneDNN primitives may execute concurrently, and each call
@@ -48,7 +48,7 @@ using Key = std::tuple<DType, bool, bool, bool, int>;
 Result<std::shared_ptr<const Primitive>> primitive_for(const GemmArgs& args, int num_threads) {
   static std::mutex mutex;
   static std::map<Key, std::shared_ptr<const Primitive>> cache;
-  const Key key{args.dtype, args.trans_a, args.trans_b, args.accumulate, num_threads};
+  const Key key{args.dtype, args.trans_a, args.trans_b, args.accumulate, num_threads, args.c_dtype};
   std::lock_guard<std::mutex> lock(mutex);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   const auto type = to_dnnl(args.dtype);
@@ -60,7 +60,7 @@ Result<std::shared_ptr<const Primitive>> primitive_for(const GemmArgs& args, int
     attr.set_post_ops(ops);
   }
   dnnl::matmul::desc desc(runtime_desc(type, args.trans_a), runtime_desc(type, args.trans_b),
-                          runtime_desc(memory::data_type::f32, false));
+                          runtime_desc(to_dnnl(args.c_dtype), false));
   auto primitive = std::make_shared<Primitive>();
   primitive->pd = dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
   primitive->matmul = dnnl::matmul(primitive->pd);
@@ -83,22 +83,24 @@ Status gemm(const GemmArgs& args, int num_threads) {
     EPX_RETURN_IF_ERROR(gemm_call(head, num_threads));
   }
   // The last rows, zero-padded to one whole block (C too, for accumulate).
-  const std::size_t elem = dtype_size(args.dtype);
+  const std::size_t elem = dtype_size(args.dtype), c_elem = dtype_size(args.c_dtype);
+  const std::size_t c_row = static_cast<std::size_t>(args.n) * c_elem;
   thread_local std::vector<std::byte> a;
-  thread_local std::vector<float> c;
+  thread_local std::vector<std::byte> c;
   a.assign(static_cast<std::size_t>(kRowBlock * args.k) * elem, std::byte{0});
-  c.assign(static_cast<std::size_t>(kRowBlock * args.n), 0.0f);
+  c.assign(static_cast<std::size_t>(kRowBlock) * c_row, std::byte{0});
   const auto* a_rows = static_cast<const std::byte*>(args.a) + static_cast<std::size_t>(whole * args.lda) * elem;
-  float* c_rows = args.c + whole * args.ldc;
+  auto* c_rows = static_cast<std::byte*>(args.c) + static_cast<std::size_t>(whole * args.ldc) * c_elem;
+  const std::size_t ldc_bytes = static_cast<std::size_t>(args.ldc) * c_elem;
   for (int64_t r = 0; r < tail; ++r) {
     std::memcpy(a.data() + static_cast<std::size_t>(r * args.k) * elem, a_rows + static_cast<std::size_t>(r * args.lda) * elem,
                 static_cast<std::size_t>(args.k) * elem);
-    if (args.accumulate) std::memcpy(c.data() + r * args.n, c_rows + r * args.ldc, sizeof(float) * args.n);
+    if (args.accumulate) std::memcpy(c.data() + r * c_row, c_rows + r * ldc_bytes, c_row);
   }
   GemmArgs last = args;
   last.m = kRowBlock, last.a = a.data(), last.lda = args.k, last.c = c.data(), last.ldc = args.n;
   EPX_RETURN_IF_ERROR(gemm_call(last, num_threads));
-  for (int64_t r = 0; r < tail; ++r) std::memcpy(c_rows + r * args.ldc, c.data() + r * args.n, sizeof(float) * args.n);
+  for (int64_t r = 0; r < tail; ++r) std::memcpy(c_rows + r * ldc_bytes, c.data() + r * c_row, c_row);
   return Status::ok();
 }
 
@@ -113,7 +115,7 @@ Status gemm_call(const GemmArgs& args, int num_threads) {
     auto& engine = cpu_engine();
     memory a(actual_desc(type, args.m, args.k, args.lda, args.trans_a), engine, const_cast<void*>(args.a));
     memory b(actual_desc(type, args.k, args.n, args.ldb, args.trans_b), engine, const_cast<void*>(args.b));
-    memory c(actual_desc(memory::data_type::f32, args.m, args.n, args.ldc, false), engine, args.c);
+    memory c(actual_desc(to_dnnl(args.c_dtype), args.m, args.n, args.ldc, false), engine, args.c);
     // Per thread and kept: a call costs tens of microseconds less without
     // a fresh stream and scratchpad (it matters for the many small GEMMs of
     // chunked experts).

@@ -23,8 +23,9 @@ struct GemmArgs {
   int64_t lda = 0;
   const void* b = nullptr;
   int64_t ldb = 0;
-  float* c = nullptr;
+  void* c = nullptr;               // [m, n] of c_dtype
   int64_t ldc = 0;
+  DType c_dtype = DType::kF32;     // kF32, or kBF16 (oneDNN rounds the f32 sums once; not with accumulate)
 };
 
 // Runs on `num_threads` threads (1: the calling thread only). Safe to call

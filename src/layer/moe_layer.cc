@@ -124,6 +124,14 @@ Status MoELayerConfig::validate() const {
                             dtype_name(*compute_dtype));
   if (combine_dtype != DType::kF32 && combine_dtype != DType::kBF16)
     return invalid_argument("combine_dtype {} is not supported by the layer; use f32 or bf16", dtype_name(combine_dtype));
+  if (combine_weights != CombineWeights::kHolder && combine_weights != CombineWeights::kReceiver)
+    return invalid_argument("combine_weights = {} is neither holder nor receiver", static_cast<int>(combine_weights));
+  if (combine_weights == CombineWeights::kReceiver && combine_dtype != DType::kF32)
+    return invalid_argument("combine_dtype {} names the holders' partials; combine_weights receiver sends unweighted "
+                            "rows in dtype (use combine_dtype f32)", dtype_name(combine_dtype));
+  if (combine_weights == CombineWeights::kReceiver && overlap != OverlapMode::kNone)
+    return invalid_argument("combine_weights receiver keeps y in the Buffer's combine region, which overlap {} reuses "
+                            "between chunks; use overlap none or combine_weights holder", overlap_mode_name(overlap));
   if (!(aux_loss_coeff >= 0) || !std::isfinite(aux_loss_coeff))
     return invalid_argument("aux_loss_coeff = {} must be finite and >= 0", aux_loss_coeff);
   if (!(z_loss_coeff >= 0) || !std::isfinite(z_loss_coeff))
@@ -176,6 +184,9 @@ struct MoELayer::Impl {
   std::vector<std::byte> x_expanded;
   std::vector<std::byte> recv_dequantised;  // fp8 dispatch: the received rows in config.dtype, before expand
   std::vector<float> y_expanded, moe_out, shared_out;
+  // The experts' output rows as the last forward wrote them: y_expanded (f32),
+  // or (combine_weights receiver) a view of the Buffer's combine region in dtype.
+  TensorView y_view;
   // Backward's buffers, kept between calls.
   struct BackwardScratch {
     std::vector<float> grad_out, grad_n, grad_n_part, grad_y, grad_recv_weights, grad_x_expanded, grad_recv_x,
@@ -247,6 +258,7 @@ struct MoELayer::Impl {
   [[nodiscard]] CombineOptions combine_options() const {
     CombineOptions options;
     options.partial_dtype = config.combine_dtype;
+    options.weights_at = config.combine_weights;
     return options;
   }
   [[nodiscard]] int shared_width() const { return config.num_shared_experts * config.ffn_hidden; }
@@ -423,21 +435,28 @@ struct MoELayer::Impl {
 
     phase.emplace(*this, times.experts, "experts");
     EPX_RETURN_IF_ERROR(refresh_weights());
-    float* y = ensure(y_expanded, rows * H);
+    EPX_ASSIGN_OR_RETURN(y_view, routed_output(rows));
     if (num_local > 0)
-      EPX_RETURN_IF_ERROR(expert_ffn_forward(expert_config(), weights, payload_view(x_expanded, rows), offsets,
-                                             TensorView::contiguous(y, DType::kF32, {rows, H}), &cache));
+      EPX_RETURN_IF_ERROR(
+          expert_ffn_forward(expert_config(), weights, payload_view(x_expanded, rows), offsets, y_view, &cache));
     EPX_RETURN_IF_ERROR(shared_forward(T));
     phase.reset();
 
     phase.emplace(*this, times.combine, "combine");
     float* combined = ensure(moe_out, T * H);
-    EPX_RETURN_IF_ERROR(buffer.combine_expanded(TensorView::contiguous(y, DType::kF32, {rows, H}), handle,
-                                                TensorView::contiguous(combined, DType::kF32, {T, H}), {},
-                                                combine_options()));
+    EPX_RETURN_IF_ERROR(buffer.combine_expanded(y_view, handle, TensorView::contiguous(combined, DType::kF32, {T, H}),
+                                                {}, combine_options()));
     phase.reset();
     add_residual(T, out);
     return finish_forward(T);
+  }
+
+  // Where the experts write y: the Buffer's combine region in dtype (receiver
+  // weights: the combine reads it there), else y_expanded in f32.
+  Result<TensorView> routed_output(int64_t rows) {
+    if (config.combine_weights == CombineWeights::kReceiver)
+      return buffer.combine_expanded_input(handle, config.dtype);
+    return TensorView::contiguous(ensure(y_expanded, rows * hidden()), DType::kF32, {rows, hidden()});
   }
 
   Status shared_forward(int64_t T) {
@@ -901,8 +920,7 @@ struct MoELayer::Impl {
     float* grad_y = ensure(b.grad_y, rows * H);
     float* grad_recv_weights = ensure(b.grad_recv_weights, num_recv * K);
     EPX_RETURN_IF_ERROR(buffer.combine_expanded_backward(
-        payload_view(b.grad_out_payload, T), handle, TensorView::contiguous(y_expanded.data(), DType::kF32, {rows, H}),
-        {}, TensorView::contiguous(grad_y, DType::kF32, {rows, H}),
+        payload_view(b.grad_out_payload, T), handle, y_view, {}, TensorView::contiguous(grad_y, DType::kF32, {rows, H}),
         TensorView::contiguous(grad_recv_weights, DType::kF32, {num_recv, K})));
     phase.reset();
 
@@ -1016,6 +1034,9 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create_now(const MoELayerConfig& con
                             config.router.topk);
   if (bc.max_combine_dtype != DType::kF32)
     return invalid_argument("the Buffer's max_combine_dtype must be f32 (the weighted combine sums f32 rows)");
+  if (config.combine_weights == CombineWeights::kReceiver && buffer.hierarchical())
+    return invalid_argument("combine_weights receiver takes the flat path, but the Buffer is two-hop; use "
+                            "combine_weights holder or BufferConfig::algorithm = kFlat");
   if (layer_index < 0) return invalid_argument("layer_index = {} is below 0", layer_index);
   if (global.num_ranks() % transport.num_ranks() != 0)
     return invalid_argument("the global transport's {} ranks are not a multiple of the layer's {} ranks",

@@ -106,6 +106,8 @@ void add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, Me
   if (bc.dtype == DType::kFP8E4M3) bc.gradient_dtype = m.layer.dtype;
   bc.max_topk = m.layer.router.topk;
   bc.max_tokens_per_rank = m.max_tokens_per_rank;
+  if (m.layer.combine_weights == CombineWeights::kReceiver)
+    bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, static_cast<int>(s.R), m.layer.dtype);
   const int64_t buffers = c.balancing.eplb ? s.L : 1;  // eplb: one Buffer per layer
   const std::string exchange_driver = driver({{"batch_tokens", s.batch_tokens, 4096}, {"hidden", s.H, 1024},
                                               {"topk", s.K, 8}, {c.ep_size() == c.num_ranks ? "ranks" : "ep", s.R, 8}});

@@ -67,17 +67,21 @@ struct MoEModel::Impl {
         return invalid_argument("eplb slots = {} must be a multiple of ranks = {}", num_experts, R);
       EPX_ASSIGN_OR_RETURN(placement, ExpertPlacement::contiguous(num_experts, R));
     }
-    return Buffer::create(transport, {.num_experts = num_experts,
-                                      .hidden = lc.hidden,
-                                      .dtype = lc.dispatch_dtype.value_or(lc.dtype),
-                                      .gradient_dtype = lc.dispatch_dtype.value_or(lc.dtype) == DType::kFP8E4M3
-                                                            ? std::optional<DType>(lc.dtype)
-                                                            : std::nullopt,
-                                      .max_topk = lc.router.topk,
-                                      .max_tokens_per_rank = config.max_tokens_per_rank,
-                                      .placement = placement,
-                                      .timeout = config.timeout,
-                                      .record_waits = config.record_waits});
+    BufferConfig bc{.num_experts = num_experts,
+                    .hidden = lc.hidden,
+                    .dtype = lc.dispatch_dtype.value_or(lc.dtype),
+                    .gradient_dtype = lc.dispatch_dtype.value_or(lc.dtype) == DType::kFP8E4M3
+                                          ? std::optional<DType>(lc.dtype)
+                                          : std::nullopt,
+                    .max_topk = lc.router.topk,
+                    .max_tokens_per_rank = config.max_tokens_per_rank,
+                    .placement = placement,
+                    .timeout = config.timeout,
+                    .record_waits = config.record_waits};
+    // Receiver weights: room for the expanded rows of y in dtype.
+    if (lc.combine_weights == CombineWeights::kReceiver)
+      bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, transport.num_ranks(), lc.dtype);
+    return Buffer::create(transport, bc);
   }
 
   Status check_batch(const Batch& b) const {

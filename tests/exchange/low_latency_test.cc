@@ -52,11 +52,13 @@ struct LLCase {
   // dispatch_async / combine_async, waited for after a pause on one rank
   // (which changes with the seed), instead of the blocking calls.
   bool async = false;
+  bool per_rank = false;  // LowLatencyConfig::combine_per_rank
 
   [[nodiscard]] std::string name() const {
-    return fmt::format("{} ranks as {} nodes, x {} y {} out {}, E={} K={} routing={} weights={} tight={} async={} seed={}{}",
+    return fmt::format("{} ranks as {} nodes, x {} y {} out {}, E={} K={} routing={} weights={} tight={} async={} "
+                       "per_rank={} seed={}{}",
                        num_ranks, num_nodes, dtype_name(dtype), dtype_name(y_dtype), dtype_name(out_dtype),
-                       num_experts, topk, routing_name(routing), with_weights, tight_capacity, async, seed,
+                       num_experts, topk, routing_name(routing), with_weights, tight_capacity, async, per_rank, seed,
                        expert_map.empty() ? "" : " uneven map, last rank holds no expert");
   }
   [[nodiscard]] Result<ExpertPlacement> placement() const {
@@ -79,6 +81,41 @@ int max_rows_per_source_expert(const std::vector<RankInputs>& inputs, int num_ex
       if (e >= 0) most = std::max(most, ++n[e]);
   }
   return most;
+}
+
+// sum over k ascending of w[t][k] * y(t, k) in fp32, over the slots whose
+// expert sits on rank `only` (all slots when -1).
+std::vector<float> top_k_sum(const LLCase& c, const RankInputs& in, int t, int only,
+                             const ExpertPlacement* placement = nullptr) {
+  const int H = c.hidden;
+  Matrix y(c.y_dtype, 1, H);
+  std::vector<float> acc(H, 0.0f);
+  for (int k = 0; k < c.topk; ++k) {
+    const int g = in.expert(t, k);
+    if (g < 0 || (only >= 0 && placement->rank_of(g) != only)) continue;
+    const float w = in.has_weights() ? in.topk_weights[static_cast<std::size_t>(t) * c.topk + k] : 1.0f;
+    expert_row(in.x.row(t), c.dtype, g, H, y.row(0), c.y_dtype);
+    for (int col = 0; col < H; ++col) acc[col] += w * y.get(0, col);
+  }
+  return acc;
+}
+
+// combine_per_rank: each owner rank's top_k_sum rounded to y's dtype, added in
+// fp32 in the order of the owners' first slots k.
+std::vector<float> per_rank_sum(const LLCase& c, const ExpertPlacement& placement, const RankInputs& in, int t) {
+  const int H = c.hidden;
+  Matrix partial(c.y_dtype, 1, H);
+  std::vector<float> acc(H, 0.0f);
+  std::vector<int> owners;
+  for (int k = 0; k < c.topk; ++k) {
+    const int g = in.expert(t, k);
+    if (g < 0 || std::find(owners.begin(), owners.end(), placement.rank_of(g)) != owners.end()) continue;
+    owners.push_back(placement.rank_of(g));
+    const std::vector<float> p = top_k_sum(c, in, t, owners.back(), &placement);
+    for (int col = 0; col < H; ++col) partial.set(0, col, p[col]);
+    for (int col = 0; col < H; ++col) acc[col] += partial.get(0, col);
+  }
+  return acc;
 }
 
 struct Expected {
@@ -108,16 +145,8 @@ Expected reference(const LLCase& c, const ExpertPlacement& placement, const std:
   }
   const RankInputs& in = inputs[d];
   ex.out = Matrix(c.out_dtype, in.num_tokens(), H);
-  Matrix y(c.y_dtype, 1, H);
   for (int t = 0; t < in.num_tokens(); ++t) {
-    std::vector<float> acc(H, 0.0f);
-    for (int k = 0; k < c.topk; ++k) {
-      const int g = in.expert(t, k);
-      if (g < 0) continue;
-      const float w = in.has_weights() ? in.topk_weights[static_cast<std::size_t>(t) * c.topk + k] : 1.0f;
-      expert_row(in.x.row(t), c.dtype, g, H, y.row(0), c.y_dtype);
-      for (int col = 0; col < H; ++col) acc[col] += w * y.get(0, col);
-    }
+    const std::vector<float> acc = c.per_rank ? per_rank_sum(c, placement, in, t) : top_k_sum(c, in, t, -1);
     for (int col = 0; col < H; ++col) ex.out.set(t, col, acc[col]);
   }
   return ex;
@@ -143,6 +172,7 @@ LowLatencyConfig make_config(const LLCase& c, int capacity) {
   config.max_topk = std::min(8, c.num_experts);
   config.capacity = capacity;
   config.timeout = Milliseconds(20000);
+  config.combine_per_rank = c.per_rank;
   if (!c.expert_map.empty()) config.placement = *c.placement();
   return config;
 }
@@ -279,6 +309,32 @@ struct Shape {
 
 class LowLatency : public ::testing::TestWithParam<Shape> {};
 
+// A case on `shape`'s world; the tests vary the rest.
+LLCase case_on(const Shape& shape, DType dtype, int experts, int topk, Routing routing, uint32_t seed) {
+  LLCase c;
+  c.num_ranks = shape.num_ranks;
+  c.num_nodes = shape.num_nodes;
+  c.dtype = dtype;
+  c.y_dtype = dtype;
+  c.num_experts = experts;
+  c.topk = topk;
+  c.routing = routing;
+  c.seed = seed;
+  return c;
+}
+
+// The options the big tests cycle through with a case's index.
+void vary_with_index(uint32_t index, LLCase* c) {
+  c->out_dtype = index % 2 == 0 ? DType::kBF16 : DType::kF32;
+  c->with_weights = index % 4 != 1;
+  c->tight_capacity = index % 2 == 1;
+  c->hidden = index % 2 == 0 ? 16 : 36;
+  c->async = index % 3 == 2;
+  // Every fifth case: experts dealt over all ranks but the last, which holds none.
+  if (index % 5 == 0 && c->num_ranks > 1)
+    for (int e = 0; e < c->num_experts; ++e) c->expert_map.push_back(e % (c->num_ranks - 1));
+}
+
 
 TEST_P(LowLatency, MatchesTheReference) {
   const Shape shape = GetParam();
@@ -290,23 +346,10 @@ TEST_P(LowLatency, MatchesTheReference) {
       for (int topk : {1, 2, 8}) {
         if (topk > experts) continue;
         for (Routing routing : kAllRoutings) {
-          LLCase c;
-          c.num_ranks = shape.num_ranks;
-          c.num_nodes = shape.num_nodes;
-          c.dtype = dtype;
-          c.num_experts = experts;
-          c.topk = topk;
-          c.routing = routing;
-          c.seed = 1000u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index;
+          LLCase c = case_on(shape, dtype, experts, topk, routing,
+                             1000u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
           c.y_dtype = index % 3 == 0 ? DType::kBF16 : dtype;
-          c.out_dtype = index % 2 == 0 ? DType::kBF16 : DType::kF32;
-          c.with_weights = index % 4 != 1;
-          c.tight_capacity = index % 2 == 1;
-          c.hidden = index % 2 == 0 ? 16 : 36;
-          c.async = index % 3 == 2;
-          // Every fifth case: experts dealt over all ranks but the last, which holds none.
-          if (index % 5 == 0 && shape.num_ranks > 1)
-            for (int e = 0; e < experts; ++e) c.expert_map.push_back(e % (shape.num_ranks - 1));
+          vary_with_index(index, &c);
           check_case(c, &nonzero);
           if (test_world().any(::testing::Test::HasFailure())) return;
         }
@@ -322,6 +365,64 @@ INSTANTIATE_TEST_SUITE_P(Exchange, LowLatency,
                          [](const ::testing::TestParamInfo<Shape>& info) {
                            return fmt::format("{}ranks_{}nodes", info.param.num_ranks, info.param.num_nodes);
                          });
+
+// A token that goes to several experts of one rank crosses to that rank as one
+// row with its list of (local expert, k); the owner copies it into each of
+// those experts' rows. Every token here names every expert (top-k = E, the
+// slots in a random order per token; with holes some are -1), so each rank
+// holds 2 or 3 of a token's experts: a row copied into the wrong expert, or
+// left out of one, changes that expert's rows, sources or the combine's sum
+// (y depends on the expert) and fails the bit-for-bit comparison.
+TEST_P(LowLatency, TokenToSeveralExpertsOfOneRank) {
+  const Shape shape = GetParam();
+  EPX_SKIP_UNLESS_RUNNABLE(shape.num_ranks, shape.num_nodes);
+  if (shape.num_ranks > 4) GTEST_SKIP() << "top-k = E needs E <= 8: at most 4 ranks of 2 experts";
+  uint32_t index = 0;
+  int64_t nonzero = 0;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int per_rank : {2, 3}) {
+      const int experts = per_rank * shape.num_ranks;
+      if (experts > 8) continue;
+      for (Routing routing : {Routing::kUniform, Routing::kHoles}) {
+        LLCase c = case_on(shape, dtype, experts, experts, routing,
+                           7000u + 16u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
+        c.tight_capacity = index % 2 == 0;
+        for (bool per_rank : {false, true}) {
+          c.per_rank = per_rank;
+          check_case(c, &nonzero);
+        }
+        if (test_world().any(::testing::Test::HasFailure())) return;
+      }
+    }
+  }
+  EXPECT_GT(nonzero, 0) << "every compared tensor was zero";
+}
+
+// combine_per_rank: the owners' per-(token, rank) sums, exactly against their
+// formula (per_rank_sum), on every shape, with bf16 y (a rounding per (token,
+// rank)) and f32 y (only the order changes), holes, uneven maps.
+TEST_P(LowLatency, CombinePerRankMatchesItsFormula) {
+  const Shape shape = GetParam();
+  EPX_SKIP_UNLESS_RUNNABLE(shape.num_ranks, shape.num_nodes);
+  uint32_t index = 0;
+  int64_t nonzero = 0;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int topk : {2, 8}) {
+      const int experts = 4 * shape.num_ranks;
+      if (topk > experts) continue;
+      for (Routing routing : {Routing::kUniform, Routing::kHoles, Routing::kOneRankPerToken, Routing::kEmptyRank}) {
+        LLCase c = case_on(shape, dtype, experts, topk, routing,
+                           9000u + 64u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
+        c.per_rank = true;
+        c.y_dtype = index % 3 != 1 ? DType::kBF16 : DType::kF32;
+        vary_with_index(index, &c);
+        check_case(c, &nonzero);
+        if (test_world().any(::testing::Test::HasFailure())) return;
+      }
+    }
+  }
+  EXPECT_GT(nonzero, 0) << "every compared tensor was zero";
+}
 
 // Errors: a first call that fails in a stated way on every rank, then a good
 // dispatch + combine that must match the reference (the buffer is still usable).

@@ -411,6 +411,28 @@ TEST(ExpertFfn, SameBitsEveryRun) {
   }
 }
 
+// A bf16 y (the layer's receiver-weighted combine writes y straight into the
+// Buffer's combine region in bf16): each value is the f32 y's rounded to
+// nearest even, on tails of partial row blocks too.
+TEST(ExpertFfn, Bf16YIsTheF32YRounded) {
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const Problem p = make_problem(dtype, 48, 80, {21, 0, 16, 5}, 43);
+    const int64_t rows = p.rows(), H = 48;
+    std::vector<float> y32(rows * H);
+    std::vector<uint16_t> y16(rows * H);
+    ASSERT_TRUE(expert_ffn_forward(p.config, p.weights(), p.x.view(), p.offsets, f32_view(y32, rows, H), nullptr).is_ok());
+    const Status s16 = expert_ffn_forward(p.config, p.weights(), p.x.view(), p.offsets,
+                                          TensorView::contiguous(y16.data(), DType::kBF16, {rows, H}), nullptr);
+    ASSERT_TRUE(s16.is_ok()) << s16.to_string();
+    int differs = 0;
+    for (int64_t i = 0; i < rows * H; ++i) {
+      EXPECT_EQ(y16[i], f32_to_bf16(y32[i])) << dtype_name(dtype) << " element " << i;
+      differs += bf16_to_f32(y16[i]) != y32[i];
+    }
+    EXPECT_GT(differs, 0) << "nothing was rounded";
+  }
+}
+
 // bf16 GEMMs: the data pass keeps grad_y rounded for the weight pass, which
 // rounds grad_y itself when the state holds none (a state gathered from
 // parts); both give the same bits, and the kept rows are grad_y's rounding.

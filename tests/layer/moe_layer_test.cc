@@ -42,8 +42,11 @@ MoELayerConfig small_layer() {
 }
 
 Result<std::unique_ptr<Buffer>> make_buffer(Transport& t, const MoELayerConfig& c, int max_tokens) {
-  return Buffer::create(t, {.num_experts = c.router.num_experts, .hidden = c.hidden, .dtype = c.dtype,
-                            .max_topk = c.router.topk, .max_tokens_per_rank = max_tokens, .placement = {}});
+  BufferConfig bc{.num_experts = c.router.num_experts, .hidden = c.hidden, .dtype = c.dtype,
+                  .max_topk = c.router.topk, .max_tokens_per_rank = max_tokens, .placement = {}};
+  if (c.combine_weights == CombineWeights::kReceiver)
+    bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, t.num_ranks(), c.dtype);
+  return Buffer::create(t, bc);
 }
 
 // Token t of the global batch (rank-independent values).
@@ -334,6 +337,57 @@ TEST(MoELayerPrecision, Bf16PartialsFollowF32PartialsWithinBf16Rounding) {
   EXPECT_EQ(f32.grad_x, bf16.grad_x);
   ASSERT_EQ(f32.grads.size(), bf16.grads.size());
   for (const auto& [name, grad] : f32.grads) EXPECT_EQ(grad, bf16.grads.at(name)) << name;
+}
+
+// max |a - b| / max |a|.
+double max_rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(a[i])));
+  }
+  return diff / scale;
+}
+
+// combine_weights receiver (issue 20): the experts write y in bf16 into the
+// combine region and each token's rank sums w * y in top-k order. The output
+// follows the holder partials' within bf16 rounding of y, with the same bits
+// on every run and on any number of ranks (the sum order is the token's);
+// the gradients follow the holder mode's (grad_weights reads the bf16 y).
+TEST(MoELayerPrecision, ReceiverWeightsFollowHolderPartialsWithinBf16Rounding) {
+  MoELayerConfig config = small_layer();
+  config.router = {.num_experts = 8, .topk = 4, .normalize_weights = true};
+  config.dtype = DType::kBF16;
+  const RunResult holder = run_layer(4, 48, config);
+  config.combine_weights = CombineWeights::kReceiver;
+  const RunResult receiver = run_layer(4, 48, config);
+  const RunResult again = run_layer(4, 48, config);
+  const RunResult two_ranks = run_layer(2, 48, config);
+  EXPECT_GT(max_rel_error(holder.out, receiver.out), 0.0) << "the bf16 y should round somewhere";
+  EXPECT_LT(max_rel_error(holder.out, receiver.out), 1e-2);
+  EXPECT_LT(max_rel_error(holder.grad_x, receiver.grad_x), 3e-2);
+  EXPECT_EQ(receiver.out, again.out) << "not the same bits twice";
+  EXPECT_EQ(receiver.grad_x, again.grad_x);
+  EXPECT_EQ(receiver.out, two_ranks.out) << "receiver weights: other bits on 2 ranks than on 4";
+  ASSERT_EQ(holder.grads.size(), receiver.grads.size());
+  for (const auto& [name, grad] : holder.grads) {
+    EXPECT_LT(max_rel_error(grad, receiver.grads.at(name)), 3e-2) << name;
+    EXPECT_EQ(receiver.grads.at(name), again.grads.at(name)) << name;
+  }
+}
+
+TEST(MoELayerPrecision, ReceiverWeightsRefuseOverlapAndBf16Partials) {
+  MoELayerConfig config = small_layer();
+  config.combine_weights = CombineWeights::kReceiver;
+  config.overlap = OverlapMode::kChunked;
+  Status s = config.validate();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("overlap chunked"), std::string::npos) << s.to_string();
+  config.overlap = OverlapMode::kNone;
+  config.combine_dtype = DType::kBF16;
+  s = config.validate();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("combine_dtype bf16"), std::string::npos) << s.to_string();
 }
 
 // Redundant experts: 4 logical experts in 6 slots over 2 ranks (experts 0

@@ -85,6 +85,12 @@ struct BufferConfig {
   int64_t max_recv_tokens = 0;         // rows one rank can receive; 0: num_ranks * max_tokens_per_rank
   int expert_alignment = 1;            // per-expert counts and expanded segments round up to this
   DType max_combine_dtype = DType::kF32;  // widest combine input; kBF16 halves the combine region
+  // Rows of max_combine_dtype the combine region holds, when more than the
+  // receive rows (max_recv_tokens): room for the expanded rows of a
+  // receiver-weighted combine_expanded (one per (received token, local
+  // expert), padding included; bf16 rows take half a f32 row). 0: the
+  // receive rows only.
+  int64_t max_expanded_rows = 0;
   std::optional<ExpertPlacement> placement;  // default: contiguous blocks of E / R
   DispatchAlgorithm algorithm = DispatchAlgorithm::kAuto;
   Milliseconds timeout{30000};         // for each whole operation
@@ -151,6 +157,7 @@ class Handle {
   [[nodiscard]] const detail::HandleData& data() const { return *data_; }
 
  private:
+  friend class Buffer;  // keeps a weak reference to a handle whose rows it holds
   std::shared_ptr<const detail::HandleData> data_;
 };
 
@@ -178,6 +185,22 @@ struct DispatchResult {
   ExchangeStats stats;
 };
 
+// Where combine_expanded applies the top-k weights.
+enum class CombineWeights : uint8_t {
+  // Each holder rank sums w * y over its local slots into one partial per
+  // (token, rank), rounded to partial_dtype, and the receiver sums the
+  // partials in rank order (node order, two-hop).
+  kHolder,
+  // Holders leave each expert's output row unweighted, in y's dtype, in
+  // their combine region (the expanded layout); each receiver sums
+  // w[t, k] * y[t, k] in fp32 over k = 0..K-1 with its own dispatched
+  // weights, one rounding to out's dtype. The bits depend on neither the
+  // number of ranks nor which rank holds which expert. Flat path only
+  // (two-hop Buffers: InvalidArgument); no bias, no weight gradients, and
+  // partial_dtype stays f32.
+  kReceiver,
+};
+
 struct CombineOptions {
   TensorView bias;  // optional [T, H], f32 or the output dtype, added after the sum
   // Optional dispatch-backward of the weights: grad_recv_topk_weights
@@ -189,6 +212,9 @@ struct CombineOptions {
   // rounded to and sent in, f32 (exact) or bf16 (half the bytes, each partial
   // rounded once); no wider than max_combine_dtype; every rank passes the same.
   DType partial_dtype = DType::kF32;
+  // combine_expanded only: where the weights are applied; every rank passes
+  // the same.
+  CombineWeights weights_at = CombineWeights::kHolder;
 };
 
 // The expanded per-expert layout of one rank's received rows: one row per
@@ -282,8 +308,21 @@ class Buffer {
   // bf16: to nearest even, half the bytes), then the partial rows are
   // combined as by combine() (an fp32 sum in the fixed order). `weights` is [num_recv, K]
   // f32; undefined means the dispatched recv_topk_weights.
+  //
+  // With options.weights_at = kReceiver the weights are applied by the
+  // receiver (see CombineWeights): y_expanded (bf16 or f32) is copied into
+  // the combine region unless it is already the view combine_expanded_input
+  // returned, and `weights`, when given, is [T, K] f32 of this rank's own
+  // tokens (undefined: the weights this rank dispatched).
   [[nodiscard]] Status combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                         const TensorView& weights = {}, const CombineOptions& options = {});
+  // A [expanded rows, H] view of `dtype` (bf16 or f32) in this rank's
+  // combine region, for a receiver-weighted combine_expanded: experts that
+  // write y there save combine its copy. InvalidArgument naming the rows
+  // needed and the rows the region holds when it is too small (raise
+  // BufferConfig::max_expanded_rows). Overwritten by the next combine-like
+  // call, except that combine_expanded_backward still finds it (below).
+  [[nodiscard]] Result<TensorView> combine_expanded_input(const Handle& handle, DType dtype);
 
   // Backward of combine_expanded (collective): grad_out [T, H] of the payload
   // dtype comes back along the dispatch routes (a cached dispatch), then
@@ -292,6 +331,14 @@ class Buffer {
   // grad_weights[row, k] = <grad_out[token], y_expanded[row_of(row, k)]>
   // summed in column order (0 where the slot is not local). `weights` as in
   // combine_expanded. Overwrites recv_x like any dispatch.
+  //
+  // y_expanded may be the combine_expanded_input view a receiver-weighted
+  // combine_expanded of this handle read: when a later combine-like call
+  // overwrote the region, that call first kept a copy of those rows with the
+  // handle, and the backward reads the copy. The backward is the rows' last
+  // reader: after it nothing is kept for the handle, and a second backward
+  // with that view, like any other y_expanded inside the combine region,
+  // returns FailedPrecondition.
   [[nodiscard]] Status combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
                                                  const TensorView& y_expanded, const TensorView& weights,
                                                  const TensorView& grad_y_expanded,
@@ -349,6 +396,11 @@ class Buffer {
   // by the same carving as create(), before anything is allocated;
   // saturates at INT64_MAX for sizes no machine has.
   [[nodiscard]] static int64_t estimate_region_bytes(const BufferConfig& config, int num_ranks);
+  // The max_expanded_rows that makes room for every receiver-weighted
+  // combine_expanded with y of `y_dtype` on `num_ranks` ranks: the worst
+  // case, max_recv rows times min(max_topk, local experts) plus each local
+  // expert's alignment padding, in rows of max_combine_dtype.
+  [[nodiscard]] static int64_t expanded_rows_bound(const BufferConfig& config, int num_ranks, DType y_dtype);
 
  private:
   struct Impl;
@@ -360,6 +412,7 @@ class Buffer {
   Status dispatch_now(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout);
   Status dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x);
   Result<TensorView> combine_input_now(const Handle& handle, DType dtype);
+  Result<TensorView> combine_expanded_input_now(const Handle& handle, DType dtype);
   Status combine_now(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options);
   Status dispatch_backward_now(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
                                const CombineOptions& options);

@@ -3,22 +3,22 @@
 // Every shape is fixed when the buffer is made and never depends on the
 // routing, so a decode step can be replayed as is:
 //
-//  - dispatch: one row per (token, expert) pair, no count exchange before
-//    the payload. Source s writes the rows it has for local expert e of rank
-//    d straight into the slot block [e][s * capacity, (s + 1) * capacity) of
-//    d's receive region (inside a node: one copy per (token, expert); across
-//    nodes: one message per (source, destination rank) carrying its rows,
-//    their (token, slot) and its counts), then publishes its per-expert
-//    counts with the call's sequence number. Every rank hears from every
-//    rank in every call, even with no rows, so the counts travel with the
-//    payload and a rank with no tokens needs nothing special. The receiver
-//    then packs each expert's blocks in ascending source rank: recv_x
-//    [E_local, R * capacity, H] holds, for local expert e, rows
-//    [0, num_recv_tokens_per_expert[e]) in (source rank, source token) order,
-//    the same bits on every run.
+//  - dispatch: one row per (token, destination rank), with the (local
+//    expert, k) pairs it goes to there, and no count exchange before the
+//    payload. Source s writes its rows for rank d into d's inbox s (inside a
+//    node) or sends them as one message (across nodes), then publishes its
+//    per-expert counts with the call's sequence number (in the message
+//    header across nodes). Every rank hears from every rank in every call,
+//    even with no rows, so the counts travel with the payload and a rank with
+//    no tokens needs nothing special. The owner then copies each row into
+//    the rows of each of its experts the row names, sources in ascending
+//    rank: recv_x [E_local, R * capacity, H] holds, for local expert e, rows
+//    [0, num_recv_tokens_per_expert[e]) in (source rank, source token)
+//    order, the same bits on every run.
 //  - combine: y [E_local, R * capacity, H] (the experts' output, rows in
-//    recv_x's order; it may be recv_x itself) goes back row by row into slot
-//    (token, k) of the source's combine region; the source computes
+//    recv_x's order; it may be recv_x itself) goes back row by row, one per
+//    (token, expert), into slot (token, k) of the source's combine region
+//    (a source's own experts' rows are read from y in place); the source computes
 //    out[t] = sum over k ascending of w[t][k] * y(t, k) in fp32 (slots with
 //    expert -1 skipped), then one rounding to out's dtype.
 //
@@ -32,9 +32,9 @@
 // Calls are collective and alternate: dispatch, combine, dispatch, ... A
 // call that follows one of its own kind (a dispatch after a failed or
 // un-combined dispatch, a combine after a combine) starts with a barrier, so
-// no peer overwrites a signal or a recv_x still in use. recv_x and the other
-// views stay valid until this rank's next combine has read y (peers may
-// write the next dispatch's rows from then on), so y may be recv_x itself.
+// no peer overwrites a signal or an inbox still in use. recv_x and the other
+// views stay valid until this rank's next dispatch (peers write into this
+// rank's inboxes, never into recv_x), so y may be recv_x itself.
 // Inputs are checked on the calling rank; a rank that rejects its input
 // still signals every peer, which returns Aborted, and the next call works.
 // A failure in the middle of a call (a deadline, a peer that aborted)
@@ -78,6 +78,14 @@ struct LowLatencyConfig {
   DType max_combine_dtype = DType::kF32;  // widest y accepted by combine
   std::optional<ExpertPlacement> placement;  // default: contiguous blocks of E / R
   Milliseconds timeout{30000};        // for each whole operation
+  // Combine sends one row per (token, rank) instead of one per (token,
+  // expert): the owner sums w[t][k] * y(t, k) over the token's slots k that
+  // name its experts (k ascending, fp32, from 0) and rounds the sum once to
+  // y's dtype; the source adds those rows in fp32 in the order of each
+  // rank's first slot k. Dispatch carries the weights to the owners. Other
+  // bits than the default's top-k sum (a rounding per (token, rank) when y
+  // is bf16, another order), the normal mode's combine bytes.
+  bool combine_per_rank = false;
 };
 
 // Names one dispatch; combine takes the latest one's.
@@ -101,7 +109,7 @@ struct LowLatencyDispatchResult {
   TensorView recv_src_idx;                // token index on the source rank
   TensorView recv_src_slot;               // k: the slot of topk_idx that named this expert
   LowLatencyHandle handle;
-  ExchangeStats stats;  // rows_sent counts (token, expert) pairs
+  ExchangeStats stats;  // rows_sent: (token, destination rank) rows; rows_received: (token, expert) rows
 };
 
 class LowLatencyBuffer {

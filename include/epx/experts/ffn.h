@@ -103,7 +103,8 @@ struct ExpertFfnCache {
 };
 
 // x: [rows, H] of config.dtype; offsets: [E + 1], non-decreasing, offsets[0]
-// = 0, offsets[E] = rows; y: [rows, H] f32. cache may be null (inference).
+// = 0, offsets[E] = rows; y: [rows, H] f32, or bf16 (the down GEMM's fp32 sums rounded
+// once to nearest even, e.g. straight into Buffer::combine_expanded_input). cache may be null (inference).
 [[nodiscard]] Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& weights,
                                         const TensorView& x, std::span<const int64_t> offsets,
                                         const TensorView& y, ExpertFfnCache* cache);

@@ -97,6 +97,14 @@ struct MoELayerConfig {
   // kF32 (exact) or kBF16 (half the combine's bytes, each partial rounded once;
   // the backward is the same).
   DType combine_dtype = DType::kF32;
+  // Where the combine applies the top-k weights (CombineOptions::weights_at).
+  // kHolder: weighted partials per (token, rank) of combine_dtype. kReceiver:
+  // the experts write y in dtype straight into the Buffer's combine region
+  // (Buffer::combine_expanded_input; the Buffer needs max_expanded_rows, see
+  // Buffer::expanded_rows_bound) and each token's rank sums w * y in top-k
+  // order in fp32: other bits than kHolder, the same on every flat topology.
+  // kReceiver needs combine_dtype f32, overlap kNone and a flat Buffer.
+  CombineWeights combine_weights = CombineWeights::kHolder;
   double aux_loss_coeff = 0.0;
   AuxLossKind aux_loss = AuxLossKind::kMicroBatch;
   double z_loss_coeff = 0.0;

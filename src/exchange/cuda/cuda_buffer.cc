@@ -441,6 +441,9 @@ Status CudaBuffer::combine_expanded_now(const TensorView& y_expanded, const Hand
     if (options.partial_dtype != DType::kF32)
       return invalid_argument("combine_expanded partial_dtype = {}: the CUDA backend sends f32 partials only",
                               dtype_name(options.partial_dtype));
+    if (options.weights_at != CombineWeights::kHolder)
+      return invalid_argument("combine_expanded weights_at = kReceiver: the CUDA backend's device path weighs by "
+                              "the holder only (CombineWeights::kHolder)");
     EPX_RETURN_IF_ERROR(detail::check_outside_combine_region(
         y_expanded, m.regions[m.rank].combine, static_cast<std::size_t>(m.max_recv) * m.combine_row_bytes));
     const float* w = nullptr;
