@@ -1437,6 +1437,28 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
   return m.combine_impl(local_status, partial_view, h, out, options, "combine_expanded");
 }
 
+namespace {
+
+// <g, y[row]> summed in column order. A bf16 row is widened first, in one
+// vectorised pass, so the serial sum reads plain floats (same bits as reading
+// each element through load_as_f32).
+float dot_in_column_order(std::span<const float> g, const TensorView& y, int64_t row, std::vector<float>* scratch) {
+  const float* yf = nullptr;
+  if (y.dtype() == DType::kBF16) {
+    scratch->resize(g.size());
+    const auto* bits = y.row<const uint16_t>(row);
+    for (std::size_t c = 0; c < g.size(); ++c) (*scratch)[c] = bf16_to_f32(bits[c]);
+    yf = scratch->data();
+  } else {
+    yf = y.row<const float>(row);
+  }
+  float dot = 0.0f;
+  for (std::size_t c = 0; c < g.size(); ++c) dot += g[c] * yf[c];
+  return dot;
+}
+
+}  // namespace
+
 Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle,
                                              const TensorView& y_expanded, const TensorView& weights,
                                              const TensorView& grad_y_expanded, const TensorView& grad_weights) {
@@ -1477,7 +1499,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   const int H = m.config.hidden, K = h.topk;
   for (int64_t row = 0; row < layout.num_rows(); ++row)
     if (layout.recv_row[row] < 0) std::fill_n(grad_y_expanded.row<float>(row), H, 0.0f);
-  std::vector<float> g(H);
+  std::vector<float> g(H), y_f32;
   for (int64_t i = 0; i < h.num_recv; ++i) {
     const std::byte* src = grad_partial.row<std::byte>(i);
     for (int c = 0; c < H; ++c) g[c] = load_as_f32(src, grad_partial.dtype(), c);
@@ -1489,12 +1511,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
       }
       // d out / d w = <grad, y[row]>, summed in column order; d out / d y[row] = w.
       // The dot product comes first, so grad_y_expanded may reuse y's memory.
-      if (grad_weights.defined()) {
-        const std::byte* y = y_rows.row<std::byte>(row);
-        float dot = 0.0f;
-        for (int c = 0; c < H; ++c) dot += g[c] * load_as_f32(y, y_rows.dtype(), c);
-        grad_weights.row<float>(i)[k] = dot;
-      }
+      if (grad_weights.defined()) grad_weights.row<float>(i)[k] = dot_in_column_order(g, y_rows, row, &y_f32);
       const float wk = w[i * K + k];
       float* gy = grad_y_expanded.row<float>(row);
       for (int c = 0; c < H; ++c) gy[c] = wk * g[c];
