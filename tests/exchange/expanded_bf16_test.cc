@@ -12,36 +12,19 @@
 #include "epx/comm/inproc.h"
 #include "epx/core/dtype.h"
 #include "epx/exchange/buffer.h"
+#include "expanded_routing.h"
 
 namespace epx {
 namespace {
 
-constexpr int kExperts = 16, kHidden = 40, kTopk = 4, kTokens = 11;
+using expanded_test::kExperts;
+using expanded_test::kHidden;
+using expanded_test::kTokens;
+using expanded_test::kTopk;
+using expanded_test::Routing;
+using expanded_test::y_value;
 
-// The "experts'" output for (source rank, source token, global expert, column).
-float y_value(int rank, int token, int expert, int col) {
-  return 0.0131f * static_cast<float>((rank * 131 + token * 17 + expert * 7 + col * 3) % 97) - 0.61f;
-}
-
-struct Routing {
-  std::vector<int32_t> idx;
-  std::vector<float> w;
-};
-
-Routing make_routing(int rank) {
-  std::mt19937 rng(23 + rank);
-  Routing r{std::vector<int32_t>(kTokens * kTopk), std::vector<float>(kTokens * kTopk)};
-  std::vector<int32_t> experts(kExperts);
-  for (int e = 0; e < kExperts; ++e) experts[e] = e;
-  for (int t = 0; t < kTokens; ++t) {
-    std::shuffle(experts.begin(), experts.end(), rng);
-    for (int k = 0; k < kTopk; ++k) {
-      r.idx[t * kTopk + k] = (t + k) % 7 == 3 ? -1 : experts[k];
-      r.w[t * kTopk + k] = 0.173f * static_cast<float>(k + 1) + 0.0091f * static_cast<float>(t);
-    }
-  }
-  return r;
-}
+Routing make_routing(int rank) { return expanded_test::make_routing(rank, 23); }
 
 // The formula: out[t] = 0 + sum over groups (0 + sum over holders of the
 // group of bf16(0 + sum_k w_k * y_k)), groups = holders (flat) or nodes.

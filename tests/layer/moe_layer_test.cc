@@ -280,6 +280,16 @@ TEST(MoELayerExpertParallel, FourRanksEqualOneRankHoldingEveryExpert) {
   }
 }
 
+// max |a - b| / max |a|.
+double max_rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(a[i])));
+  }
+  return diff / scale;
+}
+
 // bf16 payload and expert GEMMs (fp32 accumulation) against the f32 layer:
 // the residual and the router are f32 either way, so the outputs differ by
 // bf16 rounding of the expert path only.
@@ -290,15 +300,7 @@ TEST(MoELayerPrecision, Bf16FollowsF32WithinBf16Rounding) {
   config.dtype = DType::kBF16;
   const RunResult bf16 = run_layer(2, 32, config);
   EXPECT_EQ(f32.tokens_per_expert, bf16.tokens_per_expert);  // routing is fp32 in both
-  auto max_rel = [](const std::vector<float>& a, const std::vector<float>& b) {
-    double diff = 0, scale = 0;
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
-      scale = std::max(scale, static_cast<double>(std::abs(a[i])));
-    }
-    return diff / scale;
-  };
-  const double out_err = max_rel(f32.out, bf16.out), grad_err = max_rel(f32.grad_x, bf16.grad_x);
+  const double out_err = max_rel_error(f32.out, bf16.out), grad_err = max_rel_error(f32.grad_x, bf16.grad_x);
   EXPECT_GT(out_err, 0.0) << "bf16 should round somewhere";
   EXPECT_LT(out_err, 2e-2);
   EXPECT_LT(grad_err, 3e-2);
@@ -306,10 +308,10 @@ TEST(MoELayerPrecision, Bf16FollowsF32WithinBf16Rounding) {
   config.compute_dtype = DType::kF32;
   const RunResult payload_only = run_layer(2, 32, config);
   EXPECT_EQ(f32.tokens_per_expert, payload_only.tokens_per_expert);
-  const double payload_err = max_rel(f32.out, payload_only.out);
+  const double payload_err = max_rel_error(f32.out, payload_only.out);
   EXPECT_GT(payload_err, 0.0) << "the bf16 payload should round somewhere";
   EXPECT_LT(payload_err, 2e-2);
-  EXPECT_LT(max_rel(f32.grad_x, payload_only.grad_x), 3e-2);
+  EXPECT_LT(max_rel_error(f32.grad_x, payload_only.grad_x), 3e-2);
   EXPECT_NE(payload_only.out, bf16.out) << "compute_dtype f32 should change the expert GEMMs";
 }
 
@@ -326,27 +328,12 @@ TEST(MoELayerPrecision, Bf16PartialsFollowF32PartialsWithinBf16Rounding) {
   config.combine_dtype = DType::kBF16;
   const RunResult bf16 = run_layer(4, 48, config);
   const RunResult again = run_layer(4, 48, config);
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < f32.out.size(); ++i) {
-    diff = std::max(diff, static_cast<double>(std::abs(f32.out[i] - bf16.out[i])));
-    scale = std::max(scale, static_cast<double>(std::abs(f32.out[i])));
-  }
-  EXPECT_GT(diff, 0.0) << "bf16 partials should round somewhere";
-  EXPECT_LT(diff / scale, 1e-2);
+  EXPECT_GT(max_rel_error(f32.out, bf16.out), 0.0) << "bf16 partials should round somewhere";
+  EXPECT_LT(max_rel_error(f32.out, bf16.out), 1e-2);
   EXPECT_EQ(bf16.out, again.out) << "bf16 partials: not the same bits twice";
   EXPECT_EQ(f32.grad_x, bf16.grad_x);
   ASSERT_EQ(f32.grads.size(), bf16.grads.size());
   for (const auto& [name, grad] : f32.grads) EXPECT_EQ(grad, bf16.grads.at(name)) << name;
-}
-
-// max |a - b| / max |a|.
-double max_rel_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, static_cast<double>(std::abs(a[i] - b[i])));
-    scale = std::max(scale, static_cast<double>(std::abs(a[i])));
-  }
-  return diff / scale;
 }
 
 // combine_weights receiver (issue 20): the experts write y in bf16 into the
