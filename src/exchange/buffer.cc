@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "epx/core/buffer.h"
+#include "core/bf16_rows.h"
 #include "core/guard.h"
 #include "epx/core/memory.h"
 #include "exchange/config_check.h"
@@ -1200,6 +1201,27 @@ Status Buffer::Impl::check_expanded_capacity(int64_t rows, DType dtype, std::str
                           op, rows, dtype_name(dtype), fits, needed, dtype_name(config.max_combine_dtype));
 }
 
+namespace {
+
+// The top-k weights a weighted combine_expanded (or its backward) applies:
+// `weights` when given ([rows, K] f32, dense), else the ones the dispatch
+// carried (`dispatched`, when has_weights).
+Status pick_weights(const TensorView& weights, int64_t rows, int K, const std::vector<float>& dispatched,
+                    bool has_weights, std::string_view op, const float** w) {
+  if (weights.defined()) {
+    EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, rows, K));
+    if (weights.stride(0) != K) return invalid_argument("weights must be dense, got {}", weights.describe());
+    *w = weights.data_as<float>();
+  } else if (has_weights) {
+    *w = dispatched.data();
+  } else {
+    return invalid_argument("{} needs weights: none were dispatched and none were passed", op);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Status Buffer::Impl::check_receiver_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
                                             const TensorView& weights, const CombineOptions& options,
                                             const float** w) const {
@@ -1226,16 +1248,7 @@ Status Buffer::Impl::check_receiver_combine(const TensorView& y, const detail::H
   if (out.ndim() != 2 || !is_payload_dtype(out.dtype()))
     return invalid_argument("out must be a 2-D bf16 or f32 array, got {}", out.describe());
   EPX_RETURN_IF_ERROR(check_matrix(out, "out", out.dtype(), h.num_tokens, config.hidden));
-  if (weights.defined()) {
-    EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_tokens, h.topk));
-    if (weights.stride(0) != h.topk) return invalid_argument("weights must be dense, got {}", weights.describe());
-    *w = weights.data_as<float>();
-  } else if (h.has_weights) {
-    *w = h.topk_weights.data();
-  } else {
-    return invalid_argument("combine_expanded needs weights: none were dispatched and none were passed");
-  }
-  return Status::ok();
+  return pick_weights(weights, h.num_tokens, h.topk, h.topk_weights, h.has_weights, "combine_expanded", w);
 }
 
 // Puts y's rows in this rank's combine region (unless they are there) and
@@ -1416,15 +1429,7 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
       // The partial sums are written into the combine region: y must not live there.
       EPX_RETURN_IF_ERROR(detail::check_outside_combine_region(y_expanded, m.local().combine,
                                                                m.combine_bytes()));
-      if (weights.defined()) {
-        EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_recv, K));
-        if (weights.stride(0) != K) return invalid_argument("weights must be dense, got {}", weights.describe());
-        w = weights.data_as<float>();
-      } else if (h.has_weights) {
-        w = h.recv_topk_weights.data();
-      } else {
-        return invalid_argument("combine_expanded needs weights: none were dispatched and none were passed");
-      }
+      EPX_RETURN_IF_ERROR(pick_weights(weights, h.num_recv, K, h.recv_topk_weights, h.has_weights, "combine_expanded", &w));
       TensorView partial_view = TensorView::contiguous(m.local().combine, partial_dtype, {h.num_recv, H});
       return m.validate_combine(partial_view, h, out, options);
     }();
@@ -1439,15 +1444,14 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
 
 namespace {
 
-// <g, y[row]> summed in column order. A bf16 row is widened first, in one
-// vectorised pass, so the serial sum reads plain floats (same bits as reading
-// each element through load_as_f32).
+// <g, y[row]> summed in column order. A bf16 row is widened first
+// (detail::to_f32, vectorised), so the serial sum reads plain floats (same
+// bits as reading each element through load_as_f32).
 float dot_in_column_order(std::span<const float> g, const TensorView& y, int64_t row, std::vector<float>* scratch) {
   const float* yf = nullptr;
   if (y.dtype() == DType::kBF16) {
     scratch->resize(g.size());
-    const auto* bits = y.row<const uint16_t>(row);
-    for (std::size_t c = 0; c < g.size(); ++c) (*scratch)[c] = bf16_to_f32(bits[c]);
+    detail::to_f32(y.row<const uint16_t>(row), static_cast<int64_t>(g.size()), scratch->data());
     yf = scratch->data();
   } else {
     yf = y.row<const float>(row);
@@ -1479,16 +1483,7 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
       EPX_RETURN_IF_ERROR(check_matrix(grad_y_expanded, "grad_y_expanded", DType::kF32, rows, m.config.hidden));
       if (grad_weights.defined())
         EPX_RETURN_IF_ERROR(check_matrix(grad_weights, "grad_weights", DType::kF32, h.num_recv, h.topk));
-      if (weights.defined()) {
-        EPX_RETURN_IF_ERROR(check_matrix(weights, "weights", DType::kF32, h.num_recv, h.topk));
-        if (weights.stride(0) != h.topk) return invalid_argument("weights must be dense, got {}", weights.describe());
-        w = weights.data_as<float>();
-      } else if (h.has_weights) {
-        w = h.recv_topk_weights.data();
-      } else {
-        return invalid_argument("{} needs weights: none were dispatched and none were passed", kOp);
-      }
-      return Status::ok();
+      return pick_weights(weights, h.num_recv, h.topk, h.recv_topk_weights, h.has_weights, kOp, &w);
     }();
   }
   // grad of each partial row = grad_out of its token, brought back along the dispatch routes.

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "experts/gemm.h"
+#include "core/bf16_rows.h"
 #include "experts/swiglu.h"
 
 namespace epx {

@@ -1,5 +1,6 @@
 #include "experts/swiglu.h"
 
+#include "core/bf16_rows.h"
 #include "core/fast_exp.h"
 #include "core/simd_clones.h"
 
@@ -36,31 +37,10 @@ EPX_SIMD_CLONES void backward_f32(const float* __restrict h1, const float* __res
   }
 }
 
-EPX_SIMD_CLONES void to_bf16_impl(const float* in, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &in[i], sizeof(bits));
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    // NaN stays a quiet NaN, as f32_to_bf16 does.
-    out[i] = (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((bits >> 16) | 0x0040u)
-                                                 : static_cast<uint16_t>(rounded);
-  }
-}
-
-EPX_SIMD_CLONES void to_f32_impl(const uint16_t* in, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
-    std::memcpy(&out[i], &bits, sizeof(bits));
-  }
-}
-
 // Chunks that stay in L1/L2 between the f32 pass and the bf16 rounding.
 constexpr int64_t kChunk = 4096;
 
 }  // namespace
-
-void to_bf16(const float* in, int64_t n, uint16_t* out) { to_bf16_impl(in, n, out); }
-void to_f32(const uint16_t* in, int64_t n, float* out) { to_f32_impl(in, n, out); }
 
 void swiglu_forward(const float* h1, const float* h3, int64_t n, DType dtype, void* a) {
   if (dtype != DType::kBF16) {
@@ -71,7 +51,7 @@ void swiglu_forward(const float* h1, const float* h3, int64_t n, DType dtype, vo
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t len = std::min(kChunk, n - i);
     forward_f32(h1 + i, h3 + i, len, tmp);
-    to_bf16_impl(tmp, len, static_cast<uint16_t*>(a) + i);
+    to_bf16(tmp, len, static_cast<uint16_t*>(a) + i);
   }
 }
 
@@ -86,9 +66,9 @@ void swiglu_backward(const float* h1, const float* h3, const float* grad_a, int6
   for (int64_t i = 0; i < n; i += kChunk) {
     const int64_t len = std::min(kChunk, n - i);
     backward_f32(h1 + i, h3 + i, grad_a + i, len, a32, g1, g3);
-    to_bf16_impl(a32, len, static_cast<uint16_t*>(a) + i);
-    to_bf16_impl(g1, len, static_cast<uint16_t*>(grad_h1) + i);
-    to_bf16_impl(g3, len, static_cast<uint16_t*>(grad_h3) + i);
+    to_bf16(a32, len, static_cast<uint16_t*>(a) + i);
+    to_bf16(g1, len, static_cast<uint16_t*>(grad_h1) + i);
+    to_bf16(g3, len, static_cast<uint16_t*>(grad_h3) + i);
   }
 }
 

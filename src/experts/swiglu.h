@@ -17,9 +17,4 @@ void swiglu_forward(const float* h1, const float* h3, int64_t n, DType dtype, vo
 void swiglu_backward(const float* h1, const float* h3, const float* grad_a, int64_t n, DType dtype, void* a,
                      void* grad_h1, void* grad_h3);
 
-// f32 -> bf16, round to nearest even, n elements.
-void to_bf16(const float* in, int64_t n, uint16_t* out);
-// bf16 -> f32 (exact), n elements.
-void to_f32(const uint16_t* in, int64_t n, float* out);
-
 }  // namespace epx::detail

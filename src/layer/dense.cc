@@ -1,7 +1,7 @@
 #include "layer/dense.h"
 
 #include "experts/gemm.h"
-#include "experts/swiglu.h"
+#include "core/bf16_rows.h"
 
 #include <algorithm>
 #include <cmath>
