@@ -10,7 +10,6 @@
 #include <string_view>
 
 #include <sys/resource.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -19,6 +18,7 @@
 #include "epx/core/buffer.h"
 #include "epx/exchange/buffer.h"
 #include "core/bf16_rows.h"
+#include "cpu_time.h"
 #include "epx/exchange/layout.h"
 #include "naive_alltoall.h"
 #include "synthetic_routing.h"
@@ -105,12 +105,7 @@ float pattern(int rank, int token, int64_t column) {
   return static_cast<float>(v - 126) / 64.0f;
 }
 
-// CPU time of the calling thread, and its minor page faults so far.
-int64_t thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
+// The calling thread's minor and major page faults so far.
 int64_t thread_page_faults() {
   rusage usage{};
   getrusage(RUSAGE_THREAD, &usage);
@@ -657,10 +652,7 @@ CpuSnapshot cpu_snapshot() {
   if (in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal && cpu == "cpu")
     snap.machine_busy_s =
         static_cast<double>(user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
-  rusage self{};
-  getrusage(RUSAGE_SELF, &self);
-  snap.self_s = static_cast<double>(self.ru_utime.tv_sec + self.ru_stime.tv_sec) +
-                static_cast<double>(self.ru_utime.tv_usec + self.ru_stime.tv_usec) * 1e-6;
+  snap.self_s = process_cpu_seconds();
   snap.wall_s = static_cast<double>(now_ns()) * 1e-9;
   return snap;
 }
