@@ -18,9 +18,11 @@
 //   difference is what reading the weights once per chunk costs. A streaming
 //   read of the weights gives the memory time of one pass.
 // The weight pass runs once over the whole batch in every mode (the layer
-// does so) and is timed apart.
-#include <sys/resource.h>
-
+// does so) and is timed apart. Also printed: one expert GEMM's time per row
+// by its row count m; weights packed once in oneDNN's layout (--packed-m);
+// and the named fix, prototyped: one batched oneDNN matmul per chunk over
+// all its experts against the per-expert calls, with a same-bits check.
+// docs/benchmarks.md, "Chunked experts: where the time goes".
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -204,10 +206,11 @@ void per_row_by_m(const Setup& s, int reps) {
 }
 
 // Weights packed once into oneDNN's own layout (weights format `any`, K and
-// N fixed, m at run time) against the plain [H, F] weights the gemm helper
-// passes (which oneDNN may repack on every call): us/row of one expert's up
-// GEMM at m rows, experts cycling, and whether the bits agree.
-void packed_vs_plain(const Setup& s, int reps) {
+// N fixed; m at run time, or fixed at `packed_m` when > 0, which is when
+// oneDNN picks a blocked layout) against the plain [H, F] weights the gemm
+// helper passes (which oneDNN may repack on every call): us/row of one
+// expert's up GEMM at m rows, experts cycling, and whether the bits agree.
+void packed_vs_plain(const Setup& s, int64_t packed_m, int reps) {
   using dnnl::memory;
   const int64_t H = s.shape.hidden, F = s.shape.ffn, E = s.shape.experts;
   const DType c = s.config.gemm_dtype();
@@ -215,7 +218,7 @@ void packed_vs_plain(const Setup& s, int reps) {
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   const memory::dim rt = DNNL_RUNTIME_DIM_VAL;
-  const memory::dim pm = std::getenv("PACK_M") ? std::atoi(std::getenv("PACK_M")) : rt;
+  const memory::dim pm = packed_m > 0 ? packed_m : rt;
   memory::desc ad({pm, H}, type, {pm == rt ? rt : H, 1}), bd({H, F}, type, memory::format_tag::any), cd({pm, F}, memory::data_type::f32, {pm == rt ? rt : F, 1});
   dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), engine);
   dnnl::matmul mm(pd);
@@ -372,11 +375,14 @@ int main(int argc, char** argv) {
   std::string compute = "bf16", payload = "bf16";
   std::vector<int> chunks{2, 4};
   int reps = 7;
+  int64_t packed_m = 0;
   Shape shape;
   app.add_option("--compute", compute, "GEMM dtype: f32 or bf16")->capture_default_str();
   app.add_option("--payload", payload, "x's dtype: f32 or bf16")->capture_default_str();
   app.add_option("--chunks", chunks, "Chunk counts")->capture_default_str();
   app.add_option("--rows", shape.rows, "Expanded rows")->capture_default_str();
+  app.add_option("--packed-m", packed_m, "Rows of the packed-weights primitive (0: given at run time)")
+      ->capture_default_str();
   app.add_option("--reps", reps, "Repetitions (median)")->check(CLI::Range(1, 100))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -468,7 +474,7 @@ int main(int argc, char** argv) {
     }
   }
   per_row_by_m(s, reps);
-  packed_vs_plain(s, reps);
+  packed_vs_plain(s, packed_m, reps);
   {
     std::vector<int> cs{1};
     cs.insert(cs.end(), chunks.begin(), chunks.end());
