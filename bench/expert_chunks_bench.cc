@@ -28,6 +28,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -261,6 +262,50 @@ void packed_vs_plain(const Setup& s, int64_t packed_m, int reps) {
   fmt::print("\n");
 }
 
+// Whether packed weights could serve the layer with the bits it has: for
+// fixed-m primitives (m = 16 ... 512) with weights format `any`, does oneDNN
+// pick one weights layout for every m, does each row get the same bits
+// whatever m, and are they the bits of the gemm helper's plain calls? For the
+// up GEMM (B = W1[e], [H, F]) and the data pass's (B = W2[e]^T, stored [F, H]).
+void packed_layout_check(const Setup& s) {
+  using dnnl::memory;
+  const int64_t H = s.shape.hidden, F = s.shape.ffn;
+  const DType c = s.config.gemm_dtype();
+  const auto type = c == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(engine);
+  std::vector<std::byte> a = random_values(512 * H, c, 9, 1.0f);
+  std::vector<float> out(static_cast<std::size_t>(512 * F)), ref(out.size()), first(out.size());
+  for (bool trans : {false, true}) {
+    const std::byte* w = trans ? s.w2.data() : s.w1.data();
+    const memory::desc source = trans ? memory::desc({H, F}, type, memory::dims{1, H}) : memory::desc({H, F}, type, memory::format_tag::ab);
+    bool same_layout = true, same_rows = true, same_as_plain = true;
+    std::optional<memory::desc> layout;
+    for (int64_t m : {16, 32, 48, 64, 96, 128, 256, 512}) {
+      memory::desc ad({m, H}, type, memory::format_tag::ab), cd({m, F}, memory::data_type::f32, memory::format_tag::ab);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, memory::desc({H, F}, type, memory::format_tag::any), cd), engine);
+      if (!layout) layout = pd.weights_desc();
+      same_layout = same_layout && pd.weights_desc() == *layout;
+      memory plain(source, engine, const_cast<std::byte*>(w)), packed(pd.weights_desc(), engine);
+      dnnl::reorder(plain, packed).execute(stream, plain, packed);
+      memory am(ad, engine, a.data()), cm(cd, engine, out.data());
+      dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, packed}, {DNNL_ARG_DST, cm}});
+      stream.wait();
+      epx::detail::GemmArgs g{.dtype = c, .trans_b = trans, .m = m, .n = F, .k = H, .a = a.data(), .lda = H, .b = w,
+                              .ldb = trans ? H : F, .c = ref.data(), .ldc = F};
+      check(epx::detail::gemm(g, 1), "gemm");
+      same_as_plain = same_as_plain && std::memcmp(out.data(), ref.data(), m * F * sizeof(float)) == 0;
+      if (m == 16) first = out;
+      same_rows = same_rows && std::memcmp(out.data(), first.data(), 16 * F * sizeof(float)) == 0;
+    }
+    fmt::print("packed weights, {} GEMM, m = 16 ... 512: one layout {}, rows' bits independent of m {}, the gemm "
+               "helper's bits {}\n",
+               trans ? "data-pass (B transposed)" : "up", same_layout ? "yes" : "no", same_rows ? "yes" : "no",
+               same_as_plain ? "yes" : "no");
+  }
+  fmt::print("\n");
+}
+
 // The named fix, prototyped: one oneDNN batched matmul per chunk over all
 // its experts ([E, M, H] x [E, H, F], each expert's rows zero-padded to the
 // chunk's largest count M rounded up to kRowBlock, the weights a strided view
@@ -475,6 +520,7 @@ int main(int argc, char** argv) {
   }
   per_row_by_m(s, reps);
   packed_vs_plain(s, packed_m, reps);
+  packed_layout_check(s);
   {
     std::vector<int> cs{1};
     cs.insert(cs.end(), chunks.begin(), chunks.end());
