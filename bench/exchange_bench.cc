@@ -10,7 +10,6 @@
 #include <string_view>
 
 #include <sys/resource.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -18,6 +17,8 @@
 #include "epx/comm/inproc.h"
 #include "epx/core/buffer.h"
 #include "epx/exchange/buffer.h"
+#include "core/bf16_rows.h"
+#include "cpu_time.h"
 #include "epx/exchange/layout.h"
 #include "naive_alltoall.h"
 #include "synthetic_routing.h"
@@ -44,6 +45,23 @@ constexpr std::array<std::string_view, kNumMethods> kSpanName = {
     "bench.memcpy_expanded"};
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// Receiver weights: the experts write y in bf16 into the combine region, as
+// the layer does.
+constexpr DType kReceiverY = DType::kBF16;
+
+bool receiver_weights(const ExchangeBenchConfig& c) { return c.layer_combine_weights == CombineWeights::kReceiver; }
+
+// Bytes per received row that the layer's combine moves: y in kReceiverY
+// with receiver weights, else one partial in layer_combine_dtype.
+int64_t layer_row_bytes(const ExchangeBenchConfig& c) {
+  return int64_t{c.hidden} *
+         static_cast<int64_t>(dtype_size(receiver_weights(c) ? kReceiverY : c.layer_combine_dtype));
+}
+// Bytes of one expanded (token, expert) row of y under receiver weights.
+int64_t receiver_y_row_bytes(const ExchangeBenchConfig& c) {
+  return int64_t{c.hidden} * static_cast<int64_t>(dtype_size(kReceiverY));
+}
 
 // Everything about a shape that the main thread can know before the ranks
 // start: routing, layouts, and the row counts each method will move.
@@ -87,12 +105,7 @@ float pattern(int rank, int token, int64_t column) {
   return static_cast<float>(v - 126) / 64.0f;
 }
 
-// CPU time of the calling thread, and its minor page faults so far.
-int64_t thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
+// The calling thread's minor and major page faults so far.
 int64_t thread_page_faults() {
   rusage usage{};
   getrusage(RUSAGE_THREAD, &usage);
@@ -404,9 +417,8 @@ class RankBench {
     if (options.weights_at == CombineWeights::kReceiver) {
       // The experts' bf16 rows, written into the region untimed (the other
       // combines overwrite it between repetitions).
-      EPX_ASSIGN_OR_RETURN(y, buffer_->combine_expanded_input(recv_.handle, DType::kBF16));
-      for (int64_t i = 0; i < y.size(0); ++i)
-        for (int64_t c = 0; c < config_.hidden; ++c) y.row<uint16_t>(i)[c] = f32_to_bf16(layer_y_view_.row<float>(i)[c]);
+      EPX_ASSIGN_OR_RETURN(y, buffer_->combine_expanded_input(recv_.handle, kReceiverY));
+      for (int64_t i = 0; i < y.size(0); ++i) detail::to_bf16(layer_y_view_.row<float>(i), config_.hidden, y.row<uint16_t>(i));
     }
     EPX_RETURN_IF_ERROR(timed(kLayerCombine, record, [&] {
       return buffer_->combine_expanded(y, recv_.handle, layer_out_view_, {}, options);
@@ -453,14 +465,13 @@ class RankBench {
   // rows x hidden x 4 for f32 partials, x 2 for bf16), copied in chunks of the memcpy buffers'
   // size (larger than the last-level cache: every chunk goes to memory).
   Status memcpy_layer_op(bool record) {
-    const std::size_t bytes = static_cast<std::size_t>(plan_.recv_rows[rank_]) * config_.hidden *
-                              (receiver() ? 2 : dtype_size(config_.layer_combine_dtype));
+    const auto bytes = static_cast<std::size_t>(plan_.recv_rows[rank_] * layer_row_bytes(config_));
     EPX_RETURN_IF_ERROR(chunked_memcpy(kMemcpyLayer, bytes, record));
     if (!receiver()) return Status::ok();
-    return chunked_memcpy(kMemcpyExpanded, static_cast<std::size_t>(plan_.naive_recv[rank_]) * config_.hidden * 2,
-                          record);
+    return chunked_memcpy(kMemcpyExpanded,
+                          static_cast<std::size_t>(plan_.naive_recv[rank_] * receiver_y_row_bytes(config_)), record);
   }
-  bool receiver() const { return config_.layer_combine_weights == CombineWeights::kReceiver; }
+  bool receiver() const { return receiver_weights(config_); }
   // `bytes` copied in chunks of the memcpy buffers' size, timed as `method`.
   Status chunked_memcpy(Method method, std::size_t bytes, bool record) {
     std::span<std::byte> dst = naive_->scratch(0);
@@ -641,10 +652,7 @@ CpuSnapshot cpu_snapshot() {
   if (in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal && cpu == "cpu")
     snap.machine_busy_s =
         static_cast<double>(user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
-  rusage self{};
-  getrusage(RUSAGE_SELF, &self);
-  snap.self_s = static_cast<double>(self.ru_utime.tv_sec + self.ru_stime.tv_sec) +
-                static_cast<double>(self.ru_utime.tv_usec + self.ru_stime.tv_usec) * 1e-6;
+  snap.self_s = process_cpu_seconds();
   snap.wall_s = static_cast<double>(now_ns()) * 1e-9;
   return snap;
 }
@@ -764,10 +772,8 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.memcpy = summarize(shared, kMemcpy, r.recv_bytes, config.num_ranks);
   r.naive_dispatch = summarize(shared, kNaiveDispatch, r.recv_bytes, config.num_ranks);
   r.naive_combine = summarize(shared, kNaiveCombine, r.recv_bytes, config.num_ranks);
-  const bool receiver = config.layer_combine_weights == CombineWeights::kReceiver;
-  const int64_t layer_row = config.hidden * static_cast<int64_t>(receiver ? 2 : dtype_size(config.layer_combine_dtype));
-  r.layer_bytes = config.layer_combine ? r.recv_rows * layer_row : 0;
-  r.expanded_bytes = config.layer_combine && receiver ? r.naive_rows * config.hidden * 2 : 0;
+  r.layer_bytes = config.layer_combine ? r.recv_rows * layer_row_bytes(config) : 0;
+  r.expanded_bytes = config.layer_combine && receiver_weights(config) ? r.naive_rows * receiver_y_row_bytes(config) : 0;
   r.layer_combine = summarize(shared, kLayerCombine, r.layer_bytes, config.num_ranks);
   r.memcpy_layer = summarize(shared, kMemcpyLayer, r.layer_bytes, config.num_ranks);
   r.memcpy_expanded = summarize(shared, kMemcpyExpanded, r.expanded_bytes, config.num_ranks);

@@ -15,7 +15,6 @@
 // repetitions, the methods interleaved; cpu/wall is the process's CPU time
 // over wall time in the grouped forward (2 = both cores were ours).
 // Progress goes to stderr, the table to stdout.
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -31,6 +30,7 @@
 
 #include "epx/experts/ffn.h"
 #include "experts/gemm.h"
+#include "cpu_time.h"
 #include "gemm_reference.h"
 #include "stats.h"
 
@@ -42,12 +42,6 @@ constexpr int64_t kHidden = 7168;
 constexpr int64_t kFfn = 2048;
 constexpr int kExperts = 8;
 
-double cpu_seconds() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) + 1e-6 * double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec);
-}
-
 struct Timing {
   std::vector<double> seconds;
   std::vector<double> cpu;  // process CPU seconds over wall seconds
@@ -56,12 +50,12 @@ struct Timing {
 };
 
 void time_once(Timing& t, const std::function<void()>& f) {
-  const double c0 = cpu_seconds();
+  const double c0 = epx::bench::process_cpu_seconds();
   const auto t0 = Clock::now();
   f();
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
   t.seconds.push_back(wall);
-  t.cpu.push_back((cpu_seconds() - c0) / wall);
+  t.cpu.push_back((epx::bench::process_cpu_seconds() - c0) / wall);
 }
 
 // Fills with small values quickly (uniform bits, no per-element RNG call).

@@ -1,6 +1,5 @@
 #include "lowlat_bench.h"
 
-#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,6 +10,7 @@
 #include "epx/comm/inproc.h"
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/low_latency.h"
+#include "cpu_time.h"
 #include "stats.h"
 #include "synthetic_routing.h"
 
@@ -18,12 +18,6 @@ namespace epx::bench {
 namespace {
 
 enum Method : int { kNormalDispatch, kNormalCombine, kLowLatDispatch, kLowLatCombine, kNumMethods };
-
-int64_t thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
 
 // One token count's routing (every rank's), what it moves, and the capacity.
 struct Plan {

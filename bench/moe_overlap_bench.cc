@@ -37,6 +37,7 @@
 #include "epx/core/clock.h"
 #include "epx/core/random.h"
 #include "epx/layer/moe_layer.h"
+#include "cpu_time.h"
 #include "mpi_launch.h"
 #include "stats.h"
 
@@ -66,12 +67,6 @@ struct CpuClock {
   double process_cpu = 0;              // all threads of the process
   double core_softirq = 0, core_busy = 0;  // the pinned core (0 when not pinned to one)
 };
-
-double clock_seconds(clockid_t id) {
-  timespec ts{};
-  clock_gettime(id, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
-}
 
 // The one CPU this thread may run on, or -1.
 int pinned_cpu() {
@@ -113,7 +108,7 @@ CpuClock cpu_clock(int cpu) {
     }
     std::fclose(f);
   }
-  c.process_cpu = clock_seconds(CLOCK_PROCESS_CPUTIME_ID);
+  c.process_cpu = process_cpu_seconds();
   if (cpu >= 0) read_core(cpu, &c);
   return c;
 }

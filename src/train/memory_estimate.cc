@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "epx/exchange/buffer.h"
+#include "train/model_buffer.h"
 
 namespace epx {
 namespace {
@@ -98,16 +99,9 @@ void add_activations(const Shape& s, MemoryEstimate* e) {
   e->add("batch", batch, driver({{"batch_tokens", s.batch_tokens, 4096}, {"input_dim", s.inputs, 1024}}));
 }
 
-void add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, MemoryEstimate* e) {
-  BufferConfig bc;  // as MoEModel makes it
-  bc.num_experts = static_cast<int>(s.local * s.R);
-  bc.hidden = m.layer.hidden;
-  bc.dtype = m.layer.dispatch_dtype.value_or(m.layer.dtype);
-  if (bc.dtype == DType::kFP8E4M3) bc.gradient_dtype = m.layer.dtype;
-  bc.max_topk = m.layer.router.topk;
-  bc.max_tokens_per_rank = m.max_tokens_per_rank;
-  if (m.layer.combine_weights == CombineWeights::kReceiver)
-    bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, static_cast<int>(s.R), m.layer.dtype);
+Status add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, MemoryEstimate* e) {
+  EPX_ASSIGN_OR_RETURN(const BufferConfig bc, detail::model_buffer_config(m, static_cast<int>(s.local * s.R),
+                                                                          static_cast<int>(s.R), c.balancing.eplb));
   const int64_t buffers = c.balancing.eplb ? s.L : 1;  // eplb: one Buffer per layer
   const std::string exchange_driver = driver({{"batch_tokens", s.batch_tokens, 4096}, {"hidden", s.H, 1024},
                                               {"topk", s.K, 8}, {c.ep_size() == c.num_ranks ? "ranks" : "ep", s.R, 8}});
@@ -117,6 +111,7 @@ void add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, Me
   if (s.nodes > 1)
     e->add("staging of rows across nodes", saturating_product({s.T, std::min(s.K, s.nodes), s.H, s.dtype_bytes, 2}),
            exchange_driver);
+  return Status::ok();
 }
 
 }  // namespace
@@ -128,7 +123,7 @@ Result<MemoryEstimate> estimate_train_memory(const TrainConfig& config) {
   e.copies = config.transport != nullptr ? 1 : config.num_ranks;
   add_parameters(s, &e);
   add_activations(s, &e);
-  add_exchange(s, config, m, &e);
+  EPX_RETURN_IF_ERROR(add_exchange(s, config, m, &e));
   // Measured against peak RSS (docs/design.md): the allocator's arenas, the
   // threads and the GEMM library add about 10% and a few MiB per rank.
   const int64_t counted = e.per_rank();

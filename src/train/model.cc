@@ -6,6 +6,7 @@
 #include "epx/core/clock.h"
 #include "epx/core/random.h"
 #include "layer/dense.h"
+#include "train/model_buffer.h"
 
 namespace epx {
 namespace {
@@ -23,6 +24,36 @@ TensorView matrix(const std::vector<float>& v, int64_t rows, int64_t cols) {
 }
 
 }  // namespace
+
+namespace detail {
+
+Result<BufferConfig> model_buffer_config(const ModelConfig& m, int num_experts, int num_ranks, bool rank_major) {
+  const MoELayerConfig& lc = m.layer;
+  std::optional<ExpertPlacement> placement = m.placement;
+  if (rank_major) {
+    if (num_experts % num_ranks != 0)
+      return invalid_argument("eplb slots = {} must be a multiple of ranks = {}", num_experts, num_ranks);
+    EPX_ASSIGN_OR_RETURN(placement, ExpertPlacement::contiguous(num_experts, num_ranks));
+  }
+  if (placement && placement->num_ranks() != num_ranks)
+    return invalid_argument("the placement is over {} ranks; the EP group has {}", placement->num_ranks(), num_ranks);
+  const DType payload = lc.dispatch_dtype.value_or(lc.dtype);
+  BufferConfig bc{.num_experts = num_experts,
+                  .hidden = lc.hidden,
+                  .dtype = payload,
+                  .gradient_dtype = payload == DType::kFP8E4M3 ? std::optional<DType>(lc.dtype) : std::nullopt,
+                  .max_topk = lc.router.topk,
+                  .max_tokens_per_rank = m.max_tokens_per_rank,
+                  .placement = placement,
+                  .timeout = m.timeout,
+                  .record_waits = m.record_waits};
+  // Receiver weights: room for the expanded rows of y in dtype.
+  if (lc.combine_weights == CombineWeights::kReceiver)
+    bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, num_ranks, lc.dtype);
+  return bc;
+}
+
+}  // namespace detail
 
 Status ModelConfig::validate() const {
   if (num_layers < 1) return invalid_argument("num_layers = {} must be at least 1", num_layers);
@@ -59,28 +90,8 @@ struct MoEModel::Impl {
 
   // A Buffer over `num_experts` experts (slots), rank-major when `rank_major`.
   Result<std::unique_ptr<Buffer>> make_buffer(int num_experts, bool rank_major) {
-    const MoELayerConfig& lc = config.layer;
-    std::optional<ExpertPlacement> placement = config.placement;
-    if (rank_major) {
-      const int R = transport.num_ranks();
-      if (num_experts % R != 0)
-        return invalid_argument("eplb slots = {} must be a multiple of ranks = {}", num_experts, R);
-      EPX_ASSIGN_OR_RETURN(placement, ExpertPlacement::contiguous(num_experts, R));
-    }
-    BufferConfig bc{.num_experts = num_experts,
-                    .hidden = lc.hidden,
-                    .dtype = lc.dispatch_dtype.value_or(lc.dtype),
-                    .gradient_dtype = lc.dispatch_dtype.value_or(lc.dtype) == DType::kFP8E4M3
-                                          ? std::optional<DType>(lc.dtype)
-                                          : std::nullopt,
-                    .max_topk = lc.router.topk,
-                    .max_tokens_per_rank = config.max_tokens_per_rank,
-                    .placement = placement,
-                    .timeout = config.timeout,
-                    .record_waits = config.record_waits};
-    // Receiver weights: room for the expanded rows of y in dtype.
-    if (lc.combine_weights == CombineWeights::kReceiver)
-      bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, transport.num_ranks(), lc.dtype);
+    EPX_ASSIGN_OR_RETURN(BufferConfig bc,
+                         detail::model_buffer_config(config, num_experts, transport.num_ranks(), rank_major));
     return Buffer::create(transport, bc);
   }
 

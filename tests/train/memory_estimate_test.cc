@@ -4,6 +4,7 @@
 
 #include "epx/comm/inproc.h"
 #include "epx/exchange/buffer.h"
+#include "epx/train/model.h"
 #include "train/tiny_config.h"
 
 namespace epx {
@@ -45,6 +46,49 @@ TEST(MemoryEstimate, ExchangeRegionIsWhatTheBufferAllocates) {
   ASSERT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
   EXPECT_GT(real[0], 0u);
   EXPECT_EQ(Buffer::estimate_region_bytes(config, 4), static_cast<int64_t>(real[0]));
+}
+
+// The region of the Buffer MoEModel creates for `c` on its ranks.
+int64_t model_region_bytes(const TrainConfig& c) {
+  auto m = c.resolved_model();
+  EXPECT_TRUE(m.is_ok()) << m.status().to_string();
+  std::vector<int64_t> real(c.num_ranks, -1);
+  auto statuses = run_ranks(*Topology::create(c.num_ranks, 1), [&](Transport& t) -> Status {
+    EPX_ASSIGN_OR_RETURN(auto model, MoEModel::create(*m, t));
+    real[t.rank()] = static_cast<int64_t>(model->buffer(0).region_bytes());
+    return Status::ok();
+  });
+  EXPECT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
+  return real[0];
+}
+
+// The estimate builds its BufferConfig as the model does: receiver weights
+// (max_expanded_rows), an fp8 dispatch (gradient_dtype) and an uneven
+// placement (the most local experts) each change the model's region, and the
+// estimate must follow.
+TEST(MemoryEstimate, ExchangeRegionIsTheModelsBuffer) {
+  TrainConfig holder = tiny();
+  holder.model.layer.router.topk = 4;  // above the 2 local experts of a contiguous placement
+  TrainConfig receiver = holder;
+  receiver.model.layer.combine_weights = CombineWeights::kReceiver;
+  TrainConfig uneven = receiver;  // rank 0 holds 5 of the 8 experts
+  uneven.model.placement = *ExpertPlacement::from_map({0, 0, 0, 0, 0, 1, 2, 3}, 4);
+  TrainConfig fp8 = receiver;
+  fp8.model.layer.hidden = 128;  // one fp8 scale block
+  fp8.model.layer.dtype = DType::kBF16;
+  fp8.model.layer.dispatch_dtype = DType::kFP8E4M3;
+  int64_t holder_bytes = 0;
+  for (const TrainConfig* c : {&holder, &receiver, &uneven, &fp8}) {
+    auto e = estimate_train_memory(*c);
+    ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+    const int64_t model = model_region_bytes(*c);
+    EXPECT_GT(model, 0);
+    EXPECT_EQ(item(*e, "exchange regions (receive and combine)"), model);
+    if (c == &holder) holder_bytes = model;
+  }
+  // The cases differ, so the equalities above are not one case four times.
+  EXPECT_GT(model_region_bytes(receiver), holder_bytes);
+  EXPECT_GT(model_region_bytes(uneven), model_region_bytes(receiver));
 }
 
 TEST(MemoryEstimate, GrowsWithTheSettingsThatDriveIt) {
