@@ -106,6 +106,27 @@ EPX_SIMD_CLONES void store_bf16(uint16_t* dst, const float* acc, int n) {
   for (int c = 0; c < n; ++c) dst[c] = f32_to_bf16(acc[c]);
 }
 
+float widen(float v) { return v; }
+float widen(uint16_t v) { return bf16_to_f32(v); }
+
+// Four jobs' serial sums side by side (a job may repeat; its sum is the same).
+template <typename T>
+void dots4(const DotJob* const* jobs, int n) {
+  const float *g0 = jobs[0]->g, *g1 = jobs[1]->g, *g2 = jobs[2]->g, *g3 = jobs[3]->g;
+  const T* y0 = reinterpret_cast<const T*>(jobs[0]->y);
+  const T* y1 = reinterpret_cast<const T*>(jobs[1]->y);
+  const T* y2 = reinterpret_cast<const T*>(jobs[2]->y);
+  const T* y3 = reinterpret_cast<const T*>(jobs[3]->y);
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+  for (int c = 0; c < n; ++c) {
+    s0 += g0[c] * widen(y0[c]);
+    s1 += g1[c] * widen(y1[c]);
+    s2 += g2[c] * widen(y2[c]);
+    s3 += g3[c] * widen(y3[c]);
+  }
+  *jobs[0]->out = s0, *jobs[1]->out = s1, *jobs[2]->out = s2, *jobs[3]->out = s3;
+}
+
 // Columns per slice: the accumulator and a partial stay in L1.
 constexpr int kSlice = 512;
 
@@ -149,6 +170,16 @@ void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* r
       if (r < num_rows) accumulate_weighted(acc, weights[r], rows[r] + offset, row_dtype, n);
     }
     store(out + static_cast<std::size_t>(c0) * out_size, out_dtype, acc, n);
+  }
+}
+
+void column_order_dots(std::span<const DotJob> jobs, DType y_dtype, int n) {
+  for (std::size_t j = 0; j < jobs.size(); j += 4) {
+    // The last group of fewer than four repeats its last job.
+    const DotJob* four[4];
+    for (std::size_t q = 0; q < 4; ++q) four[q] = &jobs[std::min(j + q, jobs.size() - 1)];
+    if (y_dtype == DType::kBF16) dots4<uint16_t>(four, n);
+    else dots4<float>(four, n);
   }
 }
 
