@@ -18,14 +18,17 @@
 //   difference is what reading the weights once per chunk costs. A streaming
 //   read of the weights gives the memory time of one pass.
 // The weight pass runs once over the whole batch in every mode (the layer
-// does so) and is timed apart.
-#include <sys/resource.h>
-
+// does so) and is timed apart. Also printed: one expert GEMM's time per row
+// by its row count m; weights packed once in oneDNN's layout (--packed-m);
+// and the named fix, prototyped: one batched oneDNN matmul per chunk over
+// all its experts against the per-expert calls, with a same-bits check.
+// docs/benchmarks.md, "Chunked experts: where the time goes".
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -204,10 +207,11 @@ void per_row_by_m(const Setup& s, int reps) {
 }
 
 // Weights packed once into oneDNN's own layout (weights format `any`, K and
-// N fixed, m at run time) against the plain [H, F] weights the gemm helper
-// passes (which oneDNN may repack on every call): us/row of one expert's up
-// GEMM at m rows, experts cycling, and whether the bits agree.
-void packed_vs_plain(const Setup& s, int reps) {
+// N fixed; m at run time, or fixed at `packed_m` when > 0, which is when
+// oneDNN picks a blocked layout) against the plain [H, F] weights the gemm
+// helper passes (which oneDNN may repack on every call): us/row of one
+// expert's up GEMM at m rows, experts cycling, and whether the bits agree.
+void packed_vs_plain(const Setup& s, int64_t packed_m, int reps) {
   using dnnl::memory;
   const int64_t H = s.shape.hidden, F = s.shape.ffn, E = s.shape.experts;
   const DType c = s.config.gemm_dtype();
@@ -215,7 +219,7 @@ void packed_vs_plain(const Setup& s, int reps) {
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
   const memory::dim rt = DNNL_RUNTIME_DIM_VAL;
-  const memory::dim pm = std::getenv("PACK_M") ? std::atoi(std::getenv("PACK_M")) : rt;
+  const memory::dim pm = packed_m > 0 ? packed_m : rt;
   memory::desc ad({pm, H}, type, {pm == rt ? rt : H, 1}), bd({H, F}, type, memory::format_tag::any), cd({pm, F}, memory::data_type::f32, {pm == rt ? rt : F, 1});
   dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), engine);
   dnnl::matmul mm(pd);
@@ -254,6 +258,50 @@ void packed_vs_plain(const Setup& s, int reps) {
       tk.push_back(seconds([&] { for (int64_t e = 0; e < E; ++e) run_packed(e); }) / double(E * m) * 1e6);
     }
     fmt::print("| {} | {:.2f} | {:.2f} | {} |\n", m, epx::bench::median(tp), epx::bench::median(tk), same ? "yes" : "no");
+  }
+  fmt::print("\n");
+}
+
+// Whether packed weights could serve the layer with the bits it has: for
+// fixed-m primitives (m = 16 ... 512) with weights format `any`, does oneDNN
+// pick one weights layout for every m, does each row get the same bits
+// whatever m, and are they the bits of the gemm helper's plain calls? For the
+// up GEMM (B = W1[e], [H, F]) and the data pass's (B = W2[e]^T, stored [F, H]).
+void packed_layout_check(const Setup& s) {
+  using dnnl::memory;
+  const int64_t H = s.shape.hidden, F = s.shape.ffn;
+  const DType c = s.config.gemm_dtype();
+  const auto type = c == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(engine);
+  std::vector<std::byte> a = random_values(512 * H, c, 9, 1.0f);
+  std::vector<float> out(static_cast<std::size_t>(512 * F)), ref(out.size()), first(out.size());
+  for (bool trans : {false, true}) {
+    const std::byte* w = trans ? s.w2.data() : s.w1.data();
+    const memory::desc source = trans ? memory::desc({H, F}, type, memory::dims{1, H}) : memory::desc({H, F}, type, memory::format_tag::ab);
+    bool same_layout = true, same_rows = true, same_as_plain = true;
+    std::optional<memory::desc> layout;
+    for (int64_t m : {16, 32, 48, 64, 96, 128, 256, 512}) {
+      memory::desc ad({m, H}, type, memory::format_tag::ab), cd({m, F}, memory::data_type::f32, memory::format_tag::ab);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, memory::desc({H, F}, type, memory::format_tag::any), cd), engine);
+      if (!layout) layout = pd.weights_desc();
+      same_layout = same_layout && pd.weights_desc() == *layout;
+      memory plain(source, engine, const_cast<std::byte*>(w)), packed(pd.weights_desc(), engine);
+      dnnl::reorder(plain, packed).execute(stream, plain, packed);
+      memory am(ad, engine, a.data()), cm(cd, engine, out.data());
+      dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, packed}, {DNNL_ARG_DST, cm}});
+      stream.wait();
+      epx::detail::GemmArgs g{.dtype = c, .trans_b = trans, .m = m, .n = F, .k = H, .a = a.data(), .lda = H, .b = w,
+                              .ldb = trans ? H : F, .c = ref.data(), .ldc = F};
+      check(epx::detail::gemm(g, 1), "gemm");
+      same_as_plain = same_as_plain && std::memcmp(out.data(), ref.data(), m * F * sizeof(float)) == 0;
+      if (m == 16) first = out;
+      same_rows = same_rows && std::memcmp(out.data(), first.data(), 16 * F * sizeof(float)) == 0;
+    }
+    fmt::print("packed weights, {} GEMM, m = 16 ... 512: one layout {}, rows' bits independent of m {}, the gemm "
+               "helper's bits {}\n",
+               trans ? "data-pass (B transposed)" : "up", same_layout ? "yes" : "no", same_rows ? "yes" : "no",
+               same_as_plain ? "yes" : "no");
   }
   fmt::print("\n");
 }
@@ -365,6 +413,113 @@ void batched_vs_per_expert(const Setup& s, const std::vector<int>& chunk_counts_
   fmt::print("\n");
 }
 
+// The whole batch, or one C-way split of it: the chunks (one call each, as
+// the layer) and each (chunk, expert)'s rows alone ([c * E + e]).
+struct Split {
+  int C = 1;
+  std::vector<Part> chunk;
+  std::vector<Part> pieces;
+  int64_t calls = 0, padded = 0;  // GEMM calls and padded rows of the chunk calls (6 GEMMs per expert)
+};
+
+Split make_split(const Setup& s, int C) {
+  Split sp;
+  sp.C = C;
+  const int E = s.shape.experts;
+  const auto counts = chunk_counts(s.shape, C, 11);
+  for (int c = 0; c < C; ++c) {
+    sp.chunk.push_back(make_part(s.shape, counts[c], s.config.dtype, 20 + c));
+    for (int64_t m : counts[c]) sp.calls += 6 * calls_of(m), sp.padded += padding_of(m);
+    for (int e = 0; e < E; ++e) {
+      std::vector<int64_t> one(E, 0);
+      one[e] = counts[c][e];
+      sp.pieces.push_back(make_part(s.shape, one, s.config.dtype, 100 + c * E + e));
+    }
+  }
+  return sp;
+}
+
+void forward_and_data(const Setup& s, std::vector<Part>& parts, const std::vector<int>& order) {
+  for (int i : order) s.forward(parts[i]);
+  for (int i : order) s.data(parts[i]);
+}
+
+// The parts in order (chunk-major: the layer's), or each expert's chunks back to back.
+std::vector<int> part_order(const Split& sp, int E, bool expert_major) {
+  std::vector<int> v;
+  for (int e = 0; e < (expert_major ? E : 1); ++e)
+    for (int c = 0; c < sp.C; ++c)
+      for (int i = 0; i < (expert_major ? 1 : E); ++i) v.push_back(c * E + (expert_major ? e : i));
+  return v;
+}
+
+struct ChunkTimes {
+  std::vector<Split> splits;  // [0]: the whole batch
+  std::vector<std::vector<double>> chunked, chunk_major, expert_major;  // seconds per split
+  std::vector<double> weights, read_ms;  // the weight pass (whole batch); one streaming read of the weights
+};
+
+// Forward + data pass of every split, the splits interleaved within each repetition.
+ChunkTimes time_chunks(const Setup& s, const std::vector<int>& chunks, int reps) {
+  ChunkTimes t;
+  const int E = s.shape.experts;
+  t.splits.push_back(make_split(s, 1));
+  for (int C : chunks) t.splits.push_back(make_split(s, C));
+  const std::size_t n = t.splits.size();
+  t.chunked.resize(n), t.chunk_major.resize(n), t.expert_major.resize(n);
+  const int64_t H = s.shape.hidden, F = s.shape.ffn;
+  std::vector<float> g1(static_cast<std::size_t>(E * H * F)), g3(g1.size()), g2(g1.size());
+  const epx::ExpertGrads grads{TensorView::contiguous(g1.data(), DType::kF32, {E * H, F}),
+                               TensorView::contiguous(g3.data(), DType::kF32, {E * H, F}),
+                               TensorView::contiguous(g2.data(), DType::kF32, {E * F, H})};
+  Part& whole = t.splits[0].chunk[0];
+  const auto weight_pass = [&] {
+    const TensorView x = TensorView::contiguous(whole.x.data(), s.config.dtype, {whole.offsets.back(), H});
+    check(epx::expert_ffn_backward_weights(s.config, s.weights(), x, whole.offsets, s.rows_view(whole, whole.grad_y),
+                                           whole.state, grads),
+          "backward weights");
+  };
+  for (Split& sp : t.splits) forward_and_data(s, sp.chunk, part_order(sp, 1, false)), forward_and_data(s, sp.pieces, part_order(sp, E, false));
+  weight_pass();
+  for (int r = 0; r < reps; ++r) {
+    fmt::print(stderr, "rep {}/{}\n", r + 1, reps);
+    for (std::size_t i = 0; i < n; ++i) {
+      Split& sp = t.splits[i];
+      t.chunked[i].push_back(seconds([&] { forward_and_data(s, sp.chunk, part_order(sp, 1, false)); }));
+      t.chunk_major[i].push_back(seconds([&] { forward_and_data(s, sp.pieces, part_order(sp, E, false)); }));
+      t.expert_major[i].push_back(seconds([&] { forward_and_data(s, sp.pieces, part_order(sp, E, true)); }));
+    }
+    t.weights.push_back(seconds(weight_pass));
+    t.read_ms.push_back(read_ms(s));
+  }
+  return t;
+}
+
+void print_chunk_times(const Setup& s, const ChunkTimes& t, double us_call, int reps) {
+  const int64_t E = s.shape.experts, H = s.shape.hidden, F = s.shape.ffn;
+  const DType c = s.config.gemm_dtype();
+  const Split& whole = t.splits[0];
+  const double whole_ms = epx::bench::median(t.chunked[0]) * 1e3;
+  const double per_row_ms = whole_ms / double(s.shape.rows + whole.padded);
+  fmt::print("experts {} x [{}, {}], {} rows, payload {}, GEMMs {}, 1 thread, median of {}\n", E, H, F, s.shape.rows,
+             epx::dtype_name(s.config.dtype), epx::dtype_name(c), reps);
+  fmt::print("weights per pass {:.1f} MB, streamed once in {:.2f} ms; one oneDNN call (16x16x16) {:.1f} us; "
+             "weight pass (once, every mode) {:.2f} ms\n\n",
+             3.0 * double(E * H * F * int64_t(epx::dtype_size(c))) / 1e6, epx::bench::median(t.read_ms), us_call,
+             epx::bench::median(t.weights) * 1e3);
+  fmt::print("| fwd + data pass | ms | vs whole | GEMM calls | padded rows | calls cost ms | padding cost ms | "
+             "chunk-major per expert ms | expert-major per expert ms | re-read cost ms |\n");
+  fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (std::size_t i = 0; i < t.splits.size(); ++i) {
+    const Split& sp = t.splits[i];
+    const double ms = epx::bench::median(t.chunked[i]) * 1e3, cm = epx::bench::median(t.chunk_major[i]) * 1e3,
+                 em = epx::bench::median(t.expert_major[i]) * 1e3;
+    const std::string name = i == 0 ? "whole" : fmt::format("{} chunks", sp.C);
+    fmt::print("| {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |\n", name, ms,
+               ms / whole_ms, sp.calls, sp.padded, sp.calls * us_call * 1e-3, sp.padded * per_row_ms, cm, em, cm - em);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -372,11 +527,14 @@ int main(int argc, char** argv) {
   std::string compute = "bf16", payload = "bf16";
   std::vector<int> chunks{2, 4};
   int reps = 7;
+  int64_t packed_m = 0;
   Shape shape;
   app.add_option("--compute", compute, "GEMM dtype: f32 or bf16")->capture_default_str();
   app.add_option("--payload", payload, "x's dtype: f32 or bf16")->capture_default_str();
   app.add_option("--chunks", chunks, "Chunk counts")->capture_default_str();
   app.add_option("--rows", shape.rows, "Expanded rows")->capture_default_str();
+  app.add_option("--packed-m", packed_m, "Rows of the packed-weights primitive (0: given at run time)")
+      ->capture_default_str();
   app.add_option("--reps", reps, "Repetitions (median)")->check(CLI::Range(1, 100))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
@@ -389,111 +547,13 @@ int main(int argc, char** argv) {
   s.w1 = random_values(E * H * F, cdt, 1, 0.05f), s.w3 = random_values(E * H * F, cdt, 2, 0.05f);
   s.w2 = random_values(E * F * H, cdt, 3, 0.05f);
 
-  // The whole batch, and for each C the chunks and their (chunk, expert) single-expert parts.
-  Part whole = make_part(shape, chunk_counts(shape, 1, 11)[0], pdt, 5);
-  struct Split {
-    int C;
-    std::vector<Part> chunk;     // one call per chunk (the layer)
-    std::vector<Part> pieces;    // [c * E + e]: expert e's rows of chunk c alone
-    int64_t calls = 0, padded = 0;
-  };
-  std::vector<Split> splits;
-  auto count_gemms = [&](const std::vector<int64_t>& counts, int64_t* calls, int64_t* padded) {
-    for (int64_t m : counts) *calls += 6 * calls_of(m), *padded += padding_of(m);
-  };
-  int64_t whole_calls = 0, whole_padded = 0;
-  count_gemms(chunk_counts(shape, 1, 11)[0], &whole_calls, &whole_padded);
-  for (int C : chunks) {
-    Split sp;
-    sp.C = C;
-    const auto counts = chunk_counts(shape, C, 11);
-    for (int c = 0; c < C; ++c) {
-      sp.chunk.push_back(make_part(shape, counts[c], pdt, 20 + c));
-      count_gemms(counts[c], &sp.calls, &sp.padded);
-      for (int e = 0; e < E; ++e) {
-        std::vector<int64_t> one(E, 0);
-        one[e] = counts[c][e];
-        sp.pieces.push_back(make_part(shape, one, pdt, 100 + c * E + e));
-      }
-    }
-    splits.push_back(std::move(sp));
-  }
-
-  auto fwd_data = [&](std::vector<Part>& parts, const std::vector<int>& order) {
-    for (int i : order) s.forward(parts[i]);
-    for (int i : order) s.data(parts[i]);
-  };
-  auto all = [](int n) {
-    std::vector<int> v(n);
-    for (int i = 0; i < n; ++i) v[i] = i;
-    return v;
-  };
-  auto expert_major = [&](int C) {
-    std::vector<int> v;
-    for (int e = 0; e < E; ++e)
-      for (int c = 0; c < C; ++c) v.push_back(c * int(E) + e);
-    return v;
-  };
-  std::vector<Part> whole_v(1);
-  whole_v[0] = std::move(whole);
-  const auto run_whole = [&] { fwd_data(whole_v, {0}); };
-  epx::ExpertGrads grads;
-  std::vector<float> g1(E * H * F), g3(g1.size()), g2(g1.size());
-  grads = {TensorView::contiguous(g1.data(), DType::kF32, {E * H, F}),
-           TensorView::contiguous(g3.data(), DType::kF32, {E * H, F}),
-           TensorView::contiguous(g2.data(), DType::kF32, {E * F, H})};
-  const auto run_weights = [&] {
-    Part& p = whole_v[0];
-    const TensorView x = TensorView::contiguous(p.x.data(), pdt, {p.offsets.back(), H});
-    check(epx::expert_ffn_backward_weights(s.config, s.weights(), x, p.offsets, s.rows_view(p, p.grad_y), p.state,
-                                           grads),
-          "backward weights");
-  };
-
-  // Warm-up, then interleaved repetitions.
-  run_whole(), run_weights();
-  for (Split& sp : splits) fwd_data(sp.chunk, all(sp.C)), fwd_data(sp.pieces, all(sp.C * int(E)));
-  std::vector<double> t_whole, t_weights, t_read;
-  std::vector<std::vector<double>> t_chunk(splits.size()), t_cm(splits.size()), t_em(splits.size());
-  for (int r = 0; r < reps; ++r) {
-    fmt::print(stderr, "rep {}/{}\n", r + 1, reps);
-    t_whole.push_back(seconds(run_whole));
-    t_weights.push_back(seconds(run_weights));
-    t_read.push_back(read_ms(s));
-    for (std::size_t i = 0; i < splits.size(); ++i) {
-      Split& sp = splits[i];
-      t_chunk[i].push_back(seconds([&] { fwd_data(sp.chunk, all(sp.C)); }));
-      t_cm[i].push_back(seconds([&] { fwd_data(sp.pieces, all(sp.C * int(E))); }));
-      t_em[i].push_back(seconds([&] { fwd_data(sp.pieces, expert_major(sp.C)); }));
-    }
-  }
+  const ChunkTimes times = time_chunks(s, chunks, reps);
   per_row_by_m(s, reps);
-  packed_vs_plain(s, reps);
-  {
-    std::vector<int> cs{1};
-    cs.insert(cs.end(), chunks.begin(), chunks.end());
-    batched_vs_per_expert(s, cs, reps);
-  }
-  const double us_call = call_us(cdt, reps);
-  const double whole_ms = epx::bench::median(t_whole) * 1e3;
-  const double per_row_ms = whole_ms / double(shape.rows + whole_padded);
-  fmt::print("experts {} x [{}, {}], {} rows, payload {}, GEMMs {}, 1 thread, median of {}\n", E, H, F, shape.rows,
-             payload, compute, reps);
-  fmt::print("weights per pass {:.1f} MB, streamed once in {:.2f} ms; one oneDNN call (16x16x16) {:.1f} us; "
-             "weight pass (once, every mode) {:.2f} ms\n\n",
-             3.0 * double(E * H * F * int64_t(epx::dtype_size(cdt))) / 1e6, epx::bench::median(t_read), us_call,
-             epx::bench::median(t_weights) * 1e3);
-  fmt::print("| fwd + data pass | ms | vs whole | GEMM calls | padded rows | calls cost ms | padding cost ms | "
-             "chunk-major per expert ms | expert-major per expert ms | re-read cost ms |\n");
-  fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  fmt::print("| whole | {:.2f} | 1.00 | {} | {} | {:.2f} | {:.2f} | - | - | - |\n", whole_ms, whole_calls,
-             whole_padded, whole_calls * us_call * 1e-3, whole_padded * per_row_ms);
-  for (std::size_t i = 0; i < splits.size(); ++i) {
-    const Split& sp = splits[i];
-    const double ms = epx::bench::median(t_chunk[i]) * 1e3, cm = epx::bench::median(t_cm[i]) * 1e3,
-                 em = epx::bench::median(t_em[i]) * 1e3;
-    fmt::print("| {} chunks | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |\n", sp.C, ms,
-               ms / whole_ms, sp.calls, sp.padded, sp.calls * us_call * 1e-3, sp.padded * per_row_ms, cm, em, cm - em);
-  }
+  packed_vs_plain(s, packed_m, reps);
+  packed_layout_check(s);
+  std::vector<int> with_one{1};
+  with_one.insert(with_one.end(), chunks.begin(), chunks.end());
+  batched_vs_per_expert(s, with_one, reps);
+  print_chunk_times(s, times, call_us(cdt, reps), reps);
   return 0;
 }

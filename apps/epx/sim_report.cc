@@ -141,9 +141,13 @@ std::string routing_source(const sim::Scenario& s, const sim::SimResult& r) {
 
 std::string kernel_family(const sim::Scenario& s) {
   const std::string& d = s.parallelism.dispatch;
-  const std::string family = d == "low_latency" ? "low-latency (one message per (token, expert), direct RDMA)"
-                             : d == "two_hop"   ? "normal two-hop (NVLink inside a node, one NIC copy per node)"
-                                                : "flat (one copy per (token, rank))";
+  const std::string family =
+      d == "low_latency"       ? "low-latency (one message per (token, expert), direct RDMA)"
+      : d == "low_latency_epx" ? (s.parallelism.combine_per_rank
+                                      ? "epx's CPU low-latency (a row per (token, rank) both ways)"
+                                      : "epx's CPU low-latency (a row per (token, rank) out, per (token, expert) back)")
+      : d == "two_hop"         ? "normal two-hop (NVLink inside a node, one NIC copy per node)"
+                               : "flat (one copy per (token, rank))";
   return fmt::format("All-to-all kernel: {}; {} of {} SMs for communication (docs/simulator.md \"Kernel models\").",
                      family, s.hardware.comm_sms, s.hardware.sms);
 }

@@ -46,6 +46,16 @@ E parse_choice(std::string_view name, std::string_view field,
   throw_error("InvalidArgumentError", std::string(field) + " = '" + std::string(name) + "' is not one of " + names);
 }
 
+// A flag that must be a Python bool (True or False): 1, "yes" or None is an
+// InvalidArgumentError naming `name` and the value, not a silent truth test.
+inline bool bool_arg(pybind11::handle obj, std::string_view name) {
+  if (!pybind11::isinstance<pybind11::bool_>(obj)) {
+    throw_error("InvalidArgumentError", fmt::format("{} = {} ({}) is not a bool (True or False)", name,
+                                                    pybind11::repr(obj).cast<std::string>(), type_name(obj)));
+  }
+  return obj.cast<bool>();
+}
+
 // A buffer's timeout: `seconds` (> 0, else InvalidArgumentError) in milliseconds.
 inline Milliseconds timeout_arg(double seconds) {
   if (!(seconds > 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is not positive", seconds));

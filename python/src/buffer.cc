@@ -201,7 +201,7 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
                        const std::string& dtype, int max_tokens_per_rank, std::optional<int> max_topk, int64_t max_recv_tokens,
                        int expert_alignment, const std::string& max_combine_dtype, const std::string& fp8_scales,
                        const std::string& algorithm, double timeout, bool record_waits,
-                       const std::optional<std::vector<int32_t>>& expert_rank) {
+                       const std::optional<std::vector<int32_t>>& expert_rank, int64_t max_expanded_rows) {
   Transport& t = transport->get();
   BufferConfig config;
   config.num_experts = num_experts;
@@ -211,6 +211,7 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
   config.max_topk = default_topk(max_topk, num_experts);
   config.max_tokens_per_rank = max_tokens_per_rank;
   config.max_recv_tokens = max_recv_tokens;
+  config.max_expanded_rows = max_expanded_rows;
   config.expert_alignment = expert_alignment;
   config.max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype");
   config.algorithm = parse_choice<DispatchAlgorithm>(algorithm, "algorithm",
@@ -225,6 +226,25 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
   state->buffer = call([&] { return Buffer::create(t, config); });  // collective
   close_at_mpi_exit(state);
   return state;
+}
+
+// Buffer::expanded_rows_bound: the max_expanded_rows that makes room for every
+// receiver-weighted combine_expanded with y of `y_dtype` on `num_ranks` ranks.
+int64_t expanded_rows_bound(int num_ranks, int num_experts, int hidden, int max_tokens_per_rank,
+                            const std::string& y_dtype, std::optional<int> max_topk, int64_t max_recv_tokens,
+                            int expert_alignment, const std::string& max_combine_dtype,
+                            const std::optional<std::vector<int32_t>>& expert_rank) {
+  if (num_ranks < 1) throw_error("InvalidArgumentError", fmt::format("num_ranks = {} must be at least 1", num_ranks));
+  BufferConfig config;
+  config.num_experts = num_experts;
+  config.hidden = hidden;
+  config.max_topk = default_topk(max_topk, num_experts);
+  config.max_tokens_per_rank = max_tokens_per_rank;
+  config.max_recv_tokens = max_recv_tokens;
+  config.expert_alignment = expert_alignment;
+  config.max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype");
+  if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, num_ranks));
+  return Buffer::expanded_rows_bound(config, num_ranks, unwrap_arg(parse_dtype(y_dtype), "y_dtype"));
 }
 
 // ---- the operations: each blocking (GIL released) or asynchronous ---------------------
@@ -339,17 +359,29 @@ pb::object combine_backward(BufferState& self, pb::handle grad_out, pb::handle h
   return cached_like(kCombineBackwardForm, self, grad_out, handle, async);
 }
 
+// Where combine_expanded applies the weights (CombineOptions::weights_at).
+CombineWeights parse_weights_at(const std::string& weights_at) {
+  return parse_choice<CombineWeights>(weights_at, "weights_at",
+                                      {{"holder", CombineWeights::kHolder}, {"receiver", CombineWeights::kReceiver}});
+}
+
 pb::object combine_expanded(BufferState& self, pb::handle y_expanded, pb::handle handle, pb::handle out,
-                            pb::handle weights, pb::handle bias, bool async) {
+                            pb::handle weights, pb::handle bias, const std::string& weights_at,
+                            const std::string& partial_dtype, bool async) {
   Buffer& buffer = self.get();
   const Handle h = handle_of(handle);
   const ArrayArg y = view_array(y_expanded, "y_expanded");
   const ArrayArg w = view_optional(weights, "weights");
   const ArrayArg o = out_or_new(out, "out", y.kind, y.view.dtype(), h.num_tokens(), buffer.config().hidden);
   const CombineArgs args = combine_args(y.kind, h, bias, pb::none(), pb::none());
-  begin_write(self, kCombine, "combine_expanded");
+  CombineOptions options = args.options();
+  options.weights_at = parse_weights_at(weights_at);
+  options.partial_dtype = unwrap_arg(parse_dtype(partial_dtype), "partial_dtype");
+  // Receiver weights read y from the combine region: y may be the view
+  // combine_expanded_input returned.
+  const bool receiver = options.weights_at == CombineWeights::kReceiver;
+  begin_write(self, kCombine, "combine_expanded", receiver ? y.view.data() : nullptr);
   const TensorView yv = y.view, wv = w.view, ov = o.view;
-  const CombineOptions options = args.options();
   std::vector<pb::object> keep = args.owners();
   keep.insert(keep.end(), {y.owner, w.owner});
   return perform({[&buffer, yv, h, ov, wv, options] { return buffer.combine_expanded(yv, h, ov, wv, options); },
@@ -388,12 +420,18 @@ ArrayKind parse_library(const std::string& library) {
   return parse_choice<ArrayKind>(library, "library", {{"numpy", ArrayKind::kNumpy}, {"torch", ArrayKind::kTorch}});
 }
 
-pb::object combine_input(BufferState& self, pb::handle handle, const std::string& dtype, const std::string& library) {
+// A view of the combine region to write y into: rows for combine
+// (combine_input), or, `expanded`, the expanded rows of y for a zero-copy
+// combine_expanded(weights_at="receiver") (combine_expanded_input, which
+// writes the region: views of it must be gone).
+pb::object combine_region_input(BufferState& self, pb::handle handle, const std::string& dtype,
+                                const std::string& library, bool expanded) {
   Buffer& buffer = self.get();
   const Handle& h = handle_of(handle);
   const DType type = unwrap_arg(parse_dtype(dtype), "dtype");
   const ArrayKind kind = parse_library(library);
-  const TensorView view = unwrap(buffer.combine_input(h, type));
+  if (expanded) begin_write(self, kCombine, "combine_expanded_input");
+  const TensorView view = unwrap(expanded ? buffer.combine_expanded_input(h, type) : buffer.combine_input(h, type));
   self.combine_input_data = view.data();
   return region_view(self.shared_from_this(), kCombine, kind, view);
 }
@@ -559,10 +597,11 @@ void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
     return combine_backward(s, g, h, async);
   }, pb::arg("grad_out"), pb::arg("handle"));
   c.def(name("combine_expanded").c_str(), [async](BufferState& s, pb::handle y, pb::handle h, pb::handle o,
-                                                   pb::handle w, pb::handle b) {
-    return combine_expanded(s, y, h, o, w, b, async);
+                                                   pb::handle w, pb::handle b, const std::string& at,
+                                                   const std::string& partial) {
+    return combine_expanded(s, y, h, o, w, b, at, partial, async);
   }, pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none,
-     pb::arg("bias") = none);
+     pb::arg("bias") = none, pb::arg("weights_at") = "holder", pb::arg("partial_dtype") = "f32");
   c.def(name("combine_expanded_backward").c_str(), [async](BufferState& s, pb::handle g, pb::handle h, pb::handle y,
                                                             pb::handle w, pb::handle gy, pb::handle gw, bool with_gw) {
     return combine_expanded_backward(s, g, h, y, w, gy, gw, with_gw, async);
@@ -573,7 +612,13 @@ void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
 // The local operations and the split forms.
 void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
   const auto none = pb::none();
-  c.def("combine_input", &combine_input, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
+  c.def("combine_input", [](BufferState& s, pb::handle h, const std::string& dtype, const std::string& library) {
+    return combine_region_input(s, h, dtype, library, false);
+  }, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
+      .def("combine_expanded_input", [](BufferState& s, pb::handle h, const std::string& dtype,
+                                        const std::string& library) {
+    return combine_region_input(s, h, dtype, library, true);
+  }, pb::arg("handle"), pb::arg("dtype") = "bf16", pb::arg("library") = "numpy")
       .def("recv_scales", &recv_scales, pb::arg("handle"), pb::arg("library") = "numpy")
       .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"))
       .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none)
@@ -593,15 +638,22 @@ void register_buffer(pb::module_& m) {
         pb::arg("dtype") = "bf16", pb::arg("max_tokens_per_rank") = 0, pb::arg("max_topk") = pb::none(),
         pb::arg("max_recv_tokens") = 0, pb::arg("expert_alignment") = 1, pb::arg("max_combine_dtype") = "f32",
         pb::arg("fp8_scales") = "f32", pb::arg("algorithm") = "auto", pb::arg("timeout") = 30.0,
-        pb::arg("record_waits") = true, pb::arg("expert_rank") = pb::none())
+        pb::arg("record_waits") = true, pb::arg("expert_rank") = pb::none(), pb::arg("max_expanded_rows") = 0)
       .def_property_readonly("num_local_experts", [](const BufferState& s) { return s.get().num_local_experts(); })
       .def_property_readonly("hierarchical", [](const BufferState& s) { return s.get().hierarchical(); })
       .def_property_readonly("region_bytes", [](const BufferState& s) { return s.get().region_bytes(); })
       .def_property_readonly("num_experts", [](const BufferState& s) { return s.get().config().num_experts; })
       .def_property_readonly("hidden", [](const BufferState& s) { return s.get().config().hidden; })
+      .def_property_readonly("max_expanded_rows", [](const BufferState& s) { return s.get().config().max_expanded_rows; })
       .def_property_readonly("dtype", [](const BufferState& s) { return std::string(dtype_name(s.get().config().dtype)); })
       .def_property_readonly("transport", [](const BufferState& s) { return s.transport; })
-      .def("take_waits", &take_waits);
+      .def("take_waits", &take_waits)
+      .def_static("expanded_rows_bound", &expanded_rows_bound, pb::arg("num_ranks"), pb::arg("num_experts"),
+                  pb::arg("hidden"), pb::arg("max_tokens_per_rank"), pb::arg("y_dtype") = "bf16",
+                  pb::arg("max_topk") = pb::none(), pb::arg("max_recv_tokens") = 0, pb::arg("expert_alignment") = 1,
+                  pb::arg("max_combine_dtype") = "f32", pb::arg("expert_rank") = pb::none(),
+                  "The max_expanded_rows that makes room for every receiver-weighted combine_expanded (the worst "
+                  "case) with y of y_dtype, for a Buffer of these settings on num_ranks ranks.");
   register_buffer_ops(c, false);
   register_buffer_ops(c, true);
   register_buffer_local(c);

@@ -79,7 +79,7 @@ PyLowLatencyResult copy_result(const LowLatencyDispatchResult& r, ArrayKind kind
 
 StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden, const std::string& dtype,
                 int max_tokens_per_rank, std::optional<int> max_topk, int capacity, const std::string& max_combine_dtype,
-                const std::optional<std::vector<int32_t>>& expert_rank, double timeout) {
+                const std::optional<std::vector<int32_t>>& expert_rank, double timeout, pb::handle combine_per_rank) {
   Transport& t = transport->get();
   LowLatencyConfig config{.num_experts = num_experts,
                           .hidden = hidden,
@@ -90,6 +90,7 @@ StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, 
                           .max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype"),
                           .placement = std::nullopt};
   config.timeout = timeout_arg(timeout);
+  config.combine_per_rank = bool_arg(combine_per_rank, "combine_per_rank");
   if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, t.num_ranks()));
   auto state = std::make_shared<LowLatencyState>();
   state->buffer = call([&] { return LowLatencyBuffer::create(t, config); });  // collective
@@ -198,11 +199,13 @@ void bind_buffer(pb::module_& m) {
                                         "Low-latency dispatch and combine with fixed shapes (decode steps).")
       .def(pb::init(&create), "transport"_a, "num_experts"_a, "hidden"_a, "dtype"_a = "bf16",
            "max_tokens_per_rank"_a = 0, "max_topk"_a = pybind11::none(), "capacity"_a = 0, "max_combine_dtype"_a = "f32",
-           "expert_rank"_a = pb::none(), "timeout"_a = 30.0)
+           "expert_rank"_a = pb::none(), "timeout"_a = 30.0, "combine_per_rank"_a = false)
       .def("dispatch", &dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a = pb::none(),
-           "Collective: each (token, expert) row to the expert's rank; a LowLatencyDispatchResult of copies.")
+           "Collective: each token's row once to each rank holding one of its experts, copied there into each "
+           "expert's rows; a LowLatencyDispatchResult of copies.")
       .def("combine", &combine, "y"_a, "handle"_a, "out"_a = pb::none(),
-           "Collective: y [E_local, R * capacity, H] back to its tokens, weighted; out [T, H] (y's dtype by default).")
+           "Collective: y [E_local, R * capacity, H] back to its tokens, weighted; out [T, H] (y's dtype by default). "
+           "combine_per_rank: the owner sums each token's rows and sends one per (token, rank).")
       .def("dispatch_async", &dispatch_async, "x"_a, "topk_idx"_a, "topk_weights"_a = pb::none(),
            "As dispatch, queued: a PendingOp whose wait() returns the LowLatencyDispatchResult.")
       .def("combine_async", &combine_async, "y"_a, "handle"_a, "out"_a = pb::none(),
@@ -221,6 +224,8 @@ void bind_buffer(pb::module_& m) {
       .def_property_readonly("hidden", [](const LowLatencyState& s) { return s.get().config().hidden; })
       .def_property_readonly("dtype",
                              [](const LowLatencyState& s) { return std::string(dtype_name(s.get().config().dtype)); })
+      .def_property_readonly("combine_per_rank",
+                             [](const LowLatencyState& s) { return s.get().config().combine_per_rank; })
       .def_property_readonly("transport", [](const LowLatencyState& s) { return s.transport; });
 }
 

@@ -73,6 +73,30 @@ def expected_combine(xs, idxs, ws, rank, num_experts, num_ranks):
     return out
 
 
+def expected_combine_per_rank(xs, idxs, ws, rank, num_experts, num_ranks):
+    """out [T, H] of `rank` with combine_per_rank and float32 y (expert_output): each owner's
+    sum over the token's slots on it (k ascending, from 0), then those sums added from 0 in
+    the order of each owner's first slot."""
+    per_rank = num_experts // num_ranks
+    idx, w, x = idxs[rank], ws[rank], xs[rank]
+    out = np.zeros(x.shape, dtype=np.float32)
+    for t in range(idx.shape[0]):
+        owners = []
+        for expert in idx[t]:
+            if expert >= 0 and expert // per_rank not in owners:
+                owners.append(expert // per_rank)
+        acc = np.zeros(x.shape[1], dtype=np.float32)
+        for d in owners:
+            partial = np.zeros(x.shape[1], dtype=np.float32)
+            for k, expert in enumerate(idx[t]):
+                if expert >= 0 and expert // per_rank == d:
+                    y = (x[t] * np.float32(expert % per_rank + 1.5) + np.float32(d)).astype(np.float32)
+                    partial = (partial + (np.float32(w[t, k]) * y).astype(np.float32)).astype(np.float32)
+            acc = (acc + partial).astype(np.float32)
+        out[t] = acc
+    return out
+
+
 def tokens_of(rank):
     """Tokens of each rank in the shared checks: rank 1 has none."""
     return 0 if rank == 1 else 2 * rank + 3

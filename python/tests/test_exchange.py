@@ -175,6 +175,93 @@ def test_the_expanded_layout_and_its_passes_match_the_reference(alignment):
         same_bits(got[s][2], outs[s], f"combine_expanded out of rank {s}")
 
 
+def receiver_reference(refs, expanded, yv, idxs, ws, tokens, hidden, per):
+    """out per source rank with receiver weights: each token's rank sums w[t, k] * y(t, k) in
+    fp32 from 0 in top-k order, y(t, k) the expanded row of slot k on the expert's rank."""
+    outs = []
+    for s, idx in enumerate(idxs):
+        out = np.zeros((tokens[s], hidden), np.float32)
+        for t in range(tokens[s]):
+            acc = np.zeros(hidden, np.float32)
+            for k, e in enumerate(idx[t]):
+                if e >= 0:
+                    d = e // per
+                    row = expanded[d][2][refs[d].row_of[(s, t)], k]
+                    acc = (acc + (np.float32(ws[s][t, k]) * yv[d][row]).astype(np.float32)).astype(np.float32)
+            out[t] = acc
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("num_ranks,num_nodes", [(1, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("y_dtype", ["f32", "bf16"])
+def test_receiver_weights_sum_in_top_k_order(num_ranks, num_nodes, y_dtype):
+    """combine_expanded(weights_at="receiver") on a Buffer with max_expanded_rows: y copied in,
+    y written into combine_expanded_input (zero copy), and weights passed by the token's rank,
+    each bit for bit the receiver's top-k sum; the holder's bits differ."""
+    tokens, H = [5, 8, 0, 6][:num_ranks], 16
+    E, xs, idxs, ws, refs = world_inputs(num_ranks, tokens, H, seed=13)
+    per = E // num_ranks
+    expanded = [expanded_reference(ref, per, 1) for ref in refs]
+    rng = np.random.default_rng(17)
+    ys = [rng.standard_normal((len(e[1]), H)).astype(np.float32) for e in expanded]
+    if y_dtype == "bf16":
+        ys = [bf16_bits(y) for y in ys]
+    w2 = [rng.random((t, 3)).astype(np.float32) for t in tokens]
+
+    def rank_fn(t):
+        r = t.rank
+        buf = epx.Buffer(t, num_experts=E, hidden=H, dtype="f32", max_tokens_per_rank=8, max_topk=3,
+                         algorithm="flat", max_expanded_rows=128)
+        assert buf.max_expanded_rows == 128
+        res = buf.dispatch(xs[r], idxs[r], ws[r])
+        out = lambda: np.full((tokens[r], H), -7.0, np.float32)  # noqa: E731
+        holder = buf.combine_expanded(ys[r].astype(np.float32) if y_dtype == "f32" else bf16_values(ys[r]),
+                                      res.handle, out=out())
+        copied = buf.combine_expanded(ys[r], res.handle, out=out(), weights_at="receiver")
+        passed = buf.combine_expanded(ys[r], res.handle, out=out(), weights=w2[r], weights_at="receiver")
+        view = buf.combine_expanded_input(res.handle, dtype=y_dtype)
+        view[...] = ys[r]
+        zero_copy = buf.combine_expanded(view, res.handle, out=out(), weights_at="receiver")
+        del view
+        return holder, copied, passed, zero_copy
+
+    got = epx.InprocWorld(num_ranks, num_nodes).run(rank_fn)
+    yv = [bf16_values(y) if y_dtype == "bf16" else y for y in ys]
+    want = receiver_reference(refs, expanded, yv, idxs, ws, tokens, H, per)
+    want2 = receiver_reference(refs, expanded, yv, idxs, w2, tokens, H, per)
+    holder_differs = 0
+    for s in range(num_ranks):
+        assert tokens[s] == 0 or np.count_nonzero(want[s]) > 0
+        same_bits(got[s][1], want[s], f"copied in, rank {s}")
+        same_bits(got[s][2], want2[s], f"weights passed, rank {s}")
+        same_bits(got[s][3], want[s], f"zero copy, rank {s}")
+        holder_differs += np.count_nonzero(np.asarray(got[s][0]).view(np.uint32) != want[s].view(np.uint32))
+    assert num_ranks == 1 or holder_differs > 0, "holder and receiver bits agree: the test cannot tell them apart"
+
+
+def test_receiver_weights_arguments_name_the_bad_value():
+    E, H = 4, 16
+
+    def rank_fn(t):
+        with pytest.raises(epx.InvalidArgumentError, match="max_expanded_rows = -1"):
+            epx.Buffer(t, num_experts=E, hidden=H, dtype="f32", max_tokens_per_rank=4, max_expanded_rows=-1)
+        buf = epx.Buffer(t, num_experts=E, hidden=H, dtype="f32", max_tokens_per_rank=4, max_topk=2,
+                         max_expanded_rows=16)
+        res = buf.dispatch(np.ones((2, H), np.float32), np.array([[0, 1], [2, -1]], np.int32),
+                           np.ones((2, 2), np.float32))
+        y = np.ones((buf.expanded_layout(res.handle).num_rows, H), np.float32)
+        with pytest.raises(epx.InvalidArgumentError, match="weights_at = 'sender' is not one of holder, receiver"):
+            buf.combine_expanded(y, res.handle, weights_at="sender")
+        with pytest.raises(epx.InvalidArgumentError, match="partial_dtype: .*f16"):
+            buf.combine_expanded(y, res.handle, partial_dtype="f16")
+        with pytest.raises(epx.InvalidArgumentError, match="dtype: .*i7"):
+            buf.combine_expanded_input(res.handle, dtype="i7")
+        return True
+
+    assert epx.InprocWorld(1, 1).run(rank_fn) == [True]
+
+
 def test_async_and_split_forms_give_the_blocking_bits():
     R, N, tokens, H = 4, 2, [4, 7, 2, 5], 16
     E, xs, idxs, ws, refs = world_inputs(R, tokens, H, seed=21)

@@ -2,12 +2,14 @@
 its documented layout (ll_reference.py): recv_x rows, their sources and
 counts, and combine's sums bit for bit; results are copies; the async forms;
 over-capacity and bad inputs fail on every rank and the next call works."""
+import re
+
 import numpy as np
 import pytest
 
 import epx
-from ll_reference import (as_numpy, check_dispatch, check_exchange, expected_combine, expert_output, rank_inputs,
-                          tokens_of)
+from ll_reference import (as_numpy, check_dispatch, check_exchange, expected_combine, expected_combine_per_rank,
+                          expert_output, rank_inputs, tokens_of)
 
 E, H, K = 8, 16, 3
 
@@ -117,6 +119,41 @@ def test_bad_arguments_raise_before_anything_is_sent():
             buf.dispatch(x.astype(np.float64), idx, w)
         with pytest.raises(epx.InvalidArgumentError, match="topk_idx"):
             buf.dispatch(x, idx.astype(np.float32), w)
+        return True
+
+    assert epx.InprocWorld(num_ranks=1).run(fn) == [True]
+
+
+@pytest.mark.parametrize("num_ranks, num_nodes", [(2, 1), (4, 1), (4, 2)])
+def test_combine_per_rank_sums_each_rank_first(num_ranks, num_nodes):
+    """combine_per_rank=True reaches LowLatencyConfig: out is the owners' per-rank sums added in
+    the order of their first slot, bit for bit, which is not the default top-k order's bits."""
+    inputs = [rank_inputs(31, r, 12, E, H, K) for r in range(num_ranks)]
+    xs, idxs, ws = ([inp[i] for inp in inputs] for i in range(3))
+
+    def fn(t):
+        x, idx, w = inputs[t.rank]
+        buf = epx.LowLatencyBuffer(t, E, H, dtype="f32", max_tokens_per_rank=12, max_topk=K, combine_per_rank=True)
+        assert buf.combine_per_rank
+        r = buf.dispatch(x, idx, w)
+        return buf.combine(expert_output(np.asarray(r.recv_x), t.rank), r.handle)
+
+    outs = epx.InprocWorld(num_ranks=num_ranks, num_nodes=num_nodes).run(fn)
+    differ = 0
+    for rank, out in enumerate(outs):
+        want = expected_combine_per_rank(xs, idxs, ws, rank, E, num_ranks)
+        assert np.count_nonzero(want) > 0
+        np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"rank {rank}")
+        differ += np.count_nonzero(want.view(np.uint32) != expected_combine(xs, idxs, ws, rank, E, num_ranks).view(np.uint32))
+    assert differ > 0, "the per-rank order gave the default's bits everywhere: the test cannot tell them apart"
+
+
+def test_combine_per_rank_must_be_a_bool():
+    def fn(t):
+        for bad, shown in ((1, "1 (int)"), ("yes", "'yes' (str)"), (None, "None (NoneType)")):
+            with pytest.raises(epx.InvalidArgumentError, match=rf"combine_per_rank = {re.escape(shown)} is not a bool"):
+                epx.LowLatencyBuffer(t, E, H, max_tokens_per_rank=4, combine_per_rank=bad)
+        assert not epx.LowLatencyBuffer(t, E, H, max_tokens_per_rank=4).combine_per_rank
         return True
 
     assert epx.InprocWorld(num_ranks=1).run(fn) == [True]

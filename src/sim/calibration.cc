@@ -25,6 +25,7 @@ struct Prepared {
   GroupTraffic traffic;
   int64_t dispatch_bytes = 0, combine_bytes = 0, remote_bytes = 0;
   Kernel kernel = Kernel::kFlat;
+  bool combine_per_rank = false;
 };
 
 Result<Prepared> prepare(const Scenario& s) {
@@ -45,7 +46,7 @@ Result<Prepared> prepare(const Scenario& s) {
   q.sample_tokens = s.routing.sample_tokens;
   q.seed = s.routing.seed;
   q.threads = s.run.threads > 0 ? s.run.threads : std::max(1u, std::thread::hardware_concurrency());
-  Prepared p{topo, {}, 0, 0, 0, kernel_of(s.parallelism.dispatch, nodes)};
+  Prepared p{topo, {}, 0, 0, 0, kernel_of(s.parallelism.dispatch, nodes), s.parallelism.combine_per_rank};
   EPX_RETURN_IF_ERROR(route_group(q, &p.traffic));
   EPX_ASSIGN_OR_RETURN(p.dispatch_bytes, row_bytes(m.dispatch_dtype, m.hidden));
   EPX_ASSIGN_OR_RETURN(p.combine_bytes, row_bytes(m.combine_dtype, m.hidden));
@@ -58,8 +59,9 @@ ExchangeEstimate estimate(const Prepared& p, const HardwareProfile& h) {
   const GroupTraffic& t = p.traffic;
   const int R = t.num_ranks;
   const double disp = static_cast<double>(p.dispatch_bytes), comb = static_cast<double>(p.combine_bytes);
-  const AllToAllCost d = all_to_all(t, p.topology, h, {p.kernel, false, disp, 0});
-  const AllToAllCost c = all_to_all(t, p.topology, h, {p.kernel, true, comb, static_cast<double>(p.remote_bytes)});
+  const AllToAllCost d = all_to_all(t, p.topology, h, {p.kernel, false, disp, 0, p.combine_per_rank});
+  const AllToAllCost c =
+      all_to_all(t, p.topology, h, {p.kernel, true, comb, static_cast<double>(p.remote_bytes), p.combine_per_rank});
   const std::vector<double> per_row = experts_per_row(t);
   ExchangeEstimate e;
   for (int g = 0; g < R; ++g) {

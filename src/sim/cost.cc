@@ -7,11 +7,12 @@ namespace epx::sim {
 
 Kernel kernel_of(std::string_view dispatch, int nodes) {
   if (dispatch == "low_latency") return Kernel::kLowLatency;
+  if (dispatch == "low_latency_epx") return Kernel::kLowLatencyEpx;
   return dispatch == "two_hop" && nodes > 1 ? Kernel::kTwoHop : Kernel::kFlat;
 }
 
 double compute_slowdown(const HardwareProfile& h, Kernel kernel) {
-  if (kernel == Kernel::kLowLatency) return 1.0;
+  if (kernel == Kernel::kLowLatency || kernel == Kernel::kLowLatencyEpx) return 1.0;
   return static_cast<double>(h.sms) / (h.sms - h.comm_sms);
 }
 
@@ -110,6 +111,8 @@ void low_latency_loads(const GroupTraffic& tr, const Topology& topo, const AllTo
     for (int d = 0; d < R; ++d) {
       const double messages = tr.pair(s, d) * ratio[d];
       if (messages <= 0) continue;
+      loads[d].receive += messages * bytes;
+      loads[s].receive_transposed += messages * bytes;
       if (d == s) {
         loads[s].self += messages * bytes;
       } else if (topo.node_of(d) == topo.node_of(s)) {
@@ -124,10 +127,43 @@ void low_latency_loads(const GroupTraffic& tr, const Topology& topo, const AllTo
     }
 }
 
+// epx's CPU low latency (src/exchange/low_latency.cc), in dispatch's
+// orientation s -> d (combine is transposed after): `rows` (token, rank) rows
+// carry rows x ratio[d] (token, expert) pairs. Links as flat.
+void low_latency_epx_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o, double remote,
+                           std::vector<LinkLoad>& loads) {
+  const int R = topo.num_ranks();
+  const std::vector<double> ratio = experts_per_row(tr);
+  const double pair_meta = kEpxPairMetaBytes + (o.combine_per_rank ? kEpxPairWeightBytes : 0.0);
+  for (int s = 0; s < R; ++s)
+    for (int d = 0; d < R; ++d) {
+      const double rows = tr.pair(s, d), pairs = rows * ratio[d];
+      if (rows <= 0) continue;
+      // Rows on the link and bytes per row (near, across nodes).
+      double sent_rows = rows, per_row = o.row_bytes, per_row_remote = remote;
+      if (!o.combine) {  // a row per (token, rank) with its pairs; the owner copies each pair's row
+        per_row = per_row_remote = o.row_bytes + kEpxRowMetaBytes + ratio[d] * pair_meta;
+        loads[d].receive += pairs * o.row_bytes;
+      } else if (!o.combine_per_rank) {  // a row per (token, expert), reduced by the source
+        sent_rows = pairs;
+        loads[s].receive_transposed += pairs * o.row_bytes;
+      } else if (d == s) {  // per rank: the source reads its own experts' rows
+        loads[s].receive_transposed += pairs * o.row_bytes;
+      } else {  // per rank: the owner sums each token's rows, the source adds one per (token, rank)
+        loads[d].receive_transposed += pairs * o.row_bytes;
+        loads[s].receive_transposed += rows * o.row_bytes;
+      }
+      if (d == s) continue;  // the owner reads x, the source reads y in place
+      if (topo.node_of(d) == topo.node_of(s)) add_nvlink(loads, s, d, sent_rows * per_row);
+      else add_nic(loads, s, d, sent_rows * per_row_remote);
+    }
+}
+
 std::vector<LinkLoad> dispatch_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o) {
   const double remote = o.remote_row_bytes > 0 ? o.remote_row_bytes : o.row_bytes;
   std::vector<LinkLoad> loads(topo.num_ranks());
   if (o.kernel == Kernel::kLowLatency) low_latency_loads(tr, topo, o, loads);
+  else if (o.kernel == Kernel::kLowLatencyEpx) low_latency_epx_loads(tr, topo, o, remote, loads);
   else if (o.kernel == Kernel::kTwoHop && topo.num_nodes() > 1) two_hop_loads(tr, topo, o, remote, loads);
   else flat_loads(tr, topo, o, remote, loads);
   return loads;
@@ -139,6 +175,7 @@ void transpose(std::vector<LinkLoad>& loads) {
     std::swap(l.nic_out, l.nic_in);
     std::swap(l.nic_messages, l.nic_messages_in);
     std::swap(l.messages, l.messages_in);
+    std::swap(l.receive, l.receive_transposed);
   }
 }
 
@@ -155,7 +192,7 @@ AllToAllCost all_to_all(const GroupTraffic& traffic, const Topology& topology, c
                         const AllToAllOptions& options) {
   const int R = topology.num_ranks();
   const bool two_hop = options.kernel == Kernel::kTwoHop && topology.num_nodes() > 1;
-  const bool low_latency = options.kernel == Kernel::kLowLatency;
+  const bool low_latency = options.kernel == Kernel::kLowLatency || options.kernel == Kernel::kLowLatencyEpx;
   AllToAllCost cost;
   cost.loads = dispatch_loads(traffic, topology, options);
   if (options.combine) transpose(cost.loads);
@@ -181,7 +218,7 @@ AllToAllCost all_to_all(const GroupTraffic& traffic, const Topology& topology, c
     const LinkLoad& l = cost.loads[g];
     // The low-latency receive phase copies (dispatch) or reduces (combine)
     // what arrived after the last message is in.
-    if (low_latency) t += (l.nvl_in + l.nic_in + l.self) / (hardware.hbm_bandwidth / 2);
+    if (low_latency) t += l.receive / (hardware.hbm_bandwidth / 2);
     cost.bandwidth_s[g] = t;
     cost.latency_s[g] = latency_of(l, hardware, options.kernel);
   }

@@ -79,6 +79,7 @@ std::vector<Key> keys_of(Scenario& s) {
       {"parallelism.micro_batches", &s.parallelism.micro_batches},
       {"parallelism.tokens_per_gpu", &s.parallelism.tokens_per_gpu},
       {"parallelism.dispatch", &s.parallelism.dispatch},
+      {"parallelism.combine_per_rank", &s.parallelism.combine_per_rank},
       {"parallelism.mode", &s.parallelism.mode},
       {"parallelism.grad_overlap", &s.parallelism.grad_overlap},
       {"parallelism.grad_bucket_bytes", &s.parallelism.grad_bucket_bytes},
@@ -363,7 +364,10 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("parallelism.micro_batches", p.micro_batches, 1));
   if (p.tokens_per_gpu < 1 || p.tokens_per_gpu > (int64_t{1} << 24))
     return invalid_argument("parallelism.tokens_per_gpu = {} is outside [1, {}]", p.tokens_per_gpu, int64_t{1} << 24);
-  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat", "low_latency"}));
+  EPX_RETURN_IF_ERROR(one_of("parallelism.dispatch", p.dispatch, {"two_hop", "flat", "low_latency", "low_latency_epx"}));
+  if (p.combine_per_rank && p.dispatch != "low_latency_epx")
+    return invalid_argument("parallelism.combine_per_rank = true needs parallelism.dispatch = 'low_latency_epx', got '{}'",
+                            p.dispatch);
   if (p.dispatch == "two_hop" && !cluster.rail_aligned && p.ep > cluster.gpus_per_node)
     return invalid_argument("parallelism.dispatch = 'two_hop' needs cluster.rail_aligned = true");
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));

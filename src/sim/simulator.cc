@@ -347,11 +347,12 @@ Status Simulator::route_layer(int step, int layer, int group, const Topology& to
   EPX_ASSIGN_OR_RETURN(int64_t remote_bytes,
                        row_bytes(m.combine_remote_dtype.empty() ? m.combine_dtype : m.combine_remote_dtype, m.hidden));
   const HardwareProfile& h = s_.hardware;
-  costs->dispatch = all_to_all(*traffic, topo, h, {kernel, false, double(disp_bytes), 0});
-  costs->combine = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes)});
+  const bool per_rank = s_.parallelism.combine_per_rank;
+  costs->dispatch = all_to_all(*traffic, topo, h, {kernel, false, double(disp_bytes), 0, per_rank});
+  costs->combine = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes), per_rank});
   // Backward moves gradients in the combine dtype both ways.
-  costs->dispatch_bwd = all_to_all(*traffic, topo, h, {kernel, false, double(comb_bytes), double(remote_bytes)});
-  costs->combine_bwd = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes)});
+  costs->dispatch_bwd = all_to_all(*traffic, topo, h, {kernel, false, double(comb_bytes), double(remote_bytes), per_rank});
+  costs->combine_bwd = all_to_all(*traffic, topo, h, {kernel, true, double(comb_bytes), double(remote_bytes), per_rank});
   costs->slot_rows = traffic->slot_rows;
   costs->slots_per_gpu = static_cast<int>(traffic->slot_rows.size()) / R_;
   costs->moe = true;

@@ -219,11 +219,55 @@ TEST(SimAllToAll, LowLatencySendsOneMessagePerTokenAndExpert) {
                    2 * 300 * 1000.0);
 }
 
+TEST(SimAllToAll, EpxLowLatencySendsOneRowPerTokenAndRank) {
+  // The same traffic as above through epx's CPU low-latency mode: 100
+  // (token, rank) rows between every pair, 2 experts per row at each GPU.
+  GroupTraffic t = uniform_traffic(2, 2, 100);
+  t.slot_rows.assign(4, 800);
+  auto topo = Topology::create(4, 2);
+  const HardwareProfile h = hand_profile();
+  // Dispatch: a row per (token, rank) of 1000 B + 8 B + 2 pairs x 8 B, none
+  // to itself; one message per (source, destination); the owner copies its 4
+  // sources x 200 (token, expert) rows into its experts' rows.
+  const AllToAllOptions o{.kernel = Kernel::kLowLatencyEpx, .row_bytes = 1000};
+  const AllToAllCost c = all_to_all(t, *topo, h, o);
+  EXPECT_DOUBLE_EQ(c.loads[0].nic_out, 2 * 100 * 1024.0);
+  EXPECT_DOUBLE_EQ(c.loads[0].nvl_out, 100 * 1024.0);
+  EXPECT_DOUBLE_EQ(c.loads[0].self, 0.0);
+  EXPECT_DOUBLE_EQ(c.loads[0].nic_messages, 0.0);
+  EXPECT_EQ(c.loads[0].messages, 3);
+  EXPECT_DOUBLE_EQ(c.loads[0].receive, 4 * 200 * 1000.0);
+  EXPECT_NEAR(c.bandwidth_s[0], 2 * 100 * 1024.0 / 1e8 + 4 * 200 * 1000.0 / 5e11, 1e-12);
+  EXPECT_NEAR(c.latency_s[0], 1e-6 + 5e-6 + 3 * 1e-7, 1e-15);
+  // DeepEP's kernels send twice the rows for this traffic (a message per (token, expert)).
+  EXPECT_DOUBLE_EQ(all_to_all(t, *topo, h, {.kernel = Kernel::kLowLatency, .row_bytes = 1000}).loads[0].nic_out,
+                   2 * 200 * 1016.0);
+  // Combine: a row per (token, expert) back (own experts read in place); the
+  // source reduces its 4 x 200 (token, expert) rows.
+  const AllToAllCost back = all_to_all(t, *topo, h, {.kernel = Kernel::kLowLatencyEpx, .combine = true, .row_bytes = 1000});
+  EXPECT_DOUBLE_EQ(back.loads[0].nic_in, 2 * 200 * 1000.0);
+  EXPECT_DOUBLE_EQ(back.loads[0].nvl_in, 200 * 1000.0);
+  EXPECT_DOUBLE_EQ(back.loads[0].receive, 4 * 200 * 1000.0);
+  // combine_per_rank: a row per (token, rank) back; the owner first sums its
+  // 3 other sources' 200 pairs each, the source adds 3 x 100 rows and reads
+  // its own 200 pairs. Its dispatch carries a 4 B weight per pair.
+  const AllToAllCost per_rank = all_to_all(
+      t, *topo, h, {.kernel = Kernel::kLowLatencyEpx, .combine = true, .row_bytes = 1000, .combine_per_rank = true});
+  EXPECT_DOUBLE_EQ(per_rank.loads[0].nic_in, 2 * 100 * 1000.0);
+  EXPECT_DOUBLE_EQ(per_rank.loads[0].receive, (3 * 200 + 3 * 100 + 200) * 1000.0);
+  EXPECT_DOUBLE_EQ(
+      all_to_all(t, *topo, h, {.kernel = Kernel::kLowLatencyEpx, .row_bytes = 1000, .combine_per_rank = true})
+          .loads[0].nic_out,
+      2 * 100 * 1032.0);
+  EXPECT_EQ(kernel_of("low_latency_epx", 2), Kernel::kLowLatencyEpx);
+  EXPECT_DOUBLE_EQ(compute_slowdown(h, Kernel::kLowLatencyEpx), 1.0);
+}
+
 TEST(SimAllToAll, TimeGrowsWithTheBytesInEveryKernel) {
   GroupTraffic t = uniform_traffic(2, 2, 100);
   auto topo = Topology::create(4, 2);
   const HardwareProfile h = forwarding_profile(5e7);
-  for (Kernel k : {Kernel::kFlat, Kernel::kTwoHop, Kernel::kLowLatency}) {
+  for (Kernel k : {Kernel::kFlat, Kernel::kTwoHop, Kernel::kLowLatency, Kernel::kLowLatencyEpx}) {
     double last = 0;
     for (double bytes : {100.0, 1000.0, 10000.0}) {
       const double now = all_to_all(t, *topo, h, {.kernel = k, .row_bytes = bytes}).time(0);

@@ -93,6 +93,15 @@ TEST(SimScenario, ShapeErrorsNameBothValues) {
   EXPECT_NE(t.validate().message().find("model.topk = 17 is outside [1, model.experts = 16]"), std::string::npos);
   EXPECT_NE(set_value(t, "model.topk", "x").message().find("model.topk = 'x' is not an integer"), std::string::npos);
   EXPECT_NE(set_value(t, "nope.key", "1").message().find("unknown key 'nope.key'"), std::string::npos);
+  // combine_per_rank is epx's low-latency option only.
+  t = *s;
+  ASSERT_TRUE(set_value(t, "parallelism.combine_per_rank", "true").is_ok());
+  EXPECT_NE(t.validate().message().find(
+                "parallelism.combine_per_rank = true needs parallelism.dispatch = 'low_latency_epx', got 'two_hop'"),
+            std::string::npos)
+      << t.validate().message();
+  ASSERT_TRUE(set_value(t, "parallelism.dispatch", "low_latency_epx").is_ok());
+  EXPECT_TRUE(t.validate().is_ok()) << t.validate().message();
 }
 
 TEST(SimScenario, MissingProfileAndSyntaxErrorsSayWhere) {

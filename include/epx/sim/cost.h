@@ -18,6 +18,17 @@
 //   same node over NVLink, to other nodes through the NIC (no forwarding),
 //   each NIC message occupying the NIC for max(its bytes / B_nic,
 //   message_overhead); then the receive phase copies what arrived (HBM).
+// - kLowLatencyEpx (epx's CPU LowLatencyBuffer, src/exchange/low_latency.cc):
+//   dispatch sends one row per (token, destination rank) with its (local
+//   expert, k) pairs (8 B per row, 8 B per pair, + a 4 B weight per pair with
+//   combine_per_rank), none to itself (the owner reads x); the owner's
+//   receive phase copies one row per (token, expert) into its experts' rows.
+//   Combine sends one row per (token, expert) back (own experts read in
+//   place) and the source reduces its (token, expert) rows; with
+//   combine_per_rank, the owner first sums each token's rows (one read per
+//   (token, expert)) and sends one row per (token, rank), which the source
+//   adds. Links, messages and latency as kFlat: one message per (source,
+//   destination) pair, inside a node a write into the peer's inbox.
 // Each GPU g gets
 //   own(g)  = max(nvl_out / B_nvl, nvl_in / B_nvl, nic_out / B_nic, nic_in / B_nic,
 //                 fwd / B_fwd, nic messages x message_overhead, self / (hbm / 2))
@@ -25,7 +36,10 @@
 //             from g, and in two-hop every GPU of g's node) + latency(g)
 //   latency(g) = nvlink_latency (if g uses NVLink) + nic_latency (if g uses a NIC)
 //                + message_overhead x the (source, destination) messages g
-//                  sends (normal kernels; low-latency: none, they are above)
+//                  sends (normal kernels and kLowLatencyEpx; DeepEP's
+//                  low-latency: none, they are above)
+//   and, for both low-latency kernels, + the receive phase: its bytes /
+//   (hbm / 2), after the last row is in.
 // with B_nvl = nvlink_bandwidth x nvlink_efficiency, B_nic = nic_bandwidth x
 // nic_efficiency x nics_per_gpu, B_fwd = forward_sm_bandwidth x comm_sms / 2.
 // An emulated cluster (host_copy_bandwidth > 0) also needs every copy of the
@@ -51,10 +65,10 @@
 
 namespace epx::sim {
 
-enum class Kernel { kFlat, kTwoHop, kLowLatency };
+enum class Kernel { kFlat, kTwoHop, kLowLatency, kLowLatencyEpx };
 
-// The kernel `parallelism.dispatch` names (flat, two_hop, low_latency) on a
-// group spanning `nodes` nodes: two_hop on one node is flat.
+// The kernel `parallelism.dispatch` names (flat, two_hop, low_latency,
+// low_latency_epx) on a group spanning `nodes` nodes: two_hop on one node is flat.
 Kernel kernel_of(std::string_view dispatch, int nodes);
 
 // How much slower compute runs while an all-to-all of `kernel` is in flight:
@@ -70,6 +84,12 @@ double forward_bandwidth(const HardwareProfile& hardware);
 
 // Header of a low-latency dispatch message (internode_ll.cu: sizeof(int4)).
 inline constexpr double kLowLatencyHeaderBytes = 16;
+// Metadata of epx's low-latency dispatch (low_latency.cc, DispatchBlock): per
+// (token, rank) row (token, pair count), per (local expert, k) pair, and the
+// pair's weight with combine_per_rank.
+inline constexpr double kEpxRowMetaBytes = 8;
+inline constexpr double kEpxPairMetaBytes = 8;
+inline constexpr double kEpxPairWeightBytes = 4;
 
 // Experts per deduplicated (token, rank) row at each GPU (its slots' rows
 // over the rows it receives; 1 where unknown): a low-latency dispatch sends
@@ -83,6 +103,9 @@ struct LinkLoad {
   double nic_messages_in = 0;
   int messages = 0;       // messages this GPU sends
   int messages_in = 0;    // messages it receives (it sends them in the transposed direction)
+  // Low-latency kernels: bytes the receive phase copies or reduces at this
+  // GPU after the last row is in, in this direction and in the transposed one.
+  double receive = 0, receive_transposed = 0;
 };
 
 struct AllToAllOptions {
@@ -90,6 +113,9 @@ struct AllToAllOptions {
   bool combine = false;         // the transposed direction
   double row_bytes = 0;         // per (token, rank) row; low-latency: per (token, expert)
   double remote_row_bytes = 0;  // between nodes; 0 = row_bytes
+  // kLowLatencyEpx: LowLatencyConfig::combine_per_rank (dispatch carries the
+  // weights; combine sends one row per (token, rank)).
+  bool combine_per_rank = false;
 };
 
 struct AllToAllCost {

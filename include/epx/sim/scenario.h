@@ -100,7 +100,12 @@ struct ParallelismConfig {
   int pp_stages = 1;
   int micro_batches = 1;           // per step, per pipeline
   int64_t tokens_per_gpu = 4096;   // per micro-batch
-  std::string dispatch = "two_hop";  // two_hop, flat or low_latency
+  // two_hop, flat, low_latency (DeepEP's GPU kernels) or low_latency_epx
+  // (epx's CPU LowLatencyBuffer; cost.h "kLowLatencyEpx")
+  std::string dispatch = "two_hop";
+  // low_latency_epx: LowLatencyConfig::combine_per_rank (one combine row per
+  // (token, rank) instead of per (token, expert)).
+  bool combine_per_rank = false;
   std::string mode = "train";        // train (forward + backward) or forward
   // Gradient all-reduces (grad_sync.h): routed experts over the EDP group
   // (GPUs per stage / ep), dense parameters over all GPUs of the stage.
