@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -146,6 +147,8 @@ std::shared_ptr<const Primitive> packed_primitive_for(const GemmArgs& args, int 
   return std::shared_ptr<const Primitive>(primitive);
 }
 
+std::atomic<int64_t> packed_calls{0};
+
 // One oneDNN matmul of the whole of `args`, B packed; *done = false where
 // this call must read the plain B instead.
 Status packed_gemm_call(const GemmArgs& args, int num_threads, bool* done) {
@@ -164,10 +167,13 @@ Status packed_gemm_call(const GemmArgs& args, int num_threads, bool* done) {
   memory b(packed.desc, engine, const_cast<std::byte*>(packed.data.data()));
   memory c(primitive->pd.dst_desc(), engine, args.c);
   execute(*primitive, a, b, c);
+  packed_calls.fetch_add(1, std::memory_order_relaxed);
   return Status::ok();
 }
 
 }  // namespace
+
+int64_t packed_gemm_calls() { return packed_calls.load(std::memory_order_relaxed); }
 
 Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t k, int64_t n, const void* b,
                                               int64_t ldb) {

@@ -62,6 +62,10 @@ inline constexpr int64_t kRowBlock = 16;
 [[nodiscard]] Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t k, int64_t n,
                                                             const void* b, int64_t ldb);
 
+// How many calls have read a packed B so far, in this process (for tests:
+// proof that the packed path ran rather than the plain fallback).
+[[nodiscard]] int64_t packed_gemm_calls();
+
 // Sets the calling thread's OpenMP thread count (what oneDNN uses) for a
 // scope and restores it after.
 class ScopedOmpThreads {

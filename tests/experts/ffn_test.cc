@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "experts/gemm.h"
+
 namespace epx {
 namespace {
 
@@ -555,7 +557,9 @@ TEST(ExpertFfn, PackedWeightsKeepTheirBitsAcrossChunksAndMatchThePlainCalls) {
   const Status s = pack_expert_weights(p.config, p.weights(), &packed);
   ASSERT_TRUE(s.is_ok()) << s.to_string();
   p.packed = &packed;
+  const int64_t calls = detail::packed_gemm_calls();
   const Outputs whole = run_both(p, grad_y);
+  ASSERT_GT(detail::packed_gemm_calls(), calls) << "no call read the packed weights";
   auto close = [](const std::vector<float>& got, const std::vector<float>& want, const char* what) {
     ASSERT_EQ(got.size(), want.size());
     for (std::size_t i = 0; i < got.size(); ++i)
