@@ -16,9 +16,16 @@
 // the figures are medians over --reps, the phase times (rank 0's LayerTimes,
 // forward+backward; forward_combine_s: the forward's combine alone) too.
 //
+// train_cpu_s is the process's CPU time (every rank thread's) over the same
+// forward+backward, so train_cpu_s / train_s below the rank count means waits.
+// --perf-ctl FIFO writes "enable" to perf's control FIFO after the warm-up and
+// "disable" after the last repetition, so `perf record -D -1 --control
+// fifo:FIFO` samples only the timed repetitions, not the Buffer's setup.
+//
 // bench/moe_layer_vs_torch.py runs it next to a PyTorch eager MoE layer of the
 // same shape, interleaved, and reports the ratio.
 #include <algorithm>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -31,6 +38,7 @@
 #include "epx/core/random.h"
 #include "epx/layer/moe_layer.h"
 #include "experts/gemm.h"
+#include "cpu_time.h"
 #include "gemm_reference.h"
 #include "stats.h"
 
@@ -41,11 +49,13 @@ using epx::bench::median;
 struct Options {
   int tokens = 2048, hidden = 256, ffn_hidden = 512, experts = 16, topk = 2, ranks = 1, reps = 7;
   std::string dtype = "f32", compute_dtype = "", combine_dtype = "f32", combine_weights = "holder";
+  std::string perf_ctl;  // perf's control FIFO, or empty
 };
 
 // What rank 0 records per repetition (seconds).
 struct Samples {
-  std::vector<double> gemm_fixed, gemm_runtime, forward, train, zero_grad, router, dispatch, experts, combine, forward_combine;
+  std::vector<double> gemm_fixed, gemm_runtime, forward, train, zero_grad, router, dispatch, experts, combine, forward_combine,
+      train_cpu;
 };
 
 // One rank's share of the reference GEMM, in the compute dtype.
@@ -113,6 +123,8 @@ int main(int argc, char** argv) {
                  "--dtype into the combine region, the receiver weighs)")
       ->check(CLI::IsMember({"holder", "receiver"}))
       ->capture_default_str();
+  app.add_option("--perf-ctl", o.perf_ctl,
+                 "perf's control FIFO (perf record -D -1 --control fifo:PATH): enabled for the timed repetitions only");
   CLI11_PARSE(app, argc, argv);
 
   epx::MoELayerConfig config;
@@ -147,16 +159,22 @@ int main(int argc, char** argv) {
              "\"forward_tokens_per_s\":{:.6g},\"train_tokens_per_s\":{:.6g},\"gemm_gflops\":{:.6g},"
              "\"gemm_fixed_s\":{:.6g},\"gemm_runtime_s\":{:.6g},\"forward_gflops\":{:.6g},\"train_gflops\":{:.6g},"
              "\"train_router_s\":{:.6g},\"train_dispatch_s\":{:.6g},\"train_experts_s\":{:.6g},"
-             "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g},\"zero_grad_s\":{:.6g}}}\n",
+             "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g},\"zero_grad_s\":{:.6g},\"train_cpu_s\":{:.6g}}}\n",
              o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, o.ranks, o.dtype, epx::dtype_name(compute), o.combine_dtype,
              o.combine_weights, f, b,
              o.tokens / f, o.tokens / b, gemm_gflops, median(s.gemm_fixed), median(s.gemm_runtime), flop / f / 1e9,
              3 * flop / b / 1e9, median(s.router), median(s.dispatch), median(s.experts), median(s.combine),
-             median(s.forward_combine), median(s.zero_grad));
+             median(s.forward_combine), median(s.zero_grad), median(s.train_cpu));
   return 0;
 }
 
 namespace {
+
+// Tells perf (through its control FIFO, when given) to start or stop sampling.
+void perf_control(const std::string& fifo, const char* command) {
+  if (fifo.empty()) return;
+  std::ofstream(fifo) << command << '\n' << std::flush;
+}
 
 epx::Status zero_grads(epx::MoELayer& layer) {
   for (epx::Parameter* p : layer.parameters()) p->zero_grad();
@@ -189,16 +207,19 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
     return watch.seconds();
   };
   for (int rep = -1; rep < o.reps; ++rep) {  // rep -1 warms up
+    if (rep == 0 && t.rank() == 0) perf_control(o.perf_ctl, "enable");
     EPX_ASSIGN_OR_RETURN(const double fixed, timed([&] { reference.run_fixed(); return epx::Status::ok(); }));
     EPX_ASSIGN_OR_RETURN(const double runtime, timed([&] { return reference.run_runtime(); }));
     EPX_ASSIGN_OR_RETURN(const double fwd, timed([&] { return layer->forward(view(x), view(y)); }));
     const double fwd_combine = layer->times().combine;
     // zero_grad is outside the timed step: the reference has no gradients to clear.
     EPX_ASSIGN_OR_RETURN(const double zero, timed([&] { return zero_grads(*layer); }));
+    const double cpu_before = epx::bench::process_cpu_seconds();
     EPX_ASSIGN_OR_RETURN(const double both, timed([&]() -> epx::Status {
                            EPX_RETURN_IF_ERROR(layer->forward(view(x), view(y)));
                            return layer->backward(view(grad), view(grad_x));
                          }));
+    const double train_cpu = epx::bench::process_cpu_seconds() - cpu_before;
     if (t.rank() != 0 || rep < 0) continue;
     std::lock_guard lock(mu);
     const epx::LayerTimes& lt = layer->times();
@@ -206,8 +227,9 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
     out.forward.push_back(fwd), out.train.push_back(both), out.zero_grad.push_back(zero);
     out.router.push_back(lt.router), out.dispatch.push_back(lt.dispatch);
     out.experts.push_back(lt.experts), out.combine.push_back(lt.combine);
-    out.forward_combine.push_back(fwd_combine);
+    out.forward_combine.push_back(fwd_combine), out.train_cpu.push_back(train_cpu);
   }
+  if (t.rank() == 0) perf_control(o.perf_ctl, "disable");
   return epx::Status::ok();
 }
 

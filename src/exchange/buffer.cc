@@ -192,9 +192,13 @@ struct Buffer::Impl {
 
   const Region& local() const { return regions[rank]; }
   std::size_t combine_bytes() const { return static_cast<std::size_t>(combine_rows) * combine_row_bytes; }
-  // Before the combine region is overwritten: copies the pinned expanded
-  // rows into their handle (if it still lives), then forgets them.
-  void spill_pinned_y();
+  // The combine region, to be written: the pinned expanded rows go to their
+  // handle first (spill_pinned_y). Every writer of the region takes its
+  // pointer from here, so none can overwrite rows a backward still needs.
+  std::byte* combine_for_writing() {
+    spill_pinned_y();
+    return local().combine;
+  }
   // The backward was the rows' last reader: nothing to keep for `h` any more.
   void release_y(const detail::HandleData& h) {
     if (pinned_y.lock().get() == &h) pinned_y.reset();
@@ -362,6 +366,11 @@ struct Buffer::Impl {
   Status validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
                           const CombineOptions& options, std::string_view y_name = "y",
                           std::string_view out_name = "out") const;
+
+ private:
+  // Copies the pinned expanded rows into their handle (if it still lives),
+  // then forgets them; only combine_for_writing calls it.
+  void spill_pinned_y();
 };
 
 Buffer::Buffer(std::unique_ptr<Impl> impl)
@@ -896,8 +905,7 @@ Result<TensorView> Buffer::combine_input_now(const Handle& handle, DType dtype) 
   if (!is_payload_dtype(dtype) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
     return invalid_argument("combine_input dtype {} must be bf16 or f32 and no wider than max_combine_dtype = {}",
                             dtype_name(dtype), dtype_name(m.config.max_combine_dtype));
-  m.spill_pinned_y();  // the caller writes the region next
-  return TensorView::contiguous(m.local().combine, dtype, {handle.num_recv_tokens(), m.config.hidden});
+  return TensorView::contiguous(m.combine_for_writing(), dtype, {handle.num_recv_tokens(), m.config.hidden});
 }
 
 Status Buffer::Impl::validate_combine(const TensorView& y, const detail::HandleData& h, const TensorView& out,
@@ -947,9 +955,9 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
 
   // Put y in this rank's combine region, where peers read it.
   if (local_status.is_ok()) {
-    spill_pinned_y();
-    if (y.data() != mine.combine)
-      for (int64_t i = 0; i < h.num_recv; ++i) std::memcpy(mine.combine + i * yrow, y.row<std::byte>(i), yrow);
+    std::byte* region = combine_for_writing();
+    if (y.data() != region)
+      for (int64_t i = 0; i < h.num_recv; ++i) std::memcpy(region + i * yrow, y.row<std::byte>(i), yrow);
     if (slots)
       for (int64_t i = 0; i < h.num_recv; ++i)
         std::memcpy(mine.combine_slots + i * K, options.grad_recv_topk_weights.row<float>(i), sizeof(float) * K);
@@ -1259,8 +1267,8 @@ void Buffer::Impl::place_expanded_rows(const TensorView& y, const Handle& handle
   const std::size_t yrow = static_cast<std::size_t>(config.hidden) * y.element_size();
   const int64_t rows = y.size(0);
   if (y.data() != mine.combine) {
-    spill_pinned_y();
-    for (int64_t i = 0; i < rows; ++i) std::memcpy(mine.combine + i * yrow, y.row<std::byte>(i), yrow);
+    std::byte* region = combine_for_writing();
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(region + i * yrow, y.row<std::byte>(i), yrow);
   }
   const std::vector<int64_t>& row_of = h.expanded().row_of;
   for (std::size_t i = 0; i < row_of.size(); ++i) mine.combine_rows[i] = static_cast<int32_t>(row_of[i]);
@@ -1380,8 +1388,7 @@ Result<TensorView> Buffer::combine_expanded_input_now(const Handle& handle, DTyp
                             "= {}", dtype_name(dtype), dtype_name(m.config.max_combine_dtype));
   const int64_t rows = handle.data().expanded().num_rows();
   EPX_RETURN_IF_ERROR(m.check_expanded_capacity(rows, dtype, "combine_expanded_input"));
-  m.spill_pinned_y();  // the caller writes the region next
-  return TensorView::contiguous(m.local().combine, dtype, {rows, m.config.hidden});
+  return TensorView::contiguous(m.combine_for_writing(), dtype, {rows, m.config.hidden});
 }
 
 // The y rows the backward reads: y itself, or, for the combine_expanded_input
@@ -1436,7 +1443,7 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
   }
   TensorView partial_view = TensorView::contiguous(m.local().combine, partial_dtype, {h.num_recv, H});
   if (local_status.is_ok()) {
-    m.spill_pinned_y();
+    partial_view = TensorView::contiguous(m.combine_for_writing(), partial_dtype, {h.num_recv, H});
     write_expanded_partials(h, y_expanded, w, partial_view);
   }
   return m.combine_impl(local_status, partial_view, h, out, options, "combine_expanded");
@@ -1444,21 +1451,16 @@ Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& 
 
 namespace {
 
-// <g, y[row]> summed in column order. A bf16 row is widened first
-// (detail::to_f32, vectorised), so the serial sum reads plain floats (same
-// bits as reading each element through load_as_f32).
-float dot_in_column_order(std::span<const float> g, const TensorView& y, int64_t row, std::vector<float>* scratch) {
-  const float* yf = nullptr;
-  if (y.dtype() == DType::kBF16) {
-    scratch->resize(g.size());
-    detail::to_f32(y.row<const uint16_t>(row), static_cast<int64_t>(g.size()), scratch->data());
-    yf = scratch->data();
-  } else {
-    yf = y.row<const float>(row);
+// Received rows [first, first + count) of grad_partial, widened to f32 into g
+// (count rows of n; bf16 exactly, through the vectorised to_f32).
+void widen_rows(const TensorView& grad_partial, int64_t first, int64_t count, int n, float* g) {
+  for (int64_t i = 0; i < count; ++i) {
+    const std::byte* src = grad_partial.row<std::byte>(first + i);
+    float* dst = g + i * n;
+    if (grad_partial.dtype() == DType::kBF16) detail::to_f32(reinterpret_cast<const uint16_t*>(src), n, dst);
+    else
+      for (int c = 0; c < n; ++c) dst[c] = load_as_f32(src, grad_partial.dtype(), c);
   }
-  float dot = 0.0f;
-  for (std::size_t c = 0; c < g.size(); ++c) dot += g[c] * yf[c];
-  return dot;
 }
 
 }  // namespace
@@ -1494,23 +1496,36 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   const int H = m.config.hidden, K = h.topk;
   for (int64_t row = 0; row < layout.num_rows(); ++row)
     if (layout.recv_row[row] < 0) std::fill_n(grad_y_expanded.row<float>(row), H, 0.0f);
-  std::vector<float> g(H), y_f32;
-  for (int64_t i = 0; i < h.num_recv; ++i) {
-    const std::byte* src = grad_partial.row<std::byte>(i);
-    for (int c = 0; c < H; ++c) g[c] = load_as_f32(src, grad_partial.dtype(), c);
-    for (int k = 0; k < K; ++k) {
-      const int64_t row = layout.row_of[i * K + k];
-      if (row < 0) {
-        if (grad_weights.defined()) grad_weights.row<float>(i)[k] = 0.0f;
-        continue;
+  // A block of received rows at a time: their grad rows widened once, then
+  // every <grad, y[row]> of the block (detail::column_order_dots: each in
+  // column order, several at once), then grad_y. The dot products come first,
+  // so grad_y_expanded may reuse y's memory.
+  constexpr int64_t kBlock = 8;
+  std::vector<float> g(static_cast<std::size_t>(kBlock) * H);
+  std::vector<detail::DotJob> dots;
+  for (int64_t first = 0; first < h.num_recv; first += kBlock) {
+    const int64_t count = std::min(kBlock, h.num_recv - first);
+    widen_rows(grad_partial, first, count, H, g.data());
+    dots.clear();
+    for (int64_t i = first; i < first + count; ++i)
+      for (int k = 0; k < K; ++k) {
+        const int64_t row = layout.row_of[i * K + k];
+        if (!grad_weights.defined()) continue;
+        // d out / d w = <grad, y[row]>; a slot without an expert here has none.
+        if (row < 0) grad_weights.row<float>(i)[k] = 0.0f;
+        else dots.push_back({g.data() + (i - first) * H, y_rows.row<std::byte>(row), grad_weights.row<float>(i) + k});
       }
-      // d out / d w = <grad, y[row]>, summed in column order; d out / d y[row] = w.
-      // The dot product comes first, so grad_y_expanded may reuse y's memory.
-      if (grad_weights.defined()) grad_weights.row<float>(i)[k] = dot_in_column_order(g, y_rows, row, &y_f32);
-      const float wk = w[i * K + k];
-      float* gy = grad_y_expanded.row<float>(row);
-      for (int c = 0; c < H; ++c) gy[c] = wk * g[c];
-    }
+    detail::column_order_dots(dots, y_rows.dtype(), H);
+    for (int64_t i = first; i < first + count; ++i)
+      for (int k = 0; k < K; ++k) {
+        const int64_t row = layout.row_of[i * K + k];
+        if (row < 0) continue;
+        // d out / d y[row] = w.
+        const float wk = w[i * K + k];
+        const float* gi = g.data() + (i - first) * H;
+        float* gy = grad_y_expanded.row<float>(row);
+        for (int c = 0; c < H; ++c) gy[c] = wk * gi[c];
+      }
   }
   m.release_y(h);
   return Status::ok();

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/bf16_rows.h"
 #include "core/simd_clones.h"
 
 namespace epx::detail {
@@ -106,6 +107,19 @@ EPX_SIMD_CLONES void store_bf16(uint16_t* dst, const float* acc, int n) {
   for (int c = 0; c < n; ++c) dst[c] = f32_to_bf16(acc[c]);
 }
 
+// Four jobs' serial sums side by side over columns [0, n) of f32 rows,
+// carried in s (a job may repeat; its sum is the same).
+void dots4(const float* const* g, const float* const* y, int n, float* s) {
+  float s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+  for (int c = 0; c < n; ++c) {
+    s0 += g[0][c] * y[0][c];
+    s1 += g[1][c] * y[1][c];
+    s2 += g[2][c] * y[2][c];
+    s3 += g[3][c] * y[3][c];
+  }
+  s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+}
+
 // Columns per slice: the accumulator and a partial stay in L1.
 constexpr int kSlice = 512;
 
@@ -149,6 +163,34 @@ void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* r
       if (r < num_rows) accumulate_weighted(acc, weights[r], rows[r] + offset, row_dtype, n);
     }
     store(out + static_cast<std::size_t>(c0) * out_size, out_dtype, acc, n);
+  }
+}
+
+void column_order_dots(std::span<const DotJob> jobs, DType y_dtype, int n) {
+  // bf16 rows are widened a slice at a time (vectorised, exact) into L1, so
+  // the serial sums read plain floats.
+  alignas(64) float wide[4][kSlice];
+  for (std::size_t j = 0; j < jobs.size(); j += 4) {
+    // The last group of fewer than four repeats its last job.
+    const DotJob* four[4];
+    for (std::size_t q = 0; q < 4; ++q) four[q] = &jobs[std::min(j + q, jobs.size() - 1)];
+    float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c0 = 0; c0 < n; c0 += kSlice) {
+      const int len = std::min(kSlice, n - c0);
+      const float* g[4];
+      const float* y[4];
+      for (int q = 0; q < 4; ++q) {
+        g[q] = four[q]->g + c0;
+        if (y_dtype == DType::kBF16) {
+          to_f32(reinterpret_cast<const uint16_t*>(four[q]->y) + c0, len, wide[q]);
+          y[q] = wide[q];
+        } else {
+          y[q] = reinterpret_cast<const float*>(four[q]->y) + c0;
+        }
+      }
+      dots4(g, y, len, sums);
+    }
+    for (int q = 0; q < 4; ++q) *four[q]->out = sums[q];
   }
 }
 

@@ -28,6 +28,20 @@ void store(std::byte* dst, DType dtype, const float* acc, int n);
 void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* rows, const float* weights,
                       int num_rows, DType row_dtype, int hidden);
 
+// One dot product of combine_expanded's backward: *out = <g, y>, g an f32
+// row, y a row of the dtype column_order_dots is given.
+struct DotJob {
+  const float* g = nullptr;
+  const std::byte* y = nullptr;
+  float* out = nullptr;
+};
+
+// Each job's *out = 0 + g[0] * y[0] + g[1] * y[1] + ... in fp32, column by
+// column (one serial sum per job: the bits of a plain loop; bf16 y widened
+// exactly), n columns. Four jobs run at a time, so their sums overlap instead
+// of each waiting on its own additions.
+void column_order_dots(std::span<const DotJob> jobs, DType y_dtype, int n);
+
 // A group of rows summed on their own first (one node's partial sum in the
 // two-hop combine); a group of one row is that row.
 struct SumGroup {
