@@ -440,6 +440,10 @@ class RankBench {
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t r = expanded.recv_row[static_cast<std::size_t>(i)];
       if (r < 0) continue;
+      if (config_.dtype == DType::kBF16) {
+        detail::to_f32(recv_.recv_x.row<uint16_t>(r), H, y + i * H);
+        continue;
+      }
       for (int64_t c = 0; c < H; ++c) y[i * H + c] = load_as_f32(recv_.recv_x.row(r), config_.dtype, c);
     }
     layer_y_view_ = TensorView::contiguous(y, DType::kF32, {rows, H});

@@ -228,6 +228,25 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
   return state;
 }
 
+// Buffer::expanded_rows_bound: the max_expanded_rows that makes room for every
+// receiver-weighted combine_expanded with y of `y_dtype` on `num_ranks` ranks.
+int64_t expanded_rows_bound(int num_ranks, int num_experts, int hidden, int max_tokens_per_rank,
+                            const std::string& y_dtype, std::optional<int> max_topk, int64_t max_recv_tokens,
+                            int expert_alignment, const std::string& max_combine_dtype,
+                            const std::optional<std::vector<int32_t>>& expert_rank) {
+  if (num_ranks < 1) throw_error("InvalidArgumentError", fmt::format("num_ranks = {} must be at least 1", num_ranks));
+  BufferConfig config;
+  config.num_experts = num_experts;
+  config.hidden = hidden;
+  config.max_topk = default_topk(max_topk, num_experts);
+  config.max_tokens_per_rank = max_tokens_per_rank;
+  config.max_recv_tokens = max_recv_tokens;
+  config.expert_alignment = expert_alignment;
+  config.max_combine_dtype = unwrap_arg(parse_dtype(max_combine_dtype), "max_combine_dtype");
+  if (expert_rank) config.placement = unwrap(ExpertPlacement::from_map(*expert_rank, num_ranks));
+  return Buffer::expanded_rows_bound(config, num_ranks, unwrap_arg(parse_dtype(y_dtype), "y_dtype"));
+}
+
 // ---- the operations: each blocking (GIL released) or asynchronous ---------------------
 
 // One operation: its blocking and asynchronous forms (over views and
@@ -628,7 +647,13 @@ void register_buffer(pb::module_& m) {
       .def_property_readonly("max_expanded_rows", [](const BufferState& s) { return s.get().config().max_expanded_rows; })
       .def_property_readonly("dtype", [](const BufferState& s) { return std::string(dtype_name(s.get().config().dtype)); })
       .def_property_readonly("transport", [](const BufferState& s) { return s.transport; })
-      .def("take_waits", &take_waits);
+      .def("take_waits", &take_waits)
+      .def_static("expanded_rows_bound", &expanded_rows_bound, pb::arg("num_ranks"), pb::arg("num_experts"),
+                  pb::arg("hidden"), pb::arg("max_tokens_per_rank"), pb::arg("y_dtype") = "bf16",
+                  pb::arg("max_topk") = pb::none(), pb::arg("max_recv_tokens") = 0, pb::arg("expert_alignment") = 1,
+                  pb::arg("max_combine_dtype") = "f32", pb::arg("expert_rank") = pb::none(),
+                  "The max_expanded_rows that makes room for every receiver-weighted combine_expanded (the worst "
+                  "case) with y of y_dtype, for a Buffer of these settings on num_ranks ranks.");
   register_buffer_ops(c, false);
   register_buffer_ops(c, true);
   register_buffer_local(c);

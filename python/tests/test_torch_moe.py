@@ -35,9 +35,9 @@ def test_matches_eager_layer(case, num_ranks):
         check_rank(config, rank, num_ranks, results[rank], eager, dense)
 
 
-@pytest.mark.parametrize("case", ["bf16", "capacity_bias", "few_tokens"])
+@pytest.mark.parametrize("case", ["bf16", "capacity_bias", "few_tokens", "receiver"])
 def test_two_emulated_nodes(case):
-    """4 ranks on 2 emulated nodes: the two-hop exchange, the same answers."""
+    """4 ranks on 2 emulated nodes: the two-hop exchange (receiver weights: flat), the same answers."""
     config = case_config(case)
     results = run_world(config, 4, num_nodes=2)
     eager, dense = eager_steps(config, 4), summed_dense(results)
@@ -81,8 +81,31 @@ def test_bad_configurations_raise_value_errors():
             et.MoE(16, 24, 8, 2, transport=transport, aux_loss="sequence")
         with pytest.raises(ValueError, match="dtype 'fp8'"):
             et.MoE(16, 24, 8, 2, transport=transport, dtype="fp8")
+        with pytest.raises(ValueError, match="combine_weights 'sender' is not one of holder, receiver"):
+            et.MoE(16, 24, 8, 2, transport=transport, combine_weights="sender")
+        holder_buffer = epx.Buffer(transport, num_experts=8, hidden=16, dtype="f32", max_tokens_per_rank=4)
+        with pytest.raises(ValueError, match="needs a Buffer with max_expanded_rows > 0"):
+            et.MoE(16, 24, 8, 2, transport=transport, combine_weights="receiver", buffer=holder_buffer)
 
     epx.InprocWorld(num_ranks=4).run(fn)
+
+
+def test_receiver_weights_size_the_region_for_the_worst_case():
+    """Buffer.expanded_rows_bound (what MoE sizes its Buffer with): 4 ranks x 5 tokens received
+    x min(top-2, 2 local experts) rows, in f32 rows of the region, + 1."""
+    assert epx.Buffer.expanded_rows_bound(4, 8, 16, 5, y_dtype="f32", max_topk=2) == 4 * 5 * 2 + 1
+    assert epx.Buffer.expanded_rows_bound(4, 8, 16, 5, y_dtype="bf16", max_topk=2) == 4 * 5 * 2 // 2 + 1
+    assert epx.Buffer.expanded_rows_bound(4, 8, 16, 5, y_dtype="f32", max_topk=2, expert_alignment=4) == 40 + 2 * 3 + 1
+    with pytest.raises(epx.InvalidArgumentError, match="num_ranks = 0 must be at least 1"):
+        epx.Buffer.expanded_rows_bound(0, 8, 16, 5)
+    with pytest.raises(epx.InvalidArgumentError, match="y_dtype: .*i7"):
+        epx.Buffer.expanded_rows_bound(4, 8, 16, 5, y_dtype="i7")
+
+    def fn(transport):
+        moe = et.MoE(16, 24, 8, 2, transport=transport, combine_weights="receiver", max_tokens_per_rank=5)
+        return moe.buffer.max_expanded_rows
+
+    assert epx.InprocWorld(num_ranks=4).run(fn) == [41] * 4
 
 
 def test_weights_do_not_depend_on_the_number_of_ranks():

@@ -30,6 +30,9 @@ CASES = {
     # Ranks of 1, 2, 0, 1 tokens ((rank + 1) % 3): empty inputs, single rows.
     "few_tokens": dict(dtype="f32", few_tokens=True, num_shared_experts=1, aux_loss_coeff=0.1,
                        aux_loss="global-batch"),
+    # Receiver weights (each token's rank weighs its rows, in top-k order): the same answers.
+    "receiver": dict(dtype="f32", combine_weights="receiver", topk=3, aux_loss_coeff=0.1),
+    "receiver_bf16": dict(dtype="bf16", combine_weights="receiver"),
 }
 
 

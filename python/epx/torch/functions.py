@@ -7,9 +7,12 @@ Each function is one epx call forward and epx's own backward pass backward:
   owns. Backward folds the expanded rows' gradient back onto the received
   rows (in slot order) and runs Buffer.dispatch_backward, which also brings
   back the gradient of the top-k weights.
-- ``combine(buffer, y_expanded, recv_topk_weights, dispatched)``:
+- ``combine(buffer, y_expanded, recv_topk_weights, dispatched, weights_at="holder")``:
   Buffer.combine_expanded; backward is Buffer.combine_expanded_backward
-  (gradients of the expert outputs and of the received weights).
+  (gradients of the expert outputs and of the received weights). With
+  weights_at="receiver" each token's rank applies the weights it dispatched
+  (recv_topk_weights must be the dispatch's; the Buffer needs
+  max_expanded_rows); the gradients are the same formulas.
 - ``route(config, logits, expert_bias)``: epx.route; backward epx.route_backward.
 
 dispatch and combine are collectives, forward and backward: every rank of
@@ -128,11 +131,14 @@ def dispatch(buffer, x, topk_idx, topk_weights):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_expanded, recv_weights, buffer, handle, num_tokens, payload):
+    def forward(ctx, y_expanded, recv_weights, buffer, handle, num_tokens, payload, weights_at):
         y = dense(y_expanded, torch.float32)
         w = dense(recv_weights, torch.float32)
         out = torch.empty((num_tokens, y.shape[1]), dtype=torch.float32)
-        buffer.combine_expanded(y, handle, out=out, weights=w)
+        if weights_at == "receiver":  # the weights this rank dispatched, applied here
+            buffer.combine_expanded(y, handle, out=out, weights_at="receiver")
+        else:
+            buffer.combine_expanded(y, handle, out=out, weights=w, weights_at=weights_at)
         ctx.buffer, ctx.handle, ctx.payload = buffer, handle, payload
         ctx.save_for_backward(y, w)
         return out
@@ -144,14 +150,15 @@ class _Combine(torch.autograd.Function):
         grad_w = torch.empty_like(w)
         ctx.buffer.combine_expanded_backward(dense(grad_out, ctx.payload), ctx.handle, y, w,
                                              grad_y_expanded=grad_y, grad_weights=grad_w)
-        return grad_y, grad_w, None, None, None, None
+        return grad_y, grad_w, None, None, None, None, None
 
 
-def combine(buffer, y_expanded, recv_topk_weights, dispatched):
+def combine(buffer, y_expanded, recv_topk_weights, dispatched, weights_at="holder"):
     """out [T, H] f32 = the weighted sum of every token's expert outputs (y_expanded
-    [rows, H] in the expanded layout of `dispatched`); differentiable in both."""
+    [rows, H] in the expanded layout of `dispatched`); differentiable in both.
+    weights_at: "holder" (each holder rank weighs and sums its rows) or "receiver"."""
     return _Combine.apply(y_expanded, recv_topk_weights, buffer, dispatched.handle, dispatched.num_tokens,
-                          dispatched.x_expanded.dtype)
+                          dispatched.x_expanded.dtype, weights_at)
 
 
 class _Route(torch.autograd.Function):

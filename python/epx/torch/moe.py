@@ -101,6 +101,8 @@ class MoE(nn.Module):
     or "global-batch" (f and P over every rank's tokens, one all-reduce); z_loss_coeff;
     expert_bias (aux-loss-free: call update_bias() after each optimizer step);
     capacity_factor (> 0 drops the tokens over each expert's capacity on each rank).
+    combine_weights "holder" or "receiver" (MoELayerConfig::combine_weights: each token's rank
+    applies its top-k weights, in top-k order; the Buffer is flat with max_expanded_rows).
     dtype "f32" or "bf16": the dispatch payload and the expert GEMMs' weights (f32 maths).
     After each forward: aux_loss (this rank's share, a tensor to add to the loss) and
     load (tokens_per_expert over every rank, max_vio, dropped).
@@ -110,10 +112,14 @@ class MoE(nn.Module):
                  num_shared_experts=0, dtype="f32", score_function="softmax", normalize_weights=False,
                  capacity_factor=0.0, aux_loss_coeff=0.0, aux_loss="micro-batch", z_loss_coeff=0.0,
                  expert_bias=False, bias_rate=1e-3, norm_eps=1e-6, seed=1, init_std=0.0,
-                 max_tokens_per_rank=4096, buffer=None):
+                 max_tokens_per_rank=4096, buffer=None, combine_weights="holder"):
         super().__init__()
         if aux_loss not in ("micro-batch", "global-batch"):
             raise ValueError(f"aux_loss '{aux_loss}' is not one of micro-batch, global-batch")
+        if combine_weights not in ("holder", "receiver"):
+            raise ValueError(f"combine_weights '{combine_weights}' is not one of holder, receiver")
+        if combine_weights == "receiver" and buffer is not None and buffer.max_expanded_rows == 0:
+            raise ValueError("combine_weights 'receiver' needs a Buffer with max_expanded_rows > 0")
         ranks = transport.num_ranks
         if num_experts % ranks != 0:
             raise ValueError(f"num_experts = {num_experts} is not a multiple of the {ranks} ranks")
@@ -125,14 +131,24 @@ class MoE(nn.Module):
         self.router_config = epx.RouterConfig(num_experts=num_experts, topk=topk, score_function=score_function,
                                               normalize_weights=normalize_weights, capacity_factor=capacity_factor)
         self.bias = epx.ExpertBias(num_experts, rate=bias_rate)
-        self.buffer = buffer or epx.Buffer(transport, num_experts=num_experts, hidden=hidden, dtype=dtype,
-                                           max_tokens_per_rank=max_tokens_per_rank, max_topk=topk)
+        self.combine_weights = combine_weights
+        self.buffer = buffer or self._make_buffer(transport, max_tokens_per_rank)
         self.num_local = num_experts // ranks
         self.first_expert = transport.rank * self.num_local
         self._init_parameters(seed, init_std, num_shared_experts)
         self.aux_loss = torch.zeros(())
         self.load = None
         self._scratch = functions.GradientScratch()
+
+    def _make_buffer(self, transport, max_tokens_per_rank):
+        """The Buffer; receiver weights: flat, with room for the expanded rows of y (f32)."""
+        kwargs = dict(num_experts=self.num_experts, hidden=self.hidden, dtype=self.dtype_name,
+                      max_tokens_per_rank=max_tokens_per_rank, max_topk=self.topk)
+        if self.combine_weights == "receiver":
+            kwargs.update(algorithm="flat", max_expanded_rows=epx.Buffer.expanded_rows_bound(
+                transport.num_ranks, self.num_experts, self.hidden, max_tokens_per_rank, y_dtype="f32",
+                max_topk=self.topk))
+        return epx.Buffer(transport, **kwargs)
 
     def _init_parameters(self, seed, init_std, num_shared_experts):
         H, F = self.hidden, self.ffn_hidden
@@ -175,7 +191,7 @@ class MoE(nn.Module):
         payload = n.to(self.payload)
         dispatched = functions.dispatch(self.buffer, payload, topk_idx, topk_weights)
         y = self._experts(dispatched.x_expanded, dispatched.expert_offsets)
-        out = x + functions.combine(self.buffer, y, dispatched.recv_topk_weights, dispatched)
+        out = x + functions.combine(self.buffer, y, dispatched.recv_topk_weights, dispatched, self.combine_weights)
         if self.shared is not None:
             out = out + swiglu(payload.float(), *[self._stored(w) for w in self.shared])
         self.load = self._load_stats(counts, routed.num_dropped)
