@@ -110,12 +110,14 @@ struct Setup {
   Shape shape;
   epx::ExpertFfnConfig config;
   std::vector<std::byte> w1, w3, w2;
+  epx::PackedExpertWeights packed;  // bf16 GEMMs: the weights packed (pack_expert_weights)
+  mutable bool use_packed = false;
   epx::ExpertWeights weights() const {
     const DType c = config.gemm_dtype();
     const int64_t E = shape.experts, H = shape.hidden, F = shape.ffn;
     return {TensorView::contiguous(const_cast<std::byte*>(w1.data()), c, {E * H, F}),
             TensorView::contiguous(const_cast<std::byte*>(w3.data()), c, {E * H, F}),
-            TensorView::contiguous(const_cast<std::byte*>(w2.data()), c, {E * F, H})};
+            TensorView::contiguous(const_cast<std::byte*>(w2.data()), c, {E * F, H}), use_packed ? &packed : nullptr};
   }
   TensorView rows_view(Part& p, std::vector<float>& v) const {
     return TensorView::contiguous(v.data(), DType::kF32, {p.offsets.back(), shape.hidden});
@@ -456,6 +458,7 @@ std::vector<int> part_order(const Split& sp, int E, bool expert_major) {
 struct ChunkTimes {
   std::vector<Split> splits;  // [0]: the whole batch
   std::vector<std::vector<double>> chunked, chunk_major, expert_major;  // seconds per split
+  std::vector<std::vector<double>> chunked_packed;                      // bf16: the chunk calls, weights packed
   std::vector<double> weights, read_ms;  // the weight pass (whole batch); one streaming read of the weights
 };
 
@@ -466,7 +469,8 @@ ChunkTimes time_chunks(const Setup& s, const std::vector<int>& chunks, int reps)
   t.splits.push_back(make_split(s, 1));
   for (int C : chunks) t.splits.push_back(make_split(s, C));
   const std::size_t n = t.splits.size();
-  t.chunked.resize(n), t.chunk_major.resize(n), t.expert_major.resize(n);
+  t.chunked.resize(n), t.chunk_major.resize(n), t.expert_major.resize(n), t.chunked_packed.resize(n);
+  const bool packed = !s.packed.w1.empty();
   const int64_t H = s.shape.hidden, F = s.shape.ffn;
   std::vector<float> g1(static_cast<std::size_t>(E * H * F)), g3(g1.size()), g2(g1.size());
   const epx::ExpertGrads grads{TensorView::contiguous(g1.data(), DType::kF32, {E * H, F}),
@@ -479,7 +483,12 @@ ChunkTimes time_chunks(const Setup& s, const std::vector<int>& chunks, int reps)
                                            whole.state, grads),
           "backward weights");
   };
-  for (Split& sp : t.splits) forward_and_data(s, sp.chunk, part_order(sp, 1, false)), forward_and_data(s, sp.pieces, part_order(sp, E, false));
+  for (Split& sp : t.splits) {
+    forward_and_data(s, sp.chunk, part_order(sp, 1, false)), forward_and_data(s, sp.pieces, part_order(sp, E, false));
+    s.use_packed = packed;
+    forward_and_data(s, sp.chunk, part_order(sp, 1, false));  // makes the packed primitives
+    s.use_packed = false;
+  }
   weight_pass();
   for (int r = 0; r < reps; ++r) {
     fmt::print(stderr, "rep {}/{}\n", r + 1, reps);
@@ -488,6 +497,10 @@ ChunkTimes time_chunks(const Setup& s, const std::vector<int>& chunks, int reps)
       t.chunked[i].push_back(seconds([&] { forward_and_data(s, sp.chunk, part_order(sp, 1, false)); }));
       t.chunk_major[i].push_back(seconds([&] { forward_and_data(s, sp.pieces, part_order(sp, E, false)); }));
       t.expert_major[i].push_back(seconds([&] { forward_and_data(s, sp.pieces, part_order(sp, E, true)); }));
+      if (!packed) continue;
+      s.use_packed = true;
+      t.chunked_packed[i].push_back(seconds([&] { forward_and_data(s, sp.chunk, part_order(sp, 1, false)); }));
+      s.use_packed = false;
     }
     t.weights.push_back(seconds(weight_pass));
     t.read_ms.push_back(read_ms(s));
@@ -508,15 +521,18 @@ void print_chunk_times(const Setup& s, const ChunkTimes& t, double us_call, int 
              3.0 * double(E * H * F * int64_t(epx::dtype_size(c))) / 1e6, epx::bench::median(t.read_ms), us_call,
              epx::bench::median(t.weights) * 1e3);
   fmt::print("| fwd + data pass | ms | vs whole | GEMM calls | padded rows | calls cost ms | padding cost ms | "
-             "chunk-major per expert ms | expert-major per expert ms | re-read cost ms |\n");
-  fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+             "chunk-major per expert ms | expert-major per expert ms | re-read cost ms | packed weights ms (vs plain) |\n");
+  fmt::print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (std::size_t i = 0; i < t.splits.size(); ++i) {
     const Split& sp = t.splits[i];
     const double ms = epx::bench::median(t.chunked[i]) * 1e3, cm = epx::bench::median(t.chunk_major[i]) * 1e3,
                  em = epx::bench::median(t.expert_major[i]) * 1e3;
     const std::string name = i == 0 ? "whole" : fmt::format("{} chunks", sp.C);
-    fmt::print("| {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |\n", name, ms,
-               ms / whole_ms, sp.calls, sp.padded, sp.calls * us_call * 1e-3, sp.padded * per_row_ms, cm, em, cm - em);
+    const double packed_ms = epx::bench::median(t.chunked_packed[i]) * 1e3;
+    const std::string packed = t.chunked_packed[i].empty() ? "-" : fmt::format("{:.2f} ({:.2f})", packed_ms, packed_ms / ms);
+    fmt::print("| {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {} |\n", name, ms,
+               ms / whole_ms, sp.calls, sp.padded, sp.calls * us_call * 1e-3, sp.padded * per_row_ms, cm, em, cm - em,
+               packed);
   }
 }
 
@@ -547,6 +563,7 @@ int main(int argc, char** argv) {
   s.w1 = random_values(E * H * F, cdt, 1, 0.05f), s.w3 = random_values(E * H * F, cdt, 2, 0.05f);
   s.w2 = random_values(E * F * H, cdt, 3, 0.05f);
 
+  if (cdt == DType::kBF16) check(epx::pack_expert_weights(s.config, s.weights(), &s.packed), "pack_expert_weights");
   const ChunkTimes times = time_chunks(s, chunks, reps);
   per_row_by_m(s, reps);
   packed_vs_plain(s, packed_m, reps);

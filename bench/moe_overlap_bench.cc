@@ -52,6 +52,7 @@ struct Options {
   int reps = 5, warmup = 1;
   std::string dtype = "bf16";
   bool json = false;
+  bool pack_weights = false;  // MoELayerConfig::pack_expert_weights
 };
 
 constexpr std::array kModes = {OverlapMode::kNone, OverlapMode::kSharedExperts, OverlapMode::kChunked,
@@ -144,6 +145,7 @@ Status bench_rank(Transport& t, const Options& o, Samples* samples) {
     c.seed = 3;
     c.overlap = mode;
     c.overlap_chunks = o.chunks;
+    c.pack_expert_weights = o.pack_weights;
     EPX_ASSIGN_OR_RETURN(auto layer, MoELayer::create(c, t, *buffer, 0));
     layers.push_back(std::move(layer));
   }
@@ -253,6 +255,7 @@ int run(int argc, char** argv) {
   app.add_option("--dtype", o.dtype, "Payload and expert GEMMs")->check(CLI::IsMember({"bf16", "f32"}))
       ->capture_default_str();
   app.add_flag("--json", o.json, "Also print one JSON line");
+  app.add_flag("--pack-weights", o.pack_weights, "Pack the routed experts' bf16 weights (MoELayerConfig::pack_expert_weights)");
   CLI11_PARSE(app, argc, argv);
 
   Samples samples;

@@ -54,6 +54,15 @@ Status check_common(const ExpertFfnConfig& config, const ExpertWeights& weights,
                               offsets[e + 1], e, offsets[e]);
   if (offsets[E] != rows)
     return invalid_argument("offsets[{}] = {} must equal the rows of x, {}", E, offsets[E], rows);
+  if (weights.packed != nullptr) {
+    const PackedExpertWeights& packed = *weights.packed;
+    if (compute != DType::kBF16)
+      return invalid_argument("packed weights serve bf16 GEMMs only; this call's GEMMs are {}", dtype_name(compute));
+    if (packed.source != weights.w1.data() || static_cast<int64_t>(packed.w1.size()) != E)
+      return invalid_argument("weights.packed holds {} experts packed from other weights than weights.w1 ({} experts): "
+                              "pack these weights",
+                              packed.w1.size(), E);
+  }
   *problem = Problem{&config, &weights, offsets, rows, H, F, dtype_size(compute), compute != config.dtype};
   return Status::ok();
 }
@@ -75,6 +84,13 @@ int64_t gemm_x_rows(const Problem& p, const TensorView& x, int64_t first, int64_
   }
   *rows = scratch;
   return H;
+}
+
+using PackedList = std::vector<std::shared_ptr<const detail::PackedB>> PackedExpertWeights::*;
+
+// Expert e's packed B from `list`, or null (plain weights).
+const detail::PackedB* packed_b(const ExpertWeights& weights, PackedList list, int e) {
+  return weights.packed == nullptr ? nullptr : (weights.packed->*list)[e].get();
 }
 
 // Sizes the pieces `carve` takes from a Carver, reserves that much of
@@ -220,12 +236,15 @@ Status expert_ffn_forward(const ExpertFfnConfig& config, const ExpertWeights& we
     const int64_t ldx = gemm_x_rows(p, x, first, m, x_scratch, &x_rows);
     GemmArgs up{.dtype = compute, .m = m, .n = F, .k = H, .a = x_rows, .lda = ldx};
     up.b = expert_rows(weights.w1, e * H), up.ldb = ld(weights.w1), up.c = h1, up.ldc = F;
+    up.packed_b = packed_b(weights, &PackedExpertWeights::w1, e);
     EPX_RETURN_IF_ERROR(gemm(up, threads));
     up.b = expert_rows(weights.w3, e * H), up.ldb = ld(weights.w3), up.c = h3;
+    up.packed_b = packed_b(weights, &PackedExpertWeights::w3, e);
     EPX_RETURN_IF_ERROR(gemm(up, threads));
     detail::swiglu_forward(h1, h3, m * F, compute, a);
     GemmArgs down{.dtype = compute, .m = m, .n = H, .k = F, .a = a, .lda = F,
-                  .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2)};
+                  .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2),
+                  .packed_b = packed_b(weights, &PackedExpertWeights::w2, e)};
     return down_projection(down, y, first, y_scratch, threads);
   });
 }
@@ -296,16 +315,18 @@ Status expert_ffn_backward_data(const ExpertFfnConfig& config, const ExpertWeigh
     // grad_a = grad_y W2^T
     const DType compute = config.gemm_dtype();
     GemmArgs g{.dtype = compute, .trans_b = true, .m = m, .n = F, .k = H, .a = gy, .lda = ldgy,
-               .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = grad_a, .ldc = F};
+               .b = expert_rows(weights.w2, e * F), .ldb = ld(weights.w2), .c = grad_a, .ldc = F,
+               .packed_b = packed_b(weights, &PackedExpertWeights::w2_t, e)};
     EPX_RETURN_IF_ERROR(gemm(g, threads));
     detail::swiglu_backward(cache.h1.data() + first * F, cache.h3.data() + first * F, grad_a, m * F, compute, a,
                             grad_h1, grad_h3);
     // grad_x = grad_h1 W1^T + grad_h3 W3^T
     GemmArgs d{.dtype = compute, .trans_b = true, .m = m, .n = H, .k = F, .a = grad_h1, .lda = F,
                .b = expert_rows(weights.w1, e * H), .ldb = ld(weights.w1), .c = grad_x.row<float>(first),
-               .ldc = ld(grad_x)};
+               .ldc = ld(grad_x), .packed_b = packed_b(weights, &PackedExpertWeights::w1_t, e)};
     EPX_RETURN_IF_ERROR(gemm(d, threads));
     d.accumulate = true, d.a = grad_h3, d.b = expert_rows(weights.w3, e * H), d.ldb = ld(weights.w3);
+    d.packed_b = packed_b(weights, &PackedExpertWeights::w3_t, e);
     return gemm(d, threads);
   });
 }
@@ -355,6 +376,37 @@ Status expert_ffn_backward_weights(const ExpertFfnConfig& config, const ExpertWe
     w.b = state.grad_h3.data() + first * F * p.elem, w.c = grads.w3.row<float>(e * H), w.ldc = ld(grads.w3);
     return gemm(w, threads);
   });
+}
+
+Status pack_expert_weights(const ExpertFfnConfig& config, const ExpertWeights& weights, PackedExpertWeights* packed) {
+  EPX_RETURN_IF_ERROR(config.validate());
+  if (packed == nullptr) return invalid_argument("pack_expert_weights needs somewhere to put the packed weights");
+  const int64_t E = config.num_experts, H = config.hidden, F = config.ffn_hidden;
+  const DType compute = config.gemm_dtype();
+  if (compute != DType::kBF16)
+    return invalid_argument("packed weights serve bf16 GEMMs only (packed f32 gives other bits than the plain calls); "
+                            "the GEMMs here are {}", dtype_name(compute));
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w1, "weights.w1", compute, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w3, "weights.w3", compute, E * H, F));
+  EPX_RETURN_IF_ERROR(check_matrix(weights.w2, "weights.w2", compute, E * F, H));
+  PackedExpertWeights out;
+  out.source = weights.w1.data();
+  // B of [k, n]: the rows of `w` from first_row on (transposed: stored [n, k]).
+  auto add = [&](PackedList list, bool trans_b, int64_t k, int64_t n, const TensorView& w, int64_t first_row) -> Status {
+    EPX_ASSIGN_OR_RETURN(auto b, detail::pack_b(compute, trans_b, k, n, expert_rows(w, first_row), ld(w)));
+    (out.*list).push_back(std::move(b));
+    return Status::ok();
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w1, false, H, F, weights.w1, e * H));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w3, false, H, F, weights.w3, e * H));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w2, false, F, H, weights.w2, e * F));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w2_t, true, H, F, weights.w2, e * F));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w1_t, true, F, H, weights.w1, e * H));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w3_t, true, F, H, weights.w3, e * H));
+  }
+  *packed = std::move(out);
+  return Status::ok();
 }
 
 Status expert_ffn_backward(const ExpertFfnConfig& config, const ExpertWeights& weights, const TensorView& x,

@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -69,9 +70,137 @@ Result<std::shared_ptr<const Primitive>> primitive_for(const GemmArgs& args, int
   return std::shared_ptr<const Primitive>(primitive);
 }
 
+// Runs `primitive` on a, b, c on the calling thread's stream, with a kept
+// per-thread scratchpad: a call costs tens of microseconds less without a
+// fresh stream and scratchpad (it matters for the many small GEMMs of
+// chunked experts).
+void execute(const Primitive& primitive, const dnnl::memory& a, const dnnl::memory& b, const dnnl::memory& c) {
+  auto& engine = cpu_engine();
+  thread_local std::vector<std::byte> scratch;
+  if (scratch.size() < primitive.scratchpad_bytes) scratch.resize(primitive.scratchpad_bytes);
+  memory scratchpad(primitive.pd.scratchpad_desc(), engine, scratch.data());
+  thread_local dnnl::stream stream(engine);
+  primitive.matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}, {DNNL_ARG_SCRATCHPAD, scratchpad}});
+  stream.wait();
+}
+
 Status gemm_call(const GemmArgs& args, int num_threads);
 
 }  // namespace
+
+struct PackedB {
+  bool trans_b = false;
+  int64_t k = 0, n = 0;
+  memory::desc desc;
+  std::vector<std::byte> data;
+};
+
+namespace {
+
+// A bf16 matmul with every size fixed (m rows) reading B as oneDNN lays it out.
+dnnl::matmul::primitive_desc packed_desc(int64_t m, int64_t k, int64_t n, int64_t lda, int64_t ldc, bool accumulate,
+                                         DType c_dtype) {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  const auto bf16 = memory::data_type::bf16;
+  dnnl::matmul::desc desc(memory::desc({m, k}, bf16, {lda, 1}), memory::desc({k, n}, bf16, memory::format_tag::any),
+                          memory::desc({m, n}, to_dnnl(c_dtype), {ldc, 1}));
+  return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
+}
+
+// The layout oneDNN reads a [k, n] bf16 B in for kRowBlock rows; kept per (k, n).
+memory::desc packed_layout(int64_t k, int64_t n) {
+  static std::mutex mutex;
+  static std::map<std::pair<int64_t, int64_t>, memory::desc> layouts;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = layouts.find({k, n}); it != layouts.end()) return it->second;
+  const memory::desc layout = packed_desc(kRowBlock, k, n, k, n, false, DType::kF32).weights_desc();
+  layouts.emplace(std::make_pair(k, n), layout);
+  return layout;
+}
+
+using PackedKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, DType, int>;
+
+// The fixed-size primitive for one call with packed B, made once per key;
+// null where oneDNN wants B in another layout for this call (small or odd
+// shapes: then the call reads the plain B).
+std::shared_ptr<const Primitive> packed_primitive_for(const GemmArgs& args, int num_threads) {
+  static std::mutex mutex;
+  static std::map<PackedKey, std::shared_ptr<const Primitive>> cache;
+  const PackedKey key{args.m, args.k, args.n, args.lda, args.ldc, args.accumulate, args.c_dtype, num_threads};
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  auto primitive = std::make_shared<Primitive>();
+  primitive->pd = packed_desc(args.m, args.k, args.n, args.lda, args.ldc, args.accumulate, args.c_dtype);
+  if (primitive->pd.weights_desc() != args.packed_b->desc) {
+    cache.emplace(key, nullptr);
+    return nullptr;
+  }
+  primitive->matmul = dnnl::matmul(primitive->pd);
+  primitive->scratchpad_bytes = primitive->pd.scratchpad_desc().get_size();
+  cache.emplace(key, primitive);
+  return std::shared_ptr<const Primitive>(primitive);
+}
+
+std::atomic<int64_t> packed_calls{0};
+
+// One oneDNN matmul of the whole of `args`, B packed; *done = false where
+// this call must read the plain B instead.
+Status packed_gemm_call(const GemmArgs& args, int num_threads, bool* done) {
+  const PackedB& packed = *args.packed_b;
+  if (args.dtype != DType::kBF16 || args.trans_a || packed.k != args.k || packed.n != args.n ||
+      packed.trans_b != args.trans_b)
+    return invalid_argument("a packed [{}, {}] B{} does not fit a {} GEMM [{}, {}] x [{}, {}]{}{}", packed.k, packed.n,
+                            packed.trans_b ? " (transposed)" : "", dtype_name(args.dtype), args.m, args.k, args.k,
+                            args.n, args.trans_a ? ", A transposed" : "", args.trans_b ? ", B transposed" : "");
+  ScopedOmpThreads threads(num_threads);
+  const auto primitive = packed_primitive_for(args, num_threads);
+  *done = primitive != nullptr;
+  if (!*done) return Status::ok();
+  auto& engine = cpu_engine();
+  memory a(primitive->pd.src_desc(), engine, const_cast<void*>(args.a));
+  memory b(packed.desc, engine, const_cast<std::byte*>(packed.data.data()));
+  memory c(primitive->pd.dst_desc(), engine, args.c);
+  execute(*primitive, a, b, c);
+  packed_calls.fetch_add(1, std::memory_order_relaxed);
+  return Status::ok();
+}
+
+}  // namespace
+
+int64_t packed_gemm_calls() { return packed_calls.load(std::memory_order_relaxed); }
+
+Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t k, int64_t n, const void* b,
+                                              int64_t ldb) {
+  if (dtype != DType::kBF16)
+    return invalid_argument("pack_b packs bf16 B operands only (packed f32 gives other bits than the plain calls), "
+                            "got {}", dtype_name(dtype));
+  if (k <= 0 || n <= 0) return invalid_argument("pack_b needs k = {} and n = {} positive", k, n);
+  if (ldb < (trans_b ? k : n))
+    return invalid_argument("ldb = {} is below the row length {} of B", ldb, trans_b ? k : n);
+  try {
+    const memory::desc layout = packed_layout(k, n);
+    auto packed = std::make_shared<PackedB>();
+    packed->trans_b = trans_b, packed->k = k, packed->n = n, packed->desc = layout;
+    packed->data.resize(layout.get_size());
+    auto& engine = cpu_engine();
+    const auto bf16 = memory::data_type::bf16;
+    memory plain(memory::desc({k, n}, bf16, trans_b ? memory::dims{1, ldb} : memory::dims{ldb, 1}), engine,
+                 const_cast<void*>(b));
+    memory into(layout, engine, packed->data.data());
+    dnnl::stream stream(engine);
+    dnnl::reorder(plain, into).execute(stream, plain, into);
+    stream.wait();
+    return std::shared_ptr<const PackedB>(packed);
+  } catch (const dnnl::error& e) {
+    return internal_error("packing a [{}, {}] bf16 B failed: {} (status {})", k, n, e.what(), static_cast<int>(e.status));
+  }
+}
 
 Status gemm(const GemmArgs& args, int num_threads) {
   if (args.m == 0 || args.n == 0) return Status::ok();
@@ -109,6 +238,11 @@ namespace {
 // One oneDNN matmul of the whole of `args`.
 Status gemm_call(const GemmArgs& args, int num_threads) {
   try {
+    if (args.packed_b != nullptr) {
+      bool done = false;
+      EPX_RETURN_IF_ERROR(packed_gemm_call(args, num_threads, &done));
+      if (done) return Status::ok();
+    }
     ScopedOmpThreads threads(num_threads);
     EPX_ASSIGN_OR_RETURN(auto primitive, primitive_for(args, num_threads));
     const auto type = to_dnnl(args.dtype);
@@ -116,18 +250,7 @@ Status gemm_call(const GemmArgs& args, int num_threads) {
     memory a(actual_desc(type, args.m, args.k, args.lda, args.trans_a), engine, const_cast<void*>(args.a));
     memory b(actual_desc(type, args.k, args.n, args.ldb, args.trans_b), engine, const_cast<void*>(args.b));
     memory c(actual_desc(to_dnnl(args.c_dtype), args.m, args.n, args.ldc, false), engine, args.c);
-    // Per thread and kept: a call costs tens of microseconds less without
-    // a fresh stream and scratchpad (it matters for the many small GEMMs of
-    // chunked experts).
-    thread_local std::vector<std::byte> scratch;
-    if (scratch.size() < primitive->scratchpad_bytes) scratch.resize(primitive->scratchpad_bytes);
-    memory scratchpad(primitive->pd.scratchpad_desc(), engine, scratch.data());
-    thread_local dnnl::stream stream(engine);
-    primitive->matmul.execute(stream, {{DNNL_ARG_SRC, a},
-                                       {DNNL_ARG_WEIGHTS, b},
-                                       {DNNL_ARG_DST, c},
-                                       {DNNL_ARG_SCRATCHPAD, scratchpad}});
-    stream.wait();
+    execute(*primitive, a, b, c);
   } catch (const dnnl::error& e) {
     return internal_error("oneDNN matmul [{}, {}] x [{}, {}] ({}{}{}) failed: {} (status {})", args.m, args.k, args.k,
                           args.n, dtype_name(args.dtype), args.trans_a ? ", A transposed" : "",

@@ -4,11 +4,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "epx/core/dtype.h"
 #include "epx/core/status.h"
 
 namespace epx::detail {
+
+struct PackedB;  // a B operand in oneDNN's own layout (pack_b)
 
 // Row-major operands. A is [m, k] (or, with trans_a, stored as [k, m]); B is
 // [k, n] (or stored as [n, k]); both of `dtype` (f32 or bf16). C is f32 [m, n]:
@@ -26,6 +29,9 @@ struct GemmArgs {
   void* c = nullptr;               // [m, n] of c_dtype
   int64_t ldc = 0;
   DType c_dtype = DType::kF32;     // kF32, or kBF16 (oneDNN rounds the f32 sums once; not with accumulate)
+  // B packed by pack_b from this b (same dtype, trans_b, k, n), or null.
+  // The call then reads the packed copy and not b.
+  const PackedB* packed_b = nullptr;
 };
 
 // Runs on `num_threads` threads (1: the calling thread only). Safe to call
@@ -41,6 +47,24 @@ struct GemmArgs {
 // checks that any split of the rows gives the same bits.
 inline constexpr int64_t kRowBlock = 16;
 [[nodiscard]] Status gemm(const GemmArgs& args, int num_threads);
+
+// B packed once into the layout oneDNN's fixed-size kernels read, for a B
+// that many calls reuse (an expert's weights): a call with it skips
+// oneDNN's per-call rearrangement of B, which costs about as much as
+// streaming B once (docs/benchmarks.md, "Chunked experts: where the time
+// goes"). bf16 only: there it gives the plain calls' bits (tests/experts
+// check it, at any split of the rows), where f32 gives other bits. Calls
+// with it run a fixed-size primitive per (rows, leading dimensions,
+// accumulate), made once and kept; where oneDNN would read B in another
+// layout for a call (small or odd shapes), that call reads the plain b. The
+// packed copy does not follow later writes to b: pack again after them.
+// InvalidArgument for f32 or bad sizes; Internal if oneDNN fails.
+[[nodiscard]] Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t k, int64_t n,
+                                                            const void* b, int64_t ldb);
+
+// How many calls have read a packed B so far, in this process (for tests:
+// proof that the packed path ran rather than the plain fallback).
+[[nodiscard]] int64_t packed_gemm_calls();
 
 // Sets the calling thread's OpenMP thread count (what oneDNN uses) for a
 // scope and restores it after.

@@ -1,6 +1,7 @@
 #include "epx/layer/moe_layer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -122,6 +123,9 @@ Status MoELayerConfig::validate() const {
   if (compute_dtype && *compute_dtype != DType::kF32 && *compute_dtype != DType::kBF16)
     return invalid_argument("compute_dtype {} is not supported by the layer; use f32 or bf16",
                             dtype_name(*compute_dtype));
+  if (pack_expert_weights && compute_dtype.value_or(dtype) != DType::kBF16)
+    return invalid_argument("pack_expert_weights needs bf16 expert GEMMs; they are {} here",
+                            dtype_name(compute_dtype.value_or(dtype)));
   if (combine_dtype != DType::kF32 && combine_dtype != DType::kBF16)
     return invalid_argument("combine_dtype {} is not supported by the layer; use f32 or bf16", dtype_name(combine_dtype));
   if (combine_weights != CombineWeights::kHolder && combine_weights != CombineWeights::kReceiver)
@@ -171,6 +175,10 @@ struct MoELayer::Impl {
   Parameter w1, w3, w2;
   StorageCopy w1_copy, w3_copy, w2_copy, shared_w1_copy, shared_w3_copy, shared_w2_copy;
   int64_t weight_copies = 0;
+  // config.pack_expert_weights: the routed weights packed, and the versions
+  // of w1, w3, w2 they were packed at.
+  PackedExpertWeights packed_weights;
+  std::optional<std::array<uint64_t, 3>> packed_versions;
   ExpertWeights weights, shared_weights;
   ExpertBias bias;
 
@@ -372,12 +380,26 @@ struct MoELayer::Impl {
       EPX_ASSIGN_OR_RETURN(weights.w1, w1_copy.refresh(w1, dtype, weight_copies));
       EPX_ASSIGN_OR_RETURN(weights.w3, w3_copy.refresh(w3, dtype, weight_copies));
       EPX_ASSIGN_OR_RETURN(weights.w2, w2_copy.refresh(w2, dtype, weight_copies));
+      EPX_RETURN_IF_ERROR(refresh_packed_weights());
     }
     if (config.num_shared_experts > 0) {
       EPX_ASSIGN_OR_RETURN(shared_weights.w1, shared_w1_copy.refresh(shared_w1, dtype, weight_copies));
       EPX_ASSIGN_OR_RETURN(shared_weights.w3, shared_w3_copy.refresh(shared_w3, dtype, weight_copies));
       EPX_ASSIGN_OR_RETURN(shared_weights.w2, shared_w2_copy.refresh(shared_w2, dtype, weight_copies));
     }
+    return Status::ok();
+  }
+
+  // Packs the routed weights again when they moved since the last packing.
+  Status refresh_packed_weights() {
+    weights.packed = nullptr;
+    if (!config.pack_expert_weights) return Status::ok();
+    const std::array<uint64_t, 3> versions{w1.version, w3.version, w2.version};
+    if (packed_versions != versions || packed_weights.source != weights.w1.data()) {
+      EPX_RETURN_IF_ERROR(pack_expert_weights(expert_config(), weights, &packed_weights));
+      packed_versions = versions;
+    }
+    weights.packed = &packed_weights;
     return Status::ok();
   }
 

@@ -4,11 +4,14 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "experts/gemm.h"
 
 namespace epx {
 namespace {
@@ -72,7 +75,8 @@ struct Problem {
   Stored w1, w3, w2, x;
   std::vector<int64_t> offsets;
   int64_t rows() const { return offsets.back(); }
-  ExpertWeights weights() const { return {w1.view(), w3.view(), w2.view()}; }
+  const PackedExpertWeights* packed = nullptr;  // the weights packed, or null (plain calls)
+  ExpertWeights weights() const { return {w1.view(), w3.view(), w2.view(), packed}; }
 };
 
 Problem make_problem(DType dtype, int H, int F, const std::vector<int64_t>& counts, unsigned seed, int64_t x_ld = 0) {
@@ -180,7 +184,9 @@ struct Outputs {
 
 // Forward, then backward of sum(y * grad_y), with the weight gradients
 // starting at `grad_start` (backward adds to them).
-Outputs run_both(const Problem& p, const std::vector<float>& grad_y, float grad_start = 0.0f) {
+Outputs run_both(const Problem& p, const std::vector<float>& grad_y, float grad_start = 0.0f,
+                 const ExpertWeights* weights = nullptr) {
+  const ExpertWeights w = weights != nullptr ? *weights : p.weights();
   const int64_t E = p.config.num_experts, H = p.config.hidden, F = p.config.ffn_hidden, rows = p.rows();
   Outputs o;
   o.y.assign(rows * H, -7.0f);  // overwritten
@@ -189,11 +195,11 @@ Outputs run_both(const Problem& p, const std::vector<float>& grad_y, float grad_
   o.grad_w3.assign(E * H * F, grad_start);
   o.grad_w2.assign(E * F * H, grad_start);
   ExpertFfnCache cache;
-  Status s = expert_ffn_forward(p.config, p.weights(), p.x.view(), p.offsets, f32_view(o.y, rows, H), &cache);
+  Status s = expert_ffn_forward(p.config, w, p.x.view(), p.offsets, f32_view(o.y, rows, H), &cache);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   std::vector<float> gy = grad_y;
   ExpertGrads grads{f32_view(o.grad_w1, E * H, F), f32_view(o.grad_w3, E * H, F), f32_view(o.grad_w2, E * F, H)};
-  s = expert_ffn_backward(p.config, p.weights(), p.x.view(), p.offsets, cache, f32_view(gy, rows, H),
+  s = expert_ffn_backward(p.config, w, p.x.view(), p.offsets, cache, f32_view(gy, rows, H),
                           f32_view(o.grad_x, rows, H), grads);
   EXPECT_TRUE(s.is_ok()) << s.to_string();
   return o;
@@ -519,6 +525,95 @@ TEST(ExpertFfn, RejectsBadInputs) {
   expect_invalid(expert_ffn_backward(p.config, p.weights(), x, p.offsets, cache, f32_view(gy, rows, 8),
                                      f32_view(gx, rows, 8), short_grads),
                  "grads.w2 must be [24, 8]");
+}
+
+// The rows of expert e from `first[e]` on, `count[e]` of them, for each
+// expert: a chunk of p's rows, as an overlap mode's chunk holds them.
+Problem chunk_of(const Problem& p, const std::vector<int64_t>& first, const std::vector<int64_t>& count) {
+  Problem c = p;
+  c.offsets = offsets_of(count);
+  const int64_t H = p.config.hidden;
+  c.x = make_stored(DType::kBF16, c.rows(), H, *std::make_unique<std::mt19937>(0), 1.0f);
+  for (std::size_t e = 0; e < count.size(); ++e)
+    for (int64_t r = 0; r < count[e]; ++r)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t from = (p.offsets[e] + first[e] + r) * p.x.ld + h, to = (c.offsets[e] + r) * c.x.ld + h;
+        c.x.bf16[to] = p.x.bf16[from], c.x.f32[to] = p.x.f32[from];
+      }
+  return c;
+}
+
+// Packed weights (bf16 GEMMs), with uneven row counts, an expert with no
+// rows and partial row blocks: the rows of two chunks (one call each, as the
+// overlap modes make them) get the whole call's bits in y (f32 and bf16) and
+// grad_x; everything is the plain calls' within fp32 summation order; and a
+// planted mix-up of two experts' packed weights is caught.
+TEST(ExpertFfn, PackedWeightsKeepTheirBitsAcrossChunksAndMatchThePlainCalls) {
+  Problem p = make_problem(DType::kBF16, 96, 64, {37, 0, 5, 70, 16}, 44);
+  const int64_t H = 96, rows = p.rows();
+  const auto grad_y = random_f32(rows * H, 45);
+  const Outputs plain = run_both(p, grad_y);
+  PackedExpertWeights packed;
+  const Status s = pack_expert_weights(p.config, p.weights(), &packed);
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  p.packed = &packed;
+  const int64_t calls = detail::packed_gemm_calls();
+  const Outputs whole = run_both(p, grad_y);
+  ASSERT_GT(detail::packed_gemm_calls(), calls) << "no call read the packed weights";
+  auto close = [](const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < got.size(); ++i)
+      ASSERT_NEAR(got[i], want[i], 1e-4 * (1.0 + std::abs(want[i]))) << what << "[" << i << "]";
+  };
+  close(whole.y, plain.y, "y"), close(whole.grad_x, plain.grad_x, "grad_x");
+  close(whole.grad_w1, plain.grad_w1, "grad_w1"), close(whole.grad_w2, plain.grad_w2, "grad_w2");
+
+  const std::vector<int64_t> head{20, 0, 2, 33, 16}, tail{17, 0, 3, 37, 0}, zero(5, 0);
+  for (const auto& [first, count] : {std::pair{zero, head}, std::pair{head, tail}}) {
+    Problem c = chunk_of(p, first, count);
+    std::vector<float> gy(c.rows() * H);
+    for (std::size_t e = 0; e < count.size(); ++e)
+      std::copy_n(grad_y.begin() + (p.offsets[e] + first[e]) * H, count[e] * H, gy.begin() + c.offsets[e] * H);
+    const ExpertWeights weights = p.weights();  // the weights packed, not c's copy of them
+    const Outputs part = run_both(c, gy, 0.0f, &weights);
+    std::vector<uint16_t> y16(c.rows() * H);
+    ASSERT_TRUE(expert_ffn_forward(c.config, weights, c.x.view(), c.offsets,
+                                   TensorView::contiguous(y16.data(), DType::kBF16, {c.rows(), H}), nullptr).is_ok());
+    for (std::size_t e = 0; e < count.size(); ++e)
+      for (int64_t i = 0; i < count[e] * H; ++i) {
+        const int64_t at = (p.offsets[e] + first[e]) * H + i, in_chunk = c.offsets[e] * H + i;
+        ASSERT_EQ(part.y[in_chunk], whole.y[at]) << "y, expert " << e << " element " << i;
+        ASSERT_EQ(y16[in_chunk], f32_to_bf16(whole.y[at])) << "bf16 y, expert " << e << " element " << i;
+        ASSERT_EQ(part.grad_x[in_chunk], whole.grad_x[at]) << "grad_x, expert " << e << " element " << i;
+      }
+  }
+
+  // Experts 0 and 3 swapped in every packed list: far from the plain calls.
+  PackedExpertWeights swapped = packed;
+  for (auto* list : {&swapped.w1, &swapped.w3, &swapped.w2, &swapped.w2_t, &swapped.w1_t, &swapped.w3_t})
+    std::swap((*list)[0], (*list)[3]);
+  p.packed = &swapped;
+  const Outputs mixed = run_both(p, grad_y);
+  double worst = 0;
+  for (std::size_t i = 0; i < mixed.y.size(); ++i) worst = std::max(worst, double(std::abs(mixed.y[i] - plain.y[i])));
+  EXPECT_GT(worst, 0.1) << "a mix-up of experts 0 and 3 went unseen";
+}
+
+// Packed weights serve bf16 GEMMs only, and only the weights they came from.
+TEST(ExpertFfn, PackedWeightsAreRefusedForF32OrOtherWeights) {
+  Problem f32 = make_problem(DType::kF32, 32, 32, {5, 3}, 46);
+  PackedExpertWeights packed;
+  Status s = pack_expert_weights(f32.config, f32.weights(), &packed);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("bf16 GEMMs only"), std::string::npos) << s.to_string();
+
+  Problem a = make_problem(DType::kBF16, 32, 32, {5, 3}, 47), b = make_problem(DType::kBF16, 32, 32, {5, 3}, 48);
+  ASSERT_TRUE(pack_expert_weights(a.config, a.weights(), &packed).is_ok());
+  b.packed = &packed;
+  std::vector<float> y(b.rows() * 32);
+  s = expert_ffn_forward(b.config, b.weights(), b.x.view(), b.offsets, f32_view(y, b.rows(), 32), nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("packed from other weights"), std::string::npos) << s.to_string();
 }
 
 }  // namespace

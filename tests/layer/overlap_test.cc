@@ -16,6 +16,7 @@
 #include "epx/comm/inproc.h"
 #include "epx/core/random.h"
 #include "epx/layer/moe_layer.h"
+#include "experts/gemm.h"
 
 namespace epx {
 namespace {
@@ -31,6 +32,7 @@ struct LayerWorld {
   int steps = 2;  // forward + backward twice: buffers reused across calls
   int hidden = 64;
   std::optional<DType> dispatch_dtype;  // MoELayerConfig::dispatch_dtype
+  bool pack = false;                    // MoELayerConfig::pack_expert_weights
 };
 
 struct RankOutcome {
@@ -55,6 +57,7 @@ MoELayerConfig layer_config(const LayerWorld& s, OverlapMode mode, int chunks) {
   c.seed = 11;
   c.overlap = mode;
   c.overlap_chunks = chunks;
+  c.pack_expert_weights = s.pack;
   return c;
 }
 
@@ -161,6 +164,23 @@ TEST(MoELayerOverlap, TwoMicroBatches) {
   bf16.num_nodes = 2;
   bf16.tokens = {33, 64};
   expect_same(bf16, OverlapMode::kTwoMicroBatches, 2);
+}
+
+// Packed expert weights (bf16 GEMMs): the plain packed layer's bits in every
+// mode, two steps (the second reuses the packing).
+TEST(MoELayerOverlap, PackedExpertWeightsInEveryMode) {
+  LayerWorld packed;
+  packed.dtype = DType::kBF16;
+  packed.hidden = 128;
+  packed.pack = true;
+  const int64_t calls = detail::packed_gemm_calls();
+  expect_same(packed, OverlapMode::kSharedExperts, 1);
+  expect_same(packed, OverlapMode::kChunked, 3);
+  expect_same(packed, OverlapMode::kTwoMicroBatches, 2);
+  EXPECT_GT(detail::packed_gemm_calls(), calls) << "no call read the packed weights";
+  LayerWorld f32;
+  f32.pack = true;
+  EXPECT_EQ(layer_config(f32, OverlapMode::kNone, 1).validate().code(), StatusCode::kInvalidArgument);
 }
 
 // fp8 dispatch: each row is quantised on its own, so every mode still gives

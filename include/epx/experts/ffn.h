@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -80,12 +81,41 @@ struct ExpertFfnConfig {
 // ONEDNN_MAX_CPU_ISA. docs/benchmarks.md, "The layer near the GEMM limit".
 [[nodiscard]] DType faster_compute_dtype(DType payload);
 
+namespace detail {
+struct PackedB;
+}
+
+// The local experts' weights packed once for bf16 GEMMs (pack_expert_weights):
+// each expert's W1, W3, W2 and their transposes, laid out as oneDNN's
+// fixed-size kernels read them, so that the forward and the backward's data
+// pass skip oneDNN's rearrangement of each expert's weights on every call.
+// It pays most where the calls are small (the overlap modes' chunks): 7-23%
+// less time per row at 128-32 rows per expert and call on the machine of
+// docs/benchmarks.md ("Chunked experts: where the time goes"), with the
+// plain calls' bits (tests/experts check it). Twice the weights' memory. It
+// does not follow later writes to the weights: pack again after them.
+struct PackedExpertWeights {
+  // Per expert: the B operands of the up GEMMs (w1, w3), the down GEMM (w2),
+  // and the data pass's transposed GEMMs (w2_t, w1_t, w3_t).
+  std::vector<std::shared_ptr<const detail::PackedB>> w1, w3, w2, w2_t, w1_t, w3_t;
+  const void* source = nullptr;  // the w1 data it was packed from
+};
+
 // The weights of the local experts, contiguous per expert, of the compute dtype.
 struct ExpertWeights {
   TensorView w1;  // [E * H, F]: expert e is rows [e * H, (e + 1) * H)
   TensorView w3;  // [E * H, F]
   TensorView w2;  // [E * F, H]
+  // Optional: these weights packed (bf16 GEMMs only); null = the plain calls.
+  const PackedExpertWeights* packed = nullptr;
 };
+
+// Packs `weights` for config (its GEMM dtype must be bf16) into *packed.
+// InvalidArgument for f32 GEMMs or weights of the wrong shape or dtype;
+// FailedPrecondition where oneDNN would read packed weights in another
+// layout for some row count (then use the plain weights).
+[[nodiscard]] Status pack_expert_weights(const ExpertFfnConfig& config, const ExpertWeights& weights,
+                                         PackedExpertWeights* packed);
 
 // f32 gradient accumulators of the same shapes; backward adds into them.
 struct ExpertGrads {

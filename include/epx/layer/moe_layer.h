@@ -121,6 +121,12 @@ struct MoELayerConfig {
   // (no native bf16 dot product), that is the faster choice. See
   // faster_compute_dtype (epx/experts/ffn.h) and `epx train --compute-dtype`.
   std::optional<DType> compute_dtype = std::nullopt;
+  // bf16 GEMMs only: the routed experts' weights packed once per weight
+  // version (pack_expert_weights, epx/experts/ffn.h), which the overlap
+  // modes' small per-chunk calls gain most from. Packed bits differ from the
+  // plain calls' for some shapes; the plain layer and every overlap mode get
+  // the same bits with it on (docs/design.md, "Experts").
+  bool pack_expert_weights = false;
 
   [[nodiscard]] Status validate() const;
 };
