@@ -62,6 +62,9 @@ void add_rows(float* acc, bool started, const std::byte* a, const std::byte* b, 
   }
 }
 
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_f32(v); }
+
 EPX_SIMD_CLONES void add_weighted_f32(float* acc, float w, const float* src, int n) {
   for (int c = 0; c < n; ++c) acc[c] += w * src[c];
 }
@@ -87,6 +90,31 @@ EPX_SIMD_CLONES void add2_weighted_f32(float* acc, float wa, const float* a, flo
 
 EPX_SIMD_CLONES void add2_weighted_bf16(float* acc, float wa, const uint16_t* a, float wb, const uint16_t* b, int n) {
   for (int c = 0; c < n; ++c) acc[c] = (acc[c] + wa * bf16_to_f32(a[c])) + wb * bf16_to_f32(b[c]);
+}
+
+// Four rows per pass: acc = (((acc + w0 * r0) + w1 * r1) + w2 * r2) + w3 * r3,
+// or the same from 0 (`from_zero`): the order of four single passes.
+template <typename T>
+EPX_SIMD_CLONES void add4_weighted(float* acc, bool from_zero, const float* w, const T* r0, const T* r1, const T* r2,
+                                   const T* r3, int n) {
+  const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+  if (from_zero)
+    for (int c = 0; c < n; ++c)
+      acc[c] = (((0.0f + w0 * widen(r0[c])) + w1 * widen(r1[c])) + w2 * widen(r2[c])) + w3 * widen(r3[c]);
+  else
+    for (int c = 0; c < n; ++c)
+      acc[c] = (((acc[c] + w0 * widen(r0[c])) + w1 * widen(r1[c])) + w2 * widen(r2[c])) + w3 * widen(r3[c]);
+}
+
+void accumulate4_weighted(float* acc, bool from_zero, const float* w, const std::byte* const* rows, std::size_t offset,
+                          DType dtype, int n) {
+  if (dtype == DType::kBF16) {
+    auto r = [&](int i) { return reinterpret_cast<const uint16_t*>(rows[i] + offset); };
+    add4_weighted<uint16_t>(acc, from_zero, w, r(0), r(1), r(2), r(3), n);
+  } else {
+    auto r = [&](int i) { return reinterpret_cast<const float*>(rows[i] + offset); };
+    add4_weighted<float>(acc, from_zero, w, r(0), r(1), r(2), r(3), n);
+  }
 }
 
 void first_weighted(float* acc, float w, const std::byte* src, DType dtype, int n) {
@@ -156,8 +184,11 @@ void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* r
     if (num_rows == 0) {
       std::fill(acc, acc + n, 0.0f);
     } else {
-      first_weighted(acc, weights[0], rows[0] + offset, row_dtype, n);
-      int r = 1;
+      // Four rows per pass while four remain, then two, then one: the
+      // order of one pass per row, in fewer passes over acc.
+      int r = 0;
+      for (; r + 3 < num_rows; r += 4) accumulate4_weighted(acc, r == 0, weights + r, rows + r, offset, row_dtype, n);
+      if (r == 0) first_weighted(acc, weights[0], rows[0] + offset, row_dtype, n), r = 1;
       for (; r + 1 < num_rows; r += 2)
         accumulate2_weighted(acc, weights[r], rows[r] + offset, weights[r + 1], rows[r + 1] + offset, row_dtype, n);
       if (r < num_rows) accumulate_weighted(acc, weights[r], rows[r] + offset, row_dtype, n);
