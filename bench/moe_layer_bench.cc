@@ -17,7 +17,9 @@
 // forward+backward; forward_combine_s: the forward's combine alone) too.
 //
 // train_cpu_s is the process's CPU time (every rank thread's) over the same
-// forward+backward, so train_cpu_s / train_s below the rank count means waits.
+// forward+backward, so train_cpu_s / train_s below the rank count means waits;
+// train_blocked_s is rank 0's time blocked on other ranks in the exchanges of
+// that forward+backward (MoELayer::waits, WaitRecord::blocked).
 // --perf-ctl FIFO writes "enable" to perf's control FIFO after the warm-up and
 // "disable" after the last repetition, so `perf record -D -1 --control
 // fifo:FIFO` samples only the timed repetitions, not the Buffer's setup.
@@ -55,7 +57,7 @@ struct Options {
 // What rank 0 records per repetition (seconds).
 struct Samples {
   std::vector<double> gemm_fixed, gemm_runtime, forward, train, zero_grad, router, dispatch, experts, combine, forward_combine,
-      train_cpu;
+      train_cpu, train_blocked;
 };
 
 // One rank's share of the reference GEMM, in the compute dtype.
@@ -159,12 +161,13 @@ int main(int argc, char** argv) {
              "\"forward_tokens_per_s\":{:.6g},\"train_tokens_per_s\":{:.6g},\"gemm_gflops\":{:.6g},"
              "\"gemm_fixed_s\":{:.6g},\"gemm_runtime_s\":{:.6g},\"forward_gflops\":{:.6g},\"train_gflops\":{:.6g},"
              "\"train_router_s\":{:.6g},\"train_dispatch_s\":{:.6g},\"train_experts_s\":{:.6g},"
-             "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g},\"zero_grad_s\":{:.6g},\"train_cpu_s\":{:.6g}}}\n",
+             "\"train_combine_s\":{:.6g},\"forward_combine_s\":{:.6g},\"zero_grad_s\":{:.6g},\"train_cpu_s\":{:.6g},\"train_blocked_s\":{:.6g}}}\n",
              o.tokens, o.hidden, o.ffn_hidden, o.experts, o.topk, o.ranks, o.dtype, epx::dtype_name(compute), o.combine_dtype,
              o.combine_weights, f, b,
              o.tokens / f, o.tokens / b, gemm_gflops, median(s.gemm_fixed), median(s.gemm_runtime), flop / f / 1e9,
              3 * flop / b / 1e9, median(s.router), median(s.dispatch), median(s.experts), median(s.combine),
-             median(s.forward_combine), median(s.zero_grad), median(s.train_cpu));
+             median(s.forward_combine), median(s.zero_grad), median(s.train_cpu),
+             median(s.train_blocked));
   return 0;
 }
 
@@ -220,6 +223,7 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
                            return layer->backward(view(grad), view(grad_x));
                          }));
     const double train_cpu = epx::bench::process_cpu_seconds() - cpu_before;
+    const double blocked = layer->waits().blocked;  // this forward's and backward's
     if (t.rank() != 0 || rep < 0) continue;
     std::lock_guard lock(mu);
     const epx::LayerTimes& lt = layer->times();
@@ -227,7 +231,7 @@ epx::Status run_rank(const Options& o, const epx::MoELayerConfig& config, epx::T
     out.forward.push_back(fwd), out.train.push_back(both), out.zero_grad.push_back(zero);
     out.router.push_back(lt.router), out.dispatch.push_back(lt.dispatch);
     out.experts.push_back(lt.experts), out.combine.push_back(lt.combine);
-    out.forward_combine.push_back(fwd_combine), out.train_cpu.push_back(train_cpu);
+    out.forward_combine.push_back(fwd_combine), out.train_cpu.push_back(train_cpu), out.train_blocked.push_back(blocked);
   }
   if (t.rank() == 0) perf_control(o.perf_ctl, "disable");
   return epx::Status::ok();
