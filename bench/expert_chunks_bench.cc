@@ -21,7 +21,9 @@
 // does so) and is timed apart. Also printed: one expert GEMM's time per row
 // by its row count m; weights packed once in oneDNN's layout (--packed-m);
 // and the named fix, prototyped: one batched oneDNN matmul per chunk over
-// all its experts against the per-expert calls, with a same-bits check.
+// all its experts against the per-expert calls, with a same-bits check;
+// and (bf16) the chunk calls with the weights packed (pack_expert_weights),
+// with the cost of packing.
 // docs/benchmarks.md, "Chunked experts: where the time goes".
 #include <algorithm>
 #include <chrono>
