@@ -21,7 +21,9 @@
 // does so) and is timed apart. Also printed: one expert GEMM's time per row
 // by its row count m; weights packed once in oneDNN's layout (--packed-m);
 // and the named fix, prototyped: one batched oneDNN matmul per chunk over
-// all its experts against the per-expert calls, with a same-bits check.
+// all its experts against the per-expert calls, with a same-bits check;
+// and (bf16) the chunk calls with the weights packed (pack_expert_weights),
+// with the cost of packing.
 // docs/benchmarks.md, "Chunked experts: where the time goes".
 #include <algorithm>
 #include <chrono>
@@ -460,6 +462,7 @@ struct ChunkTimes {
   std::vector<std::vector<double>> chunked, chunk_major, expert_major;  // seconds per split
   std::vector<std::vector<double>> chunked_packed;                      // bf16: the chunk calls, weights packed
   std::vector<double> weights, read_ms;  // the weight pass (whole batch); one streaming read of the weights
+  std::vector<double> first_packed;      // per split: the first packed pass (makes its primitives), seconds
 };
 
 // Forward + data pass of every split, the splits interleaved within each repetition.
@@ -486,7 +489,7 @@ ChunkTimes time_chunks(const Setup& s, const std::vector<int>& chunks, int reps)
   for (Split& sp : t.splits) {
     forward_and_data(s, sp.chunk, part_order(sp, 1, false)), forward_and_data(s, sp.pieces, part_order(sp, E, false));
     s.use_packed = packed;
-    forward_and_data(s, sp.chunk, part_order(sp, 1, false));  // makes the packed primitives
+    t.first_packed.push_back(seconds([&] { forward_and_data(s, sp.chunk, part_order(sp, 1, false)); }));
     s.use_packed = false;
   }
   weight_pass();
@@ -529,7 +532,10 @@ void print_chunk_times(const Setup& s, const ChunkTimes& t, double us_call, int 
                  em = epx::bench::median(t.expert_major[i]) * 1e3;
     const std::string name = i == 0 ? "whole" : fmt::format("{} chunks", sp.C);
     const double packed_ms = epx::bench::median(t.chunked_packed[i]) * 1e3;
-    const std::string packed = t.chunked_packed[i].empty() ? "-" : fmt::format("{:.2f} ({:.2f})", packed_ms, packed_ms / ms);
+    const std::string packed = t.chunked_packed[i].empty()
+                                   ? "-"
+                                   : fmt::format("{:.2f} ({:.2f}; first pass {:.1f})", packed_ms, packed_ms / ms,
+                                                 t.first_packed[i] * 1e3);
     fmt::print("| {} | {:.2f} | {:.2f} | {} | {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {} |\n", name, ms,
                ms / whole_ms, sp.calls, sp.padded, sp.calls * us_call * 1e-3, sp.padded * per_row_ms, cm, em, cm - em,
                packed);
@@ -563,7 +569,12 @@ int main(int argc, char** argv) {
   s.w1 = random_values(E * H * F, cdt, 1, 0.05f), s.w3 = random_values(E * H * F, cdt, 2, 0.05f);
   s.w2 = random_values(E * F * H, cdt, 3, 0.05f);
 
-  if (cdt == DType::kBF16) check(epx::pack_expert_weights(s.config, s.weights(), &s.packed), "pack_expert_weights");
+  if (cdt == DType::kBF16) {
+    const double first = seconds([&] { check(epx::pack_expert_weights(s.config, s.weights(), &s.packed), "pack"); });
+    const double again = seconds([&] { check(epx::pack_expert_weights(s.config, s.weights(), &s.packed), "pack"); });
+    fmt::print("pack_expert_weights: {:.1f} ms the first time (layout checks), {:.1f} ms again\n", first * 1e3,
+               again * 1e3);
+  }
   const ChunkTimes times = time_chunks(s, chunks, reps);
   per_row_by_m(s, reps);
   packed_vs_plain(s, packed_m, reps);

@@ -86,7 +86,7 @@ int64_t gemm_x_rows(const Problem& p, const TensorView& x, int64_t first, int64_
   return H;
 }
 
-using PackedList = std::vector<std::shared_ptr<const detail::PackedB>> PackedExpertWeights::*;
+using PackedList = std::vector<std::shared_ptr<detail::PackedB>> PackedExpertWeights::*;
 
 // Expert e's packed B from `list`, or null (plain weights).
 const detail::PackedB* packed_b(const ExpertWeights& weights, PackedList list, int e) {
@@ -389,21 +389,24 @@ Status pack_expert_weights(const ExpertFfnConfig& config, const ExpertWeights& w
   EPX_RETURN_IF_ERROR(check_matrix(weights.w1, "weights.w1", compute, E * H, F));
   EPX_RETURN_IF_ERROR(check_matrix(weights.w3, "weights.w3", compute, E * H, F));
   EPX_RETURN_IF_ERROR(check_matrix(weights.w2, "weights.w2", compute, E * F, H));
-  PackedExpertWeights out;
+  // Taken over so that pack_b can refill its memory; handed back packed.
+  PackedExpertWeights out = std::move(*packed);
+  *packed = PackedExpertWeights{};
   out.source = weights.w1.data();
-  // B of [k, n]: the rows of `w` from first_row on (transposed: stored [n, k]).
-  auto add = [&](PackedList list, bool trans_b, int64_t k, int64_t n, const TensorView& w, int64_t first_row) -> Status {
-    EPX_ASSIGN_OR_RETURN(auto b, detail::pack_b(compute, trans_b, k, n, expert_rows(w, first_row), ld(w)));
-    (out.*list).push_back(std::move(b));
-    return Status::ok();
+  // Expert e's B of [k, n]: the rows of `w` from first_row on (transposed: stored [n, k]).
+  auto add = [&](PackedList list, int64_t e, bool trans_b, int64_t k, int64_t n, const TensorView& w,
+                 int64_t first_row) -> Status {
+    auto& packed_list = out.*list;
+    packed_list.resize(static_cast<std::size_t>(E));
+    return detail::pack_b(compute, trans_b, k, n, expert_rows(w, first_row), ld(w), &packed_list[e]);
   };
   for (int64_t e = 0; e < E; ++e) {
-    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w1, false, H, F, weights.w1, e * H));
-    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w3, false, H, F, weights.w3, e * H));
-    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w2, false, F, H, weights.w2, e * F));
-    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w2_t, true, H, F, weights.w2, e * F));
-    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w1_t, true, F, H, weights.w1, e * H));
-    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w3_t, true, F, H, weights.w3, e * H));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w1, e, false, H, F, weights.w1, e * H));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w3, e, false, H, F, weights.w3, e * H));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w2, e, false, F, H, weights.w2, e * F));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w2_t, e, true, H, F, weights.w2, e * F));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w1_t, e, true, F, H, weights.w1, e * H));
+    EPX_RETURN_IF_ERROR(add(&PackedExpertWeights::w3_t, e, true, F, H, weights.w3, e * H));
   }
   *packed = std::move(out);
   return Status::ok();

@@ -92,7 +92,7 @@ struct PackedB {
   bool trans_b = false;
   int64_t k = 0, n = 0;
   memory::desc desc;
-  std::vector<std::byte> data;
+  std::unique_ptr<std::byte[]> data;  // desc.get_size() bytes, not zeroed (the reorder writes them all)
 };
 
 namespace {
@@ -113,23 +113,31 @@ dnnl::matmul::primitive_desc packed_desc(int64_t m, int64_t k, int64_t n, int64_
   return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
 }
 
-// The layout oneDNN reads a [k, n] bf16 B in for kRowBlock rows; kept per (k, n).
-memory::desc packed_layout(int64_t k, int64_t n) {
+// The layout oneDNN reads a [k, n] bf16 B in, the same for every multiple of
+// kRowBlock rows up to kCheckedRows (else FailedPrecondition); kept per (k, n).
+constexpr int64_t kCheckedRows = 1024;
+Result<memory::desc> packed_layout(int64_t k, int64_t n) {
   static std::mutex mutex;
   static std::map<std::pair<int64_t, int64_t>, memory::desc> layouts;
   std::lock_guard<std::mutex> lock(mutex);
   if (auto it = layouts.find({k, n}); it != layouts.end()) return it->second;
   const memory::desc layout = packed_desc(kRowBlock, k, n, k, n, false, DType::kF32).weights_desc();
+  for (int64_t m = 2 * kRowBlock; m <= kCheckedRows; m += kRowBlock)
+    if (packed_desc(m, k, n, k, n, false, DType::kF32).weights_desc() != layout)
+      return failed_precondition("oneDNN reads a packed [{}, {}] bf16 B in another layout for {} rows than for {}: "
+                                 "these weights cannot be packed; use the plain ones",
+                                 k, n, m, kRowBlock);
   layouts.emplace(std::make_pair(k, n), layout);
   return layout;
 }
 
 using PackedKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool, DType, int>;
 
-// The fixed-size primitive for one call with packed B, made once per key;
-// null where oneDNN wants B in another layout for this call (small or odd
-// shapes: then the call reads the plain B).
-std::shared_ptr<const Primitive> packed_primitive_for(const GemmArgs& args, int num_threads) {
+// The fixed-size primitive for one call with packed B, made once per key.
+// FailedPrecondition where oneDNN wants B in another layout for this call:
+// never the plain B instead, since a row's bits must not depend on which
+// of the two its call read.
+Result<std::shared_ptr<const Primitive>> packed_primitive_for(const GemmArgs& args, int num_threads) {
   static std::mutex mutex;
   static std::map<PackedKey, std::shared_ptr<const Primitive>> cache;
   const PackedKey key{args.m, args.k, args.n, args.lda, args.ldc, args.accumulate, args.c_dtype, num_threads};
@@ -137,10 +145,10 @@ std::shared_ptr<const Primitive> packed_primitive_for(const GemmArgs& args, int 
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   auto primitive = std::make_shared<Primitive>();
   primitive->pd = packed_desc(args.m, args.k, args.n, args.lda, args.ldc, args.accumulate, args.c_dtype);
-  if (primitive->pd.weights_desc() != args.packed_b->desc) {
-    cache.emplace(key, nullptr);
-    return nullptr;
-  }
+  if (primitive->pd.weights_desc() != args.packed_b->desc)
+    return failed_precondition("oneDNN reads the packed [{}, {}] B in another layout for a call of {} rows (lda {}, "
+                               "ldc {}{}): use the plain weights",
+                               args.k, args.n, args.m, args.lda, args.ldc, args.accumulate ? ", accumulating" : "");
   primitive->matmul = dnnl::matmul(primitive->pd);
   primitive->scratchpad_bytes = primitive->pd.scratchpad_desc().get_size();
   cache.emplace(key, primitive);
@@ -149,9 +157,8 @@ std::shared_ptr<const Primitive> packed_primitive_for(const GemmArgs& args, int 
 
 std::atomic<int64_t> packed_calls{0};
 
-// One oneDNN matmul of the whole of `args`, B packed; *done = false where
-// this call must read the plain B instead.
-Status packed_gemm_call(const GemmArgs& args, int num_threads, bool* done) {
+// One oneDNN matmul of the whole of `args`, B packed.
+Status packed_gemm_call(const GemmArgs& args, int num_threads) {
   const PackedB& packed = *args.packed_b;
   if (args.dtype != DType::kBF16 || args.trans_a || packed.k != args.k || packed.n != args.n ||
       packed.trans_b != args.trans_b)
@@ -159,12 +166,10 @@ Status packed_gemm_call(const GemmArgs& args, int num_threads, bool* done) {
                             packed.trans_b ? " (transposed)" : "", dtype_name(args.dtype), args.m, args.k, args.k,
                             args.n, args.trans_a ? ", A transposed" : "", args.trans_b ? ", B transposed" : "");
   ScopedOmpThreads threads(num_threads);
-  const auto primitive = packed_primitive_for(args, num_threads);
-  *done = primitive != nullptr;
-  if (!*done) return Status::ok();
+  EPX_ASSIGN_OR_RETURN(auto primitive, packed_primitive_for(args, num_threads));
   auto& engine = cpu_engine();
   memory a(primitive->pd.src_desc(), engine, const_cast<void*>(args.a));
-  memory b(packed.desc, engine, const_cast<std::byte*>(packed.data.data()));
+  memory b(packed.desc, engine, packed.data.get());
   memory c(primitive->pd.dst_desc(), engine, args.c);
   execute(*primitive, a, b, c);
   packed_calls.fetch_add(1, std::memory_order_relaxed);
@@ -175,8 +180,8 @@ Status packed_gemm_call(const GemmArgs& args, int num_threads, bool* done) {
 
 int64_t packed_gemm_calls() { return packed_calls.load(std::memory_order_relaxed); }
 
-Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t k, int64_t n, const void* b,
-                                              int64_t ldb) {
+Status pack_b(DType dtype, bool trans_b, int64_t k, int64_t n, const void* b, int64_t ldb,
+              std::shared_ptr<PackedB>* into) {
   if (dtype != DType::kBF16)
     return invalid_argument("pack_b packs bf16 B operands only (packed f32 gives other bits than the plain calls), "
                             "got {}", dtype_name(dtype));
@@ -184,22 +189,35 @@ Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t
   if (ldb < (trans_b ? k : n))
     return invalid_argument("ldb = {} is below the row length {} of B", ldb, trans_b ? k : n);
   try {
-    const memory::desc layout = packed_layout(k, n);
-    auto packed = std::make_shared<PackedB>();
-    packed->trans_b = trans_b, packed->k = k, packed->n = n, packed->desc = layout;
-    packed->data.resize(layout.get_size());
+    EPX_ASSIGN_OR_RETURN(const memory::desc layout, packed_layout(k, n));
+    // Refilled in place when nothing else holds it: fresh pages cost more
+    // than the reorder itself on a VM (docs/benchmarks.md).
+    std::shared_ptr<PackedB>& packed = *into;
+    if (packed == nullptr || packed.use_count() != 1 || packed->desc != layout) {
+      packed = std::make_shared<PackedB>();
+      packed->desc = layout;
+      packed->data.reset(new std::byte[layout.get_size()]);
+    }
+    packed->trans_b = trans_b, packed->k = k, packed->n = n;
     auto& engine = cpu_engine();
     const auto bf16 = memory::data_type::bf16;
     memory plain(memory::desc({k, n}, bf16, trans_b ? memory::dims{1, ldb} : memory::dims{ldb, 1}), engine,
                  const_cast<void*>(b));
-    memory into(layout, engine, packed->data.data());
+    memory packed_memory(layout, engine, packed->data.get());
     dnnl::stream stream(engine);
-    dnnl::reorder(plain, into).execute(stream, plain, into);
+    dnnl::reorder(plain, packed_memory).execute(stream, plain, packed_memory);
     stream.wait();
-    return std::shared_ptr<const PackedB>(packed);
+    return Status::ok();
   } catch (const dnnl::error& e) {
     return internal_error("packing a [{}, {}] bf16 B failed: {} (status {})", k, n, e.what(), static_cast<int>(e.status));
   }
+}
+
+Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t k, int64_t n, const void* b,
+                                              int64_t ldb) {
+  std::shared_ptr<PackedB> packed;
+  EPX_RETURN_IF_ERROR(pack_b(dtype, trans_b, k, n, b, ldb, &packed));
+  return std::shared_ptr<const PackedB>(std::move(packed));
 }
 
 Status gemm(const GemmArgs& args, int num_threads) {
@@ -238,11 +256,7 @@ namespace {
 // One oneDNN matmul of the whole of `args`.
 Status gemm_call(const GemmArgs& args, int num_threads) {
   try {
-    if (args.packed_b != nullptr) {
-      bool done = false;
-      EPX_RETURN_IF_ERROR(packed_gemm_call(args, num_threads, &done));
-      if (done) return Status::ok();
-    }
+    if (args.packed_b != nullptr) return packed_gemm_call(args, num_threads);
     ScopedOmpThreads threads(num_threads);
     EPX_ASSIGN_OR_RETURN(auto primitive, primitive_for(args, num_threads));
     const auto type = to_dnnl(args.dtype);

@@ -55,12 +55,19 @@ inline constexpr int64_t kRowBlock = 16;
 // goes"). bf16 only: there it gives the plain calls' bits (tests/experts
 // check it, at any split of the rows), where f32 gives other bits. Calls
 // with it run a fixed-size primitive per (rows, leading dimensions,
-// accumulate), made once and kept; where oneDNN would read B in another
-// layout for a call (small or odd shapes), that call reads the plain b. The
-// packed copy does not follow later writes to b: pack again after them.
-// InvalidArgument for f32 or bad sizes; Internal if oneDNN fails.
+// accumulate), made once and kept. The packed copy does not follow later
+// writes to b: pack again after them. InvalidArgument for f32 or bad sizes;
+// FailedPrecondition where oneDNN would read B in another layout for some
+// row count (checked when packing up to 1024 rows, and at every call: such a
+// call fails rather than read the plain b, so a row's bits never depend on
+// the path); Internal if oneDNN fails.
 [[nodiscard]] Result<std::shared_ptr<const PackedB>> pack_b(DType dtype, bool trans_b, int64_t k, int64_t n,
                                                             const void* b, int64_t ldb);
+// The same into *into, refilling its memory in place when *into has the
+// same layout and nothing else holds it (repacking after each weight update
+// then touches no fresh pages).
+[[nodiscard]] Status pack_b(DType dtype, bool trans_b, int64_t k, int64_t n, const void* b, int64_t ldb,
+                            std::shared_ptr<PackedB>* into);
 
 // How many calls have read a packed B so far, in this process (for tests:
 // proof that the packed path ran rather than the plain fallback).

@@ -123,9 +123,11 @@ struct MoELayerConfig {
   std::optional<DType> compute_dtype = std::nullopt;
   // bf16 GEMMs only: the routed experts' weights packed once per weight
   // version (pack_expert_weights, epx/experts/ffn.h), which the overlap
-  // modes' small per-chunk calls gain most from. Packed bits differ from the
-  // plain calls' for some shapes; the plain layer and every overlap mode get
-  // the same bits with it on (docs/design.md, "Experts").
+  // modes' small per-chunk calls gain most from; it pays where a version
+  // serves several steps (inference, gradient accumulation): the repack
+  // after each update costs about what a chunked step gains. Packed bits
+  // differ from the plain calls' for some shapes; the plain layer and every
+  // overlap mode get the same bits with it on (docs/design.md, "Experts").
   bool pack_expert_weights = false;
 
   [[nodiscard]] Status validate() const;
