@@ -700,6 +700,10 @@ Status validate_exchange_bench_config(const ExchangeBenchConfig& c) {
   if (c.num_ranks % c.num_nodes != 0)
     return invalid_argument("ranks = {} is not a multiple of nodes = {}", c.num_ranks, c.num_nodes);
   if (c.num_tokens < 1) return invalid_argument("tokens = {} must be at least 1", c.num_tokens);
+  if (c.layer_combine && c.layer_combine_weights == CombineWeights::kReceiver && c.num_nodes > 1)
+    return invalid_argument("the layer combine with receiver weights takes the flat path only, but the shape has "
+                            "nodes = {} (two-hop); run it on 1x{} shapes",
+                            c.num_nodes, c.num_ranks);
   if (c.hidden < 1) return invalid_argument("hidden = {} must be at least 1", c.hidden);
   if (c.num_experts < 1) return invalid_argument("experts = {} must be at least 1", c.num_experts);
   if (c.num_experts % c.num_ranks != 0)

@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
                            "its bytes; bf16: the same with bf16 partials (CombineOptions::partial_dtype); receiver: "
                            "weighted by the receiver (CombineOptions::weights_at), bf16 expert rows already in the "
                            "combine region, against memcpy of a bf16 combine's bytes (and of the expanded bf16 rows "
-                           "it reads); off: not, which saves its memory")
+                           "it reads; flat shapes only, e.g. --nodes-shapes 1x8); off: not, which saves its memory")
       ->check(CLI::IsMember({"on", "bf16", "receiver", "off"}))
       ->capture_default_str();
   exchange_cmd->add_option("--memory-fraction", bench.memory_fraction,
