@@ -93,10 +93,12 @@ EPX_SIMD_CLONES void add2_weighted_bf16(float* acc, float wa, const uint16_t* a,
 }
 
 // Four rows per pass: acc = (((acc + w0 * r0) + w1 * r1) + w2 * r2) + w3 * r3,
-// or the same from 0 (`from_zero`): the order of four single passes.
+// or the same from 0 (`from_zero`): the order of four single passes. One
+// body for both row types, inlined into each type's clones (target_clones
+// cannot multiversion a template under clang).
 template <typename T>
-EPX_SIMD_CLONES void add4_weighted(float* acc, bool from_zero, const float* w, const T* r0, const T* r1, const T* r2,
-                                   const T* r3, int n) {
+[[gnu::always_inline]] inline void add4_weighted(float* acc, bool from_zero, const float* w, const T* r0, const T* r1,
+                                                 const T* r2, const T* r3, int n) {
   const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
   if (from_zero)
     for (int c = 0; c < n; ++c)
@@ -106,14 +108,24 @@ EPX_SIMD_CLONES void add4_weighted(float* acc, bool from_zero, const float* w, c
       acc[c] = (((acc[c] + w0 * widen(r0[c])) + w1 * widen(r1[c])) + w2 * widen(r2[c])) + w3 * widen(r3[c]);
 }
 
+EPX_SIMD_CLONES void add4_weighted_bf16(float* acc, bool from_zero, const float* w, const uint16_t* const* r, int n) {
+  add4_weighted(acc, from_zero, w, r[0], r[1], r[2], r[3], n);
+}
+
+EPX_SIMD_CLONES void add4_weighted_f32(float* acc, bool from_zero, const float* w, const float* const* r, int n) {
+  add4_weighted(acc, from_zero, w, r[0], r[1], r[2], r[3], n);
+}
+
 void accumulate4_weighted(float* acc, bool from_zero, const float* w, const std::byte* const* rows, std::size_t offset,
                           DType dtype, int n) {
   if (dtype == DType::kBF16) {
-    auto r = [&](int i) { return reinterpret_cast<const uint16_t*>(rows[i] + offset); };
-    add4_weighted<uint16_t>(acc, from_zero, w, r(0), r(1), r(2), r(3), n);
+    const uint16_t* r[4];
+    for (int i = 0; i < 4; ++i) r[i] = reinterpret_cast<const uint16_t*>(rows[i] + offset);
+    add4_weighted_bf16(acc, from_zero, w, r, n);
   } else {
-    auto r = [&](int i) { return reinterpret_cast<const float*>(rows[i] + offset); };
-    add4_weighted<float>(acc, from_zero, w, r(0), r(1), r(2), r(3), n);
+    const float* r[4];
+    for (int i = 0; i < 4; ++i) r[i] = reinterpret_cast<const float*>(rows[i] + offset);
+    add4_weighted_f32(acc, from_zero, w, r, n);
   }
 }
 
