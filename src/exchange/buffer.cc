@@ -1506,16 +1506,17 @@ Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const H
   for (int64_t first = 0; first < h.num_recv; first += kBlock) {
     const int64_t count = std::min(kBlock, h.num_recv - first);
     widen_rows(grad_partial, first, count, H, g.data());
-    dots.clear();
-    for (int64_t i = first; i < first + count; ++i)
-      for (int k = 0; k < K; ++k) {
-        const int64_t row = layout.row_of[i * K + k];
-        if (!grad_weights.defined()) continue;
-        // d out / d w = <grad, y[row]>; a slot without an expert here has none.
-        if (row < 0) grad_weights.row<float>(i)[k] = 0.0f;
-        else dots.push_back({g.data() + (i - first) * H, y_rows.row<std::byte>(row), grad_weights.row<float>(i) + k});
-      }
-    detail::column_order_dots(dots, y_rows.dtype(), H);
+    if (grad_weights.defined()) {
+      dots.clear();
+      for (int64_t i = first; i < first + count; ++i)
+        for (int k = 0; k < K; ++k) {
+          const int64_t row = layout.row_of[i * K + k];
+          // d out / d w = <grad, y[row]>; a slot without an expert here has none.
+          if (row < 0) grad_weights.row<float>(i)[k] = 0.0f;
+          else dots.push_back({g.data() + (i - first) * H, y_rows.row<std::byte>(row), grad_weights.row<float>(i) + k});
+        }
+      detail::column_order_dots(dots, y_rows.dtype(), H);
+    }
     for (int64_t i = first; i < first + count; ++i)
       for (int k = 0; k < K; ++k) {
         const int64_t row = layout.row_of[i * K + k];
