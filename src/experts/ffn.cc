@@ -157,7 +157,7 @@ Status run_plan(const Plan& plan, Body&& body) {
 }  // namespace
 
 DType faster_compute_dtype(DType payload) {
-  return payload == DType::kBF16 && detail::native_bf16_gemm() ? DType::kBF16 : DType::kF32;
+  return payload == DType::kBF16 && detail::bf16_gemm_beats_f32() ? DType::kBF16 : DType::kF32;
 }
 
 Status ExpertFfnConfig::validate() const {

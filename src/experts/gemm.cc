@@ -282,9 +282,19 @@ ScopedOmpThreads::~ScopedOmpThreads() {
   if (omp_get_max_threads() != saved_) omp_set_num_threads(saved_);
 }
 
-bool native_bf16_gemm() {
-  const auto isa = static_cast<int>(dnnl::get_effective_cpu_isa());
-  return (isa & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
+bool bf16_gemm_beats_f32(int onednn_isa, bool amd) {
+  const auto has = [onednn_isa](int isa) { return (onednn_isa & isa) == isa; };
+  if (has(dnnl_cpu_isa_avx512_core_amx)) return true;
+  return has(dnnl_cpu_isa_avx512_core_bf16) && amd;
+}
+
+bool bf16_gemm_beats_f32() {
+  bool amd = false;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  amd = __builtin_cpu_is("amd");
+#endif
+  return bf16_gemm_beats_f32(static_cast<int>(dnnl::get_effective_cpu_isa()), amd);
 }
 
 int available_cores() { return omp_get_num_procs(); }

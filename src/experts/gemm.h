@@ -86,10 +86,15 @@ class ScopedOmpThreads {
   int saved_;
 };
 
-// Whether oneDNN runs bf16 GEMMs on native bf16 dot products here (its
-// effective ISA includes AVX512-BF16, or AMX); without them it widens bf16
-// to f32 inside its kernels, and its bf16 GEMM is slower than its f32 one.
-[[nodiscard]] bool native_bf16_gemm();
+// Whether oneDNN's bf16 GEMM outruns its f32 one on this CPU, by a fixed
+// rule from measurements (docs/benchmarks.md, "The layer near the GEMM
+// limit"): with AMX tiles, yes; with AVX512-BF16 dot products, yes on AMD
+// (Zen 5: about twice the f32 rate) and no on Intel (an Emerald Rapids VM:
+// 0.5-0.85x the f32 rate); without either, no (oneDNN widens bf16 to f32
+// inside its kernels). Follows ONEDNN_MAX_CPU_ISA.
+[[nodiscard]] bool bf16_gemm_beats_f32();
+// The rule itself: `onednn_isa` a dnnl_cpu_isa_t mask, `amd` the vendor.
+[[nodiscard]] bool bf16_gemm_beats_f32(int onednn_isa, bool amd);
 
 // The number of cores the process may run on (omp_get_num_procs).
 [[nodiscard]] int available_cores();

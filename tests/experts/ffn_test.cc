@@ -10,6 +10,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <oneapi/dnnl/dnnl_types.h>
 
 #include "experts/gemm.h"
 
@@ -303,6 +304,21 @@ void expect_same_bits(const Outputs& got, const Outputs& want) {
     ASSERT_TRUE(std::any_of(w->begin(), w->end(), [](float v) { return v != 0.0f; })) << what << " is all zero";
     for (std::size_t i = 0; i < g->size(); ++i) ASSERT_EQ((*g)[i], (*w)[i]) << what << "[" << i << "]";
   }
+}
+
+// The auto compute type's rule, by CPU: bf16 GEMMs only where they were
+// measured faster than f32 ones (AMX; AVX512-BF16 on AMD), f32 otherwise,
+// and never for an f32 payload.
+TEST(ExpertFfn, AutoComputeDtypeIsBf16OnlyWhereItWasMeasuredFaster) {
+  const int avx512 = dnnl_cpu_isa_avx512_core, bf16 = dnnl_cpu_isa_avx512_core_bf16,
+            amx = dnnl_cpu_isa_avx512_core_amx, avx2 = dnnl_cpu_isa_avx2;
+  EXPECT_TRUE(detail::bf16_gemm_beats_f32(amx, /*amd=*/false));
+  EXPECT_TRUE(detail::bf16_gemm_beats_f32(bf16, /*amd=*/true));
+  EXPECT_FALSE(detail::bf16_gemm_beats_f32(bf16, /*amd=*/false));
+  EXPECT_FALSE(detail::bf16_gemm_beats_f32(avx512, /*amd=*/true));
+  EXPECT_FALSE(detail::bf16_gemm_beats_f32(avx2, /*amd=*/false));
+  EXPECT_EQ(faster_compute_dtype(DType::kF32), DType::kF32);
+  EXPECT_EQ(faster_compute_dtype(DType::kBF16), detail::bf16_gemm_beats_f32() ? DType::kBF16 : DType::kF32);
 }
 
 // compute_dtype apart from dtype: x converted on its way into the GEMMs

@@ -73,12 +73,13 @@ struct ExpertFfnConfig {
 };
 
 // The faster expert-GEMM type for a payload of `payload` on this CPU, by a
-// fixed rule: an f32 payload computes in f32 (bf16 GEMMs would round it); a
-// bf16 payload computes in bf16 where oneDNN has native bf16 dot products
-// (AVX512-BF16 or AMX: its bf16 GEMM runs near twice its f32 rate) and in
-// f32 elsewhere (oneDNN then widens bf16 to f32 inside its kernels: issue
-// 20 measured 140 vs 250 GFLOP/s on a Xeon without them). Honours
-// ONEDNN_MAX_CPU_ISA. docs/benchmarks.md, "The layer near the GEMM limit".
+// fixed rule from measurements: an f32 payload computes in f32 (bf16 GEMMs
+// would round it); a bf16 payload computes in bf16 where oneDNN's bf16 GEMM
+// outruns its f32 one (AMX; AVX512-BF16 on AMD: Zen 5 ran it at about twice
+// the f32 rate) and in f32 elsewhere (AVX512-BF16 on Intel ran at 0.5-0.85x
+// the f32 rate on an Emerald Rapids VM; without native bf16 dot products
+// oneDNN widens bf16 inside its kernels). Honours ONEDNN_MAX_CPU_ISA.
+// docs/benchmarks.md, "The layer near the GEMM limit".
 [[nodiscard]] DType faster_compute_dtype(DType payload);
 
 namespace detail {
