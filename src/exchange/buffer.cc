@@ -1006,6 +1006,10 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
       if (n != node) fwd_rows += h.node_counts[static_cast<std::size_t>(topology.rank_of(n, local_rank)) * num_nodes + node];
     }
     EPX_RETURN_IF_ERROR(send_payload.reserve(fwd_rows * prow, "the combine rows reduced for other nodes"));
+    // The f32 partials pass the cache at large sizes (117 MB per rank at 4096
+    // tokens, hidden 7168): streamed, their lines are not read for ownership.
+    const detail::RowStores stores =
+        detail::row_stores_for(static_cast<std::size_t>(fwd_rows) * prow * static_cast<std::size_t>(ranks_per_node));
     EPX_RETURN_IF_ERROR(send_meta.reserve(fwd_rows * K * sizeof(float), "the combine slots reduced for other nodes"));
     for (int n = 0; n < num_nodes; ++n) {
       if (n == node) continue;
@@ -1027,7 +1031,7 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
           ++num_groups;
         }
         detail::sum_row(reinterpret_cast<std::byte*>(part + j * H), DType::kF32,
-                        std::span(groups.data(), num_groups), nullptr, DType::kF32, H);
+                        std::span(groups.data(), num_groups), nullptr, DType::kF32, H, stores);
         if (slots)
           for (int k = 0; k < K; ++k) {
             const int l = h.forward.slot[n][j * K + k];
@@ -1036,6 +1040,7 @@ Status Buffer::Impl::combine_impl(Status local_status, const TensorView& y, cons
                       : regions[topology.rank_of(node, l)].combine_slots[fwd_row[j * ranks_per_node + l] * K + k];
           }
       }
+      if (stores == detail::RowStores::kStreamed) detail::finish_streamed_rows();  // before the peer reads them
       EPX_RETURN_IF_ERROR(sends.post(s, kTagCombine, std::as_bytes(std::span(part, rows * H))));
       if (slots) EPX_RETURN_IF_ERROR(sends.post(s, kTagCombineSlots, std::as_bytes(std::span(part_slots, rows * K))));
     }

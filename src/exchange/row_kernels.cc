@@ -238,9 +238,10 @@ void column_order_dots(std::span<const DotJob> jobs, DType y_dtype, int n) {
 }
 
 void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,
-             DType bias_dtype, int hidden) {
+             DType bias_dtype, int hidden, RowStores stores) {
   alignas(64) float acc[kSlice];
   alignas(64) float partial[kSlice];
+  alignas(64) std::byte rounded[kSlice * sizeof(float)];  // a slice of out, when streamed
   for (int c0 = 0; c0 < hidden; c0 += kSlice) {
     const int n = std::min(kSlice, hidden - c0);
     bool started = false;  // acc = 0 + the groups so far; unread before the first
@@ -266,7 +267,13 @@ void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, 
     }
     if (!started) std::fill(acc, acc + n, 0.0f);
     if (bias) accumulate(acc, bias + static_cast<std::size_t>(c0) * dtype_size(bias_dtype), bias_dtype, n);
-    store(out + static_cast<std::size_t>(c0) * dtype_size(out_dtype), out_dtype, acc, n);
+    std::byte* dst = out + static_cast<std::size_t>(c0) * dtype_size(out_dtype);
+    if (stores == RowStores::kStreamed) {
+      store(rounded, out_dtype, acc, n);
+      copy_row(dst, rounded, static_cast<std::size_t>(n) * dtype_size(out_dtype), stores);
+    } else {
+      store(dst, out_dtype, acc, n);
+    }
   }
 }
 

@@ -11,6 +11,7 @@
 #include <span>
 
 #include "epx/core/dtype.h"
+#include "exchange/row_copy.h"
 
 namespace epx::detail {
 
@@ -53,7 +54,9 @@ struct SumGroup {
 // out = 0 + g_0 + g_1 + ... (+ bias), each group g = 0 + r_0 + r_1 + ...,
 // all in fp32, then one rounding to out_dtype. Works in slices that stay in
 // L1, with the same order of additions per element as whole rows would.
+// `stores` as copy_row's (the same bits either way); after streamed rows the
+// caller calls finish_streamed_rows() before a reader is told.
 void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,
-             DType bias_dtype, int hidden);
+             DType bias_dtype, int hidden, RowStores stores = RowStores::kCached);
 
 }  // namespace epx::detail

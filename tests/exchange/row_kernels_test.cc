@@ -1,8 +1,10 @@
 // detail::column_order_dots: the dot products of combine_expanded's backward,
-// several at once, each with the bits of a plain serial loop in column order.
+// several at once, each with the bits of a plain serial loop in column order;
+// detail::sum_row streamed gives the bits it gives through the cache.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "epx/core/dtype.h"
@@ -62,6 +64,38 @@ TEST(ColumnOrderDots, AnotherOrderGivesOtherBits) {
   for (int c = 0; c < kCols; c += 2) even += g[c] * y[c];
   for (int c = 1; c < kCols; c += 2) odd += g[c] * y[c];
   EXPECT_NE(even + odd, serial_dot(g.data(), y));
+}
+
+// sum_row's output written with streamed stores (the two-hop forwarder's f32
+// partials at large sizes) is byte for byte the cached output, at any row
+// width and alignment of out, and nothing outside out is touched.
+TEST(SumRow, StreamedStoresGiveTheCachedBytes) {
+  for (DType out_dtype : {DType::kF32, DType::kBF16})
+    for (int hidden : {37, 512, 1000, 7168})
+      for (std::size_t offset : {0, 4, 36}) {
+        SCOPED_TRACE(testing::Message() << dtype_name(out_dtype) << ", hidden " << hidden << ", offset " << offset);
+        // Groups: one bf16 row, a node partial of three bf16 rows, one f32 row.
+        std::vector<std::vector<uint16_t>> bf16_rows(4, std::vector<uint16_t>(hidden));
+        std::vector<float> f32_row(hidden);
+        for (int c = 0; c < hidden; ++c) {
+          for (int r = 0; r < 4; ++r) bf16_rows[r][c] = f32_to_bf16(value(r, c));
+          f32_row[c] = value(9, c);
+        }
+        const std::byte* rows[5] = {reinterpret_cast<const std::byte*>(bf16_rows[0].data()),
+                                    reinterpret_cast<const std::byte*>(bf16_rows[1].data()),
+                                    reinterpret_cast<const std::byte*>(bf16_rows[2].data()),
+                                    reinterpret_cast<const std::byte*>(bf16_rows[3].data()),
+                                    reinterpret_cast<const std::byte*>(f32_row.data())};
+        const SumGroup groups[3] = {{&rows[0], 1, DType::kBF16}, {&rows[1], 3, DType::kBF16}, {&rows[4], 1, DType::kF32}};
+        const std::size_t bytes = static_cast<std::size_t>(hidden) * dtype_size(out_dtype);
+        std::vector<std::byte> cached(bytes + 256, std::byte{0xA5}), streamed(bytes + 256, std::byte{0xA5});
+        sum_row(cached.data() + 64 + offset, out_dtype, groups, nullptr, DType::kF32, hidden, RowStores::kCached);
+        sum_row(streamed.data() + 64 + offset, out_dtype, groups, nullptr, DType::kF32, hidden, RowStores::kStreamed);
+        finish_streamed_rows();
+        ASSERT_EQ(std::memcmp(cached.data(), streamed.data(), cached.size()), 0);
+        EXPECT_EQ(cached[64 + offset - 1], std::byte{0xA5});
+        EXPECT_EQ(cached[64 + offset + bytes], std::byte{0xA5});
+      }
 }
 
 }  // namespace
