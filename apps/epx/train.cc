@@ -538,8 +538,8 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--compute-dtype", o.compute_dtype,
                   "Expert GEMMs: f32, bf16, or auto = the faster for --dtype on this CPU (f32 payload: f32; bf16 "
-                  "payload: bf16 where oneDNN's bf16 GEMM was measured faster than its f32 one, i.e. with AMX, or "
-                  "AVX512-BF16 on AMD; else f32; docs/design.md, Experts)")
+                  "payload: bf16 with AVX512-BF16 on AMD (measured about 2x f32 on Zen 5) or with AMX (assumed, not "
+                  "measured); else f32 (AVX512-BF16 on Intel measured 0.5-0.85x f32); docs/design.md, Experts)")
       ->check(CLI::IsMember({"auto", "f32", "bf16"}))
       ->capture_default_str();
   cmd->add_option("--overlap", o.overlap,

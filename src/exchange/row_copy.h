@@ -8,7 +8,7 @@
 // one. Streamed (non-temporal stores, x86-64), each line is written once.
 // glibc's memcpy streams too, but only above a size (127 MB here) that one
 // 14 KB row never reaches, so the exchange streams its rows itself when the
-// bytes it writes in one call pass the cache (RowStores::for_bytes).
+// bytes it writes in one call pass the cache (row_stores_for).
 //
 // Both ways copy the same bytes: the choice changes speed, never results.
 // Streamed stores are weakly ordered: a copier calls finish_streamed_rows()

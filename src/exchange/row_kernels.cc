@@ -268,7 +268,7 @@ void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, 
     if (!started) std::fill(acc, acc + n, 0.0f);
     if (bias) accumulate(acc, bias + static_cast<std::size_t>(c0) * dtype_size(bias_dtype), bias_dtype, n);
     std::byte* dst = out + static_cast<std::size_t>(c0) * dtype_size(out_dtype);
-    if (stores == RowStores::kStreamed) {
+    if (stores == RowStores::kStreamed && dtype_size(out_dtype) <= sizeof(float)) {
       store(rounded, out_dtype, acc, n);
       copy_row(dst, rounded, static_cast<std::size_t>(n) * dtype_size(out_dtype), stores);
     } else {

@@ -87,11 +87,12 @@ class ScopedOmpThreads {
 };
 
 // Whether oneDNN's bf16 GEMM outruns its f32 one on this CPU, by a fixed
-// rule from measurements (docs/benchmarks.md, "The layer near the GEMM
-// limit"): with AMX tiles, yes; with AVX512-BF16 dot products, yes on AMD
-// (Zen 5: about twice the f32 rate) and no on Intel (an Emerald Rapids VM:
-// 0.5-0.85x the f32 rate); without either, no (oneDNN widens bf16 to f32
-// inside its kernels). Follows ONEDNN_MAX_CPU_ISA.
+// rule (docs/benchmarks.md, "The layer near the GEMM limit"): with
+// AVX512-BF16 dot products, yes on AMD (measured on Zen 5: about twice the
+// f32 rate; other AMD CPUs assumed alike) and no on Intel (measured on an
+// Emerald Rapids VM: 0.5-0.85x the f32 rate); with AMX tiles, yes (assumed:
+// no AMX machine was measured); without either, no (oneDNN widens bf16 to
+// f32 inside its kernels). Follows ONEDNN_MAX_CPU_ISA.
 [[nodiscard]] bool bf16_gemm_beats_f32();
 // The rule itself: `onednn_isa` a dnnl_cpu_isa_t mask, `amd` the vendor.
 [[nodiscard]] bool bf16_gemm_beats_f32(int onednn_isa, bool amd);

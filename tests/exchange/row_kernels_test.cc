@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "epx/core/buffer.h"
 #include "epx/core/dtype.h"
 #include "exchange/row_kernels.h"
 
@@ -67,8 +68,10 @@ TEST(ColumnOrderDots, AnotherOrderGivesOtherBits) {
 }
 
 // sum_row's output written with streamed stores (the two-hop forwarder's f32
-// partials at large sizes) is byte for byte the cached output, at any row
-// width and alignment of out, and nothing outside out is touched.
+// partials at large sizes) is byte for byte the cached output, at row widths
+// whose slices stream (copy_row streams from 256 bytes; 37 columns stay
+// below it and take the cached fallback) and at 64-byte-aligned and
+// unaligned out, and nothing outside out is touched.
 TEST(SumRow, StreamedStoresGiveTheCachedBytes) {
   for (DType out_dtype : {DType::kF32, DType::kBF16})
     for (int hidden : {37, 512, 1000, 7168})
@@ -88,13 +91,16 @@ TEST(SumRow, StreamedStoresGiveTheCachedBytes) {
                                     reinterpret_cast<const std::byte*>(f32_row.data())};
         const SumGroup groups[3] = {{&rows[0], 1, DType::kBF16}, {&rows[1], 3, DType::kBF16}, {&rows[4], 1, DType::kF32}};
         const std::size_t bytes = static_cast<std::size_t>(hidden) * dtype_size(out_dtype);
-        std::vector<std::byte> cached(bytes + 256, std::byte{0xA5}), streamed(bytes + 256, std::byte{0xA5});
+        // 64-byte-aligned bases, so offset 0 is an aligned out.
+        AlignedBuffer cached(bytes + 256, 64), streamed(bytes + 256, 64);
+        std::memset(cached.data(), 0xA5, cached.size());
+        std::memset(streamed.data(), 0xA5, streamed.size());
         sum_row(cached.data() + 64 + offset, out_dtype, groups, nullptr, DType::kF32, hidden, RowStores::kCached);
         sum_row(streamed.data() + 64 + offset, out_dtype, groups, nullptr, DType::kF32, hidden, RowStores::kStreamed);
         finish_streamed_rows();
         ASSERT_EQ(std::memcmp(cached.data(), streamed.data(), cached.size()), 0);
-        EXPECT_EQ(cached[64 + offset - 1], std::byte{0xA5});
-        EXPECT_EQ(cached[64 + offset + bytes], std::byte{0xA5});
+        EXPECT_EQ(cached.data()[64 + offset - 1], std::byte{0xA5});
+        EXPECT_EQ(cached.data()[64 + offset + bytes], std::byte{0xA5});
       }
 }
 

@@ -306,13 +306,17 @@ void expect_same_bits(const Outputs& got, const Outputs& want) {
   }
 }
 
-// The auto compute type's rule, by CPU: bf16 GEMMs only where they were
-// measured faster than f32 ones (AMX; AVX512-BF16 on AMD), f32 otherwise,
-// and never for an f32 payload.
-TEST(ExpertFfn, AutoComputeDtypeIsBf16OnlyWhereItWasMeasuredFaster) {
+// The auto compute type's rule, by CPU: bf16 GEMMs with AVX512-BF16 on AMD
+// (measured faster) or with AMX (assumed), f32 otherwise (AVX512-BF16 on
+// Intel measured slower), and never for an f32 payload.
+TEST(ExpertFfn, AutoComputeDtypeIsBf16OnlyWithAmdBf16OrAmx) {
   const int avx512 = dnnl_cpu_isa_avx512_core, bf16 = dnnl_cpu_isa_avx512_core_bf16,
-            amx = dnnl_cpu_isa_avx512_core_amx, avx2 = dnnl_cpu_isa_avx2;
+            amx = dnnl_cpu_isa_avx512_core_amx, avx2 = dnnl_cpu_isa_avx2, vnni = dnnl_cpu_isa_avx512_core_vnni,
+            avx2_vnni = dnnl_cpu_isa_avx2_vnni;
   EXPECT_TRUE(detail::bf16_gemm_beats_f32(amx, /*amd=*/false));
+  EXPECT_TRUE(detail::bf16_gemm_beats_f32(amx, /*amd=*/true));
+  EXPECT_FALSE(detail::bf16_gemm_beats_f32(vnni, /*amd=*/true));
+  EXPECT_FALSE(detail::bf16_gemm_beats_f32(avx2_vnni, /*amd=*/true));
   EXPECT_TRUE(detail::bf16_gemm_beats_f32(bf16, /*amd=*/true));
   EXPECT_FALSE(detail::bf16_gemm_beats_f32(bf16, /*amd=*/false));
   EXPECT_FALSE(detail::bf16_gemm_beats_f32(avx512, /*amd=*/true));

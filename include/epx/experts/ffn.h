@@ -73,10 +73,10 @@ struct ExpertFfnConfig {
 };
 
 // The faster expert-GEMM type for a payload of `payload` on this CPU, by a
-// fixed rule from measurements: an f32 payload computes in f32 (bf16 GEMMs
-// would round it); a bf16 payload computes in bf16 where oneDNN's bf16 GEMM
-// outruns its f32 one (AMX; AVX512-BF16 on AMD: Zen 5 ran it at about twice
-// the f32 rate) and in f32 elsewhere (AVX512-BF16 on Intel ran at 0.5-0.85x
+// fixed rule: an f32 payload computes in f32 (bf16 GEMMs would round it); a
+// bf16 payload computes in bf16 with AVX512-BF16 on AMD (Zen 5 ran oneDNN's
+// bf16 GEMM at about twice its f32 rate) or with AMX (assumed faster, not
+// measured), and in f32 elsewhere (AVX512-BF16 on Intel ran at 0.5-0.85x
 // the f32 rate on an Emerald Rapids VM; without native bf16 dot products
 // oneDNN widens bf16 inside its kernels). Honours ONEDNN_MAX_CPU_ISA.
 // docs/benchmarks.md, "The layer near the GEMM limit".

@@ -118,7 +118,7 @@ struct MoELayerConfig {
   // The expert GEMMs' operand type (routed and shared experts; kF32 or
   // kBF16); unset = dtype. A bf16 payload into f32 GEMMs is exact on the way
   // in (the rows widen); where a CPU's bf16 GEMM is slower than its f32 one
-  // (no native bf16 dot product), that is the faster choice. See
+  // (no bf16 dot products, or AVX512-BF16 on Intel), that is the faster choice. See
   // faster_compute_dtype (epx/experts/ffn.h) and `epx train --compute-dtype`.
   std::optional<DType> compute_dtype = std::nullopt;
   // bf16 GEMMs only: the routed experts' weights packed once per weight
