@@ -241,7 +241,7 @@ void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, 
              DType bias_dtype, int hidden, RowStores stores) {
   alignas(64) float acc[kSlice];
   alignas(64) float partial[kSlice];
-  alignas(64) std::byte rounded[kSlice * sizeof(float)];  // a slice of out, when streamed
+  alignas(64) std::byte rounded[kSlice * sizeof(float)];  // a rounded slice of out, when streamed
   for (int c0 = 0; c0 < hidden; c0 += kSlice) {
     const int n = std::min(kSlice, hidden - c0);
     bool started = false;  // acc = 0 + the groups so far; unread before the first
@@ -269,8 +269,10 @@ void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, 
     if (bias) accumulate(acc, bias + static_cast<std::size_t>(c0) * dtype_size(bias_dtype), bias_dtype, n);
     std::byte* dst = out + static_cast<std::size_t>(c0) * dtype_size(out_dtype);
     if (stores == RowStores::kStreamed && dtype_size(out_dtype) <= sizeof(float)) {
-      store(rounded, out_dtype, acc, n);
-      copy_row(dst, rounded, static_cast<std::size_t>(n) * dtype_size(out_dtype), stores);
+      // f32 out streams straight from acc; other types are rounded first.
+      const std::byte* src = reinterpret_cast<const std::byte*>(acc);
+      if (out_dtype != DType::kF32) store(rounded, out_dtype, acc, n), src = rounded;
+      copy_row(dst, src, static_cast<std::size_t>(n) * dtype_size(out_dtype), stores);
     } else {
       store(dst, out_dtype, acc, n);
     }
