@@ -18,7 +18,9 @@ Checks (all by default; name some to run only those):
             repository's scripts and benchmarks by their source; other tools by
             the allow-list below.
   links     every relative link of README.md and docs/*.md names a file that
-            exists, and README's document table lists every docs/*.md.
+            exists, README's document table lists every docs/*.md, and every
+            path of the tree's folders that the docs name exists (a {a,b} or *
+            in it expanded).
 
 Exit 0 when every check passes; 1, listing each finding as FILE:LINE: ...,
 otherwise; 2 on bad usage.
@@ -71,6 +73,12 @@ EXTERNAL = set(ALLOWED) | {"salloc", "pytest", "timeout", "setsid", "time", "env
                            "ssh", "uptime", "lscpu", "date", "cat", "wc", "ls", "grep", "diff", "awk", "hostname"}
 # Files named as arguments, not run.
 DATA = (".toml", ".csv", ".json", ".jsonl", ".md", ".txt", ".png", ".html", ".dict", ".supp", ".sbatch")
+TREE_PATH = re.compile(r"(?<![\w/.-])((?:src|include|tests|bench|scripts|configs|examples|python|fuzz|apps|cmake|docs)"
+                       r"/[\w./{},*-]*[\w*}/])")
+# Paths the docs name that are not this tree's, each with why.
+OTHER_PATHS = {"configs/x.toml": "the file name of example error messages",
+               "tests/legacy/": "DeepEP's repository, whose kernels the simulator models",
+               "tests/legacy/test_intranode.py": "DeepEP's repository"}
 FLAG = re.compile(r"(?<![\w/.=\"-])--[a-z][a-z0-9_]*(?:[-.][a-z0-9_]+)*")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 PROSE_EPX = re.compile(r"\bepx ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?")
@@ -461,10 +469,24 @@ def check_links(root, readme, out):
                     continue
                 if not (path.parent / target).exists():
                     out.append(f"{path.relative_to(root)}:{n}: the link {target} names nothing in the tree")
+    for path in doc_files(root):
+        for n, line in enumerate(path.read_text().split("\n"), 1):
+            for named in TREE_PATH.findall(line):
+                check_tree_path(root, path, n, named, out)
     docs_table = section(readme, "## Documents")
     for doc in sorted((root / "docs").glob("*.md")):
         if f"docs/{doc.name}" not in docs_table:
             out.append(f"README.md: the Documents table misses docs/{doc.name}")
+
+
+def check_tree_path(root, doc, n, named, out):
+    if named in OTHER_PATHS or re.search(r"/(?:[A-Z]+|N+)(?:/|$|\.)", named):
+        return  # not this tree's, or a placeholder such as fuzz/regressions/NAME/
+    brace = re.search(r"\{([^}]*)\}", named)
+    variants = [named[:brace.start()] + v + named[brace.end():] for v in brace.group(1).split(",")] if brace else [named]
+    for variant in variants:
+        if not list(root.glob(variant.rstrip("/"))):
+            out.append(f"{doc.relative_to(root)}:{n}: {variant} is not in the tree")
 
 
 def main(argv):

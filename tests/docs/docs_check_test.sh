@@ -49,4 +49,6 @@ fresh; printf '\n```sh\nbench/overlap_bench.sh --no-such-option\n```\n' >> "$tmp
 expect_finding "a script flag not in the script" '--no-such-option is not in the source of' flags
 fresh; printf '\nSee [the numbers](docs/benchmarks.md).\n' >> "$tmp/t/README.md"
 expect_finding "a link to a removed document" 'the link docs/benchmarks.md' links
+fresh; printf '\nThe combine lives in `src/exchange/combine_old.{h,cc}`.\n' >> "$tmp/t/docs/design.md"
+expect_finding "a source file that is not there" 'src/exchange/combine_old.h is not in the tree' links
 echo "PASS"
