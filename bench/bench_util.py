@@ -83,7 +83,7 @@ def load_average():
 
 
 def run_record():
-    """What docs/benchmarks.md records next to the numbers."""
+    """What docs/performance.md records next to the numbers."""
     return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "cpu": _cpu_model(), "cores": os.cpu_count(), "commit": _commit(), "load_average": load_average(),
             "mem_available_gib": round(mem_available_bytes() / 2**30, 1)}

@@ -3,7 +3,7 @@
 // bench/torch_exchange.py does the same job with PyTorch's index_select /
 // index_add_ on the same GPU; scripts/gpu-check.sh runs both.
 //
-// Method (docs/benchmarks.md): CUDA events on the legacy default stream
+// Method (docs/performance.md): CUDA events on the legacy default stream
 // around each call (the group's streams are blocking, so the events bracket
 // all of its work), warm-up calls first, the median of --reps calls, and
 // --sets rotating input sets (each larger than the L2 cache at the default

@@ -57,7 +57,7 @@ struct ExchangeBenchConfig {
   // memcpy of the bytes it sends. Its Buffers then take max_combine_dtype = f32.
   bool layer_combine = true;
   // The partials' dtype of that combine (CombineOptions::partial_dtype): f32
-  // or bf16 (issue 20: half the bytes, each partial rounded once).
+  // or bf16 (half the bytes, each partial rounded once).
   DType layer_combine_dtype = DType::kF32;
   // Where that combine applies the weights (CombineOptions::weights_at).
   // kReceiver: the experts' rows are bf16 in the combine region

@@ -1,4 +1,4 @@
-// Where chunked experts lose time (issue 20 item 6): the experts of one rank
+// Where chunked experts lose time: the experts of one rank
 // of the two-host overlap bench (8 local experts, 1024 expanded rows, hidden
 // 1024, ffn 768, bf16 payload, one thread), forward + backward data pass as
 // one call over the whole batch against the same rows in C chunks (one call
@@ -24,7 +24,7 @@
 // all its experts against the per-expert calls, with a same-bits check;
 // and (bf16) the chunk calls with the weights packed (pack_expert_weights),
 // with the cost of packing.
-// docs/benchmarks.md, "Chunked experts: where the time goes".
+// docs/performance.md, Overlapping the exchange with compute.
 #include <algorithm>
 #include <chrono>
 #include <cstring>

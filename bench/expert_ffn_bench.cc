@@ -2,7 +2,7 @@
 // GEMM, in the same run: DeepSeek-V3's expert shape (hidden 7168, width 2048),
 // 8 local experts, f32 and bf16, forward and forward + backward.
 //
-//   build/bench/expert_ffn_bench                     # the table in docs/benchmarks.md
+//   build/bench/expert_ffn_bench                     # the table in docs/performance.md
 //   build/bench/expert_ffn_bench --tokens 64 --reps 5 --dtype bf16
 //
 // FLOP/s are GEMM FLOPs only (forward 6 rows H F, backward 12 rows H F) over

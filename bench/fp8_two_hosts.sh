@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# fp8 against bf16 dispatch across two emulated hosts (docs/benchmarks.md,
-# "fp8 in the layer"): epx_mpi_exchange_bench --epx-only --fp8 on
+# fp8 against bf16 dispatch across two emulated hosts (docs/performance.md,
+# "fp8 dispatch"): epx_mpi_exchange_bench --epx-only --fp8 on
 # tests/mpi/two_hosts.sh, 2 hosts x 2 ranks, the link capped by tc tbf at each
 # RATE, ROUNDS rounds per rate (rates alternating). Each run times the bf16 and
 # the fp8 dispatch of the same rows interleaved and prints "fp8 vs bf16

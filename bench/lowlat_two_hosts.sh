@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The low-latency mode against the normal mode across two emulated hosts
-# (docs/benchmarks.md, "Low-latency mode"): epx_mpi_exchange_bench --lowlat on
+# (docs/performance.md, "Low-latency mode"): epx_mpi_exchange_bench --lowlat on
 # tests/mpi/two_hosts.sh --cpus 0/1 (each host on its own core), 1 and 2 ranks
 # per host, the link uncapped and capped at 300 Mbit/s, ROUNDS rounds. In each
 # (ranks per host, link) cell the variants run one after another: BEFORE's

@@ -19,8 +19,8 @@ torch.set_num_threads(--threads) for both (f32 rows only).
 
 --dtype f32, bf16 or both (the default): the eager layer's weights and
 activations in that dtype, moe_layer_bench --dtype the same. --shapes issue20
-(the default) runs issue 20's three shapes; --shapes small the three smaller
-ones of the first measurements (docs/benchmarks.md, "MoE layer against PyTorch").
+(the default) runs the three shapes of docs/performance.md; --shapes small the three smaller
+ones of the first measurements (git history).
 
 Needs Debian's python3-torch (for /usr/bin/python3). Prints one JSON object per
 shape and a table.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MPI backend's benchmark as recorded in docs/benchmarks.md:
+# The MPI backend's benchmark as recorded in docs/performance.md:
 #  1. one machine: epx_mpi_exchange_bench with 4 and 8 processes, alternating,
 #     ROUNDS rounds (each prints per-method medians; the in-process backend
 #     runs the same shape in the same run);

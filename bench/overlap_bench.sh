@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The overlap benchmark as recorded in docs/benchmarks.md: epx_moe_overlap_bench
+# The overlap benchmark as recorded in docs/performance.md: epx_moe_overlap_bench
 # on two emulated hosts (tests/mpi/two_hosts.sh: network namespaces joined by a
 # veth pair capped at RATE with tc tbf), RANKS_PER_HOST ranks each, ROUNDS
 # rounds; each round prints the table of every overlap mode next to the parts

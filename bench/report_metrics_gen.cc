@@ -1,5 +1,5 @@
 // Writes a synthetic metrics file in the trainer's format (StepReport::to_json
-// with the wait fields of issue 17) for benchmarking `epx report` at sizes no
+// with the wait fields) for benchmarking `epx report` at sizes no
 // test run reaches: e.g. 100,000 steps x 61 layers x 256 experts (~8 GB).
 //
 //   report_metrics_gen --steps 100000 --layers 61 --experts 256 --ranks 64 --out big.jsonl

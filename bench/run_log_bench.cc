@@ -1,5 +1,5 @@
-// How fast read_metrics reads a metrics file (docs/benchmarks.md, Reading
-// metrics): writes --steps lines of the trainer's own format
+// How fast read_metrics reads a metrics file (docs/performance.md,
+// Observability): writes --steps lines of the trainer's own format
 // (StepReport::to_json) with --layers x --experts loads, then times, median
 // of --reps each, (1) plain read() of the file into one reused buffer (the
 // copy out of the page cache, the floor for any reader of the file) and (2)

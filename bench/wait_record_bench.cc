@@ -1,6 +1,6 @@
 // What recording who waited for whom adds to one exchange operation, measured
 // in parts, so the figure does not drown in the noise of a whole step
-// (docs/benchmarks.md, "Who waited for whom: the cost"):
+// (docs/performance.md, Observability):
 //  1. the bookkeeping on the calling rank (detail::OpWaits: the stamps, the
 //     attribution over the ranks, a timed receive per remote peer, the sum
 //     take_waits hands out), per operation, for several rank counts;

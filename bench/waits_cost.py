@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""What recording who waited for whom costs a training step (docs/benchmarks.md,
-"Who waited for whom: the cost").
+"""What recording who waited for whom costs a training step (docs/performance.md,
+Observability).
 
 Runs `epx train` on each shape with --record-waits on and off, alternating
 (on, off, off, on, ...) so drift of a shared machine hits both alike, and

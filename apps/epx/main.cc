@@ -5,7 +5,7 @@
 //   epx bench routing --json      router and placement cost next to the score GEMM
 //   epx bench lowlat --json       low-latency dispatch/combine vs the normal mode at decode sizes
 //   epx eplb --loads FILE ...     a redundant-expert placement for measured loads
-//   epx train [--config F.toml]   train an MoE model on in-process ranks, with load balancing
+//   epx train [--config F.toml]   train an MoE model (threads or MPI processes), with load balancing
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
 //   epx monitor METRICS.jsonl     watch a run's metrics: live view, alerts, Prometheus (docs/operations.md)
 //   epx report METRICS.jsonl      a run's metrics as one HTML page
@@ -26,7 +26,8 @@
 int main(int argc, char** argv) {
   using epx::app::kExitUsage;
   CLI::App app{"epx: expert parallelism for Mixture-of-Experts models (dispatch, combine, load balance).\n"
-               "Ranks run as threads of this process; --nodes emulates several machines.",
+               "Ranks run as threads of this process (--nodes emulates several machines) or, started by mpirun or srun, "
+               "one rank per process.",
                "epx"};
   app.set_version_flag("--version", std::string("epx ") + EPX_VERSION);
   app.require_subcommand(1);

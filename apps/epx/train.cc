@@ -1,4 +1,4 @@
-// `epx train`: the MoE model on in-process ranks, with load balancing.
+// `epx train`: the MoE model on in-process or MPI ranks, with load balancing.
 #include "train.h"
 
 #include <cmath>
@@ -487,7 +487,8 @@ int preflight(const TrainOptions& o, const TrainConfig& c, bool root) {
 CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   CLI::App* cmd = app.add_subcommand(
       "train",
-      "Train a small MoE model on in-process ranks (experts spread over them) and report loss, load balance and "
+      "Train an MoE model on ranks that are threads of this process or, under mpirun or srun, one process each "
+      "(experts spread over them), and report loss, load balance and "
       "where the time went. Settings: defaults < --config FILE.toml < flags");
   cmd->add_option("--config", o.config_path, "A TOML file of settings (see configs/train-*.toml); flags override it");
   cmd->add_option("--ranks", o.num_ranks, "Ranks: threads, or under MPI the processes started (they must be equal)")
@@ -628,8 +629,8 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                 "Check everything (settings, memory, output paths), print the derived sizes and the memory each "
                 "rank needs per component, write nothing and exit (0: it would run; 2: it would not)");
   cmd->add_option("--resume", o.resume_dir,
-                  "Continue from a checkpoint: a --save folder (its 'latest') or one of its step-NNNNNN folders; same "
-                  "ranks, nodes and model; every file is verified first");
+                  "Continue from a checkpoint: a --save folder (its 'latest') or one of its step-NNNNNN folders; the "
+                  "same model on any layout (ranks, nodes, --ep, EPLB slots: resharded); every file is verified first");
   cmd->add_option("--compare-balancing", o.compare,
                   "Run the same training once per strategy (comma-separated; empty = none,aux,bias,capacity,"
                   "bias+capacity,eplb,bias+eplb) and print a table side by side")

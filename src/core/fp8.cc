@@ -71,8 +71,7 @@ BlockScale block_scale(float amax, Fp8ScaleFormat format) {
 // IEEE f32 without FMA, so all give the same bits. Their AVX-512 version is
 // x86-64-v4 (AVX-512 F, BW, VL, DQ), not avx512f alone: they narrow and widen
 // between 8-, 16- and 32-bit lanes, which without BW/VL the compiler did in
-// 256-bit registers with spills; so built, dequantising bf16 rows and the
-// quantising after it ran 2-2.4x slower (AMD EPYC; docs/benchmarks.md, "fp8 in the layer").
+// 256-bit registers with spills, several times slower.
 #if defined(__SANITIZE_THREAD__)
 #define EPX_FP8_CLONES
 #else

@@ -96,8 +96,8 @@ struct DispatchBlock {
 
 // Spins, then sleeps 20 us between polls. No sched_yield phase (unlike the
 // MPI backend's waits): with more rank threads than cores, yielding handed
-// the core to other processes and cost ~3 ms per call at one token per rank
-// on the 2-core test machine, sleeping ~1 ms.
+// the core to other processes and made a one-token call several times slower
+// than sleeping.
 void backoff(int& polls) {
   if (++polls < 256) return;
   std::this_thread::sleep_for(std::chrono::microseconds(20));

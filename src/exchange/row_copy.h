@@ -6,8 +6,8 @@
 // before their reader comes. Written through the cache, every line is first
 // read from memory (read for ownership), then written back: two trips for
 // one. Streamed (non-temporal stores, x86-64), each line is written once.
-// glibc's memcpy streams too, but only above a size (127 MB here) that one
-// 14 KB row never reaches, so the exchange streams its rows itself when the
+// glibc's memcpy streams too, but only above a size (about 100 MB or more,
+// set by the CPU's cache) that one 14 KB row never reaches, so the exchange streams its rows itself when the
 // bytes it writes in one call pass the cache (row_stores_for).
 //
 // Both ways copy the same bytes: the choice changes speed, never results.
@@ -24,7 +24,7 @@ enum class RowStores { kCached, kStreamed };
 // Streamed when `bytes_written` by one call, over every rank of the node
 // that writes at the same time, pass the last-level cache (its size as the
 // CPU reports it, at most 32 MiB: one core complex's L3 on AMD Zen, and a VM
-// can report far more than it has: this one says 508 MiB).
+// can report far more cache than it has).
 RowStores row_stores_for(std::size_t bytes_written);
 
 // Copies `bytes` from src to dst (not overlapping), as `stores` says.

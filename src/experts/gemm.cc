@@ -190,8 +190,8 @@ Status pack_b(DType dtype, bool trans_b, int64_t k, int64_t n, const void* b, in
     return invalid_argument("ldb = {} is below the row length {} of B", ldb, trans_b ? k : n);
   try {
     EPX_ASSIGN_OR_RETURN(const memory::desc layout, packed_layout(k, n));
-    // Refilled in place when nothing else holds it: fresh pages cost more
-    // than the reorder itself on a VM (docs/benchmarks.md).
+    // Refilled in place when nothing else holds it: touching fresh pages can
+    // cost more than the reorder itself.
     std::shared_ptr<PackedB>& packed = *into;
     if (packed == nullptr || packed.use_count() != 1 || packed->desc != layout) {
       packed = std::make_shared<PackedB>();

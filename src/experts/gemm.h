@@ -51,8 +51,7 @@ inline constexpr int64_t kRowBlock = 16;
 // B packed once into the layout oneDNN's fixed-size kernels read, for a B
 // that many calls reuse (an expert's weights): a call with it skips
 // oneDNN's per-call rearrangement of B, which costs about as much as
-// streaming B once (docs/benchmarks.md, "Chunked experts: where the time
-// goes"). bf16 only: there it gives the plain calls' bits (tests/experts
+// streaming B once. bf16 only: there it gives the plain calls' bits (tests/experts
 // check it, at any split of the rows), where f32 gives other bits. Calls
 // with it run a fixed-size primitive per (rows, leading dimensions,
 // accumulate), made once and kept. The packed copy does not follow later
@@ -87,12 +86,10 @@ class ScopedOmpThreads {
 };
 
 // Whether oneDNN's bf16 GEMM outruns its f32 one on this CPU, by a fixed
-// rule (docs/benchmarks.md, "The layer near the GEMM limit"): with
-// AVX512-BF16 dot products, yes on AMD (measured on Zen 5: about twice the
-// f32 rate; other AMD CPUs assumed alike) and no on Intel (measured on an
-// Emerald Rapids VM: 0.5-0.85x the f32 rate); with AMX tiles, yes (assumed:
-// no AMX machine was measured); without either, no (oneDNN widens bf16 to
-// f32 inside its kernels). Follows ONEDNN_MAX_CPU_ISA.
+// rule: with AVX512-BF16 dot products, yes on AMD and no on Intel; with AMX
+// tiles, yes (assumed); without either, no (oneDNN widens bf16 to f32 inside
+// its kernels). Follows ONEDNN_MAX_CPU_ISA. The measurements behind it:
+// docs/performance.md, "The MoE layer against the GEMM library".
 [[nodiscard]] bool bf16_gemm_beats_f32();
 // The rule itself: `onednn_isa` a dnnl_cpu_isa_t mask, `amd` the vendor.
 [[nodiscard]] bool bf16_gemm_beats_f32(int onednn_isa, bool amd);

@@ -188,7 +188,7 @@ Status set_from_text(const Key& key, const std::string& text) {
       key.field);
 }
 
-// A key of the profiles up to issue 18, refused with its reason.
+// A key older hardware profiles set, refused with its reason.
 constexpr std::string_view kRemovedStagesLocalNode = "hardware.nic.stages_local_node";
 
 // Walks nested tables: [a.b] c = 1 becomes "prefix" + "a.b.c".
@@ -204,7 +204,7 @@ Status apply_table(const toml::table& table, const std::string& prefix, std::vec
     Key* key = find_key(keys, full);
     if (key == nullptr && full == kRemovedStagesLocalNode)
       return invalid_argument(
-          "{}: '{}' was removed (issue 19): DeepEP's internode kernels send a sender's rows for its own node "
+          "{}: '{}' was removed: DeepEP's internode kernels send a sender's rows for its own node "
           "without the NIC, and the two-hop model now has a forwarding stage (hardware.comm.forward_sm_bandwidth; "
           "docs/simulator.md, Kernel models); delete the line",
           path, full);

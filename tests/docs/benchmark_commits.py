@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every table in docs/benchmarks.md names the commit it measured.
+"""Every table in docs/performance.md names the commit it measured.
 
 A table (a run of lines starting with '|') passes when the text between the
 nearest heading above it and the table names a commit: the word "commit" (any
@@ -55,7 +55,7 @@ def main(argv):
         print("usage: benchmark_commits.py SOURCE_ROOT", file=sys.stderr)
         return 2
     root = Path(argv[1])
-    path = root / "docs" / "benchmarks.md"
+    path = root / "docs" / "performance.md"
     lines = path.read_text().split("\n")
     found = list(tables(lines))
     named = sorted({n for _, before in found for n in HEX.findall(before)})

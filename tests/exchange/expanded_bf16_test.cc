@@ -1,4 +1,4 @@
-// combine_expanded with bf16 partials (CombineOptions::partial_dtype, issue 20):
+// combine_expanded with bf16 partials (CombineOptions::partial_dtype):
 // each (token, holder rank) partial is the fp32 sum of its weighted slots in
 // top-k order, rounded once to bf16; the partials are then summed in fp32 in
 // the fixed order (flat: holders ascending; two-hop: one group per node,

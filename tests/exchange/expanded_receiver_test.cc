@@ -1,4 +1,4 @@
-// combine_expanded with CombineWeights::kReceiver (issue 20, item 3): holders
+// combine_expanded with CombineWeights::kReceiver: holders
 // leave each expert's row unweighted in the combine region, and each token's
 // own rank sums w[t, k] * y[t, k] in fp32 in top-k order. Checked exactly
 // against that sum computed on the token's rank from its routing alone, so

@@ -315,7 +315,7 @@ TEST(MoELayerPrecision, Bf16FollowsF32WithinBf16Rounding) {
   EXPECT_NE(payload_only.out, bf16.out) << "compute_dtype f32 should change the expert GEMMs";
 }
 
-// combine_dtype bf16 (issue 20): the combine sends each
+// combine_dtype bf16: the combine sends each
 // (token, rank) partial rounded once to bf16, so the output differs from the
 // f32 partials' by bf16 rounding of those partials only, the same bits on
 // every run; the backward treats the rounding as the identity, so grad_x and
@@ -336,7 +336,7 @@ TEST(MoELayerPrecision, Bf16PartialsFollowF32PartialsWithinBf16Rounding) {
   for (const auto& [name, grad] : f32.grads) EXPECT_EQ(grad, bf16.grads.at(name)) << name;
 }
 
-// combine_weights receiver (issue 20): the experts write y in bf16 into the
+// combine_weights receiver: the experts write y in bf16 into the
 // combine region and each token's rank sums w * y in top-k order. The output
 // follows the holder partials' within bf16 rounding of y, with the same bits
 // on every run and on any number of ranks (the sum order is the token's);

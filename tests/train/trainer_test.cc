@@ -135,7 +135,7 @@ TEST(Trainer, SyntheticTaskIsLearnedAndBiasBalancingCutsMaxVio) {
   EXPECT_LT(b.summary.mean_max_vio, 0.6 * a.summary.mean_max_vio)
       << "bias " << b.summary.mean_max_vio << " vs none " << a.summary.mean_max_vio;
   // Balance is not free on a Zipf-skewed task: measured about 20% higher loss
-  // at a third of the MaxVio (docs/benchmarks.md); a 30% bound catches a broken bias.
+  // at a third of the MaxVio (docs/performance.md, Training); a 30% bound catches a broken bias.
   EXPECT_LT(b.summary.final_loss, 1.3 * a.summary.final_loss) << "balancing cost too much loss";
 }
 

@@ -1,4 +1,4 @@
-// The layer's bf16 copies of its weights (issue 20 item 4): made on the first
+// The layer's bf16 copies of its weights: made on the first
 // forward, made again after every write (an optimizer step, a checkpoint
 // load), and not made again while nothing changed. A write that forgets
 // Parameter::mark_written() fails the next forward, naming the parameter.

@@ -50,7 +50,7 @@ namespace epx {
 // and no expert has more than its fair share (rows / threads) of the rows,
 // so the threads can be kept evenly busy: it needs no synchronization inside
 // a GEMM and holds up far better when other processes take cores
-// (docs/benchmarks.md, "Expert FFN"). Results may differ between the two
+// (docs/performance.md, Experts). Results may differ between the two
 // in the last bits (a GEMM's summation order depends on its thread count).
 enum class ExpertFfnSchedule : uint8_t { kAuto, kSplitGemms, kSplitExperts };
 
@@ -74,12 +74,10 @@ struct ExpertFfnConfig {
 
 // The faster expert-GEMM type for a payload of `payload` on this CPU, by a
 // fixed rule: an f32 payload computes in f32 (bf16 GEMMs would round it); a
-// bf16 payload computes in bf16 with AVX512-BF16 on AMD (Zen 5 ran oneDNN's
-// bf16 GEMM at about twice its f32 rate) or with AMX (assumed faster, not
-// measured), and in f32 elsewhere (AVX512-BF16 on Intel ran at 0.5-0.85x
-// the f32 rate on an Emerald Rapids VM; without native bf16 dot products
-// oneDNN widens bf16 inside its kernels). Honours ONEDNN_MAX_CPU_ISA.
-// docs/benchmarks.md, "The layer near the GEMM limit".
+// bf16 payload computes in bf16 with AVX512-BF16 on AMD or with AMX, and in
+// f32 elsewhere (without native bf16 dot products oneDNN widens bf16 inside
+// its kernels). Honours ONEDNN_MAX_CPU_ISA. Why, with the figures:
+// docs/performance.md, "The MoE layer against the GEMM library".
 [[nodiscard]] DType faster_compute_dtype(DType payload);
 
 namespace detail {
@@ -90,9 +88,8 @@ struct PackedB;
 // each expert's W1, W3, W2 and their transposes, laid out as oneDNN's
 // fixed-size kernels read them, so that the forward and the backward's data
 // pass skip oneDNN's rearrangement of each expert's weights on every call.
-// It pays most where the calls are small (the overlap modes' chunks): 7-23%
-// less time per row at 128-32 rows per expert and call on the machine of
-// docs/benchmarks.md ("Chunked experts: where the time goes"), and where the
+// It pays most where the calls are small (the overlap modes' chunks;
+// docs/performance.md, Overlapping the exchange with compute), and where the
 // weights serve many calls per packing (inference, gradient accumulation):
 // a repack after every weight update costs about what one chunked step
 // gains. Row-invariant bits, within fp32 summation order of the plain
@@ -116,9 +113,8 @@ struct ExpertWeights {
 
 // Packs `weights` for config (its GEMM dtype must be bf16) into *packed,
 // refilling *packed's memory in place when it holds the same shapes (a
-// repack then costs about a copy of the weights: 16 ms for 8 experts of
-// 1024 x 768 on the machine of docs/benchmarks.md, against 380 ms for the
-// first packing, which touches fresh pages). On an error *packed is empty.
+// repack then costs about a copy of the weights, far less than the first
+// packing, which touches fresh pages). On an error *packed is empty.
 // InvalidArgument for f32 GEMMs or weights of the wrong shape or dtype;
 // FailedPrecondition where oneDNN would read packed weights in another
 // layout for some row count (then use the plain weights).

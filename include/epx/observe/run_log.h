@@ -86,7 +86,7 @@ struct StepRecord {
   double loss = std::numeric_limits<double>::quiet_NaN();
   double main_loss = std::numeric_limits<double>::quiet_NaN();
   double lr = 0, grad_norm = 0, seconds = 0, tokens_per_s = 0;
-  int num_nodes = 0;  // of the run, ranks node-major; 0: not written (runs before issue 17)
+  int num_nodes = 0;  // of the run, ranks node-major; 0: not written (files of older epx versions)
   std::vector<LayerRecord> layers;
   std::vector<RankRecord> ranks;
   std::optional<WaitMatrix> wait_matrix;

@@ -198,8 +198,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w3, w2, counts, scratch):
         # Per-expert intermediates, not one [rows, F] tensor: glibc serves blocks under 32 MiB
-        # from memory it keeps, larger ones are fresh pages (page faults cost ~15 us per 4 KiB
-        # page on the VM measured, docs/benchmarks.md).
+        # from memory it keeps, larger ones are fresh pages, whose page faults are costly.
         h1 = [xl @ w1[l] for l, xl in enumerate(x.split(counts))]
         h3 = [xl @ w3[l] for l, xl in enumerate(x.split(counts))]
         y = [(torch.nn.functional.silu(a) * b) @ w2[l] for l, (a, b) in enumerate(zip(h1, h3))]
@@ -224,7 +223,7 @@ class GradientScratch:
     """The weight gradients grouped_swiglu's backward writes, kept from one backward to the
     next: autograd adds them into .grad (it cannot take them: this object holds them), so a
     step allocates nothing of the weights' size. Large fresh allocations are fresh pages,
-    and page faults dominated the backward on the VM measured (docs/benchmarks.md)."""
+    and their page faults can dominate the backward (docs/performance.md, From Python)."""
 
     def __init__(self):
         self._tensors = []
