@@ -69,4 +69,28 @@ inline int default_topk(const std::optional<int>& max_topk, int num_experts) {
   return num_experts > 0 && num_experts < 8 ? num_experts : 8;
 }
 
+// An integer argument that C++ holds in 64 bits: signatures show it as
+// "int64" (a plain "int" is C++'s 32-bit int), so the explanation of a value
+// out of range (epx/_args.py) names the right limits.
+struct Int64 {
+  int64_t value = 0;
+  operator int64_t() const { return value; }  // NOLINT(google-explicit-constructor)
+};
+
 }  // namespace epx::py
+
+namespace pybind11::detail {
+template <>
+struct type_caster<epx::py::Int64> {
+  PYBIND11_TYPE_CASTER(epx::py::Int64, const_name("int64"));
+  bool load(handle src, bool convert) {
+    make_caster<int64_t> inner;
+    if (!inner.load(src, convert)) return false;
+    value.value = cast_op<int64_t>(inner);
+    return true;
+  }
+  static handle cast(epx::py::Int64 src, return_value_policy /*policy*/, handle /*parent*/) {
+    return PyLong_FromLongLong(src.value);
+  }
+};
+}  // namespace pybind11::detail

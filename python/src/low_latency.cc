@@ -196,8 +196,9 @@ void bind_results(pb::module_& m) {
 
 void bind_buffer(pb::module_& m) {
   pb::class_<LowLatencyState, StatePtr>(m, "LowLatencyBuffer",
-                                        "Low-latency dispatch and combine with fixed shapes (decode steps).")
-      .def(pb::init(&create), "transport"_a, "num_experts"_a, "hidden"_a, "dtype"_a = "bf16",
+                                        "Low-latency dispatch and combine with fixed shapes (decode steps). Creating one is "
+                                        "collective: every rank creates its buffer with the same settings.")
+      .def(pb::init(&create), pb::arg("transport").none(false), "num_experts"_a, "hidden"_a, "dtype"_a = "bf16",
            "max_tokens_per_rank"_a = 0, "max_topk"_a = pybind11::none(), "capacity"_a = 0, "max_combine_dtype"_a = "f32",
            "expert_rank"_a = pb::none(), "timeout"_a = 30.0, "combine_per_rank"_a = false)
       .def("dispatch", &dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a = pb::none(),
