@@ -107,6 +107,9 @@ def check_value(value, annotation, module=None):
     if annotation == "str":
         ok = isinstance(value, (str, bytes))
         return None if ok else (TypeError, f"is not a str ({type(value).__name__})")
+    if annotation == "dtype":
+        ok = isinstance(value, str) or type(value).__name__.startswith("dtype")
+        return None if ok else (TypeError, f"is not a dtype name or a torch / numpy dtype ({type(value).__name__})")
     if annotation == "function":
         return None if callable(value) else (TypeError, f"is not callable ({type(value).__name__})")
     if annotation.startswith("epx._epx.") and module is not None:

@@ -198,8 +198,8 @@ ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType
 // ---- creation --------------------------------------------------------------------------
 
 StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden,
-                       const std::string& dtype, int max_tokens_per_rank, std::optional<int> max_topk, Int64 max_recv_tokens,
-                       int expert_alignment, const std::string& max_combine_dtype, const std::string& fp8_scales,
+                       const DTypeName& dtype, int max_tokens_per_rank, std::optional<int> max_topk, Int64 max_recv_tokens,
+                       int expert_alignment, const DTypeName& max_combine_dtype, const std::string& fp8_scales,
                        const std::string& algorithm, double timeout, bool record_waits,
                        const std::optional<std::vector<int32_t>>& expert_rank, Int64 max_expanded_rows) {
   Transport& t = transport->get();
@@ -231,8 +231,8 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
 // Buffer::expanded_rows_bound: the max_expanded_rows that makes room for every
 // receiver-weighted combine_expanded with y of `y_dtype` on `num_ranks` ranks.
 int64_t expanded_rows_bound(int num_ranks, int num_experts, int hidden, int max_tokens_per_rank,
-                            const std::string& y_dtype, std::optional<int> max_topk, Int64 max_recv_tokens,
-                            int expert_alignment, const std::string& max_combine_dtype,
+                            const DTypeName& y_dtype, std::optional<int> max_topk, Int64 max_recv_tokens,
+                            int expert_alignment, const DTypeName& max_combine_dtype,
                             const std::optional<std::vector<int32_t>>& expert_rank) {
   if (num_ranks < 1) throw_error("InvalidArgumentError", fmt::format("num_ranks = {} must be at least 1", num_ranks));
   BufferConfig config;
@@ -367,7 +367,7 @@ CombineWeights parse_weights_at(const std::string& weights_at) {
 
 pb::object combine_expanded(BufferState& self, pb::handle y_expanded, pb::handle handle, pb::handle out,
                             pb::handle weights, pb::handle bias, const std::string& weights_at,
-                            const std::string& partial_dtype, bool async) {
+                            const DTypeName& partial_dtype, bool async) {
   Buffer& buffer = self.get();
   const Handle h = handle_of(handle);
   const ArrayArg y = view_array(y_expanded, "y_expanded");
@@ -424,7 +424,7 @@ ArrayKind parse_library(const std::string& library) {
 // (combine_input), or, `expanded`, the expanded rows of y for a zero-copy
 // combine_expanded(weights_at="receiver") (combine_expanded_input, which
 // writes the region: views of it must be gone).
-pb::object combine_region_input(BufferState& self, pb::handle handle, const std::string& dtype,
+pb::object combine_region_input(BufferState& self, pb::handle handle, const DTypeName& dtype,
                                 const std::string& library, bool expanded) {
   Buffer& buffer = self.get();
   const Handle& h = handle_of(handle);
@@ -504,7 +504,7 @@ pb::object take_waits(BufferState& self) {
   return pb::cast(sum);
 }
 
-pb::object dequantize(pb::handle q, pb::handle scales, pb::handle out, const std::string& dtype) {
+pb::object dequantize(pb::handle q, pb::handle scales, pb::handle out, const DTypeName& dtype) {
   const ArrayArg q_arg = view_array(q, "q");
   ArrayArg s_arg = view_array(scales, "scales");
   if (q_arg.view.ndim() != 2 || s_arg.view.ndim() != 2) throw_error("InvalidArgumentError", "q, scales: must be 2-d");
@@ -614,7 +614,7 @@ void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
                    "the receive region.").c_str());
   c.def(name("combine_expanded").c_str(), [async](BufferState& s, pb::handle y, pb::handle h, pb::handle o,
                                                    pb::handle w, pb::handle b, const std::string& at,
-                                                   const std::string& partial) {
+                                                   const DTypeName& partial) {
     return combine_expanded(s, y, h, o, w, b, at, partial, async);
   }, pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none,
      pb::arg("bias") = none, pb::arg("weights_at") = "holder", pb::arg("partial_dtype") = "f32",
@@ -632,11 +632,11 @@ void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
 // The local operations and the split forms.
 void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
   const auto none = pb::none();
-  c.def("combine_input", [](BufferState& s, pb::handle h, const std::string& dtype, const std::string& library) {
+  c.def("combine_input", [](BufferState& s, pb::handle h, const DTypeName& dtype, const std::string& library) {
     return combine_region_input(s, h, dtype, library, false);
   }, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy",
      "Local: a view of the combine region to write the received rows' outputs y into, then pass it to combine.")
-      .def("combine_expanded_input", [](BufferState& s, pb::handle h, const std::string& dtype,
+      .def("combine_expanded_input", [](BufferState& s, pb::handle h, const DTypeName& dtype,
                                         const std::string& library) {
     return combine_region_input(s, h, dtype, library, true);
   }, pb::arg("handle"), pb::arg("dtype") = "bf16", pb::arg("library") = "numpy",

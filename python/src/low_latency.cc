@@ -77,8 +77,8 @@ PyLowLatencyResult copy_result(const LowLatencyDispatchResult& r, ArrayKind kind
                             r.stats};
 }
 
-StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden, const std::string& dtype,
-                int max_tokens_per_rank, std::optional<int> max_topk, int capacity, const std::string& max_combine_dtype,
+StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden, const DTypeName& dtype,
+                int max_tokens_per_rank, std::optional<int> max_topk, int capacity, const DTypeName& max_combine_dtype,
                 const std::optional<std::vector<int32_t>>& expert_rank, double timeout, pb::handle combine_per_rank) {
   Transport& t = transport->get();
   LowLatencyConfig config{.num_experts = num_experts,

@@ -139,3 +139,22 @@ def test_torchrun_environment_is_refused_by_mpi_transport():
     assert rc == 0, f"exit {rc}: {out}"
     assert "refused: mpi_transport: WORLD_SIZE=4 and RANK=1 are set (a torchrun-style launch)" in out, out
     assert "mpirun -n 4" in out, out
+
+
+def test_dtypes_are_taken_as_names_or_torch_and_numpy_dtypes():
+    import numpy as np
+    import torch
+
+    def fn(t):
+        made = [epx.Buffer(t, 4, 8, dtype=d, max_tokens_per_rank=4).dtype
+                for d in ("bf16", torch.bfloat16, "f32", torch.float32, np.dtype(np.float32))]
+        raises_one_line(TypeError, "Buffer(): dtype = 3 is not a dtype name or a torch / numpy dtype (int)",
+                        epx.Buffer, t, 4, 8, dtype=3)
+        raises_one_line(epx.InvalidArgumentError, "dtype: dtype 'float16' is not one of", epx.Buffer, t, 4, 8,
+                        dtype=torch.float16)
+        low = epx.LowLatencyBuffer(t, 4, 8, dtype=torch.bfloat16, max_tokens_per_rank=2).dtype
+        return made, low
+
+    made, low = one_rank(fn)
+    assert made == ["bf16", "bf16", "f32", "f32", "f32"] and low == "bf16"
+    assert epx.Buffer.expanded_rows_bound(4, 8, 16, 5, y_dtype=torch.float32, max_topk=2) == 41
