@@ -69,7 +69,8 @@ def _type_label(annotation):
 
 def _check_int(value, annotation):
     """None if value converts to the integer type `annotation`, else (exception class, why)."""
-    if isinstance(value, float) or not isinstance(value, (numbers.Integral,)) and not hasattr(value, "__index__"):
+    integral = isinstance(value, numbers.Integral) or hasattr(value, "__index__")
+    if isinstance(value, float) or not integral:
         return TypeError, f"is not an integer ({type(value).__name__})"
     low, high = _RANGES[annotation]
     if not low <= int(value) <= high:
