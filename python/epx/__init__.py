@@ -21,7 +21,10 @@ from .errors import (  # noqa: F401
     StaleViewError,
     UnimplementedError,
 )
-from ._epx import *  # noqa: F401,F403
+from . import _args, _epx
+
+_args.explain_all(_epx)  # one-line errors for arguments pybind11 cannot convert
+from ._epx import *  # noqa: E402,F401,F403
 from ._epx import __version__  # noqa: F401
 
 

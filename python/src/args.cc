@@ -28,7 +28,14 @@ std::vector<T> from_sequence(pb::handle obj, std::string_view name) {
     pb::object item = seq[i];
     if (!PyIndex_Check(item.ptr()))
       throw_error("InvalidArgumentError", fmt::format("{}[{}] is not an integer", name, i));
-    out.push_back(narrow_to<T>(item.cast<int64_t>(), name, static_cast<int64_t>(i)));
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(pb::reinterpret_steal<pb::object>(PyNumber_Index(item.ptr())).ptr(),
+                                                         &overflow);
+    if (overflow != 0)
+      throw_error("InvalidArgumentError", fmt::format("{}[{}] = {} is outside [{}, {}]", name, i,
+                                                      pb::str(item).cast<std::string>(),
+                                                      std::numeric_limits<T>::min(), std::numeric_limits<T>::max()));
+    out.push_back(narrow_to<T>(value, name, static_cast<int64_t>(i)));
   }
   return out;
 }

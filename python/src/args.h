@@ -69,4 +69,61 @@ inline int default_topk(const std::optional<int>& max_topk, int num_experts) {
   return num_experts > 0 && num_experts < 8 ? num_experts : 8;
 }
 
+// An integer argument that C++ holds in 64 bits: signatures show it as
+// "int64" (a plain "int" is C++'s 32-bit int), so the explanation of a value
+// out of range (epx/_args.py) names the right limits.
+struct Int64 {
+  int64_t value = 0;
+  operator int64_t() const { return value; }  // NOLINT(google-explicit-constructor)
+};
+
+// A dtype argument: epx's name ("bf16", "f32", ...) or a torch / numpy dtype
+// (torch.bfloat16, numpy.float32), taken by its name ("bfloat16", "float32");
+// parse_dtype reads either. Signatures show it as "dtype".
+struct DTypeName {
+  std::string name;
+  operator std::string_view() const { return name; }  // NOLINT(google-explicit-constructor)
+};
+
 }  // namespace epx::py
+
+namespace pybind11::detail {
+template <>
+struct type_caster<epx::py::DTypeName> {
+  PYBIND11_TYPE_CASTER(epx::py::DTypeName, const_name("dtype"));
+  bool load(handle src, bool /*convert*/) {
+    if (isinstance<str>(src)) {
+      value.name = src.cast<std::string>();
+      return true;
+    }
+    const std::string type = str(type::handle_of(src).attr("__module__")).cast<std::string>() + "." +
+                             str(type::handle_of(src).attr("__name__")).cast<std::string>();
+    if (type == "torch.dtype") {
+      value.name = str(src).cast<std::string>().substr(6);  // "torch.bfloat16" -> "bfloat16"
+      return true;
+    }
+    if (type == "numpy.dtype" || type.rfind("numpy.dtype[", 0) == 0) {
+      value.name = str(src.attr("name")).cast<std::string>();
+      return true;
+    }
+    return false;
+  }
+  static handle cast(const epx::py::DTypeName& src, return_value_policy /*policy*/, handle /*parent*/) {
+    return str(src.name).release();
+  }
+};
+
+template <>
+struct type_caster<epx::py::Int64> {
+  PYBIND11_TYPE_CASTER(epx::py::Int64, const_name("int64"));
+  bool load(handle src, bool convert) {
+    make_caster<int64_t> inner;
+    if (!inner.load(src, convert)) return false;
+    value.value = cast_op<int64_t>(inner);
+    return true;
+  }
+  static handle cast(epx::py::Int64 src, return_value_policy /*policy*/, handle /*parent*/) {
+    return PyLong_FromLongLong(src.value);
+  }
+};
+}  // namespace pybind11::detail

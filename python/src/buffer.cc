@@ -198,10 +198,10 @@ ArrayArg out_or_new(pb::handle out, std::string_view name, ArrayKind kind, DType
 // ---- creation --------------------------------------------------------------------------
 
 StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden,
-                       const std::string& dtype, int max_tokens_per_rank, std::optional<int> max_topk, int64_t max_recv_tokens,
-                       int expert_alignment, const std::string& max_combine_dtype, const std::string& fp8_scales,
+                       const DTypeName& dtype, int max_tokens_per_rank, std::optional<int> max_topk, Int64 max_recv_tokens,
+                       int expert_alignment, const DTypeName& max_combine_dtype, const std::string& fp8_scales,
                        const std::string& algorithm, double timeout, bool record_waits,
-                       const std::optional<std::vector<int32_t>>& expert_rank, int64_t max_expanded_rows) {
+                       const std::optional<std::vector<int32_t>>& expert_rank, Int64 max_expanded_rows) {
   Transport& t = transport->get();
   BufferConfig config;
   config.num_experts = num_experts;
@@ -231,8 +231,8 @@ StatePtr create_buffer(const std::shared_ptr<PyTransport>& transport, int num_ex
 // Buffer::expanded_rows_bound: the max_expanded_rows that makes room for every
 // receiver-weighted combine_expanded with y of `y_dtype` on `num_ranks` ranks.
 int64_t expanded_rows_bound(int num_ranks, int num_experts, int hidden, int max_tokens_per_rank,
-                            const std::string& y_dtype, std::optional<int> max_topk, int64_t max_recv_tokens,
-                            int expert_alignment, const std::string& max_combine_dtype,
+                            const DTypeName& y_dtype, std::optional<int> max_topk, Int64 max_recv_tokens,
+                            int expert_alignment, const DTypeName& max_combine_dtype,
                             const std::optional<std::vector<int32_t>>& expert_rank) {
   if (num_ranks < 1) throw_error("InvalidArgumentError", fmt::format("num_ranks = {} must be at least 1", num_ranks));
   BufferConfig config;
@@ -367,7 +367,7 @@ CombineWeights parse_weights_at(const std::string& weights_at) {
 
 pb::object combine_expanded(BufferState& self, pb::handle y_expanded, pb::handle handle, pb::handle out,
                             pb::handle weights, pb::handle bias, const std::string& weights_at,
-                            const std::string& partial_dtype, bool async) {
+                            const DTypeName& partial_dtype, bool async) {
   Buffer& buffer = self.get();
   const Handle h = handle_of(handle);
   const ArrayArg y = view_array(y_expanded, "y_expanded");
@@ -424,7 +424,7 @@ ArrayKind parse_library(const std::string& library) {
 // (combine_input), or, `expanded`, the expanded rows of y for a zero-copy
 // combine_expanded(weights_at="receiver") (combine_expanded_input, which
 // writes the region: views of it must be gone).
-pb::object combine_region_input(BufferState& self, pb::handle handle, const std::string& dtype,
+pb::object combine_region_input(BufferState& self, pb::handle handle, const DTypeName& dtype,
                                 const std::string& library, bool expanded) {
   Buffer& buffer = self.get();
   const Handle& h = handle_of(handle);
@@ -504,7 +504,7 @@ pb::object take_waits(BufferState& self) {
   return pb::cast(sum);
 }
 
-pb::object dequantize(pb::handle q, pb::handle scales, pb::handle out, const std::string& dtype) {
+pb::object dequantize(pb::handle q, pb::handle scales, pb::handle out, const DTypeName& dtype) {
   const ArrayArg q_arg = view_array(q, "q");
   ArrayArg s_arg = view_array(scales, "scales");
   if (q_arg.view.ndim() != 2 || s_arg.view.ndim() != 2) throw_error("InvalidArgumentError", "q, scales: must be 2-d");
@@ -576,56 +576,87 @@ void register_dispatch_result(pb::module_& m) {
 
 // The collective operations, blocking (`async` false) or as NAME_async,
 // which returns a PendingOp.
+// The docstring of a collective operation: `what`, and for NAME_async that it is queued.
+std::string op_doc(bool async, const char* what) {
+  return std::string("Collective (every rank calls it, in the same order): ") + what +
+         (async ? " Queued: returns an epx.PendingOp whose wait() gives that result." : "");
+}
+
 void register_buffer_ops(pb::class_<BufferState, StatePtr>& c, bool async) {
   const auto none = pb::none();
   const auto name = [async](const char* op) { return std::string(op) + (async ? "_async" : ""); };
   c.def(name("dispatch").c_str(), [async](BufferState& s, pb::handle x, pb::handle i, pb::handle w) {
     return dispatch(s, x, i, w, async);
-  }, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none);
+  }, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none,
+     op_doc(async, "sends each row of x [T, H] to the ranks of its experts (topk_idx [T, K], -1 = none); returns a "
+                   "DispatchResult whose recv_x is a view of the receive region.").c_str());
   c.def(name("dispatch_cached").c_str(), [async](BufferState& s, pb::handle x, pb::handle h) {
     return dispatch_cached(s, x, h, async);
-  }, pb::arg("x"), pb::arg("handle"));
+  }, pb::arg("x"), pb::arg("handle"),
+     op_doc(async, "dispatches x along an earlier dispatch's handle (no routing metadata exchanged); returns a view "
+                   "of the receive region.").c_str());
   c.def(name("combine").c_str(), [async](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle b) {
     return combine(s, y, h, o, b, async);
-  }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none);
+  }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none,
+     op_doc(async, "sends the received rows' outputs y back and sums each token's rows, weighted by its top-k "
+                   "weights, into out [T, H] (allocated when not given); returns out.").c_str());
   c.def(name("dispatch_backward").c_str(), [async](BufferState& s, pb::handle g, pb::handle h, pb::handle o,
                                                     pb::handle grw, pb::handle gw) {
     return dispatch_backward(s, g, h, o, grw, gw, async);
   }, pb::arg("grad_recv_x"), pb::arg("handle"), pb::arg("grad_x") = none, pb::arg("grad_recv_topk_weights") = none,
-     pb::arg("grad_topk_weights") = none);
+     pb::arg("grad_topk_weights") = none,
+     op_doc(async, "dispatch's backward: grad_recv_x back to the tokens, summed into grad_x [T, H]; returns grad_x, "
+                   "or (grad_x, grad_topk_weights) when grad_recv_topk_weights is given.").c_str());
   c.def(name("combine_backward").c_str(), [async](BufferState& s, pb::handle g, pb::handle h) {
     return combine_backward(s, g, h, async);
-  }, pb::arg("grad_out"), pb::arg("handle"));
+  }, pb::arg("grad_out"), pb::arg("handle"),
+     op_doc(async, "combine's backward: grad_out [T, H] to the ranks that received each token; returns a view of "
+                   "the receive region.").c_str());
   c.def(name("combine_expanded").c_str(), [async](BufferState& s, pb::handle y, pb::handle h, pb::handle o,
                                                    pb::handle w, pb::handle b, const std::string& at,
-                                                   const std::string& partial) {
+                                                   const DTypeName& partial) {
     return combine_expanded(s, y, h, o, w, b, at, partial, async);
   }, pb::arg("y_expanded"), pb::arg("handle"), pb::arg("out") = none, pb::arg("weights") = none,
-     pb::arg("bias") = none, pb::arg("weights_at") = "holder", pb::arg("partial_dtype") = "f32");
+     pb::arg("bias") = none, pb::arg("weights_at") = "holder", pb::arg("partial_dtype") = "f32",
+     op_doc(async, "combine of y in the expanded layout (one row per (token, expert) pair); weights_at 'holder' or "
+                   "'receiver' (each token's rank applies its weights, in top-k order); returns out.").c_str());
   c.def(name("combine_expanded_backward").c_str(), [async](BufferState& s, pb::handle g, pb::handle h, pb::handle y,
                                                             pb::handle w, pb::handle gy, pb::handle gw, bool with_gw) {
     return combine_expanded_backward(s, g, h, y, w, gy, gw, with_gw, async);
   }, pb::arg("grad_out"), pb::arg("handle"), pb::arg("y_expanded"), pb::arg("weights") = none,
-     pb::arg("grad_y_expanded") = none, pb::arg("grad_weights") = none, pb::arg("with_grad_weights") = false);
+     pb::arg("grad_y_expanded") = none, pb::arg("grad_weights") = none, pb::arg("with_grad_weights") = false,
+     op_doc(async, "combine_expanded's backward: returns (grad_y_expanded, grad_weights), grad_weights None unless "
+                   "with_grad_weights or grad_weights= is given.").c_str());
 }
 
 // The local operations and the split forms.
 void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
   const auto none = pb::none();
-  c.def("combine_input", [](BufferState& s, pb::handle h, const std::string& dtype, const std::string& library) {
+  c.def("combine_input", [](BufferState& s, pb::handle h, const DTypeName& dtype, const std::string& library) {
     return combine_region_input(s, h, dtype, library, false);
-  }, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy")
-      .def("combine_expanded_input", [](BufferState& s, pb::handle h, const std::string& dtype,
+  }, pb::arg("handle"), pb::arg("dtype") = "f32", pb::arg("library") = "numpy",
+     "Local: a view of the combine region to write the received rows' outputs y into, then pass it to combine.")
+      .def("combine_expanded_input", [](BufferState& s, pb::handle h, const DTypeName& dtype,
                                         const std::string& library) {
     return combine_region_input(s, h, dtype, library, true);
-  }, pb::arg("handle"), pb::arg("dtype") = "bf16", pb::arg("library") = "numpy")
-      .def("recv_scales", &recv_scales, pb::arg("handle"), pb::arg("library") = "numpy")
-      .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"))
-      .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none)
-      .def("dispatch_send", &dispatch_send, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none)
-      .def("dispatch_recv", &dispatch_recv, pb::arg("timeout") = none)
-      .def("combine_send", &combine_send, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none)
-      .def("combine_recv", &combine_recv, pb::arg("timeout") = none);
+  }, pb::arg("handle"), pb::arg("dtype") = "bf16", pb::arg("library") = "numpy",
+     "Local: a view of the combine region for y in the expanded layout (a zero-copy receiver-weighted "
+     "combine_expanded); writes the region, so other views of it must be gone.")
+      .def("recv_scales", &recv_scales, pb::arg("handle"), pb::arg("library") = "numpy",
+           "Local: fp8 Buffers: the scales of the received rows (a view of the receive region).")
+      .def("expanded_layout", [](BufferState& s, pb::handle h) { return expanded_layout(s, h); }, pb::arg("handle"),
+           "Local: the received rows laid out per local expert (expert_offsets, num_tokens_per_expert, row_of, "
+           "recv_row, num_rows).")
+      .def("expand", &expand, pb::arg("recv_x"), pb::arg("handle"), pb::arg("out") = none,
+           "Local: recv_x copied into the expanded layout (one row per (token, local expert)); returns out.")
+      .def("dispatch_send", &dispatch_send, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none,
+           "Collective, split form: starts a dispatch; dispatch_recv finishes it.")
+      .def("dispatch_recv", &dispatch_recv, pb::arg("timeout") = none,
+           "Finishes dispatch_send: the DispatchResult (timeout in seconds, None = the Buffer's).")
+      .def("combine_send", &combine_send, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("bias") = none,
+           "Collective, split form: starts a combine; combine_recv finishes it.")
+      .def("combine_recv", &combine_recv, pb::arg("timeout") = none,
+           "Finishes combine_send: returns out (timeout in seconds, None = the Buffer's).");
 }
 
 }  // namespace
@@ -633,8 +664,11 @@ void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
 void register_buffer(pb::module_& m) {
   register_results(m);
   register_dispatch_result(m);
-  pb::class_<BufferState, StatePtr> c(m, "Buffer", "Dispatch and combine for one rank (include/epx/exchange/buffer.h).");
-  c.def(pb::init(&create_buffer), pb::arg("transport"), pb::arg("num_experts"), pb::arg("hidden"),
+  pb::class_<BufferState, StatePtr> c(
+      m, "Buffer",
+      "Dispatch and combine for one rank (include/epx/exchange/buffer.h). Creating one is collective: every rank "
+      "of the transport creates its Buffer with the same settings, in the same order.");
+  c.def(pb::init(&create_buffer), pb::arg("transport").none(false), pb::arg("num_experts"), pb::arg("hidden"),
         pb::arg("dtype") = "bf16", pb::arg("max_tokens_per_rank") = 0, pb::arg("max_topk") = pb::none(),
         pb::arg("max_recv_tokens") = 0, pb::arg("expert_alignment") = 1, pb::arg("max_combine_dtype") = "f32",
         pb::arg("fp8_scales") = "f32", pb::arg("algorithm") = "auto", pb::arg("timeout") = 30.0,
@@ -647,7 +681,7 @@ void register_buffer(pb::module_& m) {
       .def_property_readonly("max_expanded_rows", [](const BufferState& s) { return s.get().config().max_expanded_rows; })
       .def_property_readonly("dtype", [](const BufferState& s) { return std::string(dtype_name(s.get().config().dtype)); })
       .def_property_readonly("transport", [](const BufferState& s) { return s.transport; })
-      .def("take_waits", &take_waits)
+      .def("take_waits", &take_waits, "Local: who this rank waited for since the last call (a WaitRecord).")
       .def_static("expanded_rows_bound", &expanded_rows_bound, pb::arg("num_ranks"), pb::arg("num_experts"),
                   pb::arg("hidden"), pb::arg("max_tokens_per_rank"), pb::arg("y_dtype") = "bf16",
                   pb::arg("max_topk") = pb::none(), pb::arg("max_recv_tokens") = 0, pb::arg("expert_alignment") = 1,

@@ -77,8 +77,8 @@ PyLowLatencyResult copy_result(const LowLatencyDispatchResult& r, ArrayKind kind
                             r.stats};
 }
 
-StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden, const std::string& dtype,
-                int max_tokens_per_rank, std::optional<int> max_topk, int capacity, const std::string& max_combine_dtype,
+StatePtr create(const std::shared_ptr<PyTransport>& transport, int num_experts, int hidden, const DTypeName& dtype,
+                int max_tokens_per_rank, std::optional<int> max_topk, int capacity, const DTypeName& max_combine_dtype,
                 const std::optional<std::vector<int32_t>>& expert_rank, double timeout, pb::handle combine_per_rank) {
   Transport& t = transport->get();
   LowLatencyConfig config{.num_experts = num_experts,
@@ -196,8 +196,9 @@ void bind_results(pb::module_& m) {
 
 void bind_buffer(pb::module_& m) {
   pb::class_<LowLatencyState, StatePtr>(m, "LowLatencyBuffer",
-                                        "Low-latency dispatch and combine with fixed shapes (decode steps).")
-      .def(pb::init(&create), "transport"_a, "num_experts"_a, "hidden"_a, "dtype"_a = "bf16",
+                                        "Low-latency dispatch and combine with fixed shapes (decode steps). Creating one is "
+                                        "collective: every rank creates its buffer with the same settings.")
+      .def(pb::init(&create), pb::arg("transport").none(false), "num_experts"_a, "hidden"_a, "dtype"_a = "bf16",
            "max_tokens_per_rank"_a = 0, "max_topk"_a = pybind11::none(), "capacity"_a = 0, "max_combine_dtype"_a = "f32",
            "expert_rank"_a = pb::none(), "timeout"_a = 30.0, "combine_per_rank"_a = false)
       .def("dispatch", &dispatch, "x"_a, "topk_idx"_a, "topk_weights"_a = pb::none(),

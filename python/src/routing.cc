@@ -106,7 +106,7 @@ void bind_router_config(pb::module_& m) {
       .def_readwrite("pad_to_capacity", &RouterConfig::pad_to_capacity)
       .def("validate", [](const RouterConfig& c) { check(c.validate()); },
            "Raises InvalidArgumentError naming the first bad field.")
-      .def("capacity", [](const RouterConfig& c, int64_t num_tokens) { return expert_capacity(c, num_tokens); },
+      .def("capacity", [](const RouterConfig& c, Int64 num_tokens) { return expert_capacity(c, num_tokens); },
            "num_tokens"_a, "Rows each expert keeps for num_tokens tokens (0 when dropless).")
       .def("__repr__", &describe_config);
 }

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,6 +30,10 @@ Transport& PyTransport::get() const {
 }
 
 Deadline deadline_after(pb::handle seconds, double fallback) {
+  if (!seconds.is_none() && !pb::isinstance<pb::float_>(seconds) && !PyIndex_Check(seconds.ptr())) {
+    throw pb::type_error(fmt::format("timeout = {} ({}) is not a number of seconds",
+                                     pb::repr(seconds).cast<std::string>(), type_name(seconds)));
+  }
   const double s = seconds.is_none() ? fallback : seconds.cast<double>();
   if (!(s >= 0)) throw_error("InvalidArgumentError", fmt::format("timeout: {} s is negative", s));
   return Deadline::after(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)));
@@ -111,7 +116,25 @@ MpiSession& mpi_session() {
   return *state.session;
 }
 
+// A torchrun-style launch (WORLD_SIZE > 1, no MPI launcher): MPI would give
+// each process rank 0 of 1 and every process would train alone; refused.
+void refuse_torchrun_launch() {
+  const char* world_size = std::getenv("WORLD_SIZE");
+  if (world_size == nullptr || launched_by_mpi()) return;
+  char* end = nullptr;
+  const long size = std::strtol(world_size, &end, 10);
+  if (end == world_size || size <= 1) return;
+  const char* rank = std::getenv("RANK");
+  throw_error("FailedPreconditionError",
+              fmt::format("mpi_transport: WORLD_SIZE={} and RANK={} are set (a torchrun-style launch) but no MPI "
+                          "launcher started this process, so MPI would make it rank 0 of 1 and each process would "
+                          "train alone; start the {} processes with `mpirun -n {} python3 ...` or srun (epx has no "
+                          "torch.distributed transport), or run in one process with epx.InprocWorld",
+                          world_size, rank != nullptr ? rank : "(unset)", size, size));
+}
+
 TransportPtr mpi_transport(int ranks_per_node) {
+  refuse_torchrun_launch();
   MpiSession& session = mpi_session();
   MpiOptions options;
   options.ranks_per_node = ranks_per_node;

@@ -158,11 +158,10 @@ def test_grouped_experts_match_autograd_and_accumulate_across_backwards():
     pieces = x.split(counts)
     want_y = torch.cat([(torch.nn.functional.silu(p @ w1[l]) * (p @ w3[l])) @ w2[l] for l, p in enumerate(pieces)])
     want = torch.autograd.grad(want_y, (x, w1, w3, w2), grad)
-    scratch = et.functions.GradientScratch()
-    y = et.functions.grouped_swiglu(x, counts, w1, w3, w2, scratch)
+    y = et.functions.grouped_swiglu(x, counts, w1, w3, w2)
     assert torch.allclose(y, want_y, atol=1e-5)
-    for step in (1, 2):  # the scratch is reused: .grad must hold the sum of both, not twice the last
-        et.functions.grouped_swiglu(x, counts, w1, w3, w2, scratch).backward(grad)
+    for step in (1, 2):  # .grad must hold the sum of both backwards, not twice the last
+        et.functions.grouped_swiglu(x, counts, w1, w3, w2).backward(grad)
         for got, expected in zip((x.grad, w1.grad, w3.grad, w2.grad), want):
             assert torch.allclose(got, step * expected, atol=1e-4), f"step {step}"
     assert w1.grad[1].abs().max() == 0  # the expert without rows

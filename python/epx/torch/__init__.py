@@ -1,6 +1,8 @@
 """epx.torch: autograd functions over epx's exchange and an MoE nn.Module (docs/python.md, "epx.torch")."""
-from .functions import Dispatched, combine, dispatch, fold_expanded, payload_dtype, route
-from .moe import MoE, all_reduce_grads, all_reduce_sum, dense_init, expert_init, rms_norm, swiglu
+from .functions import Dispatched, combine, dispatch, dtype_name, fold_expanded, payload_dtype, route
+from .moe import (MoE, all_reduce_grads, all_reduce_sum, dense_init, expert_init, rank_generator, reshard,
+                  rms_norm, swiglu)
 
 __all__ = ["Dispatched", "MoE", "all_reduce_grads", "all_reduce_sum", "combine", "dense_init", "dispatch",
-           "expert_init", "fold_expanded", "payload_dtype", "rms_norm", "route", "swiglu"]
+           "dtype_name", "expert_init", "fold_expanded", "payload_dtype", "rank_generator", "reshard", "rms_norm",
+           "route", "swiglu"]

@@ -20,6 +20,7 @@ the Buffer's transport calls them in the same order, and every rank must
 need their gradients (or none). No view of the Buffer's receive region
 outlives a call: what backward needs is copied into torch tensors.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,25 @@ import torch
 import epx
 
 _PAYLOAD_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+_PAYLOAD_ALIASES = {"float32": "f32", "bfloat16": "bf16", torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def first_order(backward):
+    """Marks an autograd backward as first-order only: it runs without building a graph, and a
+    double backward (create_graph=True, then differentiating its results) raises a RuntimeError
+    naming the function instead of silently giving wrong second derivatives."""
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not (torch.is_grad_enabled() and any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads)):
+            return outputs
+        name = backward.__qualname__.split(".")[0].lstrip("_")
+        message = (f"epx.torch: {name} has no double backward (its backward is epx's first-order pass): "
+                   "differentiate its results without create_graph=True")
+        error = torch._C._functions.DelayedError(message.encode(), len(outputs))
+        return error(*[o.detach().requires_grad_() if isinstance(o, torch.Tensor) else o for o in outputs])
+    return wrapped
 
 
 def dense(t, dtype=None):
@@ -48,11 +68,18 @@ def _row_major(shape):
     return list(reversed(strides))
 
 
-def payload_dtype(name):
-    """The torch dtype of an epx payload dtype name ("f32" or "bf16")."""
+def dtype_name(dtype):
+    """epx's name ("f32" or "bf16") of a payload dtype given as that name, "float32",
+    "bfloat16", torch.float32 or torch.bfloat16; ValueError naming it otherwise."""
+    name = _PAYLOAD_ALIASES.get(dtype, dtype) if isinstance(dtype, (str, torch.dtype)) else None
     if name not in _PAYLOAD_DTYPES:
-        raise ValueError(f"dtype '{name}' is not one of {sorted(_PAYLOAD_DTYPES)}")
-    return _PAYLOAD_DTYPES[name]
+        raise ValueError(f"dtype {dtype!r} is not one of 'f32', 'bf16', torch.float32, torch.bfloat16")
+    return name
+
+
+def payload_dtype(dtype):
+    """The torch dtype of an epx payload dtype ("f32", "bf16", or the torch dtype itself)."""
+    return _PAYLOAD_DTYPES[dtype_name(dtype)]
 
 
 @dataclass
@@ -95,6 +122,7 @@ class _Dispatch(torch.autograd.Function):
         return x_expanded, recv_weights, offsets
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_x_expanded, grad_recv_weights, _grad_offsets):
         (row_of,) = ctx.saved_tensors
         num_recv, hidden = row_of.shape[0], grad_x_expanded.shape[1]
@@ -144,6 +172,7 @@ class _Combine(torch.autograd.Function):
         return out
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_out):
         y, w = ctx.saved_tensors
         grad_y = torch.empty_like(y)
@@ -173,6 +202,7 @@ class _Route(torch.autograd.Function):
         return idx, weights
 
     @staticmethod
+    @first_order
     def backward(ctx, _grad_idx, grad_weights):
         grad = epx.route_backward(ctx.config, ctx.routed, dense(grad_weights, torch.float32))
         return torch.as_tensor(grad).float().reshape(ctx.routed.num_tokens, ctx.routed.num_experts), None, None, None
@@ -193,45 +223,33 @@ def route(config, logits, expert_bias=None):
 class _GroupedSwiGLU(torch.autograd.Function):
     """y[rows of expert l] = SwiGLU_l(x[rows of expert l]), f32, one GEMM per expert and
     weight; backward writes each expert's weight gradients straight into one contiguous
-    gradient per weight (autograd's slices or unbind would join them in extra copies)."""
+    gradient per weight (autograd's slices or unbind would join them in extra copies).
+    Every backward returns tensors of its own: autograd may hold one call's gradients
+    while another call's backward runs (one module called twice in a graph)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, counts, scratch):
+    def forward(ctx, x, w1, w3, w2, counts):
         # Per-expert intermediates, not one [rows, F] tensor: glibc serves blocks under 32 MiB
         # from memory it keeps, larger ones are fresh pages, whose page faults are costly.
         h1 = [xl @ w1[l] for l, xl in enumerate(x.split(counts))]
         h3 = [xl @ w3[l] for l, xl in enumerate(x.split(counts))]
         y = [(torch.nn.functional.silu(a) * b) @ w2[l] for l, (a, b) in enumerate(zip(h1, h3))]
-        ctx.counts, ctx.scratch = counts, scratch
+        ctx.counts = counts
         ctx.save_for_backward(x, w1, w3, w2, *h1, *h3)
         return torch.cat(y) if y else x.new_zeros((0, x.shape[1]))
 
     @staticmethod
+    @first_order
     def backward(ctx, grad_y):
         x, w1, w3, w2, *h = ctx.saved_tensors
         L = len(ctx.counts)
         grad_y = grad_y.contiguous()
         grad_x = torch.empty_like(x)
-        grads = ctx.scratch.gradients((w1, w3, w2))
+        grads = [torch.empty_like(w) for w in (w1, w3, w2)]
         pieces = (t.split(ctx.counts) for t in (x, grad_y, grad_x))
         for l, (xl, gyl, gxl) in enumerate(zip(*pieces)):
             _swiglu_backward_one(l, xl, gyl, h[l], h[L + l], gxl, (w1, w3, w2), grads)
-        return (grad_x, *grads, None, None)
-
-
-class GradientScratch:
-    """The weight gradients grouped_swiglu's backward writes, kept from one backward to the
-    next: autograd adds them into .grad (it cannot take them: this object holds them), so a
-    step allocates nothing of the weights' size. Large fresh allocations are fresh pages,
-    and their page faults can dominate the backward (docs/performance.md, From Python)."""
-
-    def __init__(self):
-        self._tensors = []
-
-    def gradients(self, weights):
-        if [t.shape for t in self._tensors] != [w.shape for w in weights]:
-            self._tensors = [torch.empty_like(w) for w in weights]
-        return self._tensors
+        return (grad_x, *grads, None)
 
 
 def _swiglu_backward_one(l, x, grad_y, h1, h3, grad_x, weights, grads):
@@ -253,10 +271,8 @@ def _swiglu_backward_one(l, x, grad_y, h1, h3, grad_x, weights, grads):
     grad_x.addmm_(grad_h3, w3[l].t())
 
 
-def grouped_swiglu(x, counts, w1, w3, w2, scratch=None):
+def grouped_swiglu(x, counts, w1, w3, w2):
     """The experts of one rank: x [rows, H] f32 in the expanded layout (expert l's rows are
     counts[l] consecutive rows), w1, w3 [L, H, F], w2 [L, F, H] f32 -> y [rows, H] f32;
-    differentiable in x and the weights. `scratch` (a GradientScratch) keeps the weight
-    gradients' memory from one backward to the next (none: fresh each time)."""
-    return _GroupedSwiGLU.apply(x.contiguous(), w1.contiguous(), w3.contiguous(), w2.contiguous(), list(counts),
-                                scratch or GradientScratch())
+    differentiable in x and the weights."""
+    return _GroupedSwiGLU.apply(x.contiguous(), w1.contiguous(), w3.contiguous(), w2.contiguous(), list(counts))

@@ -3,6 +3,8 @@
     out = x + combine(experts(dispatch(RMSNorm(x), route(RMSNorm(x) @ router))))
             + shared_experts(RMSNorm(x))
 
+(with norm_and_residual=False, a drop-in FFN: out = combine(...) + shared_experts(x))
+
 as the C++ MoELayer (include/epx/layer/moe_layer.h), in torch: every rank
 holds one MoE per model layer and calls forward with its own tokens; the norm,
 the router and the shared experts are dense parameters (replicated: sum their
@@ -13,6 +15,7 @@ collectives. Initialisation is a pure function of (seed, layer_index, logical
 expert), so 1 rank holding every expert starts where R ranks do.
 """
 import math
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -94,25 +97,49 @@ def all_reduce_grads(parameters, transport):
         offset += n
 
 
+_EXPERT_WEIGHTS = ("w1", "w3", "w2")
+# Not pickled or deep-copied: the transport and the Buffer belong to one process's run
+# (attach() gives them back); ExpertBias and RouterConfig are rebuilt from plain values.
+_DROPPED_ON_COPY = ("transport", "buffer", "bias", "router_config")
+
+
+def rank_generator(transport, seed):
+    """A torch.Generator of this rank's own stream: a pure function of (seed, rank). In-process
+    ranks (InprocWorld) are threads sharing torch's global generator, so draws from it (dropout,
+    torch.randn without generator=) interleave in thread order and are not reproducible; give
+    each rank's random draws this generator instead."""
+    key = _splitmix64(_splitmix64(seed) ^ (transport.rank << 32)) >> 1
+    return torch.Generator().manual_seed(key)
+
+
 class MoE(nn.Module):
     """One MoE block on `transport` (epx.InprocWorld's rank transport or epx.mpi_transport()).
 
+    Creating one is collective: every rank of the transport creates its MoE (and so its
+    epx.Buffer) with the same settings, in the same order; forward and backward are collectives.
+
     Balancing (as `epx train`): aux_loss_coeff with aux_loss "micro-batch" (each rank's tokens)
     or "global-batch" (f and P over every rank's tokens, one all-reduce); z_loss_coeff;
-    expert_bias (aux-loss-free: call update_bias() after each optimizer step);
-    capacity_factor (> 0 drops the tokens over each expert's capacity on each rank).
+    expert_bias (aux-loss-free: call update_bias() after each optimizer step; the bias is the
+    buffer `expert_bias`, saved in state_dict); capacity_factor (> 0 drops the tokens over each
+    expert's capacity on each rank).
     combine_weights "holder" or "receiver" (MoELayerConfig::combine_weights: each token's rank
     applies its top-k weights, in top-k order; the Buffer is flat with max_expanded_rows).
-    dtype "f32" or "bf16": the dispatch payload and the expert GEMMs' weights (f32 maths).
-    After each forward: aux_loss (this rank's share, a tensor to add to the loss) and
-    load (tokens_per_expert over every rank, max_vio, dropped).
+    dtype "f32" / torch.float32 or "bf16" / torch.bfloat16: the dispatch payload and the expert
+    GEMMs' weights (f32 maths, f32 parameters). norm_and_residual=False drops the built-in RMSNorm
+    and residual (a drop-in FFN, as Megatron's MoELayer: out = experts(x) + shared(x)).
+    forward takes x [tokens, hidden] or [batch, seq, hidden], float32 or bfloat16, and returns
+    out of x's shape and dtype. After each forward: aux_loss (this rank's share, a tensor to add
+    to the loss) and load (tokens_per_expert over every rank, max_vio, dropped).
+    copy.deepcopy and torch.save(module) keep the parameters and buffers but not the transport:
+    call attach(transport) on every rank before the copy's forward.
     """
 
     def __init__(self, hidden, ffn_hidden, num_experts, topk, *, transport, layer_index=0,
                  num_shared_experts=0, dtype="f32", score_function="softmax", normalize_weights=False,
                  capacity_factor=0.0, aux_loss_coeff=0.0, aux_loss="micro-batch", z_loss_coeff=0.0,
                  expert_bias=False, bias_rate=1e-3, norm_eps=1e-6, seed=1, init_std=0.0,
-                 max_tokens_per_rank=4096, buffer=None, combine_weights="holder"):
+                 max_tokens_per_rank=4096, buffer=None, combine_weights="holder", norm_and_residual=True):
         super().__init__()
         if aux_loss not in ("micro-batch", "global-batch"):
             raise ValueError(f"aux_loss '{aux_loss}' is not one of micro-batch, global-batch")
@@ -124,21 +151,71 @@ class MoE(nn.Module):
         if num_experts % ranks != 0:
             raise ValueError(f"num_experts = {num_experts} is not a multiple of the {ranks} ranks")
         self.hidden, self.ffn_hidden, self.num_experts, self.topk = hidden, ffn_hidden, num_experts, topk
-        self.transport, self.layer_index, self.norm_eps = transport, layer_index, norm_eps
-        self.dtype_name, self.payload = dtype, functions.payload_dtype(dtype)
+        self.layer_index, self.norm_eps, self.norm_and_residual = layer_index, norm_eps, norm_and_residual
+        self.dtype_name = functions.dtype_name(dtype)
+        self.payload = functions.payload_dtype(self.dtype_name)
         self.aux_loss_coeff, self.aux_loss_kind, self.z_loss_coeff = aux_loss_coeff, aux_loss, z_loss_coeff
         self.use_expert_bias, self.score_function = expert_bias, score_function
-        self.router_config = epx.RouterConfig(num_experts=num_experts, topk=topk, score_function=score_function,
-                                              normalize_weights=normalize_weights, capacity_factor=capacity_factor)
-        self.bias = epx.ExpertBias(num_experts, rate=bias_rate)
-        self.combine_weights = combine_weights
-        self.buffer = buffer or self._make_buffer(transport, max_tokens_per_rank)
+        self._router_kwargs = dict(num_experts=num_experts, topk=topk, score_function=score_function,
+                                   normalize_weights=normalize_weights, capacity_factor=capacity_factor)
+        self._bias_settings = (bias_rate, False)
+        self.combine_weights, self.max_tokens_per_rank = combine_weights, max_tokens_per_rank
         self.num_local = num_experts // ranks
         self.first_expert = transport.rank * self.num_local
+        self._rebuild_routing()
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.register_buffer("expert_range", torch.tensor([self.first_expert, self.num_local, num_experts]))
         self._init_parameters(seed, init_std, num_shared_experts)
+        self.transport, self.buffer = None, None
+        self.attach(transport, buffer)
         self.aux_loss = torch.zeros(())
         self.load = None
-        self._scratch = functions.GradientScratch()
+
+    def _rebuild_routing(self):
+        self.router_config = epx.RouterConfig(**self._router_kwargs)
+        rate, frozen = self._bias_settings
+        self.bias = epx.ExpertBias(self.num_experts, rate=rate)
+        self.bias.frozen = frozen
+
+    def attach(self, transport, buffer=None):
+        """Gives this MoE its transport (and Buffer: made here unless given). Collective: every
+        rank calls it, after copy.deepcopy or torch.load of the module, with the rank that holds
+        this module's experts (a state_dict of another rank count: reshard() it first)."""
+        ranks, rank = transport.num_ranks, transport.rank
+        if ranks * self.num_local != self.num_experts or rank * self.num_local != self.first_expert:
+            raise epx.InvalidArgumentError(
+                f"transport: rank {rank} of {ranks} does not hold this MoE's experts "
+                f"[{self.first_expert}, {self.first_expert + self.num_local}) of {self.num_experts}; "
+                "reshard its state_dicts (epx.torch.reshard) and load them into a new MoE")
+        self.transport = transport
+        self.buffer = buffer or self._make_buffer(transport, self.max_tokens_per_rank)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_bias_settings"] = (self.bias.rate, self.bias.frozen)
+        state["aux_loss"] = self.aux_loss.detach()  # a graph's output cannot be copied
+        for name in _DROPPED_ON_COPY:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.transport, self.buffer = None, None
+        self._rebuild_routing()
+
+    def _apply(self, fn):
+        """Refuses conversions that would leave float32 or the CPU (module.half(), .to(torch.bfloat16),
+        .cuda()) before anything is converted; .float() and .to("cpu") pass."""
+        try:
+            probe = fn(torch.zeros((), dtype=torch.float32))
+        except Exception:  # noqa: BLE001 - the conversion itself fails below with torch's message
+            probe = None
+        if isinstance(probe, torch.Tensor) and (probe.dtype != torch.float32 or probe.device.type != "cpu"):
+            raise epx.InvalidArgumentError(
+                f"epx.torch.MoE keeps float32 parameters on the CPU; this conversion would make them "
+                f"{probe.dtype} on {probe.device.type}: for a bf16 layer create MoE(..., dtype=torch.bfloat16) "
+                "(bf16 payload and expert GEMM weights) and pass bf16 or f32 input, returned in its dtype")
+        return super()._apply(fn)
 
     def _make_buffer(self, transport, max_tokens_per_rank):
         """The Buffer; receiver weights: flat, with room for the expanded rows of y (f32)."""
@@ -152,7 +229,7 @@ class MoE(nn.Module):
 
     def _init_parameters(self, seed, init_std, num_shared_experts):
         H, F = self.hidden, self.ffn_hidden
-        self.norm = nn.Parameter(torch.ones(H))
+        self.norm = nn.Parameter(torch.ones(H)) if self.norm_and_residual else None
         router, shared = dense_init(seed, self.layer_index, H, F, self.num_experts, num_shared_experts, init_std)
         self.router = nn.Parameter(router)
         self.shared = nn.ParameterList([nn.Parameter(w) for w in shared]) if shared else None
@@ -164,7 +241,8 @@ class MoE(nn.Module):
 
     def dense_parameters(self):
         """Replicated parameters (sum their gradients over ranks): norm, router, shared experts."""
-        return [self.norm, self.router] + (list(self.shared) if self.shared is not None else [])
+        norm = [self.norm] if self.norm is not None else []
+        return norm + [self.router] + (list(self.shared) if self.shared is not None else [])
 
     def expert_parameters(self):
         """This rank's local experts' w1, w3, w2 ([num_local, ...] each)."""
@@ -178,24 +256,44 @@ class MoE(nn.Module):
         bounds = offsets.tolist()
         counts = [bounds[l + 1] - bounds[l] for l in range(self.num_local)]
         w1, w3, w2 = (self._stored(w) for w in (self.w1, self.w3, self.w2))
-        return functions.grouped_swiglu(x_expanded.float(), counts, w1, w3, w2, self._scratch)
+        return functions.grouped_swiglu(x_expanded.float(), counts, w1, w3, w2)
+
+    def _check_input(self, x):
+        """x as [tokens, hidden] float32; errors name `x`."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise epx.InvalidArgumentError(f"x: a {x.device.type} tensor; epx.torch takes CPU tensors only")
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise epx.InvalidArgumentError(f"x: dtype {x.dtype} is not torch.float32 or torch.bfloat16")
+        if x.dim() not in (2, 3) or x.shape[-1] != self.hidden:
+            raise epx.InvalidArgumentError(f"x: shape {list(x.shape)} is not [tokens, {self.hidden}] or "
+                                           f"[batch, seq, {self.hidden}]")
+        if self.transport is None:
+            raise epx.FailedPreconditionError(
+                "this MoE has no transport (copy.deepcopy and torch.save drop it): call attach(transport) "
+                "on every rank first")
+        return x.reshape(-1, self.hidden).float()
 
     def forward(self, x):
-        """x [T, H] f32 -> out [T, H] f32; sets aux_loss and load."""
-        n = rms_norm(x, self.norm, self.norm_eps)
+        """x [tokens, H] or [batch, seq, H] (f32 or bf16) -> out of x's shape and dtype; sets aux_loss and load."""
+        flat = self._check_input(x)
+        n = rms_norm(flat, self.norm, self.norm_eps) if self.norm_and_residual else flat
         logits = n @ self.router
-        bias = self.bias if self.use_expert_bias else None
+        bias = self.expert_bias if self.use_expert_bias else None
         topk_idx, topk_weights, routed = functions.route(self.router_config, logits, bias)
         counts = torch.as_tensor(routed.tokens_per_expert).double()  # kept (token, slot) pairs, counted by epx.route
         self.aux_loss = self._auxiliary_losses(logits, counts, float(topk_idx.numel()))
         payload = n.to(self.payload)
         dispatched = functions.dispatch(self.buffer, payload, topk_idx, topk_weights)
         y = self._experts(dispatched.x_expanded, dispatched.expert_offsets)
-        out = x + functions.combine(self.buffer, y, dispatched.recv_topk_weights, dispatched, self.combine_weights)
+        out = functions.combine(self.buffer, y, dispatched.recv_topk_weights, dispatched, self.combine_weights)
+        if self.norm_and_residual:
+            out = flat + out
         if self.shared is not None:
             out = out + swiglu(payload.float(), *[self._stored(w) for w in self.shared])
         self.load = self._load_stats(counts, routed.num_dropped)
-        return out
+        return out.reshape(x.shape).to(x.dtype)
 
     def _auxiliary_losses(self, logits, counts, pairs):
         """This rank's share of the weighted auxiliary and z losses (summed over ranks: the layer's);
@@ -237,11 +335,80 @@ class MoE(nn.Module):
         return {"tokens_per_expert": tokens, "max_vio": max_vio, "dropped": int(total[E])}
 
     def update_bias(self):
-        """Aux-loss-free balancing: moves the expert bias by the last forward's global load."""
+        """Aux-loss-free balancing: moves the expert bias (the buffer expert_bias) by the last
+        forward's global load."""
         if self.use_expert_bias and self.load is not None:
+            self.bias.set_values(functions.dense(self.expert_bias, torch.float32))
             self.bias.update(self.load["tokens_per_expert"].tolist())
+            with torch.no_grad():
+                self.expert_bias.copy_(torch.as_tensor(self.bias.values))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Refuses, before copying anything of this module, a state_dict of other experts."""
+        saved = state_dict.get(prefix + "expert_range")
+        if saved is not None and not torch.equal(saved.to(torch.int64), self.expert_range):
+            first, num, total = (int(v) for v in saved.tolist())
+            raise epx.InvalidArgumentError(
+                f"state_dict '{prefix}expert_range': it holds experts [{first}, {first + num}) of {total}, this "
+                f"rank's MoE holds [{self.first_expert}, {self.first_expert + self.num_local}) of "
+                f"{self.num_experts}; reshard the ranks' state_dicts with epx.torch.reshard")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self):
         return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, num_experts={self.num_experts}, "
                 f"topk={self.topk}, local_experts=[{self.first_expert}, {self.first_expert + self.num_local}), "
-                f"dtype={self.dtype_name}")
+                f"dtype={self.dtype_name}, norm_and_residual={self.norm_and_residual}")
+
+
+def _moe_prefixes(state_dict):
+    return [key[:-len("expert_range")] for key in state_dict if key.endswith("expert_range")]
+
+
+def _ordered_by_experts(state_dicts, prefix):
+    """The state_dicts in expert order; ValueError unless they hold [0, E) once each."""
+    ranges = [[int(v) for v in sd[prefix + "expert_range"].tolist()] for sd in state_dicts]
+    order = sorted(range(len(state_dicts)), key=lambda r: ranges[r][0])
+    expected = 0
+    for r in order:
+        first, num, total = ranges[r]
+        if first != expected or total != ranges[order[0]][2]:
+            raise ValueError(f"state_dicts: '{prefix}expert_range' of state_dict {r} is experts "
+                             f"[{first}, {first + num}) of {total}, expected experts from {expected}")
+        expected += num
+    if expected != ranges[order[0]][2]:
+        raise ValueError(f"state_dicts: '{prefix}' experts cover [0, {expected}) of {ranges[order[0]][2]}")
+    return [state_dicts[r] for r in order]
+
+
+def reshard(state_dicts, num_ranks):
+    """The state_dicts of every rank of a model with epx.torch.MoE layers (as saved on R ranks, in
+    any order) -> num_ranks state_dicts, one per rank of the new world: each MoE's experts w1, w3,
+    w2 regrouped into contiguous blocks of E / num_ranks, every other entry (replicated: it must be
+    equal on every rank) copied. Raises ValueError naming the first entry that does not fit."""
+    if not state_dicts:
+        raise ValueError("state_dicts: empty (one per rank expected)")
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks = {num_ranks} must be at least 1")
+    out = [OrderedDict() for _ in range(num_ranks)]
+    experts = {}
+    for prefix in _moe_prefixes(state_dicts[0]):
+        ordered = _ordered_by_experts(state_dicts, prefix)
+        total = int(ordered[0][prefix + "expert_range"][2])
+        if total % num_ranks != 0:
+            raise ValueError(f"num_ranks = {num_ranks} does not divide the {total} experts of '{prefix}'")
+        per = total // num_ranks
+        for name in _EXPERT_WEIGHTS:
+            experts[prefix + name] = torch.cat([sd[prefix + name] for sd in ordered]).split(per)
+        experts[prefix + "expert_range"] = [torch.tensor([r * per, per, total]) for r in range(num_ranks)]
+    for key, value in state_dicts[0].items():
+        if key in experts:
+            for r in range(num_ranks):
+                out[r][key] = experts[key][r].clone()
+            continue
+        for i, sd in enumerate(state_dicts):
+            if key not in sd or not torch.equal(sd[key], value):
+                raise ValueError(f"state_dicts: '{key}' differs between state_dict 0 and {i}; only the experts "
+                                 "of epx.torch.MoE layers may differ between ranks")
+        for r in range(num_ranks):
+            out[r][key] = value.clone()
+    return out
