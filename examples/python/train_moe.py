@@ -62,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--ranks", type=int, default=1, help="in-process ranks (threads) when not under mpirun")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--losses-out", help="write the loss curve here (JSON)")
+    p.add_argument("--metrics", help="write epx train's metrics lines here (a new file), for epx monitor and "
+                                     "epx report")
     p.add_argument("--compare", help="a curve from --losses-out: exit 1 if a step differs by more than the tolerance")
     p.add_argument("--tolerance", type=float, default=CURVE_TOLERANCE, help="for --compare, per step")
     return p.parse_args(argv)
@@ -169,14 +171,19 @@ def train(transport, args):
     model = MoELanguageModel(args, transport)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     mine = slice(rank * args.batch // R, (rank + 1) * args.batch // R)
+    metrics = et.MetricsWriter(args.metrics, transport, model.moe_layers()) if args.metrics else None
     losses, start = [], time.perf_counter()
     for step in range(args.steps):
         inputs, targets = global_batch(corpus, step, args)
         losses.append(train_step(model, optimizer, transport, inputs[mine], targets[mine], args))
+        if metrics:
+            metrics.step(step, losses[-1], lr=args.lr, tokens=args.batch * args.seq_len)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             vio = " ".join(f"{m.load['max_vio']:.2f}" for m in model.moe_layers())
             print(f"step {step:4d}  loss {losses[-1]:.4f}  MaxVio per layer [{vio}]  "
                   f"{time.perf_counter() - start:.1f} s", flush=True)
+    if metrics:
+        metrics.close()
     return losses
 
 

@@ -15,6 +15,7 @@ collectives. Initialisation is a pure function of (seed, layer_index, logical
 expert), so 1 rank holding every expert starts where R ranks do.
 """
 import math
+import time
 from collections import OrderedDict
 
 import torch
@@ -100,7 +101,7 @@ def all_reduce_grads(parameters, transport):
 _EXPERT_WEIGHTS = ("w1", "w3", "w2")
 # Not pickled or deep-copied: the transport and the Buffer belong to one process's run
 # (attach() gives them back); ExpertBias and RouterConfig are rebuilt from plain values.
-_DROPPED_ON_COPY = ("transport", "buffer", "bias", "router_config")
+_DROPPED_ON_COPY = ("transport", "buffer", "bias", "router_config", "load")
 
 
 def rank_generator(transport, seed):
@@ -170,6 +171,7 @@ class MoE(nn.Module):
         self.attach(transport, buffer)
         self.aux_loss = torch.zeros(())
         self.load = None
+        self.times = {}  # forward seconds per phase since MetricsWriter last read them
 
     def _rebuild_routing(self):
         self.router_config = epx.RouterConfig(**self._router_kwargs)
@@ -200,7 +202,7 @@ class MoE(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.transport, self.buffer = None, None
+        self.transport, self.buffer, self.load = None, None, None
         self._rebuild_routing()
 
     def _apply(self, fn):
@@ -278,22 +280,34 @@ class MoE(nn.Module):
     def forward(self, x):
         """x [tokens, H] or [batch, seq, H] (f32 or bf16) -> out of x's shape and dtype; sets aux_loss and load."""
         flat = self._check_input(x)
+        clock = time.perf_counter()
         n = rms_norm(flat, self.norm, self.norm_eps) if self.norm_and_residual else flat
         logits = n @ self.router
         bias = self.expert_bias if self.use_expert_bias else None
         topk_idx, topk_weights, routed = functions.route(self.router_config, logits, bias)
         counts = torch.as_tensor(routed.tokens_per_expert).double()  # kept (token, slot) pairs, counted by epx.route
         self.aux_loss = self._auxiliary_losses(logits, counts, float(topk_idx.numel()))
+        clock = self._time("router", clock)
         payload = n.to(self.payload)
         dispatched = functions.dispatch(self.buffer, payload, topk_idx, topk_weights)
+        clock = self._time("dispatch", clock)
         y = self._experts(dispatched.x_expanded, dispatched.expert_offsets)
+        clock = self._time("experts", clock)
         out = functions.combine(self.buffer, y, dispatched.recv_topk_weights, dispatched, self.combine_weights)
+        clock = self._time("combine", clock)
         if self.norm_and_residual:
             out = flat + out
         if self.shared is not None:
             out = out + swiglu(payload.float(), *[self._stored(w) for w in self.shared])
-        self.load = self._load_stats(counts, routed.num_dropped)
+        self.load = self._load_stats(topk_idx)
         return out.reshape(x.shape).to(x.dtype)
+
+    def _time(self, phase, since):
+        """Adds the seconds since `since` to this rank's forward time in `phase` (times, read and
+        reset by MetricsWriter); returns the clock now."""
+        now = time.perf_counter()
+        self.times[phase] = self.times.get(phase, 0.0) + now - since
+        return now
 
     def _auxiliary_losses(self, logits, counts, pairs):
         """This rank's share of the weighted auxiliary and z losses (summed over ranks: the layer's);
@@ -324,15 +338,14 @@ class MoE(nn.Module):
             return s / s.sum(-1, keepdim=True)
         return torch.softmax(logits, -1)
 
-    def _load_stats(self, counts, num_dropped):
-        """Tokens per expert over every rank, MaxVio, dropped slots (one all-reduce)."""
-        E = self.num_experts
-        local = torch.cat([counts, torch.tensor([num_dropped], dtype=torch.float64)])
-        total = all_reduce_sum(self.transport, local)
-        tokens = total[:E].to(torch.int64)
-        mean = float(tokens.double().mean())
-        max_vio = float(tokens.max()) / mean - 1.0 if mean > 0 else 0.0
-        return {"tokens_per_expert": tokens, "max_vio": max_vio, "dropped": int(total[E])}
+    def _load_stats(self, topk_idx):
+        """The step's load over every rank (epx.LoadStats, one all-reduce), and its headline
+        numbers: tokens per expert, MaxVio, dropped slots."""
+        expert_rank = [e // self.num_local for e in range(self.num_experts)]
+        stats = epx.compute_load_stats(topk_idx, expert_rank)
+        stats = epx.sum_load_stats_over_ranks(self.transport, stats)
+        return {"tokens_per_expert": torch.tensor(stats.tokens_per_expert, dtype=torch.int64),
+                "max_vio": stats.max_vio, "dropped": stats.num_dropped, "stats": stats}
 
     def update_bias(self):
         """Aux-loss-free balancing: moves the expert bias (the buffer expert_bias) by the last
