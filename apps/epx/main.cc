@@ -9,7 +9,11 @@
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
 //   epx monitor METRICS.jsonl     watch a run's metrics: live view, alerts, Prometheus (docs/operations.md)
 //   epx report METRICS.jsonl      a run's metrics as one HTML page
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <string>
+#include <system_error>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -17,13 +21,47 @@
 #include <spdlog/spdlog.h>
 
 #include "bench_lowlat.h"
+#include "cli_checks.h"
 #include "commands.h"
 #include "monitor.h"
 #include "report.h"
 #include "sim.h"
 #include "train.h"
 
+namespace {
+
+int run(int argc, char** argv);
+
+// Output that could not be written (a full disk, /dev/full) is a failure:
+// a message on stderr and exit 1 (a usage error keeps its 2), never 0.
+int finish_output(int code) {
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && std::ferror(stdout) == 0) return code;
+  fmt::print(stderr, "epx: cannot write the output to stdout: {}\n", err != 0 ? std::strerror(err) : "a write failed");
+  return code == epx::app::kExitOk ? epx::app::kExitFailed : code;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  int code = epx::app::kExitFailed;
+  try {
+    code = run(argc, argv);
+  } catch (const std::system_error& e) {  // fmt::print when the output cannot be written
+    std::clearerr(stdout);
+    fmt::print(stderr, "epx: cannot write the output: {}\n", e.what());
+    return epx::app::kExitFailed;
+  }
+  return finish_output(code);
+}
+
+namespace {
+
+int run(int argc, char** argv) {
+  using epx::app::at_least;
+  using epx::app::in_range;
   using epx::app::kExitUsage;
   CLI::App app{"epx: expert parallelism for Mixture-of-Experts models (dispatch, combine, load balance).\n"
                "Ranks run as threads of this process (--nodes emulates several machines) or, started by mpirun or srun, "
@@ -41,23 +79,25 @@ int main(int argc, char** argv) {
       "demo",
       "A short dispatch/combine over in-process ranks: what moved where, load imbalance, bandwidth, and a round-trip "
       "check (exit 1 if it fails)");
-  demo_cmd->add_option("--ranks", demo.num_ranks, "Ranks (threads)")->check(CLI::Range(1, 256))->capture_default_str();
+  demo_cmd->add_option("--ranks", demo.num_ranks, "Ranks (threads)")->transform(in_range(1, 256))->capture_default_str();
   demo_cmd->add_option("--nodes", demo.num_nodes, "Emulated nodes; must divide --ranks; > 1 takes the two-hop path")
-      ->check(CLI::Range(1, 256))
+      ->transform(in_range(1, 256))
       ->capture_default_str();
-  demo_cmd->add_option("--tokens", demo.num_tokens, "Tokens per rank")->check(CLI::Range(0, 65536))->capture_default_str();
-  demo_cmd->add_option("--hidden", demo.hidden, "Elements per token row")->check(CLI::Range(1, 65536))->capture_default_str();
+  demo_cmd->add_option("--tokens", demo.num_tokens, "Tokens per rank")->transform(in_range(0, 65536))->capture_default_str();
+  demo_cmd->add_option("--hidden", demo.hidden, "Elements per token row")->transform(in_range(1, 65536))->capture_default_str();
   demo_cmd->add_option("--experts", demo.num_experts, "Experts, placed in equal blocks over the ranks")
-      ->check(CLI::Range(1, 65536))
+      ->transform(in_range(1, 65536))
       ->capture_default_str();
-  demo_cmd->add_option("--topk", demo.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  demo_cmd->add_option("--topk", demo.topk, "Experts per token")->transform(in_range(1, 64))->capture_default_str();
   demo_cmd->add_option("--skew", demo.skew, "Routing skew: expert e drawn with weight (e+1)^-skew; 0 = uniform")
-      ->check(CLI::Range(0.0, 16.0))
+      ->transform(in_range(0.0, 16.0))
       ->capture_default_str();
-  demo_cmd->add_option("--seed", demo.seed, "Routing seed")->capture_default_str();
+  demo_cmd->add_option("--seed", demo.seed, "Routing seed")
+      ->transform(at_least(uint64_t{0}))
+      ->capture_default_str();
   demo_cmd->add_option("--dtype", demo.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
   demo_cmd->add_option("--reps", demo.reps, "Timed repetitions after the checked warm-up")
-      ->check(CLI::Range(1, 1000))
+      ->transform(in_range(1, 1000))
       ->capture_default_str();
   demo_cmd->add_flag("--json", demo.json, "Print one JSON object instead of the text report");
 
@@ -71,33 +111,35 @@ int main(int argc, char** argv) {
       "Megatron-style all-to-all; medians of interleaved repetitions");
   exchange_cmd->add_option("--tokens", bench.tokens, "Tokens per rank, comma-separated")
       ->delimiter(',')
-      ->check(CLI::Range(1, 1 << 20))
+      ->transform(in_range(1, 1 << 20))
       ->capture_default_str();
   exchange_cmd->add_option("--nodes-shapes", bench.node_shapes,
                            "Node shapes NODESxRANKS_PER_NODE, comma-separated; each must have --ranks ranks")
       ->delimiter(',')
       ->capture_default_str();
-  exchange_cmd->add_option("--ranks", bench.num_ranks, "Ranks (threads)")->check(CLI::Range(1, 256))->capture_default_str();
+  exchange_cmd->add_option("--ranks", bench.num_ranks, "Ranks (threads)")->transform(in_range(1, 256))->capture_default_str();
   exchange_cmd->add_option("--hidden", bench.hidden, "Elements per token row")
-      ->check(CLI::Range(1, 1 << 20))
+      ->transform(in_range(1, 1 << 20))
       ->capture_default_str();
-  exchange_cmd->add_option("--experts", bench.num_experts, "Experts")->check(CLI::Range(1, 65536))->capture_default_str();
-  exchange_cmd->add_option("--topk", bench.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  exchange_cmd->add_option("--experts", bench.num_experts, "Experts")->transform(in_range(1, 65536))->capture_default_str();
+  exchange_cmd->add_option("--topk", bench.topk, "Experts per token")->transform(in_range(1, 64))->capture_default_str();
   exchange_cmd->add_option("--dtype", bench.dtype,
                            "Payload type; fp8 instead times bf16 vs fp8 e4m3 dispatch (f32 and ue8m0 scales, rows "
                            "quantised on send) of the same bf16 rows, bytes and time in one run")
       ->check(CLI::IsMember({"bf16", "f32", "fp8"}))
       ->capture_default_str();
   exchange_cmd->add_option("--reps", bench.reps, "Timed repetitions of each method")
-      ->check(CLI::Range(1, 10000))
+      ->transform(in_range(1, 10000))
       ->capture_default_str();
   exchange_cmd->add_option("--warmup", bench.warmup, "Untimed warm-up iterations (the first is checked)")
-      ->check(CLI::Range(1, 100))
+      ->transform(in_range(1, 100))
       ->capture_default_str();
   exchange_cmd->add_option("--skew", bench.skew, "Routing skew (0 = uniform random distinct experts)")
-      ->check(CLI::Range(0.0, 16.0))
+      ->transform(in_range(0.0, 16.0))
       ->capture_default_str();
-  exchange_cmd->add_option("--seed", bench.seed, "Routing seed")->capture_default_str();
+  exchange_cmd->add_option("--seed", bench.seed, "Routing seed")
+      ->transform(at_least(uint64_t{0}))
+      ->capture_default_str();
   exchange_cmd->add_flag("--no-verify", bench.no_verify, "Skip the check of every method's output after the warm-up");
   exchange_cmd->add_option("--record-waits", bench.record_waits,
                            "on: epx's operations record who waited for whom (BufferConfig::record_waits, the "
@@ -115,7 +157,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   exchange_cmd->add_option("--memory-fraction", bench.memory_fraction,
                            "Share of available memory a shape may use; above it methods run one after the other")
-      ->check(CLI::Range(0.05, 1.0))
+      ->transform(in_range(0.05, 1.0))
       ->capture_default_str();
   exchange_cmd->add_flag("--phases", bench.phases, "Time the exchange's internal phases (tracer spans) and print them");
   exchange_cmd->add_option("--trace", bench.trace_path, "Write a Chrome trace of the timed repetitions to this file");
@@ -132,34 +174,36 @@ int main(int argc, char** argv) {
       "The router (sigmoid + bias + group-limited top-k, and softmax top-k; single-threaded) against the fp32 score "
       "GEMM that feeds it (OpenBLAS) and the machine's measured sgemm peak, plus expert placement and rebalance; "
       "medians of interleaved repetitions");
-  routing_cmd->add_option("--tokens", routing.tokens, "Tokens")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  routing_cmd->add_option("--tokens", routing.tokens, "Tokens")->transform(in_range(1, 1 << 20))->capture_default_str();
   routing_cmd->add_option("--experts", routing.num_experts, "Experts")
-      ->check(CLI::Range(1, 65536))
+      ->transform(in_range(1, 65536))
       ->capture_default_str();
-  routing_cmd->add_option("--topk", routing.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  routing_cmd->add_option("--topk", routing.topk, "Experts per token")->transform(in_range(1, 64))->capture_default_str();
   routing_cmd->add_option("--groups", routing.groups, "Expert groups (router and placement); must divide --experts")
-      ->check(CLI::Range(1, 65536))
+      ->transform(in_range(1, 65536))
       ->capture_default_str();
   routing_cmd->add_option("--topk-groups", routing.topk_groups, "Groups a token may use (sigmoid router)")
-      ->check(CLI::Range(1, 65536))
+      ->transform(in_range(1, 65536))
       ->capture_default_str();
   routing_cmd->add_option("--hidden", routing.hidden, "Hidden size (the GEMM's inner dimension)")
-      ->check(CLI::Range(1, 1 << 20))
+      ->transform(in_range(1, 1 << 20))
       ->capture_default_str();
   routing_cmd->add_option("--reps", routing.reps, "Timed repetitions of each method")
-      ->check(CLI::Range(1, 10000))
+      ->transform(in_range(1, 10000))
       ->capture_default_str();
   routing_cmd->add_option("--peak-n", routing.peak_n, "Size of the square sgemm that measures the fp32 peak; 0 = skip")
-      ->check(CLI::Range(0, 16384))
+      ->transform(in_range(0, 16384))
       ->capture_default_str();
-  routing_cmd->add_option("--nodes", routing.nodes, "Placement: nodes")->check(CLI::Range(1, 4096))->capture_default_str();
+  routing_cmd->add_option("--nodes", routing.nodes, "Placement: nodes")->transform(in_range(1, 4096))->capture_default_str();
   routing_cmd->add_option("--ranks-per-node", routing.ranks_per_node, "Placement: ranks per node")
-      ->check(CLI::Range(1, 4096))
+      ->transform(in_range(1, 4096))
       ->capture_default_str();
   routing_cmd->add_option("--slots", routing.slots, "Placement: physical slots; >= experts and a multiple of the ranks")
-      ->check(CLI::Range(1, 1 << 20))
+      ->transform(in_range(1, 1 << 20))
       ->capture_default_str();
-  routing_cmd->add_option("--seed", routing.seed, "Input seed")->capture_default_str();
+  routing_cmd->add_option("--seed", routing.seed, "Input seed")
+      ->transform(at_least(uint64_t{0}))
+      ->capture_default_str();
   routing_cmd->add_flag("--json", routing.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
 
   // epx eplb
@@ -173,16 +217,16 @@ int main(int argc, char** argv) {
       ->required();
   eplb_cmd->add_option("--slots", eplb.num_slots, "Physical expert slots; >= experts and a multiple of the ranks")
       ->required()
-      ->check(CLI::Range(1, 1 << 20));
-  eplb_cmd->add_option("--nodes", eplb.num_nodes, "Nodes")->required()->check(CLI::Range(1, 4096));
+      ->transform(in_range(1, 1 << 20));
+  eplb_cmd->add_option("--nodes", eplb.num_nodes, "Nodes")->required()->transform(in_range(1, 4096));
   eplb_cmd->add_option("--ranks-per-node", eplb.ranks_per_node, "Ranks per node")
       ->required()
-      ->check(CLI::Range(1, 4096));
+      ->transform(in_range(1, 4096));
   eplb_cmd->add_option("--groups", eplb.num_groups, "Expert groups (must divide the experts); 0 = none")
-      ->check(CLI::Range(0, 1 << 20))
+      ->transform(in_range(0, 1 << 20))
       ->capture_default_str();
   eplb_cmd->add_option("--expert-bytes", eplb.expert_bytes, "Bytes of one expert's weights, for the moved bytes")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 50))
+      ->transform(in_range(int64_t{0}, int64_t{1} << 50))
       ->capture_default_str();
   eplb_cmd->add_option("--policy", eplb.policy,
                        "hierarchical (groups packed onto nodes; needs --groups a multiple of --nodes, else global) "
@@ -198,7 +242,7 @@ int main(int argc, char** argv) {
   CLI::Option* current_opt = eplb_cmd->get_option("--current");
   eplb_cmd->add_option("--tolerance", eplb.tolerance,
                        "Rebalance mode: accept a balance up to (1 + this) x the from-scratch placement's")
-      ->check(CLI::Range(0.0, 10.0))
+      ->transform(in_range(0.0, 10.0))
       ->needs(current_opt)
       ->capture_default_str();
   eplb_cmd->add_option("--save", eplb.save_path,
@@ -229,7 +273,7 @@ int main(int argc, char** argv) {
     if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim" &&
         arg != "monitor" && arg != "report") {
       fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, monitor, report, demo, bench and eplb (see epx --help)\n",
-                 arg);
+                 epx::printable(arg));
       return kExitUsage;
     }
     // The config file is read before the flags, which override it.
@@ -240,8 +284,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : kExitUsage;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version: on stdout
+    // The error quotes the user's words: escaped, so raw bytes never reach the terminal.
+    fmt::print(stderr, "{}\nRun with --help for more information.\n", epx::printable(e.what()));
+    return kExitUsage;
   }
 
   auto logger = spdlog::stderr_color_mt("epx");
@@ -268,3 +314,5 @@ int main(int argc, char** argv) {
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
 }
+
+}  // namespace

@@ -11,12 +11,14 @@
 #include <csignal>
 #include <cstdio>
 #include <deque>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "epx/observe/alerts.h"
 #include "epx/observe/output_path.h"
@@ -225,6 +227,26 @@ Status read_all(Monitor& m) {
   });
 }
 
+// A metrics file with no complete step record: missing, empty, or a first
+// line still being written (idle_s > 0: after --idle-exit seconds of waiting).
+Status no_records(const std::string& path, double idle_s) {
+  std::error_code ec;
+  const bool exists = std::filesystem::exists(path, ec);
+  if (idle_s > 0)
+    return exists ? failed_precondition("'{}' held no complete step record after {} s without change (--idle-exit)",
+                                        path, idle_s)
+                  : not_found("'{}' did not appear within {} s (--idle-exit); is the run writing --metrics there?",
+                              path, idle_s);
+  return failed_precondition("'{}' holds no complete step record (empty, or a run's first line still being written); "
+                             "--follow waits for one",
+                             path);
+}
+
+// A missing or record-less file is the user's to fix (2); a bad line or a read failure 1.
+int exit_code_of_read(const Status& st) {
+  return st.code() == StatusCode::kNotFound || st.code() == StatusCode::kFailedPrecondition ? kExitUsage : kExitFailed;
+}
+
 // --follow: poll, feed, refresh every --interval, until a signal or --idle-exit.
 int follow(Monitor& m) {
   auto follower = MetricsFollower::open(m.options.metrics_path);
@@ -260,14 +282,21 @@ int follow(Monitor& m) {
     fmt::print(stderr, "epx monitor: {}\n", st.message());
     return kExitFailed;
   }
+  // --idle-exit on a run that never wrote a step: said, and not a success.
+  if (!g_stop && m.tracker.records() == 0) {
+    fmt::print(stderr, "epx monitor: {}\n", no_records(m.options.metrics_path, m.options.idle_exit).message());
+    return kExitFailed;
+  }
   return kExitOk;
 }
 
 // --once: every rule over the whole file; alert lines and a verdict on stdout.
 int check_once(Monitor& m) {
-  if (Status st = read_all(m); !st.is_ok()) {
+  Status st = read_all(m);
+  if (st.is_ok() && m.tracker.records() == 0) st = no_records(m.options.metrics_path, 0);
+  if (!st.is_ok()) {
     fmt::print(stderr, "epx monitor: {}\n", st.message());
-    return st.code() == StatusCode::kNotFound ? kExitUsage : kExitFailed;
+    return exit_code_of_read(st);
   }
   if (Status st = write_prometheus(m, m.tracker.snapshot()); !st.is_ok()) {
     fmt::print(stderr, "epx monitor: {}\n", st.message());
@@ -319,17 +348,17 @@ CLI::App* add_monitor_command(CLI::App& app, MonitorOptions& o) {
                   "Write the Prometheus text format to this file (for node_exporter's textfile collector, e.g. "
                   "$TEXTFILE_DIR/epx.prom), replaced atomically at every refresh");
   cmd->add_option("--interval", o.interval, "Seconds between refreshes of the view, the plain line and --prometheus")
-      ->check(CLI::Range(0.01, 3600.0))
+      ->transform(in_range(0.01, 3600.0))
       ->capture_default_str();
   cmd->add_option("--window", o.window, "Steps over which the view names the straggler (diagnose_stragglers)")
-      ->check(CLI::Range(1, 10000))
+      ->transform(in_range(1, 10000))
       ->capture_default_str();
   cmd->add_option("--idle-exit", o.idle_exit,
                   "With --follow: exit 0 once the file has not grown for this many seconds (the run ended); 0 = never")
-      ->check(CLI::Range(0.0, 1e6))
+      ->transform(in_range(0.0, 1e6))
       ->capture_default_str();
   cmd->add_option("--hot-experts", o.hot_experts, "Busiest experts shown per layer (view and Prometheus)")
-      ->check(CLI::Range(0, 64))
+      ->transform(in_range(0, 64))
       ->capture_default_str();
   return cmd;
 }
@@ -355,9 +384,11 @@ int run_monitor(const MonitorOptions& o) {
     return check_once(m);
   }
   if (o.follow) return follow(m);
-  if (Status st = read_all(m); !st.is_ok()) {
-    fmt::print(stderr, "epx monitor: {}\n", st.message());
-    return st.code() == StatusCode::kNotFound ? kExitUsage : kExitFailed;
+  Status read = read_all(m);
+  if (read.is_ok() && m.tracker.records() == 0) read = no_records(o.metrics_path, 0);
+  if (!read.is_ok()) {
+    fmt::print(stderr, "epx monitor: {}\n", read.message());
+    return exit_code_of_read(read);
   }
   // Read once: the whole view (also into a pipe or a file) unless --plain.
   m.terminal = !o.plain;

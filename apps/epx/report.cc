@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.h"
 #include "epx/observe/output_path.h"
 #include "epx/observe/report.h"
 #include "epx/observe/run_log.h"
@@ -46,13 +47,13 @@ CLI::App* add_report_command(CLI::App& app, ReportOptions& o) {
   cmd->add_option("-o,--output", o.output_path, "The HTML file to write (replaced atomically)")->capture_default_str();
   cmd->add_option("--max-points", o.max_points,
                   "At most this many points per line chart: steps are binned (power-of-two bins, mean per bin)")
-      ->check(CLI::Range(2, 1000000))
+      ->transform(in_range(2, 1000000))
       ->capture_default_str();
   cmd->add_option("--heatmap-columns", o.heatmap_columns, "At most this many step bins in the expert-load heatmap")
-      ->check(CLI::Range(2, 4096))
+      ->transform(in_range(2, 4096))
       ->capture_default_str();
   cmd->add_option("--straggler-window", o.straggler_window, "The last steps the straggler diagnosis looks at")
-      ->check(CLI::Range(1, 100000))
+      ->transform(in_range(1, 100000))
       ->capture_default_str();
   cmd->add_flag("--json", o.json, "Print one JSON object (what the page summarises) instead of the text lines");
   return cmd;

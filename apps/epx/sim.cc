@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "epx/observe/chrome_trace.h"
 #include "epx/core/clock.h"
@@ -580,7 +581,7 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       ->take_all();
   c.run->add_option("--sweep", o.sweep,
                     "KEY=V1,V2,...: run once per value and print one row per setting (any key; epx sim keys)");
-  c.run->add_option("--steps", o.steps, "Simulated steps (overrides run.steps)")->check(CLI::Range(1, 1000000));
+  c.run->add_option("--steps", o.steps, "Simulated steps (overrides run.steps)")->transform(in_range(1, 1000000));
   c.run->add_option("--trace", o.trace_path, "Write a Chrome trace of one step (run.trace_step) to this file");
   c.run->add_option("--report", o.report_path,
                     "Also write the run as one self-contained HTML page: per-GPU timelines of the traced step, idle "
@@ -598,10 +599,10 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "Measure this machine's memory copy rate and print (or write) a hardware profile of the in-process backend "
       "for `epx sim predict-exchange`");
   c.calibrate->add_option("--mb", o.calibrate_mb, "MiB copied per thread per pass")
-      ->check(CLI::Range(int64_t{1}, int64_t{4096}))
+      ->transform(in_range(int64_t{1}, int64_t{4096}))
       ->capture_default_str();
   c.calibrate->add_option("--threads", o.calibrate_threads, "Copy threads for the host rate; 0 = all cores")
-      ->check(CLI::Range(0, 1024))
+      ->transform(in_range(0, 1024))
       ->capture_default_str();
   c.calibrate->add_option("--out", o.calibrate_out, "Write the profile here instead of stdout");
 
@@ -617,12 +618,12 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "Predict one dispatch and one combine of the in-process backend at `epx bench exchange`'s shape from a "
       "profile (from `epx sim calibrate`)");
   c.predict->add_option("--profile", o.profile_path, "Hardware profile: a .toml path (from epx sim calibrate) or a shipped one's name")->required();
-  c.predict->add_option("--tokens", o.tokens, "Tokens per rank")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  c.predict->add_option("--ranks", o.ranks, "Ranks")->check(CLI::Range(1, 4096))->capture_default_str();
+  c.predict->add_option("--tokens", o.tokens, "Tokens per rank")->transform(in_range(1, 1 << 20))->capture_default_str();
+  c.predict->add_option("--ranks", o.ranks, "Ranks")->transform(in_range(1, 4096))->capture_default_str();
   c.predict->add_option("--nodes-shape", o.node_shape, "NODESxRANKS_PER_NODE")->capture_default_str();
-  c.predict->add_option("--hidden", o.hidden, "Elements per row")->check(CLI::Range(1, 1 << 20))->capture_default_str();
-  c.predict->add_option("--experts", o.experts, "Experts")->check(CLI::Range(1, 65536))->capture_default_str();
-  c.predict->add_option("--topk", o.topk, "Experts per token")->check(CLI::Range(1, 64))->capture_default_str();
+  c.predict->add_option("--hidden", o.hidden, "Elements per row")->transform(in_range(1, 1 << 20))->capture_default_str();
+  c.predict->add_option("--experts", o.experts, "Experts")->transform(in_range(1, 65536))->capture_default_str();
+  c.predict->add_option("--topk", o.topk, "Experts per token")->transform(in_range(1, 64))->capture_default_str();
   c.predict->add_option("--dtype", o.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
 
   c.goodput = sim->add_subcommand(

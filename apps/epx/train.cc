@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "launch.h"
 #include "epx/comm/mpi.h"
@@ -97,6 +98,83 @@ Setter non_negative(T& field) {
   return bind(field, IntRange{.min = 0});
 }
 
+// ---- checks of one setting by itself ----------------------------------------
+
+Status choice(const char* name, const std::string& value, std::initializer_list<const char*> allowed) {
+  for (const char* a : allowed)
+    if (value == a) return Status::ok();
+  std::string list;
+  std::size_t i = 0;
+  for (const char* a : allowed) list += fmt::format("{}{}", i++ == 0 ? "" : i == allowed.size() ? " or " : ", ", a);
+  return invalid_argument("{} '{}' is not {}", name, value, list);
+}
+
+Status finite_above_zero(const char* name, double value) {
+  if (!(value > 0) || !std::isfinite(value)) return invalid_argument("{} = {} must be finite and above 0", name, value);
+  return Status::ok();
+}
+
+Status finite_at_least_zero(const char* name, double value) {
+  if (!(value >= 0) || !std::isfinite(value)) return invalid_argument("{} = {} must be finite and >= 0", name, value);
+  return Status::ok();
+}
+
+Status check_timeout(const TrainOptions& o) {
+  // At most a week (so the milliseconds fit any clock); 1 ms at least.
+  if (!(o.timeout_s >= 0.001 && o.timeout_s <= 604800))
+    return invalid_argument("timeout = {} s is outside [0.001, 604800] seconds", o.timeout_s);
+  return Status::ok();
+}
+
+Status check_data(const TrainOptions& o) {
+  if (o.data == "synthetic" || (o.data.rfind("text:", 0) == 0 && o.data.size() > 5)) return Status::ok();
+  return invalid_argument("--data '{}' is neither 'synthetic' nor 'text:FILE'", o.data);
+}
+
+Status check_lr(const TrainOptions& o) {
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) return invalid_argument("learning rate {} must be finite and above 0", o.lr);
+  return Status::ok();
+}
+
+using Check = Status (*)(const TrainOptions&);
+
+// The settings whose value is checked by itself, by config key: a config
+// file runs a key's check as soon as it sets the key (the message then names
+// the file and the key); make_config runs them all on the final options.
+const std::map<std::string, Check>& single_checks() {
+  static const std::map<std::string, Check> checks = {
+      {"run.timeout", check_timeout},
+      {"run.grad_overlap", [](const TrainOptions& o) { return choice("grad_overlap", o.grad_overlap, {"on", "off"}); }},
+      {"data.source", check_data},
+      {"model.dtype", [](const TrainOptions& o) { return choice("dtype", o.dtype, {"f32", "bf16"}); }},
+      {"model.compute_dtype",
+       [](const TrainOptions& o) { return choice("compute_dtype", o.compute_dtype, {"auto", "f32", "bf16"}); }},
+      {"model.overlap", [](const TrainOptions& o) { return parse_overlap_mode(o.overlap).status(); }},
+      {"model.dispatch_dtype",
+       [](const TrainOptions& o) { return o.dispatch_dtype.empty() ? Status::ok() : parse_dtype(o.dispatch_dtype).status(); }},
+      {"model.combine_dtype", [](const TrainOptions& o) { return choice("combine_dtype", o.combine_dtype, {"f32", "bf16"}); }},
+      {"model.combine_weights",
+       [](const TrainOptions& o) { return choice("combine_weights", o.combine_weights, {"holder", "receiver"}); }},
+      {"model.score", [](const TrainOptions& o) { return choice("score", o.score, {"softmax", "sigmoid"}); }},
+      {"balance.strategy", [](const TrainOptions& o) { return parse_balancing(o.balance, BalancingConfig{}).status(); }},
+      {"balance.aux_coeff", [](const TrainOptions& o) { return finite_above_zero("aux_coeff", o.aux_coeff); }},
+      {"balance.capacity_factor",
+       [](const TrainOptions& o) { return finite_above_zero("capacity_factor", o.capacity_factor); }},
+      {"balance.bias_rate", [](const TrainOptions& o) { return finite_at_least_zero("bias_rate", o.bias_rate); }},
+      {"balance.z_coeff", [](const TrainOptions& o) { return finite_at_least_zero("z_coeff", o.z_coeff); }},
+      {"optim.lr", check_lr},
+      {"optim.weight_decay", [](const TrainOptions& o) { return finite_at_least_zero("weight_decay", o.weight_decay); }},
+      {"optim.clip", [](const TrainOptions& o) { return finite_at_least_zero("clip", o.clip); }},
+      {"output.record_waits", [](const TrainOptions& o) { return choice("record_waits", o.record_waits, {"on", "off"}); }},
+  };
+  return checks;
+}
+
+Status check_single_settings(const TrainOptions& o) {
+  for (const auto& [key, check] : single_checks()) EPX_RETURN_IF_ERROR(check(o));
+  return Status::ok();
+}
+
 std::map<std::string, Setter> config_keys(TrainOptions& o) {
   return {
       {"run.ranks", bind(o.num_ranks, {.min = 1, .max = 256})},
@@ -171,6 +249,15 @@ Status load_config_file(const std::string& path, TrainOptions& options) {
   return apply_config(table, path, options);
 }
 
+// A value as the file wrote it: strings quoted, numbers as TOML prints them.
+std::string toml_text(const toml::node& node) {
+  if (auto text = node.value_exact<std::string>()) return fmt::format("'{}'", *text);
+  if (auto number = node.value_exact<double>()) return fmt::format("{}", *number);
+  if (auto integer = node.value_exact<int64_t>()) return fmt::format("{}", *integer);
+  if (auto flag = node.value_exact<bool>()) return *flag ? "true" : "false";
+  return "(a table or array)";
+}
+
 // The keys of a parsed config file into options.
 Status apply_config(const toml::table& table, const std::string& path, TrainOptions& options) {
   auto keys = config_keys(options);
@@ -185,6 +272,9 @@ Status apply_config(const toml::table& table, const std::string& path, TrainOpti
       if (it == keys.end()) return invalid_argument("{}: unknown key '{}' (see configs/train-tiny.toml)", path, name);
       Status s = it->second(value, name);
       if (!s.is_ok()) return invalid_argument("{}: {}", path, s.message());
+      if (auto check = single_checks().find(name); check != single_checks().end())
+        if (s = check->second(options); !s.is_ok())
+          return invalid_argument("{}: {} = {}: {}", path, name, toml_text(value), s.message());
     }
   }
   return Status::ok();
@@ -198,17 +288,13 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.steps = o.steps;
   c.batch_tokens = o.batch_tokens;
   ModelConfig& m = c.model;
-  // At most a week (so the milliseconds fit any clock); 1 ms at least.
-  if (!(o.timeout_s >= 0.001 && o.timeout_s <= 604800))
-    return invalid_argument("timeout = {} s is outside [0.001, 604800] seconds", o.timeout_s);
+  EPX_RETURN_IF_ERROR(check_single_settings(o));
   m.timeout = Milliseconds(std::llround(o.timeout_s * 1000));
   if (o.data == "synthetic") {
     m.task = TaskKind::kRegression;
-  } else if (o.data.rfind("text:", 0) == 0 && o.data.size() > 5) {
+  } else {
     m.task = TaskKind::kNextByte;
     c.text = {.path = o.data.substr(5), .window = o.window, .seed = o.seed};
-  } else {
-    return invalid_argument("--data '{}' is neither 'synthetic' nor 'text:FILE'", o.data);
   }
   m.input_dim = o.input_dim;
   m.output_dim = o.output_dim;
@@ -224,48 +310,24 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   l.z_loss_coeff = o.z_coeff;
   EPX_ASSIGN_OR_RETURN(l.overlap, parse_overlap_mode(o.overlap));
   l.overlap_chunks = o.overlap_chunks;
-  if (o.dtype == "f32") {
-    l.dtype = DType::kF32;
-  } else if (o.dtype == "bf16") {
-    l.dtype = DType::kBF16;
-  } else {
-    return invalid_argument("dtype '{}' is not f32 or bf16", o.dtype);
-  }
+  l.dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   if (o.compute_dtype == "auto") {
     l.compute_dtype = faster_compute_dtype(l.dtype);
-  } else if (o.compute_dtype == "f32" || o.compute_dtype == "bf16") {
-    l.compute_dtype = o.compute_dtype == "f32" ? DType::kF32 : DType::kBF16;
   } else {
-    return invalid_argument("compute_dtype '{}' is not auto, f32 or bf16", o.compute_dtype);
+    l.compute_dtype = o.compute_dtype == "f32" ? DType::kF32 : DType::kBF16;
   }
   if (!o.dispatch_dtype.empty()) {
     EPX_ASSIGN_OR_RETURN(l.dispatch_dtype, parse_dtype(o.dispatch_dtype));
   }
-  if (o.combine_dtype != "f32" && o.combine_dtype != "bf16")
-    return invalid_argument("combine_dtype '{}' is not f32 or bf16", o.combine_dtype);
   l.combine_dtype = o.combine_dtype == "bf16" ? DType::kBF16 : DType::kF32;
-  if (o.combine_weights != "holder" && o.combine_weights != "receiver")
-    return invalid_argument("combine_weights '{}' is not holder or receiver", o.combine_weights);
   l.combine_weights = o.combine_weights == "receiver" ? CombineWeights::kReceiver : CombineWeights::kHolder;
   l.router.num_experts = o.experts;
   l.router.topk = o.topk;
-  if (o.score == "softmax") {
-    l.router.score_function = ScoreFunction::kSoftmax;
-  } else if (o.score == "sigmoid") {
-    l.router.score_function = ScoreFunction::kSigmoid;
-  } else {
-    return invalid_argument("score '{}' is not softmax or sigmoid", o.score);
-  }
+  l.router.score_function = o.score == "sigmoid" ? ScoreFunction::kSigmoid : ScoreFunction::kSoftmax;
   l.router.normalize_weights = o.normalize;
   l.router.num_groups = o.groups;
   l.router.topk_groups = o.topk_groups;
   BalancingConfig defaults;
-  if (!(o.aux_coeff > 0) || !std::isfinite(o.aux_coeff))
-    return invalid_argument("aux_coeff = {} must be finite and above 0", o.aux_coeff);
-  if (!(o.capacity_factor > 0) || !std::isfinite(o.capacity_factor))
-    return invalid_argument("capacity_factor = {} must be finite and above 0", o.capacity_factor);
-  if (!(o.bias_rate >= 0) || !std::isfinite(o.bias_rate))
-    return invalid_argument("bias_rate = {} must be finite and >= 0", o.bias_rate);
   defaults.aux_loss_coeff = o.aux_coeff;
   defaults.capacity_factor = o.capacity_factor;
   defaults.bias_rate = static_cast<float>(o.bias_rate);
@@ -277,11 +339,7 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.schedule = {.peak = o.lr, .warmup_steps = o.warmup, .total_steps = o.steps, .min_ratio = o.min_lr_ratio};
   c.adamw.weight_decay = o.weight_decay;
   c.clip_norm = o.clip;
-  if (o.grad_overlap != "on" && o.grad_overlap != "off")
-    return invalid_argument("grad_overlap '{}' is not on or off", o.grad_overlap);
   c.grad_overlap = o.grad_overlap == "on";
-  if (o.record_waits != "on" && o.record_waits != "off")
-    return invalid_argument("record_waits '{}' is not on or off", o.record_waits);
   m.record_waits = o.record_waits == "on";
   c.wait_matrix_every = o.wait_matrix_every;
   c.save_dir = o.save_dir;
@@ -349,6 +407,10 @@ int compare_balancing(const TrainOptions& o, const TrainConfig& base, bool root)
     if (end > start) names.push_back(list.substr(start, end - start));
     start = end + 1;
   }
+  if (names.empty())
+    return fail_usage(invalid_argument("--compare-balancing '{}' names no strategy; list some, e.g. none,aux,bias,eplb "
+                                       "(or give no value for all of them)",
+                                       o.compare));
   std::vector<BalancingConfig> strategies;
   for (const std::string& name : names) {
     auto b = parse_balancing(name, base.balancing.aux_loss_coeff > 0 || base.balancing.capacity_factor > 0
@@ -496,48 +558,53 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       "where the time went. Settings: defaults < --config FILE.toml < flags");
   cmd->add_option("--config", o.config_path, "A TOML file of settings (see configs/train-*.toml); flags override it");
   cmd->add_option("--ranks", o.num_ranks, "Ranks: threads, or under MPI the processes started (they must be equal)")
-      ->check(CLI::Range(1, 256))
+      ->transform(in_range(1, 256))
       ->capture_default_str();
   cmd->add_option("--nodes", o.num_nodes,
                   "Nodes; must divide --ranks. In-process: emulated. Under MPI: 1 = the real hosts, more = each "
                   "host's ranks split into emulated nodes")
-      ->check(CLI::Range(1, 256))
+      ->transform(in_range(1, 256))
       ->capture_default_str();
   cmd->add_option("--ep", o.ep,
                   "Ranks per expert-parallel group (0 = all ranks); must divide --ranks. The --ranks / --ep EP groups "
                   "each hold every expert once and are data-parallel to each other: routed-expert gradients are "
                   "summed over the ranks holding the same experts, dense ones over all ranks. An EP group is "
                   "consecutive ranks, filling nodes before spanning them; --dry-run prints the groups")
-      ->check(CLI::Range(0, 256))
+      ->transform(in_range(0, 256))
       ->capture_default_str();
   cmd->add_option("--backend", o.backend,
                   "Where the ranks run: inproc (threads of this process), mpi (one rank per process, started by "
                   "mpirun or srun --mpi=pmix), auto (mpi when an MPI launcher started this process)")
       ->check(CLI::IsMember({"auto", "inproc", "mpi"}))
       ->capture_default_str();
-  cmd->add_option("--steps", o.steps, "Optimizer steps")->check(CLI::Range(int64_t{0}, int64_t{1} << 40))->capture_default_str();
+  cmd->add_option("--steps", o.steps, "Optimizer steps")->transform(in_range(int64_t{0}, int64_t{1} << 40))->capture_default_str();
   cmd->add_option("--batch-tokens", o.batch_tokens, "Tokens per step over all ranks")
-      ->check(CLI::Range(int64_t{1}, static_cast<int64_t>(kMaxBatchTokens)))
+      ->transform(in_range(int64_t{1}, static_cast<int64_t>(kMaxBatchTokens)))
       ->capture_default_str();
   cmd->add_option("--timeout", o.timeout_s,
                   "Seconds any rank waits for the others in one operation (a dispatch, a combine, a barrier, an "
                   "all-reduce); past it every rank stops, naming the ranks that never arrived")
       ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "Seed of the data and the initialisation")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed of the data and the initialisation")
+      ->transform(at_least(uint64_t{0}))
+      ->capture_default_str();
   cmd->add_option("--data", o.data,
                   "synthetic (clustered inputs, Zipf-skewed cluster sizes, one random function per cluster) or "
                   "text:FILE (byte-level next-byte prediction)")
       ->capture_default_str();
-  cmd->add_option("--clusters", o.clusters, "Synthetic: clusters")->capture_default_str();
+  cmd->add_option("--clusters", o.clusters, "Synthetic: clusters")->transform(at_least(1))->capture_default_str();
   cmd->add_option("--zipf", o.zipf, "Synthetic: Zipf exponent of the cluster sizes")->capture_default_str();
-  cmd->add_option("--window", o.window, "Text: bytes of context per token")->capture_default_str();
-  cmd->add_option("--layers", o.layers, "MoE layers")->capture_default_str();
-  cmd->add_option("--hidden", o.hidden, "Hidden size")->capture_default_str();
-  cmd->add_option("--ffn-hidden", o.ffn_hidden, "Width of each expert")->capture_default_str();
+  cmd->add_option("--window", o.window, "Text: bytes of context per token")->transform(at_least(1))->capture_default_str();
+  cmd->add_option("--layers", o.layers, "MoE layers")->transform(at_least(1))->capture_default_str();
+  cmd->add_option("--hidden", o.hidden, "Hidden size")->transform(at_least(1))->capture_default_str();
+  cmd->add_option("--ffn-hidden", o.ffn_hidden, "Width of each expert")->transform(at_least(1))->capture_default_str();
   cmd->add_option("--experts", o.experts, "Routed experts per layer (a multiple of --ep, or of --ranks without it)")
+      ->transform(at_least(1))
       ->capture_default_str();
-  cmd->add_option("--topk", o.topk, "Experts per token")->capture_default_str();
-  cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (every token, every rank)")->capture_default_str();
+  cmd->add_option("--topk", o.topk, "Experts per token")->transform(at_least(1))->capture_default_str();
+  cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (every token, every rank)")
+      ->transform(at_least(0))
+      ->capture_default_str();
   cmd->add_option("--dtype", o.dtype, "Dispatch payload (and the expert GEMMs' input): f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
@@ -553,7 +620,7 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       ->check(CLI::IsMember({"none", "shared", "chunked", "two-micro-batches"}))
       ->capture_default_str();
   cmd->add_option("--overlap-chunks", o.overlap_chunks, "Chunks of --overlap chunked")
-      ->check(CLI::Range(1, 64))
+      ->transform(in_range(1, 64))
       ->capture_default_str();
   cmd->add_option("--dispatch-dtype", o.dispatch_dtype,
                   "What the dispatch sends (default: --dtype): fp8 = e4m3 with one f32 scale per 128 channels "
@@ -575,8 +642,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       ->check(CLI::IsMember({"holder", "receiver"}))
       ->capture_default_str();
   cmd->add_option("--score", o.score, "Gate: softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}))->capture_default_str();
-  cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")->capture_default_str();
-  cmd->add_option("--topk-groups", o.topk_groups, "Groups a token may use")->capture_default_str();
+  cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")
+      ->transform(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--topk-groups", o.topk_groups, "Groups a token may use")->transform(at_least(1))->capture_default_str();
   cmd->add_option("--balance", o.balance,
                   "Load balancing: none, aux, aux-global, bias (aux-loss-free, DeepSeek-V3), capacity (drop by "
                   "position), capacity-score (drop the lowest scores), eplb (re-place experts with redundant "
@@ -587,14 +656,15 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--bias-rate", o.bias_rate, "Step of the expert-bias update")->capture_default_str();
   cmd->add_option("--capacity-factor", o.capacity_factor, "Capacity factor of the capacity strategies")->capture_default_str();
   cmd->add_option("--eplb-every", o.eplb_every, "eplb: steps between re-placements of the experts")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->transform(in_range(int64_t{1}, int64_t{1} << 40))
       ->capture_default_str();
   cmd->add_option("--eplb-slots", o.eplb_slots,
                   "eplb: physical expert slots per layer of each EP group, >= --experts and a multiple of --ep (0 = "
                   "experts plus one redundant slot per EP rank)")
+      ->transform(at_least(0))
       ->capture_default_str();
   cmd->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
-  cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->capture_default_str();
+  cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->transform(at_least(int64_t{0}))->capture_default_str();
   cmd->add_option("--clip", o.clip, "Gradient-norm clip (0 = off)")->capture_default_str();
   cmd->add_option("--grad-overlap", o.grad_overlap,
                   "on: each bucket of gradients is all-reduced on a thread as soon as the backward has made it "
@@ -608,12 +678,14 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--trace", o.trace_path,
                   "Write Chrome trace events of a few steps to this file (Perfetto); checked writable before step "
                   "1, written to a temporary file and renamed");
-  cmd->add_option("--trace-steps", o.trace_steps, "Steps traced (from step 1)")->capture_default_str();
+  cmd->add_option("--trace-steps", o.trace_steps, "Steps traced (from step 1)")
+      ->transform(at_least(int64_t{0}))
+      ->capture_default_str();
   cmd->add_option("--wait-matrix-every", o.wait_matrix_every,
                   "Every N steps a --metrics line also carries the full who-waited-for-whom matrices (\"wait_matrix\": "
                   "ranks x ranks seconds of arrival and data waits; docs/operations.md); every line carries each "
                   "rank's summary (exchange_wait, waited_for, late, slow_data). 0 = never")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->transform(in_range(int64_t{0}, int64_t{1} << 40))
       ->capture_default_str();
   cmd->add_option("--record-waits", o.record_waits,
                   "on: every dispatch and combine records who waited for whom (the fields above); off: not (they "
@@ -624,10 +696,12 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "Checkpoint folder that epx owns: new, empty, or written by epx before (anything else is refused, "
                   "nothing touched). Each save adds a verified step-NNNNNN folder and updates 'latest'; checked "
                   "writable and for free space before step 1");
-  cmd->add_option("--save-every", o.save_every, "Also checkpoint every N steps (0 = only at the end)")->capture_default_str();
+  cmd->add_option("--save-every", o.save_every, "Also checkpoint every N steps (0 = only at the end)")
+      ->transform(at_least(int64_t{0}))
+      ->capture_default_str();
   cmd->add_option("--keep", o.keep, "Step folders kept in the --save folder (older ones are removed after a new one is "
                   "complete)")
-      ->check(CLI::Range(1, 1000000))
+      ->transform(in_range(1, 1000000))
       ->capture_default_str();
   cmd->add_flag("--dry-run", o.dry_run,
                 "Check everything (settings, memory, output paths), print the derived sizes and the memory each "

@@ -38,7 +38,14 @@ Status RouterConfig::validate() const {
         return invalid_argument("expert_group[{}] = {} is outside [0, num_groups = {})", e, expert_group[e],
                                 num_groups);
   }
-  if (num_groups > 1) {
+  if (num_groups > 1 && expert_group.empty()) {
+    // Contiguous groups of num_experts / num_groups each: arithmetic, so a
+    // huge setting costs no memory here.
+    const int64_t fewest = int64_t{num_experts / num_groups} * topk_groups;
+    if (topk > fewest)
+      return invalid_argument("topk = {} is larger than the {} experts of the smallest {} groups", topk, fewest,
+                              topk_groups);
+  } else if (num_groups > 1) {
     std::vector<int> sizes = detail::group_sizes(*this);
     std::sort(sizes.begin(), sizes.end());
     if (sizes.front() == 0) return invalid_argument("a group of the {} groups has no expert", num_groups);

@@ -436,6 +436,16 @@ namespace {
 Result<Scenario> scenario_from_table(const toml::table& table, const std::string& path) {
   Scenario s;
   s.path = path;
+  // What a scenario cannot do without, said as such rather than as the first
+  // zero that the defaults leave (the model and cluster keys have defaults).
+  if (table.empty())
+    return invalid_argument("{}: the scenario is empty; it needs at least its hardware (hardware.profile = \"h100\"); "
+                            "configs/sim/template.toml lists every key",
+                            path);
+  if (!table.at_path("hardware.profile") && !table.at_path("hardware.compute.bf16_flops"))
+    return invalid_argument("{}: hardware.profile is not set: name a profile (hardware.profile = \"h100\") or set "
+                            "every hardware.* key (see configs/hardware/h100.toml)",
+                            path);
   // The profile first, so that hardware.* keys in the scenario override it.
   if (const auto* node = table.at_path("hardware.profile").node()) {
     auto name = node->value_exact<std::string>();

@@ -136,23 +136,34 @@ Status read_file(const fs::path& path, uint64_t max_bytes, std::vector<uint8_t>*
   return s;
 }
 
+// A full disk, a quota or a file-size limit is ResourceExhausted (as for the
+// metrics file); any other write failure Internal.
+StatusCode write_error_code(int err) {
+  return err == ENOSPC || err == EDQUOT || err == EFBIG ? StatusCode::kResourceExhausted : StatusCode::kInternal;
+}
+
 // Writes, fsyncs and closes `path`; on any failure removes it.
 Status write_file_durably(const fs::path& path, std::span<const uint8_t> bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return internal_error("cannot create {}: {}", path.string(), errno_text());
   std::size_t done = 0;
   std::string error;
+  int err = 0;
+  const auto failed = [&] {
+    err = errno;
+    error = errno_text();
+  };
   while (error.empty() && done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) error = errno_text();
+    if (n < 0) failed();
     if (n > 0) done += static_cast<std::size_t>(n);
   }
-  if (error.empty() && ::fsync(fd) != 0) error = errno_text();
-  if (::close(fd) != 0 && error.empty()) error = errno_text();
+  if (error.empty() && ::fsync(fd) != 0) failed();
+  if (::close(fd) != 0 && error.empty()) failed();
   if (error.empty()) return Status::ok();
   ::unlink(path.c_str());
-  return internal_error("cannot write {} ({} bytes): {}", path.string(), bytes.size(), error);
+  return make_status(write_error_code(err), "cannot write {} ({} bytes): {}", path.string(), bytes.size(), error);
 }
 
 Status fsync_dir(const fs::path& dir) {
@@ -647,20 +658,24 @@ Status verify_checkpoint(const std::string& path, CheckpointMeta* expected) {
 
 namespace {
 
-// Every rank learns whether any rank failed, and the first failure's message
-// (cut to 255 bytes); this rank's own error wins.
+// Every rank learns whether any rank failed, and the first failure's code and
+// message (cut to 254 bytes), so every rank reports what failed in the same
+// terms (a full disk is ResourceExhausted on each); this rank's own error wins.
 Status agree(Transport& transport, const Status& mine, const Deadline& deadline) {
+  // Each rank's status code (0: OK) in the first byte, its message after it.
   constexpr std::size_t kText = 256;
   std::vector<char> text(kText, '\0'), all(kText * static_cast<std::size_t>(transport.num_ranks()));
   if (!mine.is_ok()) {
     const std::string m = mine.message().empty() ? "failed" : mine.message();
-    std::memcpy(text.data(), m.data(), std::min(m.size(), kText - 1));
+    text[0] = static_cast<char>(mine.code());
+    std::memcpy(text.data() + 1, m.data(), std::min(m.size(), kText - 2));
   }
   EPX_RETURN_IF_ERROR(transport.all_gather(std::span<const char>(text), std::span<char>(all), deadline));
   if (!mine.is_ok()) return mine;
   for (int r = 0; r < transport.num_ranks(); ++r) {
     const char* other = all.data() + static_cast<std::size_t>(r) * kText;
-    if (other[0] != '\0') return aborted("rank {}: {}", r, std::string(other, strnlen(other, kText)));
+    if (other[0] != '\0')
+      return make_status(static_cast<StatusCode>(other[0]), "rank {}: {}", r, std::string(other + 1, strnlen(other + 1, kText - 1)));
   }
   return Status::ok();
 }

@@ -37,6 +37,7 @@ std::string driver(std::initializer_list<Setting> settings) {
 struct Shape {
   int64_t R, nodes, L, H, F, E, K, S, T, local, inputs, outputs, batch_tokens, dtype_bytes, bucket_bytes, edp;
   bool fp8_dispatch;  // the layer dequantises the received rows into a buffer of their own
+  int64_t eplb_slots;  // as the user set it (0: the default, experts plus one per rank)
 };
 
 Shape shape_of(const TrainConfig& config, const ModelConfig& m) {
@@ -49,12 +50,16 @@ Shape shape_of(const TrainConfig& config, const ModelConfig& m) {
   return {R, R > per_node ? R / per_node : 1, m.num_layers, l.hidden, l.ffn_hidden, E, l.router.topk,
           l.num_shared_experts, m.max_tokens_per_rank, slots / R, m.num_inputs(),
           m.num_outputs(), config.batch_tokens, static_cast<int64_t>(dtype_size(l.dtype)),
-          config.grad_bucket_bytes, config.num_ranks / R, l.dispatch_dtype == DType::kFP8E4M3};
+          config.grad_bucket_bytes, config.num_ranks / R, l.dispatch_dtype == DType::kFP8E4M3,
+          config.balancing.eplb ? config.balancing.eplb_slots : 0};
 }
 
 void add_parameters(const Shape& s, MemoryEstimate* e) {
-  const std::string expert_driver = driver({{"experts", s.E, 64}, {"hidden", s.H, 1024}, {"ffn_hidden", s.F, 2048},
-                                            {"layers", s.L, 8}});
+  // The experts a rank holds are slots / R under eplb: set slots name them.
+  const std::string expert_driver =
+      s.eplb_slots > 0 ? driver({{"eplb_slots", s.eplb_slots, 64}, {"experts", s.E, 64}, {"hidden", s.H, 1024},
+                                 {"ffn_hidden", s.F, 2048}, {"layers", s.L, 8}})
+                       : driver({{"experts", s.E, 64}, {"hidden", s.H, 1024}, {"ffn_hidden", s.F, 2048}, {"layers", s.L, 8}});
   const int64_t expert = saturating_product({s.L, s.local, 3, s.H, s.F, 4});
   e->add("expert weights", expert, expert_driver);
   e->add("expert gradients", expert, expert_driver);
@@ -82,26 +87,34 @@ void add_activations(const Shape& s, MemoryEstimate* e) {
   // Per layer, for backward: x, n, outputs and their gradients [T, H]; the
   // router's logits, scores and their gradients [T, E]; the expanded rows
   // (T * topk of them when routing is balanced) in and out, the expert FFN's
-  // h1, h3 and activation and their gradients [rows, F]; shared experts
-  // likewise over all T tokens. An fp8 dispatch adds the received rows
-  // dequantised (at most the expanded rows).
+  // h1, h3 and activation and their gradients [rows, F]. An fp8 dispatch
+  // adds the received rows dequantised (at most the expanded rows). Shared
+  // experts keep the same [T, F] state over all T tokens: an item of their own.
   const int64_t rows = s.T * s.K;
   int64_t per_layer = saturating_product({s.T, s.H, 4, 8});
   if (s.fp8_dispatch) per_layer = saturating_sum(per_layer, saturating_product({rows, s.H, s.dtype_bytes}));
   per_layer = saturating_sum(per_layer, saturating_product({s.T, s.E, 4, 3}));
   per_layer = saturating_sum(per_layer, saturating_product({rows, s.H, s.dtype_bytes + 12}));
   per_layer = saturating_sum(per_layer, saturating_product({rows, s.F, 4, 6}));
-  per_layer = saturating_sum(per_layer, saturating_product({s.S, s.T, s.F, 4, 6}));
   e->add("activations and backward state", saturating_product({per_layer, s.L}),
          driver({{"batch_tokens", s.batch_tokens, 4096}, {"experts", s.E, 256}, {"hidden", s.H, 1024},
                  {"ffn_hidden", s.F, 2048}, {"topk", s.K, 8}, {"layers", s.L, 8}}));
+  if (s.S > 0)
+    e->add("shared-expert activations and backward state", saturating_product({s.S, s.T, s.F, 4, 6, s.L}),
+           driver({{"shared_experts", s.S, 1}, {"batch_tokens", s.batch_tokens, 4096}, {"ffn_hidden", s.F, 2048},
+                   {"layers", s.L, 8}}));
   const int64_t batch = saturating_product({s.T, s.inputs + s.outputs, 4});
   e->add("batch", batch, driver({{"batch_tokens", s.batch_tokens, 4096}, {"input_dim", s.inputs, 1024}}));
 }
 
 Status add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, MemoryEstimate* e) {
-  EPX_ASSIGN_OR_RETURN(const BufferConfig bc, detail::model_buffer_config(m, static_cast<int>(s.local * s.R),
-                                                                          static_cast<int>(s.R), c.balancing.eplb));
+  // eplb places its slots contiguously (rank-major), which is also what a
+  // BufferConfig without a placement sizes; no placement map is built here, so
+  // sizing costs nothing however many slots there are.
+  ModelConfig sized = m;
+  if (c.balancing.eplb) sized.placement.reset();
+  EPX_ASSIGN_OR_RETURN(const BufferConfig bc, detail::model_buffer_config(sized, static_cast<int>(s.local * s.R),
+                                                                          static_cast<int>(s.R), /*rank_major=*/false));
   const int64_t buffers = c.balancing.eplb ? s.L : 1;  // eplb: one Buffer per layer
   const std::string exchange_driver = driver({{"batch_tokens", s.batch_tokens, 4096}, {"hidden", s.H, 1024},
                                               {"topk", s.K, 8}, {c.ep_size() == c.num_ranks ? "ranks" : "ep", s.R, 8}});

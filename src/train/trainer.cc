@@ -15,6 +15,7 @@
 #include "epx/comm/inproc.h"
 #include "epx/comm/parallel_layout.h"
 #include "epx/core/clock.h"
+#include "epx/core/memory.h"
 #include "core/guard.h"
 #include "train/checkpoint.h"
 #include "train/eplb_train.h"
@@ -170,16 +171,22 @@ namespace {
 // headers, meta.json's expert lists and eplb state. An upper bound within a
 // few percent.
 int64_t checkpoint_bytes(const TrainConfig& config, const ModelConfig& m) {
+  // Saturating, so an absurd shape gives a huge size rather than a wrapped one.
   const int64_t H = m.layer.hidden, F = m.layer.ffn_hidden, E = m.layer.router.num_experts, L = m.num_layers;
-  const int64_t ep = config.ep_size(), S = int64_t{m.layer.num_shared_experts} * F;
+  const int64_t ep = config.ep_size(), S = saturating_product({m.layer.num_shared_experts, F});
   const int64_t slots = config.balancing.eplb ? config.balancing.slots(static_cast<int>(E), static_cast<int>(ep)) : E;
-  const int64_t dense = int64_t{m.num_inputs()} * H + H + H * m.num_outputs() + L * (H + H * E + 3 * H * S);
+  const int64_t per_layer = saturating_sum(saturating_sum(H, saturating_product({H, E})), saturating_product({3, H, S}));
+  const int64_t dense = saturating_sum(saturating_product({int64_t{m.num_inputs()} + 1 + m.num_outputs(), H}),
+                                       saturating_product({L, per_layer}));
   const int64_t num_dense = 3 + L * (2 + (S > 0 ? 3 : 0));
   constexpr int64_t kPerParam = 4 + 40 + 3 * 8;  // name length, a name of up to 40 bytes, three counts
-  const int64_t dense_file = 128 + num_dense * kPerParam + 12 * dense + L * (8 + 4 * E);
-  const int64_t expert_files = ep * 128 + L * E * 3 * (kPerParam + 12 * H * F);
-  const int64_t meta = 1024 + (ep + 1) * 120 + L * E * 12 + (config.balancing.eplb ? L * (slots * 12 + E * 21) : 0);
-  return dense_file + expert_files + meta;
+  const int64_t dense_file = saturating_sum(saturating_sum(128 + num_dense * kPerParam, saturating_product({12, dense})),
+                                            saturating_product({L, 8 + 4 * E}));
+  const int64_t expert_files =
+      saturating_sum(ep * 128, saturating_product({L, E, 3, saturating_sum(kPerParam, saturating_product({12, H, F}))}));
+  const int64_t eplb_state = config.balancing.eplb ? saturating_product({L, slots * 12 + E * 21}) : 0;
+  const int64_t meta = saturating_sum(saturating_sum(1024 + (ep + 1) * 120, saturating_product({L, E, 12})), eplb_state);
+  return saturating_sum(saturating_sum(dense_file, expert_files), meta);
 }
 
 std::string bytes_text(double bytes) {
@@ -290,6 +297,11 @@ Status TrainConfig::validate() const {
     if (balancing.eplb_slots < 0) return invalid_argument("eplb_slots = {} is below 0", balancing.eplb_slots);
     const int S = balancing.slots(E, R);
     if (S < E) return invalid_argument("eplb_slots = {} is below experts = {}", S, E);
+    // Each rank holds an expert at most once: slots beyond E x R stay empty.
+    if (balancing.eplb_slots > 0 && int64_t{balancing.eplb_slots} > int64_t{E} * R)
+      return invalid_argument("eplb_slots = {} is above experts = {} x {} = {}: a rank holds each expert at most "
+                              "once, so further slots would stay empty",
+                              balancing.eplb_slots, E, group, int64_t{E} * R);
     if (S % R != 0)
       return invalid_argument("eplb_slots = {} must be a multiple of {}{}", S, group,
                               R == num_ranks ? "" : " (each EP group holds its own slots)");

@@ -150,6 +150,8 @@ else
     --steps 6 --save-every 2 --save "$work/full/ck"
   [[ "$last_out" == *"No space left on device"* && "$last_out" == *"step-000004"* ]] ||
     fail "full disk: the message does not say 'No space left on device' and step-000004"
+  [[ "$last_out" == *"epx train: ResourceExhausted: rank "*": writing checkpoint step-000004 in "* ]] ||
+    fail "full disk: the code is not ResourceExhausted, as docs/errors.md says: $last_out"
   [[ $(wc -l < "$work/m.jsonl") -eq 4 ]] || fail "full disk: $(wc -l < "$work/m.jsonl") steps ran, want 4 (stopped at the save)"
   [[ "$(ls -A "$work/full/ck" | tr '\n' ' ')" == ".epx-checkpoints latest step-000002 " ]] ||
     fail "full disk left: $(ls -A "$work/full/ck")"

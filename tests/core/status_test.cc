@@ -40,6 +40,23 @@ TEST(Status, ResultFromOkStatusIsAnError) {
   EXPECT_EQ(r.status().code(), StatusCode::kInternal);
 }
 
+TEST(Status, PrintableEscapesWhatATerminalWouldActOn) {
+  EXPECT_EQ(printable("plain text, tab\tand newline\n"), "plain text, tab\tand newline\n");
+  EXPECT_EQ(printable("\x1b[31mred\x7f"), "\\x1b[31mred\\x7f");
+  EXPECT_EQ(printable("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"), "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");  // UTF-8 kept
+  EXPECT_EQ(printable("\xff\xc3"), "\\xff\\xc3");              // not UTF-8, and a cut sequence
+  EXPECT_EQ(printable("\xc2\x9b"), "\\xc2\\x9b");              // U+009B, a C1 control (CSI)
+  EXPECT_EQ(printable("\xc0\xaf \xed\xa0\x80"), "\\xc0\\xaf \\xed\\xa0\\x80");  // overlong, surrogate
+  EXPECT_EQ(printable(std::string("a\0b", 3)), "a\\x00b");
+  const std::string once = printable("\x01\x1b\xfe");
+  EXPECT_EQ(printable(once), once);
+}
+
+TEST(Status, MessagesAreEscaped) {
+  const Status s = invalid_argument("dtype '{}' is not f32 or bf16", "\x1b[2J");
+  EXPECT_EQ(s.message(), "dtype '\\x1b[2J' is not f32 or bf16");
+}
+
 TEST(StatusDeathTest, CheckPrintsBothValues) {
   int a = 3, b = 4;
   EXPECT_DEATH(EPX_CHECK_EQ(a, b), "with a = 3, b = 4");

@@ -110,6 +110,30 @@ TEST(MemoryEstimate, ABillionExpertsIsRefusedNamingTheSetting) {
   EXPECT_NE(s.message().find("64 GiB is available (test)"), std::string::npos) << s.message();
 }
 
+// The settings that size a rank's experts or activations are the ones named.
+std::string refusal(const TrainConfig& c) {
+  auto e = estimate_train_memory(c);
+  if (!e.is_ok()) return e.status().to_string();
+  return check_memory_fits(*e, {.bytes = int64_t{64} << 30, .source = "test"}).message();
+}
+
+TEST(MemoryEstimate, EplbSlotsAreNamedAndNoPlacementIsBuilt) {
+  TrainConfig c = tiny();
+  c.model.layer.router.num_experts = 100000000;
+  c.balancing = {.eplb = true, .eplb_slots = 400000000};
+  // 10^8 slots per rank: sized by arithmetic (a placement map would be GBs).
+  EXPECT_NE(refusal(c).find("eplb_slots = 400000000 needs"), std::string::npos) << refusal(c);
+}
+
+TEST(MemoryEstimate, SharedExpertsAreNamed) {
+  TrainConfig c = tiny();
+  c.model.layer.num_shared_experts = 100000000;
+  auto e = estimate_train_memory(c);
+  ASSERT_TRUE(e.is_ok()) << e.status().to_string();
+  EXPECT_GT(item(*e, "shared-expert activations and backward state"), 0);
+  EXPECT_NE(refusal(c).find("shared_experts = 100000000 needs"), std::string::npos) << refusal(c);
+}
+
 TEST(MemoryEstimate, HugeShapesSaturateInsteadOfWrapping) {
   TrainConfig c = tiny();
   c.model.layer.hidden = 1 << 30;

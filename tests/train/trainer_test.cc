@@ -274,6 +274,15 @@ TEST(Trainer, BadEplbSlotsNameTheValue) {
   EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.status().message().find("eplb_slots = 10 must be a multiple of ranks = 4"), std::string::npos)
       << s.status().to_string();
+  // A rank holds each expert at most once: more than experts x ranks slots is refused before anything is sized.
+  c.balancing.eplb_slots = 2147483640;
+  s = train(c);
+  EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("eplb_slots = 2147483640 is above experts = 8 x ranks = 4 = 32"),
+            std::string::npos)
+      << s.status().to_string();
+  c.balancing.eplb_slots = 32;
+  EXPECT_TRUE(c.validate().is_ok()) << c.validate().to_string();
   c.balancing.eplb_slots = 0;
   c.balancing.eplb_every = 0;
   s = train(c);

@@ -37,10 +37,18 @@ enum class StatusCode : int {
 
 std::string_view status_code_name(StatusCode code);
 
+// `text` safe to print on a terminal: every byte a terminal would act on is
+// written as \xNN (control bytes but newline and tab, DEL, C1 controls, and
+// bytes that are not valid UTF-8); everything else is kept. Printable text,
+// this function's output included, comes back unchanged. Every Status
+// message passes through it, so a file's bytes or a user's argument quoted
+// in an error never reach the terminal raw.
+std::string printable(std::string_view text);
+
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  Status(StatusCode code, std::string message) : code_(code), message_(printable(message)) {}
 
   static Status ok() { return Status(); }
 
