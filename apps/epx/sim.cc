@@ -630,17 +630,20 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "goodput",
       "Expected goodput of a long run under random failures (Daly's model: each failure loses the work since the "
       "last save plus a restart) for a range of checkpoint intervals, and the interval that maximises it");
-  c.goodput->add_option("--gpus", o.gpus, "GPUs in the job")->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+  c.goodput->add_option("--gpus", o.gpus, "GPUs in the job")->transform(in_range(int64_t{1}, int64_t{1} << 24))
       ->capture_default_str();
   c.goodput->add_option("--failures-per-gpu-hour", o.failures_per_gpu_hour,
                         "Failure rate of one GPU with its share of the host and network (default: 419 unexpected "
                         "interruptions in 54 days on 16,384 GPUs, the Llama 3 report)")
+      ->transform(in_range(0.0, 1.0))
       ->capture_default_str();
   c.goodput->add_option("--save-seconds", o.save_seconds,
                         "Time one save stops training (an asynchronous save: its snapshot only)")
+      ->transform(in_range(0.0, 1e6))
       ->capture_default_str();
   c.goodput->add_option("--restart-seconds", o.restart_seconds,
                         "Time from a failure to training again: detect, stop the ranks, start, load the checkpoint")
+      ->transform(in_range(0.0, 1e6))
       ->capture_default_str();
   c.goodput->add_option("--interval", o.intervals_min,
                         "Checkpoint intervals to show, minutes of training between saves (repeatable; default 5, 10, "
