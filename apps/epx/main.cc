@@ -9,6 +9,8 @@
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
 //   epx monitor METRICS.jsonl     watch a run's metrics: live view, alerts, Prometheus (docs/operations.md)
 //   epx report METRICS.jsonl      a run's metrics as one HTML page
+#include <new>
+#include <stdexcept>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -23,7 +25,9 @@
 #include "sim.h"
 #include "train.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+int run_epx(int argc, char** argv) {
   using epx::app::kExitUsage;
   CLI::App app{"epx: expert parallelism for Mixture-of-Experts models (dispatch, combine, load balance).\n"
                "Ranks run as threads of this process; --nodes emulates several machines.",
@@ -266,4 +270,28 @@ int main(int argc, char** argv) {
   if (*monitor_cmd) return epx::app::run_monitor(monitor);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
+}
+
+// The command's name for a message: the first word that is not an option.
+std::string command_name(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (argv[i][0] != '-') return fmt::format("epx {}", argv[i]);
+  return "epx";
+}
+
+}  // namespace
+
+// The last resort: an allocation that fails where no check foresaw it ends the
+// command with a message and exit 1, never with an uncaught exception (abort).
+int main(int argc, char** argv) {
+  try {
+    return run_epx(argc, argv);
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "{}: out of memory while running the command (an allocation failed); stopped\n",
+               command_name(argc, argv));
+  } catch (const std::length_error& e) {
+    fmt::print(stderr, "{}: out of memory while running the command (a size above the maximum: {}); stopped\n",
+               command_name(argc, argv), e.what());
+  }
+  return epx::app::kExitFailed;
 }

@@ -23,6 +23,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "epx/core/input_file.h"
+
 namespace epx::detail {
 namespace {
 
@@ -109,31 +111,11 @@ class ByteReader {
 
 // ---- files ----------------------------------------------------------------
 
+// A regular file of at most `max_bytes`; a FIFO or a device put in a
+// checkpoint folder is refused without blocking on it.
 Status read_file(const fs::path& path, uint64_t max_bytes, std::vector<uint8_t>* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return not_found("{} does not exist", path.string());
-    return invalid_argument("cannot open {}: {}", path.string(), errno_text());
-  }
-  struct stat st {};
-  Status s = Status::ok();
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    s = invalid_argument("{} is not a regular file", path.string());
-  } else if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    s = invalid_argument("{} is {} bytes, above the limit of {}", path.string(), st.st_size, max_bytes);
-  } else {
-    out->resize(static_cast<std::size_t>(st.st_size));
-    std::size_t done = 0;
-    while (s.is_ok() && done < out->size()) {
-      const ssize_t n = ::read(fd, out->data() + done, out->size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) s = invalid_argument("cannot read {}: {}", path.string(), errno_text());
-      if (n == 0) s = invalid_argument("{} shrank while it was read", path.string());
-      if (n > 0) done += static_cast<std::size_t>(n);
-    }
-  }
-  ::close(fd);
-  return s;
+  const auto limit = static_cast<int64_t>(std::min<uint64_t>(max_bytes, INT64_MAX));
+  return read_input_file(path.string(), "the checkpoint file", limit, out);
 }
 
 // Writes, fsyncs and closes `path`; on any failure removes it.
