@@ -31,10 +31,10 @@ constexpr std::size_t kPadding = simdjson::SIMDJSON_PADDING;
 // and are refused rather than held in memory.
 constexpr std::size_t kMaxLineBytes = std::size_t{64} << 20;
 
-Status line_too_long(const std::string& path, const std::string& where) {
+Status line_too_long(const std::string& path, int64_t line) {
   return invalid_argument("{}:{}: the line runs over {} bytes without a newline; a metrics line is far shorter (is "
                           "this a metrics file?)",
-                          path, where, kMaxLineBytes);
+                          path, line, kMaxLineBytes);
 }
 
 // Reads up to `n` bytes at `at` into `out` (pread() repeated until n or the
@@ -72,6 +72,7 @@ struct Lane {
   LineParser parser;
   ParsedLines parsed;
   Status read_error;
+  bool too_long = false;  // the region's last line runs on without end (after its records)
 
   // Reads [from, to) of the file into the block (to <= file_size); the count read.
   Result<std::size_t> read(int fd, int64_t from, int64_t to, const std::string& path) {
@@ -93,6 +94,7 @@ struct Lane {
     parsed.num_records = 0;
     parsed.num_lines = 0;
     parsed.error = Status::ok();
+    too_long = false;
     read_error = load(fd, begin, end, file_size, path);
     if (read_error.is_ok() && block.size > first)
       observe_detail::parse_lines(parser, std::string_view(block.bytes.data() + first, block.size - first),
@@ -113,8 +115,13 @@ struct Lane {
     int64_t at = from + static_cast<int64_t>(got);
     std::size_t searched = std::max(first, block.size > 0 ? block.size - 1 : 0);
     const void* nl = std::memchr(block.bytes.data() + searched, '\n', block.size - searched);
+    const std::size_t line_start = nl != nullptr ? 0 : last_line_start();
     while (nl == nullptr && at < file_size) {
-      if (block.size - first > kMaxLineBytes) return line_too_long(path, fmt::format("byte {}", from + first));
+      if (block.size - line_start > kMaxLineBytes) {  // the lines before it are still delivered
+        too_long = true;
+        block.size = line_start;
+        return Status::ok();
+      }
       searched = block.size;
       EPX_ASSIGN_OR_RETURN(got, read(fd, at, std::min(at + static_cast<int64_t>(kTailBytes), file_size), path));
       at += static_cast<int64_t>(got);
@@ -125,6 +132,12 @@ struct Lane {
     if (nl == nullptr) return drop_all();
     block.size = static_cast<const char*>(nl) - block.bytes.data() + 1;
     return Status::ok();
+  }
+  // Where the block's last line starts: after its last newline, or at `first`.
+  [[nodiscard]] std::size_t last_line_start() const {
+    if (block.size <= first) return first;
+    const void* nl = memrchr(block.bytes.data() + first, '\n', block.size - first);
+    return nl == nullptr ? first : static_cast<std::size_t>(static_cast<const char*>(nl) - block.bytes.data()) + 1;
   }
   Status drop_all() {
     block.size = first = 0;
@@ -143,6 +156,7 @@ Status deliver(Lane& lane, int64_t& lines_before, const std::string& path,
   if (!parsed.error.is_ok())
     return invalid_argument("{}:{}: {}", path, lines_before + parsed.error_line, parsed.error.message());
   lines_before += parsed.num_lines;
+  if (lane.too_long) return line_too_long(path, lines_before + 1);
   return Status::ok();
 }
 
@@ -260,7 +274,7 @@ Result<std::vector<StepRecord>> MetricsFollower::poll(std::size_t max_bytes) {
   const InputFile& file = *opened;
   if (s.pending.size > kMaxLineBytes) {  // an unfinished line this long is skipped, once reported
     s.pending.size = 0;
-    return line_too_long(s.path, std::to_string(s.lines + 1));
+    return line_too_long(s.path, s.lines + 1);
   }
   if (s.replaced(file)) s.start_over();
   s.seen = true;

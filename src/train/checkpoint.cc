@@ -564,13 +564,15 @@ Status read_part_file(const std::string& where, const CheckpointMeta& meta, int 
   const CheckpointFile& listed = meta.files[part];
   const fs::path path = fs::path(where) / listed.name;
   const std::string name = path.string();
-  std::error_code ec;
-  const auto size = fs::file_size(path, ec);
-  if (ec) return not_found("checkpoint {} has no {} (meta.json lists {} files)", where, listed.name, meta.files.size());
+  Result<InputFile> file = InputFile::open(name, "the checkpoint file", -1);  // never a FIFO or a device
+  if (!file.is_ok() && file.status().code() == StatusCode::kNotFound)
+    return not_found("checkpoint {} has no {} (meta.json lists {} files)", where, listed.name, meta.files.size());
+  EPX_RETURN_IF_ERROR(file.status());
+  const auto size = static_cast<uint64_t>(file->size());
   if (size != listed.bytes)
     return invalid_argument("{} is {} bytes; meta.json lists {} (bytes appended or cut)", name, size, listed.bytes);
   std::vector<uint8_t> bytes;
-  EPX_RETURN_IF_ERROR(read_file(path, listed.bytes, &bytes));
+  EPX_RETURN_IF_ERROR(file->read_all("the checkpoint file", name, &bytes));
   PartFileHeader h;
   EPX_RETURN_IF_ERROR(parse_part_file(bytes, name, &h, state));
   if (h.part != part) {

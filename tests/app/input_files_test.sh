@@ -69,6 +69,15 @@ mkdir -p "$work/ck_latest"
 mkfifo "$work/ck_latest/latest"
 expect "--resume with 'latest' a FIFO" 2 "the checkpoint file '$work/ck_latest/latest' $fifo_msg" \
   train --resume "$work/ck_latest" --steps 1
+# A real checkpoint with one of its expert files replaced by a FIFO.
+if timeout 120 "$epx" train --steps 1 --save "$work/ck_real" -q >/dev/null 2>&1; then
+  part=$(ls -d "$work"/ck_real/step-*/experts-0.bin | head -1)
+  rm -f "$part" && mkfifo "$part"
+  expect "--resume with an expert file a FIFO" 2 "the checkpoint file '$part' $fifo_msg" \
+    train --resume "$work/ck_real" --steps 2
+else
+  fail "--resume with an expert file a FIFO: the run that saves the checkpoint failed"
+fi
 
 # epx eplb --loads and --current
 expect "--loads /dev/zero" 2 "epx eplb: the --loads file '/dev/zero' $not_regular" \
