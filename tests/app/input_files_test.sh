@@ -133,6 +133,14 @@ if [[ $sanitized != sanitized ]]; then
   if [[ $code -ne 2 || $out != *"text file '$work/text3g.txt' is 3.0 GiB (3221225472 bytes); reading it needs that much memory but"* ]]; then
     fail "ulimit -v 2 GiB, a 3 GiB text file: exit $code, want 2; output: ${out:0:400}"
   else echo "ok   ulimit -v 2 GiB, a 3 GiB text file: $(printf '%s' "$out" | tail -n 1)"; fi
+  # The last resort: an allocation no check foresaw (60 MiB of loads parse
+  # into 240 MiB of doubles) ends the command with exit 1 and a message.
+  yes 1 | head -c 62914560 >"$work/loads60m.txt"
+  out=$( (ulimit -v 400000; timeout 60 "$epx" eplb --loads "$work/loads60m.txt" --slots 24 --nodes 2 --ranks-per-node 2) 2>&1)
+  code=$?
+  if [[ $code -ne 1 || $out != *"epx eplb: out of memory while running the command (an allocation failed); stopped"* ]]; then
+    fail "ulimit -v 400 MB, 60 MiB of loads: exit $code, want 1; output: ${out:0:400}"
+  else echo "ok   ulimit -v 400 MB, 60 MiB of loads: $(printf '%s' "$out" | tail -n 1)"; fi
 fi
 
 if (( failures > 0 )); then
