@@ -6,7 +6,7 @@
 # under `timeout`), nothing reads without end, and under a 2 GiB address-space
 # limit nothing aborts with an uncaught std::bad_alloc.
 # Usage: input_files_test.sh EPX_BINARY REPO_ROOT [sanitized]
-#   sanitized: the binary runs under ASan, whose runtime cannot run under
+#   sanitized: the binary runs under a sanitizer, whose runtime cannot run under
 #   `ulimit -v`; those cases are left out.
 set -uo pipefail
 epx=$1
