@@ -12,6 +12,7 @@
 
 #include "commands.h"
 #include "eplb.h"
+#include "epx/core/input_file.h"
 
 namespace epx::app {
 
@@ -138,15 +139,15 @@ Result<RedundantPlacement> parse_placement(std::istream& in, const std::string& 
 namespace {
 
 Result<std::vector<double>> read_loads(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return invalid_argument("cannot open --loads file '{}'", path);
+  EPX_ASSIGN_OR_RETURN(std::string text, read_input_file(path, "the --loads file", kMaxTableBytes));
+  std::istringstream in(std::move(text));
   return parse_loads(in, path);
 }
 
 Result<RedundantPlacement> read_placement(const std::string& path, int num_experts, int num_slots, int num_ranks,
                                           PlacementPolicy policy) {
-  std::ifstream in(path);
-  if (!in) return invalid_argument("cannot open --current file '{}'", path);
+  EPX_ASSIGN_OR_RETURN(std::string text, read_input_file(path, "the --current file", kMaxTableBytes));
+  std::istringstream in(std::move(text));
   return parse_placement(in, path, num_experts, num_slots, num_ranks, policy);
 }
 

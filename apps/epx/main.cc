@@ -12,6 +12,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 
@@ -43,8 +45,18 @@ int finish_output(int code) {
   return code == epx::app::kExitOk ? epx::app::kExitFailed : code;
 }
 
+// The command's name for a message: the first word that is not an option.
+std::string command_name(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (argv[i][0] != '-') return fmt::format("epx {}", argv[i]);
+  return "epx";
+}
+
 }  // namespace
 
+// The last resorts: output that cannot be written, and an allocation that
+// fails where no check foresaw it, end the command with a message and exit 1,
+// never with exit 0 or an uncaught exception (abort).
 int main(int argc, char** argv) {
   int code = epx::app::kExitFailed;
   try {
@@ -52,6 +64,14 @@ int main(int argc, char** argv) {
   } catch (const std::system_error& e) {  // fmt::print when the output cannot be written
     std::clearerr(stdout);
     fmt::print(stderr, "epx: cannot write the output: {}\n", e.what());
+    return epx::app::kExitFailed;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "{}: out of memory while running the command (an allocation failed); stopped\n",
+               command_name(argc, argv));
+    return epx::app::kExitFailed;
+  } catch (const std::length_error& e) {
+    fmt::print(stderr, "{}: out of memory while running the command (a size above the maximum: {}); stopped\n",
+               command_name(argc, argv), e.what());
     return epx::app::kExitFailed;
   }
   return finish_output(code);

@@ -20,6 +20,7 @@
 
 #include "cli_checks.h"
 #include "commands.h"
+#include "epx/core/input_file.h"
 #include "epx/observe/alerts.h"
 #include "epx/observe/output_path.h"
 #include "epx/observe/prometheus.h"
@@ -311,10 +312,15 @@ int check_once(Monitor& m) {
   return kExitFailed;
 }
 
-// Bad combinations and unwritable outputs, before anything is read: exit 2.
+// Bad combinations, unwritable outputs and a metrics path that is no regular
+// file, before anything is read: exit 2.
 Status check_options(const MonitorOptions& o) {
   if (o.once && o.alerts_path.empty()) return invalid_argument("--once needs --alerts RULES.toml (the rules to check)");
   if (o.idle_exit > 0 && !o.follow) return invalid_argument("--idle-exit {} needs --follow", o.idle_exit);
+  // A FIFO, a device or a directory is refused here; with --follow the file may appear later.
+  if (Result<InputFile> metrics = InputFile::open(o.metrics_path, "the metrics file", -1);
+      !metrics.is_ok() && !(o.follow && metrics.status().code() == StatusCode::kNotFound))
+    return metrics.status();
   if (!o.prometheus_path.empty())
     EPX_RETURN_IF_ERROR(check_output_writable(o.prometheus_path, "--prometheus", /*renamed_into_place=*/true));
   return Status::ok();

@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -25,6 +24,7 @@
 #include "epx/comm/mpi.h"
 #include "epx/comm/parallel_layout.h"
 #include "epx/core/clock.h"
+#include "epx/core/input_file.h"
 #include "epx/core/memory.h"
 #include "epx/experts/ffn.h"
 #include "epx/observe/chrome_trace.h"
@@ -235,18 +235,8 @@ std::map<std::string, Setter> config_keys(TrainOptions& o) {
 Status apply_config(const toml::table& table, const std::string& path, TrainOptions& options);
 
 Status load_config_file(const std::string& path, TrainOptions& options) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    return invalid_argument("--config {} is a directory; name a TOML file (see configs/train-tiny.toml)", path);
-  toml::table table;
-  try {
-    table = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    if (std::strstr(e.what(), "File could not be opened") != nullptr)
-      return not_found("--config {}: the file cannot be opened", path);
-    return invalid_argument("{}:{}:{}: {}", path, e.source().begin.line, e.source().begin.column, e.description());
-  }
-  return apply_config(table, path, options);
+  EPX_ASSIGN_OR_RETURN(std::string text, read_input_file(path, "the --config file", kMaxTomlBytes));
+  return parse_train_config(text, path, options);
 }
 
 // A value as the file wrote it: strings quoted, numbers as TOML prints them.

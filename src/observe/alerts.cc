@@ -2,14 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <ctime>
-#include <filesystem>
 #include <optional>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include "epx/core/input_file.h"
 #include "epx/observe/run_snapshot.h"
 
 namespace epx {
@@ -205,19 +204,8 @@ Result<std::vector<AlertRule>> parse_alert_rules(std::string_view toml_text, con
 }
 
 Result<std::vector<AlertRule>> load_alert_rules(const std::string& path) {
-  std::error_code ec;
-  const auto type = std::filesystem::status(path, ec).type();
-  if (type == std::filesystem::file_type::not_found) return not_found("{}: no such rule file", path);
-  if (!ec && type != std::filesystem::file_type::regular) return invalid_argument("{}: not a regular file", path);
-  toml::table table;
-  try {
-    table = toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    if (std::strstr(e.what(), "File could not be opened") != nullptr)
-      return not_found("{}: the file cannot be opened", path);
-    return syntax_error(path, e);
-  }
-  return rules_from_table(table, path);
+  EPX_ASSIGN_OR_RETURN(std::string text, read_input_file(path, "the alert rule file", kMaxTomlBytes));
+  return parse_alert_rules(text, path);
 }
 
 std::string format_alert(const Alert& a) {

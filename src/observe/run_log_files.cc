@@ -2,7 +2,6 @@
 // (run_log_parse.h). read_metrics reads and parses two regions of the file
 // at a time, one on a helper thread, delivering the records in file order.
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,6 +10,7 @@
 
 #include <simdjson.h>
 
+#include "epx/core/input_file.h"
 #include "epx/observe/run_log.h"
 #include "observe/file_error.h"
 #include "observe/run_log_parse.h"
@@ -26,20 +26,16 @@ namespace {
 constexpr std::size_t kRegionBytes = std::size_t{8} << 20;  // per parse; two are in flight
 constexpr std::size_t kTailBytes = std::size_t{256} << 10;   // read at a time past a region for its last line
 constexpr std::size_t kPadding = simdjson::SIMDJSON_PADDING;
+// A metrics line is a few KiB (a few MiB with wait matrices of many ranks);
+// bytes running longer than this without a newline are not a metrics file,
+// and are refused rather than held in memory.
+constexpr std::size_t kMaxLineBytes = std::size_t{64} << 20;
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  [[nodiscard]] int get() const { return fd_; }
-
- private:
-  int fd_;
-};
+Status line_too_long(const std::string& path, int64_t line) {
+  return invalid_argument("{}:{}: the line runs over {} bytes without a newline; a metrics line is far shorter (is "
+                          "this a metrics file?)",
+                          path, line, kMaxLineBytes);
+}
 
 // Reads up to `n` bytes at `at` into `out` (pread() repeated until n or the
 // end of the file); the count read, or -errno.
@@ -76,6 +72,7 @@ struct Lane {
   LineParser parser;
   ParsedLines parsed;
   Status read_error;
+  bool too_long = false;  // the region's last line runs on without end (after its records)
 
   // Reads [from, to) of the file into the block (to <= file_size); the count read.
   Result<std::size_t> read(int fd, int64_t from, int64_t to, const std::string& path) {
@@ -97,6 +94,7 @@ struct Lane {
     parsed.num_records = 0;
     parsed.num_lines = 0;
     parsed.error = Status::ok();
+    too_long = false;
     read_error = load(fd, begin, end, file_size, path);
     if (read_error.is_ok() && block.size > first)
       observe_detail::parse_lines(parser, std::string_view(block.bytes.data() + first, block.size - first),
@@ -117,7 +115,13 @@ struct Lane {
     int64_t at = from + static_cast<int64_t>(got);
     std::size_t searched = std::max(first, block.size > 0 ? block.size - 1 : 0);
     const void* nl = std::memchr(block.bytes.data() + searched, '\n', block.size - searched);
+    const std::size_t line_start = nl != nullptr ? 0 : last_line_start();
     while (nl == nullptr && at < file_size) {
+      if (block.size - line_start > kMaxLineBytes) {  // the lines before it are still delivered
+        too_long = true;
+        block.size = line_start;
+        return Status::ok();
+      }
       searched = block.size;
       EPX_ASSIGN_OR_RETURN(got, read(fd, at, std::min(at + static_cast<int64_t>(kTailBytes), file_size), path));
       at += static_cast<int64_t>(got);
@@ -128,6 +132,12 @@ struct Lane {
     if (nl == nullptr) return drop_all();
     block.size = static_cast<const char*>(nl) - block.bytes.data() + 1;
     return Status::ok();
+  }
+  // Where the block's last line starts: after its last newline, or at `first`.
+  [[nodiscard]] std::size_t last_line_start() const {
+    if (block.size <= first) return first;
+    const void* nl = memrchr(block.bytes.data() + first, '\n', block.size - first);
+    return nl == nullptr ? first : static_cast<std::size_t>(static_cast<const char*>(nl) - block.bytes.data()) + 1;
   }
   Status drop_all() {
     block.size = first = 0;
@@ -146,6 +156,7 @@ Status deliver(Lane& lane, int64_t& lines_before, const std::string& path,
   if (!parsed.error.is_ok())
     return invalid_argument("{}:{}: {}", path, lines_before + parsed.error_line, parsed.error.message());
   lines_before += parsed.num_lines;
+  if (lane.too_long) return line_too_long(path, lines_before + 1);
   return Status::ok();
 }
 
@@ -154,12 +165,10 @@ Status deliver(Lane& lane, int64_t& lines_before, const std::string& path,
 // Regions of kRegionBytes go to two lanes in turn: this thread parses one
 // while a helper parses the next, then this thread delivers both in order.
 Status read_metrics(const std::string& path, const std::function<Status(StepRecord&&)>& on_record) {
-  const Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return file_error(errno, "open the metrics file", path);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return file_error(errno, "stat the metrics file", path);
-  const int64_t file_size = st.st_size;  // what a run appends later is not read
-  ::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  // Streamed region by region, so no limit on the size; a FIFO or a device is refused.
+  EPX_ASSIGN_OR_RETURN(const InputFile file, InputFile::open(path, "the metrics file", -1));
+  const int64_t file_size = file.size();  // what a run appends later is not read
+  ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
   Lane lanes[2];
   int64_t lines_before = 0;
   const auto region = static_cast<int64_t>(kRegionBytes);
@@ -167,9 +176,9 @@ Status read_metrics(const std::string& path, const std::function<Status(StepReco
     std::future<void> second;
     if (begin + region < file_size)
       second = std::async(std::launch::async, [&, begin] {
-        lanes[1].load_and_parse(fd.get(), begin + region, begin + 2 * region, file_size, path);
+        lanes[1].load_and_parse(file.fd(), begin + region, begin + 2 * region, file_size, path);
       });
-    lanes[0].load_and_parse(fd.get(), begin, begin + region, file_size, path);
+    lanes[0].load_and_parse(file.fd(), begin, begin + region, file_size, path);
     Status status = deliver(lanes[0], lines_before, path, on_record);
     if (second.valid()) {
       second.get();
@@ -189,8 +198,8 @@ struct MetricsFollower::State {
   int64_t offset = 0;   // bytes of the file read into pending or parsed
   int64_t lines = 0;    // whole lines read from the file
   bool seen = false;    // the file existed at the last poll
-  dev_t dev = 0;
-  ino_t ino = 0;
+  uint64_t dev = 0;
+  uint64_t ino = 0;
 
   void start_over() {
     pending.size = 0;
@@ -199,17 +208,17 @@ struct MetricsFollower::State {
   }
   // A new file at the path, or this one rewritten (shorter, or its last
   // byte read is no longer the newline it was).
-  bool replaced(int fd, const struct stat& st) const;
+  bool replaced(const InputFile& file) const;
   Result<std::vector<StepRecord>> parse_pending();
 };
 
-bool MetricsFollower::State::replaced(int fd, const struct stat& st) const {
+bool MetricsFollower::State::replaced(const InputFile& file) const {
   if (!seen) return false;
-  if (st.st_dev != dev || st.st_ino != ino || st.st_size < offset) return true;
+  if (file.device() != dev || file.inode() != ino || file.size() < offset) return true;
   const int64_t consumed = offset - static_cast<int64_t>(pending.size);
   if (consumed == 0) return false;
   char last = 0;
-  return read_fully(fd, &last, 1, static_cast<off_t>(consumed - 1)) != 1 || last != '\n';
+  return read_fully(file.fd(), &last, 1, static_cast<off_t>(consumed - 1)) != 1 || last != '\n';
 }
 
 // Parses the whole lines of `pending`. A malformed line is reported once: the
@@ -256,22 +265,26 @@ Result<std::vector<StepRecord>> MetricsFollower::poll() { return poll(std::numer
 
 Result<std::vector<StepRecord>> MetricsFollower::poll(std::size_t max_bytes) {
   State& s = *state_;
-  const Fd fd(::open(s.path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    if (errno == ENOENT) return std::vector<StepRecord>{};  // not there yet (or removed): nothing new
-    return file_error(errno, "open the metrics file", s.path);
+  Result<InputFile> opened = InputFile::open(s.path, "the metrics file", -1);
+  if (!opened.is_ok()) {
+    // Not there yet (or removed): nothing new.
+    if (opened.status().code() == StatusCode::kNotFound) return std::vector<StepRecord>{};
+    return opened.status();
   }
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return file_error(errno, "stat the metrics file", s.path);
-  if (s.replaced(fd.get(), st)) s.start_over();
+  const InputFile& file = *opened;
+  if (s.pending.size > kMaxLineBytes) {  // an unfinished line this long is skipped, once reported
+    s.pending.size = 0;
+    return line_too_long(s.path, s.lines + 1);
+  }
+  if (s.replaced(file)) s.start_over();
   s.seen = true;
-  s.dev = st.st_dev;
-  s.ino = st.st_ino;
+  s.dev = file.device();
+  s.ino = file.inode();
   const std::size_t fresh = static_cast<std::size_t>(std::min<int64_t>(
-      st.st_size - s.offset, static_cast<int64_t>(std::min<std::size_t>(max_bytes, INT64_MAX))));
+      file.size() - s.offset, static_cast<int64_t>(std::min<std::size_t>(max_bytes, INT64_MAX))));
   if (fresh > 0) {
     s.pending.reserve_more(fresh);
-    const ssize_t got = read_fully(fd.get(), s.pending.bytes.data() + s.pending.size, fresh, static_cast<off_t>(s.offset));
+    const ssize_t got = read_fully(file.fd(), s.pending.bytes.data() + s.pending.size, fresh, static_cast<off_t>(s.offset));
     if (got < 0) return file_error(static_cast<int>(-got), "read the metrics file", s.path);
     s.pending.size += static_cast<std::size_t>(got);
     s.offset += got;

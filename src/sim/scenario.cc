@@ -3,13 +3,15 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <variant>
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
+
+#include "epx/core/input_file.h"
 
 namespace epx::sim {
 namespace {
@@ -221,28 +223,19 @@ Status syntax_error(const std::string& path, const toml::parse_error& e) {
   return invalid_argument("{}:{}:{}: {}", path, e.source().begin.line, e.source().begin.column, e.description());
 }
 
-// A file that is not a regular one (a directory, /dev/zero) is refused before
-// it is read: it would parse as nothing, or never end.
-Result<toml::table> parse_toml(const std::string& path) {
-  std::error_code ec;
-  const auto type = std::filesystem::status(path, ec).type();
-  if (!ec && type != std::filesystem::file_type::regular)
-    return invalid_argument("{}: not a regular file", path);
-  try {
-    return toml::parse_file(path);
-  } catch (const toml::parse_error& e) {
-    if (std::strstr(e.what(), "File could not be opened") != nullptr)
-      return not_found("{}: the file cannot be opened", path);
-    return syntax_error(path, e);
-  }
-}
-
 Result<toml::table> parse_toml_text(std::string_view text, const std::string& path) {
   try {
     return toml::parse(text, path);
   } catch (const toml::parse_error& e) {
     return syntax_error(path, e);
   }
+}
+
+// A file that is not a regular one (a directory, /dev/zero, a FIFO) or is too
+// large is refused before it is read (read_input_file).
+Result<toml::table> parse_toml(const std::string& path, std::string_view what) {
+  EPX_ASSIGN_OR_RETURN(std::string text, read_input_file(path, what, kMaxTomlBytes));
+  return parse_toml_text(text, path);
 }
 
 Status one_of(const std::string& key, const std::string& value, std::initializer_list<const char*> allowed) {
@@ -425,7 +418,7 @@ Status Scenario::validate() const {
 }
 
 Status load_hardware(const std::string& path, Scenario* scenario) {
-  EPX_ASSIGN_OR_RETURN(toml::table table, parse_toml(path));
+  EPX_ASSIGN_OR_RETURN(toml::table table, parse_toml(path, "the hardware profile"));
   auto keys = keys_of(*scenario);
   return apply_table(table, "hardware.", keys, path, {});
 }
@@ -470,7 +463,7 @@ Result<Scenario> scenario_from_table(const toml::table& table, const std::string
 }  // namespace
 
 Result<Scenario> load_scenario(const std::string& path) {
-  EPX_ASSIGN_OR_RETURN(toml::table table, parse_toml(path));
+  EPX_ASSIGN_OR_RETURN(toml::table table, parse_toml(path, "the scenario file"));
   return scenario_from_table(table, path);
 }
 

@@ -4,13 +4,14 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <fstream>
 #include <map>
 #include <numeric>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "epx/balance/placement.h"
+#include "epx/core/input_file.h"
 #include "epx/core/random.h"
 #include "epx/routing/expert_bias.h"
 #include "epx/sim/cost.h"
@@ -229,8 +230,8 @@ class Simulator {
 };
 
 Status Simulator::load_trace() {
-  std::ifstream in(s_.routing.trace);
-  if (!in) return not_found("routing.trace = '{}' cannot be opened", s_.routing.trace);
+  EPX_ASSIGN_OR_RETURN(std::string text, read_input_file(s_.routing.trace, "routing.trace", kMaxTraceBytes));
+  std::istringstream in(std::move(text));
   EPX_ASSIGN_OR_RETURN(RoutingTrace trace, read_routing_trace(in, s_.routing.trace, s_.model.experts, s_.model.topk,
                                                               s_.routing.trace_format));
   trace_layers_ = trace.num_layers;

@@ -23,6 +23,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include "epx/core/input_file.h"
+
 namespace epx::detail {
 namespace {
 
@@ -109,31 +111,11 @@ class ByteReader {
 
 // ---- files ----------------------------------------------------------------
 
+// A regular file of at most `max_bytes`; a FIFO or a device put in a
+// checkpoint folder is refused without blocking on it.
 Status read_file(const fs::path& path, uint64_t max_bytes, std::vector<uint8_t>* out) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return not_found("{} does not exist", path.string());
-    return invalid_argument("cannot open {}: {}", path.string(), errno_text());
-  }
-  struct stat st {};
-  Status s = Status::ok();
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    s = invalid_argument("{} is not a regular file", path.string());
-  } else if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    s = invalid_argument("{} is {} bytes, above the limit of {}", path.string(), st.st_size, max_bytes);
-  } else {
-    out->resize(static_cast<std::size_t>(st.st_size));
-    std::size_t done = 0;
-    while (s.is_ok() && done < out->size()) {
-      const ssize_t n = ::read(fd, out->data() + done, out->size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) s = invalid_argument("cannot read {}: {}", path.string(), errno_text());
-      if (n == 0) s = invalid_argument("{} shrank while it was read", path.string());
-      if (n > 0) done += static_cast<std::size_t>(n);
-    }
-  }
-  ::close(fd);
-  return s;
+  const auto limit = static_cast<int64_t>(std::min<uint64_t>(max_bytes, INT64_MAX));
+  return read_input_file(path.string(), "the checkpoint file", limit, out);
 }
 
 // A full disk, a quota or a file-size limit is ResourceExhausted (as for the
@@ -593,13 +575,15 @@ Status read_part_file(const std::string& where, const CheckpointMeta& meta, int 
   const CheckpointFile& listed = meta.files[part];
   const fs::path path = fs::path(where) / listed.name;
   const std::string name = path.string();
-  std::error_code ec;
-  const auto size = fs::file_size(path, ec);
-  if (ec) return not_found("checkpoint {} has no {} (meta.json lists {} files)", where, listed.name, meta.files.size());
+  Result<InputFile> file = InputFile::open(name, "the checkpoint file", -1);  // never a FIFO or a device
+  if (!file.is_ok() && file.status().code() == StatusCode::kNotFound)
+    return not_found("checkpoint {} has no {} (meta.json lists {} files)", where, listed.name, meta.files.size());
+  EPX_RETURN_IF_ERROR(file.status());
+  const auto size = static_cast<uint64_t>(file->size());
   if (size != listed.bytes)
     return invalid_argument("{} is {} bytes; meta.json lists {} (bytes appended or cut)", name, size, listed.bytes);
   std::vector<uint8_t> bytes;
-  EPX_RETURN_IF_ERROR(read_file(path, listed.bytes, &bytes));
+  EPX_RETURN_IF_ERROR(file->read_all("the checkpoint file", name, &bytes));
   PartFileHeader h;
   EPX_RETURN_IF_ERROR(parse_part_file(bytes, name, &h, state));
   if (h.part != part) {

@@ -1,11 +1,11 @@
 #include "epx/train/data.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <numbers>
+
+#include "epx/core/input_file.h"
 
 namespace epx {
 namespace {
@@ -155,22 +155,8 @@ Result<TextTask> TextTask::create(const TextTaskConfig& config) {
   if (config.path.empty()) return invalid_argument("TextTaskConfig.path is empty; name a text file");
   if (config.window < 1 || config.window > kMaxWindow)
     return invalid_argument("TextTaskConfig.window = {} is outside [1, {}]", config.window, kMaxWindow);
-  std::FILE* file = std::fopen(config.path.c_str(), "rb");
-  if (file == nullptr) {
-    const int err = errno;
-    const std::string reason = std::strerror(err);
-    if (err == ENOENT || err == ENOTDIR) return not_found("cannot open text file '{}': {}", config.path, reason);
-    return invalid_argument("cannot open text file '{}': {}", config.path, reason);
-  }
   auto bytes = std::make_shared<std::vector<uint8_t>>();
-  uint8_t chunk[1 << 16];
-  std::size_t n = 0;
-  while ((n = std::fread(chunk, 1, sizeof(chunk), file)) > 0) bytes->insert(bytes->end(), chunk, chunk + n);
-  const bool read_failed = std::ferror(file) != 0;
-  const int err = errno;
-  std::fclose(file);
-  if (read_failed)
-    return invalid_argument("cannot read text file '{}': {}", config.path, std::strerror(err));
+  EPX_RETURN_IF_ERROR(read_input_file(config.path, "text file", kMaxTextBytes, bytes.get()));
   if (static_cast<int64_t>(bytes->size()) <= config.window)
     return invalid_argument("text file '{}' holds {} bytes; window = {} needs at least {}", config.path,
                             bytes->size(), config.window, int64_t{config.window} + 1);

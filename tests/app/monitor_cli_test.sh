@@ -75,7 +75,7 @@ expect "bad rules: an unknown key is named (exit 2)" 2 \
 printf '[[rule]]\nname = "idle"\nkind = "rank_idle"\nabove = 2\n' > "$work/range.toml"
 expect "bad rules: a value out of range names the range (exit 2)" 2 \
   "range.toml: rule 'idle': above = 2 is outside \[0, 1\]" --alerts "$work/range.toml" "$work/clean.jsonl"
-expect "bad rules: a missing rule file (exit 2)" 2 "none.toml: no such rule file" \
+expect "bad rules: a missing rule file (exit 2)" 2 "cannot open the alert rule file '.*none.toml': No such file or directory" \
   --alerts "$work/none.toml" "$work/clean.jsonl"
 expect "--once needs --alerts (exit 2)" 2 "--once needs --alerts" --once "$work/clean.jsonl"
 expect "--once and --follow exclude each other (exit 2)" 2 "excludes" --once --follow --alerts "$rules" \

@@ -38,7 +38,7 @@ expect "memory: the refusal says what is available" 2 "is available" --config "$
 expect "batch_tokens above its limit" 2 "run.batch_tokens = 99999999999 is above the limit 16777216" \
   --config "$data/huge_batch.toml"
 expect "negative hidden: its real minimum" 2 "model.hidden = -5 must be at least 1" --config "$data/negative_hidden.toml"
-expect "--config naming a directory" 2 "--config $data is a directory" --config "$data"
+expect "--config naming a directory" 2 "the --config file '$data' is a directory, not a regular file" --config "$data"
 expect "--metrics under a regular file" 2 "--metrics $work/a_file/m.jsonl: cannot" --metrics "$work/a_file/m.jsonl"
 expect "--metrics in a missing folder" 2 "--metrics $work/out/none/m.jsonl: cannot create a file in" \
   --metrics "$work/out/none/m.jsonl"

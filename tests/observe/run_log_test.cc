@@ -1,5 +1,7 @@
 #include "epx/observe/run_log.h"
 
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -401,6 +403,50 @@ TEST(RunLogFollower, FollowsAGrowingFileInBoundedPolls) {
   for (int64_t step : steps_of(got)) seen.push_back(step);
   ASSERT_EQ(seen.size(), 50u);
   for (int s = 0; s < 50; ++s) EXPECT_EQ(seen[s], s);
+}
+
+// 65 MiB without a newline (a sparse file of zero bytes) is not a metrics
+// file: the reader and a follower refuse it instead of holding it all.
+TEST(RunLog, ALineWithoutEndIsRefusedNotHeld) {
+  TempDir dir;
+  const std::string path = dir.file("m.jsonl");
+  write_text(path, step_line(0) + "\n");
+  std::filesystem::resize_file(path, std::filesystem::file_size(path) + (std::size_t{65} << 20));
+  Status status;
+  std::vector<StepRecord> records = read_all(path, &status);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find(path + ":2: the line runs over 67108864 bytes without a newline"),
+            std::string::npos)
+      << status.message();
+  ASSERT_EQ(records.size(), 1u);
+
+  MetricsFollower follower = std::move(MetricsFollower::open(path)).value();
+  Status followed;
+  int64_t steps = 0;
+  for (int poll = 0; poll < 80 && followed.is_ok(); ++poll) {
+    Result<std::vector<StepRecord>> got = follower.poll(std::size_t{1} << 20);
+    if (got.is_ok()) steps += static_cast<int64_t>(got->size());
+    else followed = got.status();
+  }
+  EXPECT_EQ(steps, 1);
+  EXPECT_EQ(followed.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(followed.message().find(path + ":2: the line runs over 67108864 bytes"), std::string::npos)
+      << followed.message();
+}
+
+// A FIFO is refused without blocking, by the reader and by a follower.
+TEST(RunLog, AFifoIsRefusedWithoutBlocking) {
+  TempDir dir;
+  const std::string path = dir.file("m.jsonl");
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  Status status;
+  read_all(path, &status);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("is a FIFO (named pipe), not a regular file"), std::string::npos) << status.message();
+  MetricsFollower follower = std::move(MetricsFollower::open(path)).value();
+  Result<std::vector<StepRecord>> got = follower.poll();
+  ASSERT_FALSE(got.is_ok());
+  EXPECT_NE(got.status().message().find("is a FIFO (named pipe)"), std::string::npos) << got.status().message();
 }
 
 TEST(RunLogFollower, StartsOverOnATruncatedOrReplacedFile) {
