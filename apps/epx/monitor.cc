@@ -219,7 +219,7 @@ Status refresh(Monitor& m, bool in_place) {
 }
 
 Status read_all(Monitor& m) {
-  return read_metrics(m.options.metrics_path, [&](StepRecord&& r) {
+  return read_run_metrics(m.options.metrics_path, [&](StepRecord&& r) {  // each step once (a resumed run)
     feed(m, r);
     return Status::ok();
   });
@@ -286,6 +286,9 @@ int check_once(Monitor& m) {
 Status check_options(const MonitorOptions& o) {
   if (o.once && o.alerts_path.empty()) return invalid_argument("--once needs --alerts RULES.toml (the rules to check)");
   if (o.idle_exit > 0 && !o.follow) return invalid_argument("--idle-exit {} needs --follow", o.idle_exit);
+  const CommandPath inputs[] = {{"metrics", o.metrics_path, false}, {"--alerts", o.alerts_path, false}};
+  const CommandPath outputs[] = {{"--prometheus", o.prometheus_path, false}};
+  EPX_RETURN_IF_ERROR(check_outputs_apart(inputs, outputs));
   if (!o.prometheus_path.empty())
     EPX_RETURN_IF_ERROR(check_output_writable(o.prometheus_path, "--prometheus", /*renamed_into_place=*/true));
   return Status::ok();

@@ -77,6 +77,8 @@ struct TrainOptions {
   int64_t save_every = 0;
   int keep = 2;
   std::string resume_dir;
+  bool overwrite_checkpoints = false;  // --overwrite-checkpoints: --save may hold another run's checkpoints
+  bool allow_data_change = false;      // --allow-data-change: --resume with other data settings
   std::string compare;  // --compare-balancing LIST
   bool compare_given = false;
   bool quiet = false;

@@ -320,6 +320,8 @@ std::string format_checkpoint_meta(const CheckpointMeta& meta) {
     j["layer_slots"] = meta.layer_slots;
     j["eplb_window"] = meta.eplb_window;
   }
+  if (!meta.run_id.empty()) j["run_id"] = meta.run_id;
+  if (!meta.data.empty()) j["data"] = meta.data;
   j["meta_xxh3"] = hex(xxh3(as_bytes(j.dump())));  // of everything above, compact, keys sorted
   return j.dump(2) + "\n";
 }
@@ -368,6 +370,29 @@ bool get_int_lists(const Json& j, const char* key, int64_t lo, int64_t hi, std::
     }
   }
   return true;
+}
+
+// The optional run_id (a short word) and data settings (an object of strings).
+Status parse_meta_run(const Json& j, const std::string& name, CheckpointMeta* meta) {
+  constexpr std::size_t kMaxRunId = 64, kMaxSettings = 64, kMaxValue = 4096;
+  if (const auto it = j.find("run_id"); it != j.end()) {
+    if (!it->is_string() || it->get_ref<const std::string&>().empty() ||
+        it->get_ref<const std::string&>().size() > kMaxRunId ||
+        it->get_ref<const std::string&>().find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyz-_") != std::string::npos)
+      return invalid_argument("{}: run_id must be a word of at most {} lowercase letters, digits, '-' or '_'", name,
+                              kMaxRunId);
+    meta->run_id = it->get<std::string>();
+  }
+  const auto it = j.find("data");
+  if (it == j.end()) return Status::ok();
+  if (!it->is_object() || it->size() > kMaxSettings)
+    return invalid_argument("{}: data must be an object of at most {} settings", name, kMaxSettings);
+  for (const auto& [key, value] : it->items()) {
+    if (!value.is_string() || key.size() > kMaxValue || value.get_ref<const std::string&>().size() > kMaxValue)
+      return invalid_argument("{}: data.{} must be a string of at most {} bytes", name, key.substr(0, 64), kMaxValue);
+    meta->data[key] = value.get<std::string>();
+  }
+  return Status::ok();
 }
 
 Status parse_meta_files(const Json& j, const std::string& name, CheckpointMeta* meta) {
@@ -424,6 +449,7 @@ Status parse_checkpoint_meta(std::string_view text, const std::string& name, Che
   if (!get_hex(j, "model_xxh3", &mh) || mh != model_hash(meta->fingerprint))
     return invalid_argument("{}: model_xxh3 does not match its model '{}'", name, meta->fingerprint);
   EPX_RETURN_IF_ERROR(parse_meta_files(j, name, meta));
+  EPX_RETURN_IF_ERROR(parse_meta_run(j, name, meta));
   if (j.contains("layer_slots")) {
     const bool ok = get_int_lists(j, "layer_slots", -1, 1 << 30, &meta->layer_slots) &&
                     get_int_lists(j, "eplb_window", 0, int64_t{1} << 62, &meta->eplb_window) &&
@@ -457,6 +483,40 @@ Status check_save_dir(const std::string& dir) {
   return invalid_argument("--save {} is a folder that holds other files (e.g. '{}') and no {} marker; epx writes "
                           "checkpoints only into a new or empty folder, or one it created",
                           dir, it->path().filename().string(), kCheckpointMarker);
+}
+
+Status make_checkpoint_folder(const std::string& dir_name) {
+  EPX_RETURN_IF_ERROR(check_save_dir(dir_name));
+  const fs::path dir(dir_name);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return internal_error("cannot create checkpoint folder {}: {}", dir_name, ec.message());
+  if (!fs::exists(dir / kCheckpointMarker, ec)) {
+    EPX_RETURN_IF_ERROR(write_file_durably(dir / kCheckpointMarker, as_bytes("epx checkpoint folder\n")));
+    EPX_RETURN_IF_ERROR(fsync_dir(dir));
+  }
+  return Status::ok();
+}
+
+std::vector<StepOwner> list_step_owners(const std::string& dir) {
+  std::vector<StepOwner> out;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const int64_t step = parse_step_folder(e.path().filename().string());
+    if (step < 0 || !e.is_directory(ec)) continue;
+    StepOwner& owner = out.emplace_back();
+    owner.step = step;
+    std::vector<uint8_t> bytes;
+    CheckpointMeta meta;
+    const fs::path meta_path = e.path() / "meta.json";
+    owner.readable = read_file(meta_path, kMaxMetaBytes, &bytes).is_ok() &&
+                     parse_checkpoint_meta(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                                           meta_path.string(), &meta)
+                         .is_ok();
+    if (owner.readable) owner.run_id = std::move(meta.run_id);
+  }
+  std::sort(out.begin(), out.end(), [](const StepOwner& a, const StepOwner& b) { return a.step < b.step; });
+  return out;
 }
 
 Result<SaveSpace> probe_save_dir(const std::string& dir) {
@@ -682,14 +742,8 @@ void tidy_leftover(const fs::path& dir, const std::string& name) {
 // Rank 0: DIR exists, is ours (marker), holds no stale temporary folder, and
 // has a fresh empty `tmp`.
 Status prepare_save(const fs::path& dir, const fs::path& tmp) {
-  EPX_RETURN_IF_ERROR(check_save_dir(dir.string()));
+  EPX_RETURN_IF_ERROR(make_checkpoint_folder(dir.string()));
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return internal_error("cannot create checkpoint folder {}: {}", dir.string(), ec.message());
-  if (!fs::exists(dir / kCheckpointMarker, ec)) {
-    EPX_RETURN_IF_ERROR(write_file_durably(dir / kCheckpointMarker, as_bytes("epx checkpoint folder\n")));
-    EPX_RETURN_IF_ERROR(fsync_dir(dir));
-  }
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) tidy_leftover(dir, e.path().filename().string());
   fs::create_directory(tmp, ec);
   if (ec) return internal_error("cannot create {}: {}", tmp.string(), ec.message());
@@ -798,14 +852,13 @@ Status publish(const fs::path& dir, const fs::path& tmp, const CheckpointMeta& m
   return Status::ok();
 }
 
-// Rank 0: removes all but the newest `keep` step folders; `current` stays.
-Status prune(const fs::path& dir, int64_t current, int keep) {
+// Rank 0: removes all but the newest `keep` step folders of `run_id`;
+// `current` stays, and so does every folder of another run.
+Status prune(const fs::path& dir, int64_t current, int keep, const std::string& run_id) {
   std::vector<int64_t> others;
   std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const int64_t step = parse_step_folder(e.path().filename().string());
-    if (step >= 0 && step != current && e.is_directory(ec)) others.push_back(step);
-  }
+  for (const StepOwner& s : list_step_owners(dir.string()))
+    if (s.step != current && s.readable && s.run_id == run_id) others.push_back(s.step);
   std::sort(others.rbegin(), others.rend());
   for (std::size_t i = static_cast<std::size_t>(std::max(keep - 1, 0)); i < others.size(); ++i) {
     fs::remove_all(dir / step_folder_name(others[i]), ec);
@@ -862,7 +915,7 @@ Status save_checkpoint(const std::string& dir_name, int keep, const CheckpointMe
     CheckpointMeta meta = meta_in;
     meta.files = list_files(all, layout.ep(), layers);
     s = publish(dir, tmp, meta);
-    if (s.is_ok()) s = prune(dir, meta.step, keep);
+    if (s.is_ok()) s = prune(dir, meta.step, keep, meta.run_id);
   }
   if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
   return Status::ok();

@@ -24,13 +24,15 @@
 //
 // A save writes `.step-000120.tmp/` inside DIR, fsyncs every file and the
 // folder, renames it, then replaces `latest`, then removes all but the newest
-// `keep` step folders (the new one always stays). A failed save removes its
+// `keep` step folders of the same run (the new one always stays; a folder
+// written by another run, or whose meta.json cannot be read, stays). A failed save removes its
 // temporary folder; the previous step folders and `latest` stay as they were.
 // A resume verifies meta.json and every file a rank reads before anything is
 // loaded; each rank reads dense.bin and the expert files of its own experts.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -68,6 +70,12 @@ struct CheckpointMeta {
   std::vector<std::vector<int32_t>> layer_slots;
   std::vector<std::vector<int64_t>> eplb_window;
   std::vector<CheckpointFile> files;  // dense.bin, then experts-0.bin .. experts-(ep-1).bin
+  // The run that wrote it (TrainConfig::run_id; a resume continues its
+  // checkpoint's). Empty: written before run ids were recorded.
+  std::string run_id;
+  // The settings that decide the training data (data_settings in the
+  // trainer), name -> value. Empty: written before they were recorded.
+  std::map<std::string, std::string> data;
 };
 
 // The fixed-size header at the start of every file.
@@ -110,6 +118,19 @@ struct PartState {
 [[nodiscard]] std::string format_checkpoint_meta(const CheckpointMeta& meta);
 [[nodiscard]] Status parse_checkpoint_meta(std::string_view text, const std::string& name, CheckpointMeta* meta);
 
+// A step folder of a checkpoint folder and the run that wrote it.
+struct StepOwner {
+  int64_t step = 0;
+  std::string run_id;     // empty: written before run ids were recorded, or unreadable
+  bool readable = false;  // its meta.json parsed (checksum and format)
+};
+// The step folders (step-NNNNNN) of `dir` with their owners, by step; none
+// when `dir` does not exist. Reads each step's meta.json only.
+[[nodiscard]] std::vector<StepOwner> list_step_owners(const std::string& dir);
+
+// Creates DIR (check_save_dir first) and its marker, when missing.
+[[nodiscard]] Status make_checkpoint_folder(const std::string& dir);
+
 // --save DIR: OK when DIR does not exist (its nearest existing ancestor must
 // be a folder), is an empty folder, or holds epx's marker; InvalidArgument
 // naming what is there otherwise. Touches nothing.
@@ -136,7 +157,9 @@ struct SaveSpace {
 
 // Collective over the world. Writes step folder `meta.step` under dir (see
 // the top); meta gives the step, fingerprint, layout and eplb state, the
-// files are filled in. `layout` says who writes which expert file.
+// files are filled in. `layout` says who writes which expert file. After
+// the save, the step folders of meta.run_id beyond the newest `keep` are
+// removed; another run's step folders are never removed.
 // EPX_TEST_CHECKPOINT_DELAY_MS (environment) > 0 sleeps between writing the
 // files and renaming the folder (a test hook: a window for kill -9).
 [[nodiscard]] Status save_checkpoint(const std::string& dir, int keep, const CheckpointMeta& meta, Transport& transport,

@@ -287,6 +287,7 @@ TEST(Checkpoint, RewritesTheSameStepAndRepairsAnInterruptedSave) {
   c.resume_dir.clear();
   c.steps = 1;
   c.schedule.total_steps = 1;
+  c.overwrite_checkpoints = true;  // a new run into the folder of the run above
   ASSERT_TRUE(train(c).is_ok());
   EXPECT_EQ(entries(c.save_dir),
             (std::vector<std::string>{".epx-checkpoints", "latest", "step-000001", "step-000002"}));
