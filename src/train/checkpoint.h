@@ -5,13 +5,16 @@
 // EP, nodes, EPLB slots and replicas) that wrote it, so any layout of the
 // same model resumes from it.
 //
-//   DIR/.epx-checkpoints      marker: DIR belongs to epx (written at the first save)
+//   DIR/.epx-checkpoints      marker: DIR belongs to epx (written when a run takes
+//                             the folder, make_checkpoint_folder)
+//   DIR/.epx-lock             the writing run's lock (SaveLock), while it runs
 //   DIR/latest                "step-000120\n", replaced by write + fsync + rename
 //   DIR/step-000120/meta.json step, model, the writing layout (ranks, nodes,
 //                             ep, slots, each layer's slot map), the eplb
 //                             window's loads, every file's size, XXH3-64 and
 //                             (expert files) its logical experts per layer,
-//                             and a checksum of itself
+//                             the run id, the data settings and a checksum of
+//                             itself
 //   DIR/step-000120/dense.bin        written by rank 0: every dense parameter
 //                             with its two AdamW moments, the AdamW step
 //                             count, the expert biases
