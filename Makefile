@@ -5,7 +5,9 @@
 #   make test    set up, then: Release build + ctest; ASan/UBSan build + ctest;
 #                install into a scratch prefix and build examples/consumer against it;
 #                every fuzz target for 60 s
-#   make build   set up and build (Release, build/)
+#   make build   set up and build (Release, build/), the Python module included
+#   make venv    set up, then `pip install .` into .venv (made from Debian's python3
+#                with --system-site-packages): `.venv/bin/python -c "import epx.torch"`
 #   make bench   build, then `epx bench exchange`
 #   make test-tsan  ThreadSanitizer build + the in-process tests (not in `make test`)
 #   make fuzz    clang build of the libFuzzer targets (build-fuzz/), each run FUZZ_SECONDS (60)
@@ -51,7 +53,7 @@ else
 LAUNCHER := -UCMAKE_C_COMPILER_LAUNCHER -UCMAKE_CXX_COMPILER_LAUNCHER -UCMAKE_CUDA_COMPILER_LAUNCHER
 endif
 
-.PHONY: run demo test build build-app bench clean setup configure test-readme test-release test-asan test-install test-tsan fuzz test-fuzz
+.PHONY: venv run demo test build build-app bench clean setup configure test-readme test-release test-asan test-install test-tsan fuzz test-fuzz
 
 setup:
 	@bash scripts/setup.sh
@@ -77,6 +79,14 @@ run: build-app
 demo: build-app
 	$(call section,"epx demo")
 	$(call epx,demo)
+
+# The pip route (pyproject.toml, python/build_backend/): the module is built for
+# .venv's interpreter in build-pip/, with the packages Debian installed.
+VENV ?= .venv
+venv: setup
+	$(call section,"pip install . into $(VENV)")
+	[[ -x $(VENV)/bin/pip ]] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	EPX_JOBS=$(JOBS) $(VENV)/bin/pip install --no-build-isolation --no-deps --no-index .
 
 bench: build-app
 	$(call section,"epx bench exchange")
@@ -166,4 +176,4 @@ test: test-readme test-release test-asan test-install test-fuzz
 	$(call section,"make test: all passed")
 
 clean:
-	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(INSTALL_CHECK_DIR) $(FUZZ_DIR)
+	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(TSAN_DIR) $(INSTALL_CHECK_DIR) $(FUZZ_DIR) build-pip build-pip-test

@@ -1,6 +1,8 @@
 // The subcommands of the `epx` command. Each takes its parsed options and
 // returns the process exit code: 0 done, 1 the run failed (a check or a
-// shape), 2 bad options (already reported by the caller or by the command).
+// shape), 2 bad options (already reported by the caller or by the command),
+// 75 (sysexits' EX_TEMPFAIL) a training preempted by SIGTERM or SIGUSR1 that
+// saved its checkpoint: run it again with --resume.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +14,7 @@ namespace epx::app {
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailed = 1;
 inline constexpr int kExitUsage = 2;
+inline constexpr int kExitPreempted = 75;
 
 struct DemoOptions {
   int num_ranks = 4;

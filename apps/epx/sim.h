@@ -1,6 +1,6 @@
 // `epx sim`: the cluster simulator's command (run a scenario, sweep a key,
 // calibrate this machine, fit the link model to DeepEP's published points,
-// predict the in-process exchange).
+// predict the in-process exchange, the goodput of a long run under failures).
 #pragma once
 
 #include <cstdint>
@@ -37,6 +37,12 @@ struct SimOptions {
   int experts = 256;
   int topk = 8;
   std::string dtype = "bf16";
+  // goodput
+  int64_t gpus = 1024;
+  double failures_per_gpu_hour = 1.97e-5;  // docs/simulator.md: Llama 3's 54-day pre-training snapshot
+  double save_seconds = 30;
+  double restart_seconds = 600;
+  std::vector<double> intervals_min;  // empty: the default ladder
 };
 
 struct SimCommands {
@@ -45,6 +51,7 @@ struct SimCommands {
   CLI::App* calibrate = nullptr;
   CLI::App* fit = nullptr;
   CLI::App* predict = nullptr;
+  CLI::App* goodput = nullptr;
 };
 
 // Adds `sim` and its subcommands bound to `options`.

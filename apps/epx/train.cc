@@ -1,6 +1,10 @@
 // `epx train`: the MoE model on in-process ranks, with load balancing.
 #include "train.h"
 
+#include <signal.h>
+
+#include <atomic>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -734,6 +738,26 @@ int preload_train_config(int argc, char** argv, TrainOptions& options) {
   return kExitOk;
 }
 
+namespace {
+
+// Preemption (SIGTERM, SIGUSR1: what Slurm sends before it ends or requeues
+// a job): the handler only raises the flag; every rank reads it after each
+// step and they agree to save and stop (TrainConfig::preempt).
+std::atomic<bool> g_preempt{false};
+extern "C" void on_preempt_signal(int) { g_preempt.store(true); }
+
+void catch_preemption(TrainConfig* config) {
+  struct sigaction sa {};
+  sa.sa_handler = on_preempt_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGUSR1, &sa, nullptr);
+  config->preempt = &g_preempt;
+}
+
+}  // namespace
+
 int run_train(const TrainOptions& options) {
   TrainOptions o = options;
   if (Status s = check_train_paths(o); !s.is_ok()) return fail_usage(s);  // before anything is read or written
@@ -790,6 +814,7 @@ int run_train(const TrainOptions& options) {
     fmt::print(stderr, "epx train: {}\n", *note);
   if (auto note = resume_data_note(*config); root && note.is_ok() && !note->empty())  // unchecked or other data
     fmt::print(stderr, "epx train: {}\n", *note);
+  if (!o.save_dir.empty()) catch_preemption(&*config);
   ProgressBar progress(config->steps, "train");
   Stopwatch wall;
   // The last steps as the metrics reader sees them, for the straggler line
@@ -822,9 +847,15 @@ int run_train(const TrainOptions& options) {
       return kExitFailed;
     }
   }
-  if (!root) return kExitOk;
+  const int done = summary->preempted_at >= 0 ? kExitPreempted : kExitOk;
+  if (!root) return done;
   print_summary(o, *summary, wall.seconds(), recent);
-  return kExitOk;
+  if (done == kExitPreempted)
+    fmt::print(stderr,
+               "epx train: preempted (SIGTERM or SIGUSR1): saved the checkpoint of step {} in {}; exit {}: run the "
+               "same command with --resume {} to go on\n",
+               summary->preempted_at, o.save_dir, kExitPreempted, o.save_dir);
+  return done;
 }
 
 }  // namespace epx::app

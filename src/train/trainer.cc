@@ -420,6 +420,7 @@ Status TrainConfig::validate() const {
   if (!(clip_norm >= 0) || !std::isfinite(clip_norm)) return invalid_argument("clip_norm = {} must be >= 0", clip_norm);
   if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
   if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
+  if (preempt != nullptr && save_dir.empty()) return invalid_argument("preemption needs a save folder to save into");
   if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
   EPX_RETURN_IF_ERROR(check_run_id(run_id));
   if (wait_matrix_every < 0)
@@ -493,13 +494,20 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
                                  bool* stopped_together);
 
 // Collective, after every step: rank 0 tells the others whether its on_step
-// failed. Rank 0 returns that Status, the others Aborted naming it, so every
+// failed, and every rank whether it was asked to stop for preemption. Rank 0
+// returns a failed on_step's Status, the others Aborted naming it, so every
 // rank stops after the same step instead of one leaving the others waiting.
-// The ranks learn whether rank 0's on_step failed (true: the run stops).
-Result<bool> agree_on_stop(Transport& transport, const Status& stop, const Deadline& deadline) {
-  double flag[1] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0};
-  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flag, 1), ReduceOp::kSum, deadline));
-  return flag[0] != 0;
+struct StepAgreement {
+  bool stop = false;     // rank 0's on_step failed: the run stops
+  bool preempt = false;  // some rank was asked to stop: every rank saves, then stops
+};
+
+Result<StepAgreement> agree_on_stop(Transport& transport, const Status& stop, const std::atomic<bool>* preempt,
+                                    const Deadline& deadline) {
+  double flags[2] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0,
+                     preempt != nullptr && preempt->load() ? 1.0 : 0.0};
+  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flags, 2), ReduceOp::kSum, deadline));
+  return StepAgreement{flags[0] != 0, flags[1] != 0};
 }
 
 // What a stopped run returns on this rank: rank 0 its callback's error, the
@@ -545,6 +553,7 @@ struct RunState {
   std::atomic<bool> stopped_together{false};  // every rank agreed to stop after rank 0's on_step failed
   std::string run_id;                  // resolve_run_id: recorded in every checkpoint
   std::optional<SaveLock> save_lock;   // save_dir's, held by rank 0 (the process, in-process) for the run
+  std::atomic<int64_t> preempted_at{-1};      // every rank agreed to save and stop here (TrainConfig::preempt)
 };
 
 // EPLB's start: each layer's slot map into `m` (it decides the Buffers, so
@@ -885,6 +894,15 @@ void keep_rank_parameters(Rank& r) {
   }
 }
 
+// Preemption: the checkpoint of `step` (steps done), then the run ends on
+// every rank alike. Collective.
+Status save_preempted(Rank& r, int64_t step) {
+  EPX_RETURN_IF_ERROR(save_rank(r, step));
+  r.run.preempted_at.store(step);
+  for (MoELayer* layer : r.parts.layers) layer->set_tracer(nullptr);
+  return Status::ok();
+}
+
 // One rank from its setup to its last checkpoint. Collective.
 Status run_rank(RunState& run, Transport& world, StepContext& where) {
   Rank r(run, where);
@@ -893,13 +911,14 @@ Status run_rank(RunState& run, Transport& world, StepContext& where) {
   for (int64_t step = r.first_step; step < config.steps; ++step) {
     EPX_RETURN_IF_ERROR(run_step(r, step));
     where.phase = "agreeing to go on after the step";
-    EPX_ASSIGN_OR_RETURN(const bool stopped, agree_on_stop(world, r.stop, r.deadline()));
-    if (stopped) {
+    EPX_ASSIGN_OR_RETURN(const StepAgreement agreed, agree_on_stop(world, r.stop, config.preempt, r.deadline()));
+    if (agreed.stop) {
       where.step = -1;
       run.stopped_together.store(true);
       return stop_status(r.rank(), r.stop, step);
     }
     where.phase = "checkpoint";
+    if (agreed.preempt && step + 1 < config.steps) return save_preempted(r, step + 1);
     if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
       EPX_RETURN_IF_ERROR(save_rank(r, step + 1));
   }
@@ -913,7 +932,8 @@ Status run_rank(RunState& run, Transport& world, StepContext& where) {
 // The summary's means over the last reports and the run's rates.
 TrainSummary finish_summary(RunState& run) {
   TrainSummary summary = std::move(run.summary);
-  summary.steps = run.config.steps;
+  summary.preempted_at = run.preempted_at.load();
+  summary.steps = summary.preempted_at >= 0 ? summary.preempted_at : run.config.steps;
   if (!run.recent.empty()) {
     double loss = 0, vio = 0, idle = 0;
     for (const StepReport& r : run.recent) {

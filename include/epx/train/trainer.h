@@ -51,6 +51,7 @@
 //                        epx::train(config, [](const epx::StepReport& r) { ... }));
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -145,6 +146,12 @@ struct TrainConfig {
   // a non-OK status makes the rank fail as a crashed one would. The other
   // ranks then fail within model.timeout naming it (docs/errors.md).
   std::function<Status(int rank, int64_t step)> before_step;
+  // Preemption: when set, every rank reads it after each step; once it is
+  // true on any rank, every rank saves a checkpoint of that step into
+  // save_dir (which must be set) and train() returns with
+  // TrainSummary::preempted_at set. epx train points it at a flag its
+  // SIGTERM/SIGUSR1 handler raises (lock-free, so a handler may set it).
+  const std::atomic<bool>* preempt = nullptr;
 
   // The ranks of one EP group: ep, or num_ranks when ep is 0.
   [[nodiscard]] int ep_size() const { return ep > 0 ? ep : num_ranks; }
@@ -229,6 +236,9 @@ struct TrainSummary {
   // comparisons; filled when keep_parameters.
   std::map<std::string, std::vector<float>> parameters;
   std::vector<std::vector<int32_t>> layer_slots;  // eplb: the final slot -> expert map per layer
+  // A preempted run (TrainConfig::preempt): the step it stopped and saved
+  // at (the checkpoint step-NNNNNN in save_dir), or -1 when it ran to the end.
+  int64_t preempted_at = -1;
 };
 
 // With a resume folder: its meta file is of this model (any layout: ranks,
