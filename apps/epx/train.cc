@@ -287,6 +287,7 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.wait_matrix_every = o.wait_matrix_every;
   c.save_dir = o.save_dir;
   c.save_every = o.save_every;
+  c.async_save = o.async_save;
   c.keep_checkpoints = o.keep;
   c.resume_dir = o.resume_dir;
   c.overwrite_checkpoints = o.overwrite_checkpoints;
@@ -690,6 +691,9 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "on DIR/.epx-lock (host, pid, start time, run id) from before step 1 to its end, and a second run "
                   "is refused naming the first; a lock left by a run that was killed is taken over, saying so");
   cmd->add_option("--save-every", o.save_every, "Also checkpoint every N steps (0 = only at the end)")->capture_default_str();
+  cmd->add_flag("--async-save", o.async_save,
+                "Write the --save-every checkpoints while training goes on: the step boundary copies the state, a "
+                "thread writes the files, a later step boundary publishes them (one save in flight; the same files)");
   cmd->add_option("--keep", o.keep, "Step folders of this run kept in the --save folder (older ones are removed after a "
                   "new one is complete; another run's are never removed)")
       ->check(CLI::Range(1, 1000000))

@@ -809,18 +809,27 @@ PartState collect_experts(AdamW& adam, std::span<MoELayer* const> layers, int ep
   return state;
 }
 
-// Rank 0: meta.json's file list. `sizes` holds (dense bytes, xxh3, expert
-// file bytes, xxh3) of every rank; experts-N.bin came from rank N (EP group 0).
-std::vector<CheckpointFile> list_files(std::span<const uint64_t> sizes, int ep, std::span<MoELayer* const> layers) {
-  std::vector<CheckpointFile> files = {{kDenseFileName, sizes[0], sizes[1], {}}};
-  for (int r = 0; r < ep; ++r)
-    files.push_back({expert_file_name(r), sizes[4 * r + 2], sizes[4 * r + 3],
-                     std::vector<std::vector<int32_t>>(layers.size())});
+// meta.json's file list without sizes: dense.bin, then experts-N.bin (from
+// EP rank N of EP group 0) with the logical experts it holds, by layer.
+std::vector<CheckpointFile> list_files(int ep, std::span<MoELayer* const> layers) {
+  std::vector<CheckpointFile> files = {{kDenseFileName, 0, 0, {}}};
+  for (int r = 0; r < ep; ++r) files.push_back({expert_file_name(r), 0, 0, std::vector<std::vector<int32_t>>(layers.size())});
   const std::vector<std::vector<int>> first = first_slots(layers);
   for (std::size_t l = 0; l < layers.size(); ++l)
     for (std::size_t e = 0; e < first[l].size(); ++e)
       files[1 + layers[l]->buffer().placement().rank_of(first[l][e])].experts[l].push_back(static_cast<int32_t>(e));
   return files;
+}
+
+// The sizes and checksums: `sizes` holds (dense bytes, xxh3, expert file
+// bytes, xxh3) of every rank; experts-N.bin came from rank N.
+void fill_sizes(std::span<const uint64_t> sizes, std::vector<CheckpointFile>* files) {
+  (*files)[0].bytes = sizes[0];
+  (*files)[0].xxh3 = sizes[1];
+  for (std::size_t r = 0; r + 1 < files->size(); ++r) {
+    (*files)[1 + r].bytes = sizes[4 * r + 2];
+    (*files)[1 + r].xxh3 = sizes[4 * r + 3];
+  }
 }
 
 // Rank 0, after every file is in `tmp`: meta.json, the rename, `latest`.
@@ -882,43 +891,88 @@ Status write_part(const fs::path& tmp, const std::string& name, int part, const 
 
 }  // namespace
 
+CheckpointWrite::CheckpointWrite(const std::string& dir, int keep, const CheckpointMeta& meta, int rank)
+    : dir_(dir), tmp_(dir + "/." + step_folder_name(meta.step) + ".tmp"), keep_(keep), rank_(rank), meta_(meta) {}
+
+CheckpointWrite::~CheckpointWrite() {
+  if (writer_.joinable()) writer_.join();
+  if (rank_ == 0 && !finished_) {  // never published: the temporary folder goes
+    std::error_code ec;
+    fs::remove_all(tmp_, ec);
+  }
+}
+
+Status CheckpointWrite::fail(const Status& s) const {
+  return Status(s.code(), fmt::format("writing checkpoint {} in {}: {} (the previous checkpoints are kept)",
+                                      step_folder_name(meta_.step), dir_, s.message()));
+}
+
+Result<std::unique_ptr<CheckpointWrite>> CheckpointWrite::begin(const std::string& dir, int keep,
+                                                                const CheckpointMeta& meta, Transport& transport,
+                                                                const ParallelLayout& layout,
+                                                                std::span<Parameter* const> params, AdamW& adam,
+                                                                std::span<MoELayer* const> layers,
+                                                                const Deadline& deadline) {
+  const int rank = transport.rank();
+  std::unique_ptr<CheckpointWrite> w(new CheckpointWrite(dir, keep, meta, rank));
+  Status s = rank == 0 ? prepare_save(fs::path(dir), fs::path(w->tmp_)) : Status::ok();
+  if (s = agree(transport, s, deadline); !s.is_ok()) return w->fail(s);
+  // The snapshot: rank 0 dense.bin's content, each rank of EP group 0 its expert file's.
+  if (rank == 0) {
+    w->dense_ = collect_dense(params, adam, layers);
+    w->meta_.files = list_files(layout.ep(), layers);
+  }
+  if (layout.ep_group(rank) == 0) {
+    w->ep_rank_ = layout.ep_rank(rank);
+    w->experts_ = collect_experts(adam, layers, w->ep_rank_);
+  }
+  return w;
+}
+
+void CheckpointWrite::write() {
+  if (const char* delay = std::getenv("EPX_TEST_CHECKPOINT_WRITE_DELAY_MS"))  // test hook: a slow disk
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(delay)));
+  Status s;
+  if (rank_ == 0) s = write_part(fs::path(tmp_), kDenseFileName, 0, meta_, *dense_, sums_);
+  if (s.is_ok() && experts_)
+    s = write_part(fs::path(tmp_), expert_file_name(ep_rank_), 1 + ep_rank_, meta_, *experts_, sums_ + 2);
+  dense_.reset();  // the snapshot's memory goes as soon as it is on disk
+  experts_.reset();
+  written_status_ = s;
+  written_.store(true);
+}
+
+void CheckpointWrite::write_in_background() {
+  writer_ = std::thread([this] { write(); });
+}
+
+Status CheckpointWrite::finish(Transport& transport, const Deadline& deadline) {
+  if (writer_.joinable()) writer_.join();
+  if (!written_.load()) write();
+  Status s = written_status_;
+  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
+  std::vector<uint64_t> all(4 * static_cast<std::size_t>(transport.num_ranks()));
+  s = transport.all_gather(std::span<const uint64_t>(sums_, 4), std::span<uint64_t>(all), deadline);
+  if (!s.is_ok()) return fail(s);
+  if (rank_ == 0) {
+    fill_sizes(all, &meta_.files);
+    s = publish(fs::path(dir_), fs::path(tmp_), meta_);
+    if (s.is_ok()) finished_ = true;  // published: the folder is no longer temporary
+    if (s.is_ok()) s = prune(fs::path(dir_), meta_.step, keep_, meta_.run_id);
+  }
+  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
+  finished_ = true;
+  return Status::ok();
+}
+
 Status save_checkpoint(const std::string& dir_name, int keep, const CheckpointMeta& meta_in, Transport& transport,
                        const ParallelLayout& layout, std::span<Parameter* const> params, AdamW& adam,
                        std::span<MoELayer* const> layers, const Deadline& deadline) {
-  const fs::path dir(dir_name);
-  const fs::path tmp = dir / ("." + step_folder_name(meta_in.step) + ".tmp");
-  const int rank = transport.rank(), R = transport.num_ranks();
-  const std::string what = fmt::format("writing checkpoint {} in {}", step_folder_name(meta_in.step), dir_name);
-  auto fail = [&](const Status& s) -> Status {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-    }
-    return Status(s.code(), fmt::format("{}: {} (the previous checkpoints are kept)", what, s.message()));
-  };
-  Status s = rank == 0 ? prepare_save(dir, tmp) : Status::ok();
-  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
-
-  // Rank 0 writes dense.bin; each rank of EP group 0 its expert file.
-  uint64_t mine[4] = {0, 0, 0, 0};
-  if (rank == 0) s = write_part(tmp, kDenseFileName, 0, meta_in, collect_dense(params, adam, layers), mine);
-  const int ep_rank = layout.ep_rank(rank);
-  if (s.is_ok() && layout.ep_group(rank) == 0)
-    s = write_part(tmp, expert_file_name(ep_rank), 1 + ep_rank, meta_in, collect_experts(adam, layers, ep_rank),
-                   mine + 2);
-  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
-
-  std::vector<uint64_t> all(4 * static_cast<std::size_t>(R));
-  s = transport.all_gather(std::span<const uint64_t>(mine, 4), std::span<uint64_t>(all), deadline);
-  if (!s.is_ok()) return fail(s);
-  if (rank == 0) {
-    CheckpointMeta meta = meta_in;
-    meta.files = list_files(all, layout.ep(), layers);
-    s = publish(dir, tmp, meta);
-    if (s.is_ok()) s = prune(dir, meta.step, keep, meta.run_id);
-  }
-  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
-  return Status::ok();
+  EPX_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWrite> w, CheckpointWrite::begin(dir_name, keep, meta_in, transport,
+                                                                                  layout, params, adam, layers,
+                                                                                  deadline));
+  w->write();
+  return w->finish(transport, deadline);
 }
 
 // ---- load ------------------------------------------------------------------

@@ -34,11 +34,15 @@
 // loaded; each rank reads dense.bin and the expert files of its own experts.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "epx/comm/parallel_layout.h"
@@ -168,6 +172,49 @@ struct SaveSpace {
 [[nodiscard]] Status save_checkpoint(const std::string& dir, int keep, const CheckpointMeta& meta, Transport& transport,
                                      const ParallelLayout& layout, std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);
+
+// One save in three parts, so its files can be written while training goes
+// on (asynchronous checkpoints): begin (collective) prepares the folder and
+// copies this rank's part of the state (the snapshot: the memory of one
+// checkpoint's share per rank); write (this rank alone, on any thread, once)
+// serialises and writes it, fsynced; finish (collective) agrees that every
+// rank wrote, gathers sizes and checksums, and rank 0 publishes the step
+// folder (meta.json, rename, `latest`) and prunes. A failure anywhere leaves
+// the earlier checkpoints as they were; an unfinished save's temporary
+// folder is removed when the object goes. save_checkpoint is the three in a row.
+// EPX_TEST_CHECKPOINT_WRITE_DELAY_MS (environment) > 0 sleeps at the start of
+// write() (a test hook: a slow disk).
+class CheckpointWrite {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<CheckpointWrite>> begin(
+      const std::string& dir, int keep, const CheckpointMeta& meta, Transport& transport, const ParallelLayout& layout,
+      std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers, const Deadline& deadline);
+  ~CheckpointWrite();
+  CheckpointWrite(const CheckpointWrite&) = delete;
+  CheckpointWrite& operator=(const CheckpointWrite&) = delete;
+
+  void write();
+  // write() on a thread of its own; finish() and the destructor join it.
+  void write_in_background();
+  // This rank's files are written (or failed): finish will not wait for them.
+  [[nodiscard]] bool written() const { return written_.load(); }
+  [[nodiscard]] int64_t step() const { return meta_.step; }
+  [[nodiscard]] Status finish(Transport& transport, const Deadline& deadline);
+
+ private:
+  CheckpointWrite(const std::string& dir, int keep, const CheckpointMeta& meta, int rank);
+  [[nodiscard]] Status fail(const Status& s) const;
+
+  std::string dir_, tmp_;
+  int keep_ = 0, rank_ = 0, ep_rank_ = 0;
+  CheckpointMeta meta_;
+  std::optional<PartState> dense_, experts_;  // the snapshot, until written
+  uint64_t sums_[4] = {0, 0, 0, 0};           // (dense bytes, xxh3, expert file bytes, xxh3)
+  Status written_status_;
+  std::atomic<bool> written_{false};
+  bool finished_ = false;
+  std::thread writer_;
+};
 // Collective. Reads meta.json, dense.bin and the expert files that hold this
 // rank's logical experts, verifies them and their fit to the model (names,
 // sizes, every local expert found once), agrees with every rank (all

@@ -421,6 +421,9 @@ Status TrainConfig::validate() const {
   if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
   if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
   if (preempt != nullptr && save_dir.empty()) return invalid_argument("preemption needs a save folder to save into");
+  if (async_save && save_every == 0)
+    return invalid_argument(
+        "async_save writes the save_every checkpoints, but save_every = 0 (only the final one, written at once)");
   if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
   EPX_RETURN_IF_ERROR(check_run_id(run_id));
   if (wait_matrix_every < 0)
@@ -494,20 +497,22 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
                                  bool* stopped_together);
 
 // Collective, after every step: rank 0 tells the others whether its on_step
-// failed, and every rank whether it was asked to stop for preemption. Rank 0
-// returns a failed on_step's Status, the others Aborted naming it, so every
-// rank stops after the same step instead of one leaving the others waiting.
+// failed, every rank whether it was asked to stop for preemption and whether
+// its asynchronous save is still writing. Rank 0 returns a failed on_step's
+// Status, the others Aborted naming it, so every rank stops after the same
+// step instead of one leaving the others waiting.
 struct StepAgreement {
   bool stop = false;     // rank 0's on_step failed: the run stops
   bool preempt = false;  // some rank was asked to stop: every rank saves, then stops
+  bool writing = false;  // some rank's asynchronous save has not written its files yet
 };
 
 Result<StepAgreement> agree_on_stop(Transport& transport, const Status& stop, const std::atomic<bool>* preempt,
-                                    const Deadline& deadline) {
-  double flags[2] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0,
-                     preempt != nullptr && preempt->load() ? 1.0 : 0.0};
-  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flags, 2), ReduceOp::kSum, deadline));
-  return StepAgreement{flags[0] != 0, flags[1] != 0};
+                                    bool writing, const Deadline& deadline) {
+  double flags[3] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0,
+                     preempt != nullptr && preempt->load() ? 1.0 : 0.0, writing ? 1.0 : 0.0};
+  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flags, 3), ReduceOp::kSum, deadline));
+  return StepAgreement{flags[0] != 0, flags[1] != 0, flags[2] != 0};
 }
 
 // What a stopped run returns on this rank: rank 0 its callback's error, the
@@ -663,15 +668,15 @@ struct Rank {
   int64_t first_step = 0;
   Batch batch;
   std::unique_ptr<detail::GradientSync> grad_sync;  // after the model: destroyed before it
+  std::unique_ptr<detail::CheckpointWrite> saving;  // an asynchronous save begun, not yet published
   Status stop;                 // rank 0: what on_step returned
   [[nodiscard]] int rank() const { return groups.world->rank(); }
   [[nodiscard]] const TrainConfig& config() const { return run.config; }
   [[nodiscard]] Deadline deadline() const { return Deadline::after(run.model_config.timeout); }
 };
 
-// Collective: writes checkpoint `step` in logical order (rank 0 the dense
-// file, EP group 0 the expert files) with this run's layout.
-Status save_rank(Rank& r, int64_t step) {
+// Checkpoint `step`'s meta.json before its files are listed.
+detail::CheckpointMeta checkpoint_meta(Rank& r, int64_t step) {
   const TrainConfig& config = r.config();
   detail::CheckpointMeta meta;
   meta.step = step;
@@ -686,8 +691,36 @@ Status save_rank(Rank& r, int64_t step) {
     for (MoELayer* layer : r.parts.layers) meta.layer_slots.push_back(layer->slot_expert());
     meta.eplb_window = r.eplb.window;
   }
-  return detail::save_checkpoint(config.save_dir, config.keep_checkpoints, meta, *r.groups.world, r.run.layout,
-                                 r.parts.params, r.adam, r.parts.layers, r.deadline());
+  return meta;
+}
+
+// Collective: publishes the asynchronous save in flight, if any (waiting for
+// this rank's files when they are not written yet).
+Status finish_saving(Rank& r) {
+  if (!r.saving) return Status::ok();
+  Status s = r.saving->finish(*r.groups.world, r.deadline());
+  r.saving.reset();
+  return s;
+}
+
+// Collective: writes checkpoint `step` in logical order (rank 0 the dense
+// file, EP group 0 the expert files) with this run's layout. With
+// async_save only the snapshot is taken here; the files are written on a
+// thread and published at a later step boundary (finish_saving). At most one
+// save is in flight: the one before is published first.
+Status save_rank(Rank& r, int64_t step, bool async) {
+  const TrainConfig& config = r.config();
+  EPX_RETURN_IF_ERROR(finish_saving(r));
+  EPX_ASSIGN_OR_RETURN(r.saving, detail::CheckpointWrite::begin(config.save_dir, config.keep_checkpoints,
+                                                                checkpoint_meta(r, step), *r.groups.world,
+                                                                r.run.layout, r.parts.params, r.adam, r.parts.layers,
+                                                                r.deadline()));
+  if (async) {
+    r.saving->write_in_background();
+    return Status::ok();
+  }
+  r.saving->write();
+  return finish_saving(r);
 }
 
 // Collective: the groups, the data, the model and, on a resume, its state.
@@ -897,7 +930,7 @@ void keep_rank_parameters(Rank& r) {
 // Preemption: the checkpoint of `step` (steps done), then the run ends on
 // every rank alike. Collective.
 Status save_preempted(Rank& r, int64_t step) {
-  EPX_RETURN_IF_ERROR(save_rank(r, step));
+  EPX_RETURN_IF_ERROR(save_rank(r, step, /*async=*/false));
   r.run.preempted_at.store(step);
   for (MoELayer* layer : r.parts.layers) layer->set_tracer(nullptr);
   return Status::ok();
@@ -911,20 +944,23 @@ Status run_rank(RunState& run, Transport& world, StepContext& where) {
   for (int64_t step = r.first_step; step < config.steps; ++step) {
     EPX_RETURN_IF_ERROR(run_step(r, step));
     where.phase = "agreeing to go on after the step";
-    EPX_ASSIGN_OR_RETURN(const StepAgreement agreed, agree_on_stop(world, r.stop, config.preempt, r.deadline()));
+    const bool writing = r.saving && !r.saving->written();
+    EPX_ASSIGN_OR_RETURN(const StepAgreement agreed,
+                         agree_on_stop(world, r.stop, config.preempt, writing, r.deadline()));
     if (agreed.stop) {
       where.step = -1;
       run.stopped_together.store(true);
       return stop_status(r.rank(), r.stop, step);
     }
     where.phase = "checkpoint";
+    if (r.saving && !agreed.writing) EPX_RETURN_IF_ERROR(finish_saving(r));  // every rank has written it
     if (agreed.preempt && step + 1 < config.steps) return save_preempted(r, step + 1);
     if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
-      EPX_RETURN_IF_ERROR(save_rank(r, step + 1));
+      EPX_RETURN_IF_ERROR(save_rank(r, step + 1, config.async_save));
   }
   for (MoELayer* layer : r.parts.layers) layer->set_tracer(nullptr);
   where = {config.steps, "final checkpoint"};
-  if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save_rank(r, config.steps));
+  if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save_rank(r, config.steps, /*async=*/false));
   keep_rank_parameters(r);
   return Status::ok();
 }

@@ -117,6 +117,14 @@ struct TrainConfig {
   std::string save_dir;    // write a checkpoint at the end (and every save_every steps)
   int64_t save_every = 0;
   int keep_checkpoints = 2;  // step folders kept in save_dir (>= 1)
+  // Checkpoints every save_every steps are written while training goes on:
+  // the step boundary copies the state (the snapshot, one checkpoint's share
+  // per rank), a thread writes and fsyncs the files, and the step boundary
+  // after every rank has written them publishes the step folder. At most one
+  // save is in flight. The final checkpoint and a preemption's are written
+  // at once. The same files as without; a failed write stops the run as a
+  // failed save does, and the earlier checkpoints stay.
+  bool async_save = false;
   std::string resume_dir;    // start from this checkpoint: a save_dir (its `latest`) or one step folder
   // The run's id, recorded in each checkpoint it writes and in save_dir's
   // lock (SaveLock). Empty: train() takes the resumed checkpoint's, or makes
