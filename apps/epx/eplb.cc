@@ -13,6 +13,7 @@
 #include "commands.h"
 #include "eplb.h"
 #include "epx/core/input_file.h"
+#include "epx/observe/output_path.h"
 
 namespace epx::app {
 
@@ -178,6 +179,9 @@ int run_eplb(const EplbOptions& o) {
     fmt::print(stderr, "epx eplb: {}\n", s.message());
     return kExitUsage;
   };
+  const CommandPath inputs[] = {{"--loads", o.loads_path, false}, {"--current", o.current_path, false}};
+  const CommandPath outputs[] = {{"--save", o.save_path, false}};
+  if (Status s = check_outputs_apart(inputs, outputs); !s.is_ok()) return fail(s);
   auto loads = read_loads(o.loads_path);
   if (!loads.is_ok()) return fail(loads.status());
   const int num_experts = static_cast<int>(loads->size());

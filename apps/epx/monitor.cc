@@ -222,7 +222,7 @@ Status refresh(Monitor& m, bool in_place) {
 }
 
 Status read_all(Monitor& m) {
-  return read_metrics(m.options.metrics_path, [&](StepRecord&& r) {
+  return read_run_metrics(m.options.metrics_path, [&](StepRecord&& r) {  // each step once (a resumed run)
     feed(m, r);
     return Status::ok();
   });
@@ -317,6 +317,9 @@ int check_once(Monitor& m) {
 Status check_options(const MonitorOptions& o) {
   if (o.once && o.alerts_path.empty()) return invalid_argument("--once needs --alerts RULES.toml (the rules to check)");
   if (o.idle_exit > 0 && !o.follow) return invalid_argument("--idle-exit {} needs --follow", o.idle_exit);
+  const CommandPath inputs[] = {{"metrics", o.metrics_path, false}, {"--alerts", o.alerts_path, false}};
+  const CommandPath outputs[] = {{"--prometheus", o.prometheus_path, false}};
+  EPX_RETURN_IF_ERROR(check_outputs_apart(inputs, outputs));
   // A FIFO, a device or a directory is refused here; with --follow the file may appear later.
   if (Result<InputFile> metrics = InputFile::open(o.metrics_path, "the metrics file", -1);
       !metrics.is_ok() && !(o.follow && metrics.status().code() == StatusCode::kNotFound))

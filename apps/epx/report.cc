@@ -16,6 +16,12 @@
 namespace epx::app {
 namespace {
 
+nlohmann::json resumes_json(const std::vector<MetricsResume>& resumes) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const MetricsResume& r : resumes) out.push_back({{"step", r.step}, {"replaced", r.replaced}});
+  return out;
+}
+
 nlohmann::json summary_json(const RunSummary& s, const std::string& path, double seconds) {
   return {{"output", path},
           {"steps", s.num_steps},
@@ -32,7 +38,8 @@ nlohmann::json summary_json(const RunSummary& s, const std::string& path, double
           {"wait_matrix_step", s.wait_matrix_step},
           {"steps_per_point", s.step_bin},
           {"steps_per_heatmap_column", s.heatmap_bin},
-          {"seconds", seconds}};
+          {"seconds", seconds},
+          {"resumes", resumes_json(s.resumes)}};
 }
 
 }  // namespace
@@ -60,6 +67,12 @@ CLI::App* add_report_command(CLI::App& app, ReportOptions& o) {
 }
 
 int run_report(const ReportOptions& o) {
+  const CommandPath inputs[] = {{"metrics", o.metrics_path, false}};
+  const CommandPath outputs[] = {{"--output", o.output_path, false}};
+  if (Status s = check_outputs_apart(inputs, outputs); !s.is_ok()) {
+    fmt::print(stderr, "epx report: {}\n", s.message());
+    return kExitUsage;
+  }
   if (Status s = check_output_writable(o.output_path, "--output", /*renamed_into_place=*/true); !s.is_ok()) {
     fmt::print(stderr, "epx report: {}\n", s.message());
     return kExitUsage;
@@ -67,10 +80,16 @@ int run_report(const ReportOptions& o) {
   const auto start = std::chrono::steady_clock::now();
   RunReport report(RunReportOptions{.max_points = o.max_points, .max_heatmap_columns = o.heatmap_columns,
                                     .straggler_window = o.straggler_window});
-  Status read = read_metrics(o.metrics_path, [&](StepRecord&& r) {
-    report.add(std::move(r));
-    return Status::ok();
-  });
+  // Each step once: a resumed run's file may hold the steps after its checkpoint twice.
+  std::vector<MetricsResume> resumes;
+  Status read = read_run_metrics(
+      o.metrics_path,
+      [&](StepRecord&& r) {
+        report.add(std::move(r));
+        return Status::ok();
+      },
+      &resumes);
+  for (const MetricsResume& r : resumes) report.add_resume(r);
   if (!read.is_ok()) {
     fmt::print(stderr, "epx report: {}\n", read.message());
     const StatusCode code = read.code();
@@ -97,6 +116,7 @@ int run_report(const ReportOptions& o) {
              "EPLB re-placements {}, straggler: {}\n",
              sum.final_loss, sum.mean_tokens_per_s, sum.mean_max_vio, 100 * sum.mean_balancedness, sum.dropped,
              sum.eplb_replacements, sum.straggler.empty() ? "none" : sum.straggler);
+  if (!sum.resumes.empty()) fmt::print("resumed {}\n", describe_resumes(sum.resumes));
   return kExitOk;
 }
 

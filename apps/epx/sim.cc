@@ -197,8 +197,12 @@ Result<sim::Scenario> scenario_from(const SimOptions& o) {
   return s;
 }
 
-// --report is for one run (not --sweep), to a place that can be written.
-Status check_report_option(const SimOptions& o) {
+// --trace and --report apart from the scenario, its routing trace and each
+// other; --report is for one run (not --sweep), to a place that can be written.
+Status check_outputs(const SimOptions& o, const sim::Scenario& s) {
+  const CommandPath inputs[] = {{"scenario", o.scenario_path, false}, {"routing.trace", s.routing.trace, false}};
+  const CommandPath outputs[] = {{"--trace", o.trace_path, false}, {"--report", o.report_path, false}};
+  EPX_RETURN_IF_ERROR(check_outputs_apart(inputs, outputs));
   if (o.report_path.empty()) return Status::ok();
   if (!o.sweep.empty()) return invalid_argument("--report '{}' shows one run; it cannot be used with --sweep", o.report_path);
   return check_output_writable(o.report_path, "--report", /*renamed_into_place=*/true);
@@ -260,7 +264,7 @@ int run_scenario(const SimOptions& o) {
     return kExitUsage;
   }
   const sim::Scenario& base = *loaded;
-  if (Status st = check_report_option(o); !st.is_ok()) {
+  if (Status st = check_outputs(o, base); !st.is_ok()) {
     fmt::print(stderr, "epx sim: {}\n", st.message());
     return kExitUsage;
   }

@@ -34,6 +34,7 @@
 #include "epx/observe/run_log.h"
 #include "epx/observe/straggler.h"
 #include "epx/observe/table.h"
+#include "epx/train/checkpoint_lock.h"
 #include "epx/train/memory_estimate.h"
 #include "epx/train/trainer.h"
 
@@ -334,8 +335,11 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.wait_matrix_every = o.wait_matrix_every;
   c.save_dir = o.save_dir;
   c.save_every = o.save_every;
+  c.async_save = o.async_save;
   c.keep_checkpoints = o.keep;
   c.resume_dir = o.resume_dir;
+  c.overwrite_checkpoints = o.overwrite_checkpoints;
+  c.allow_data_change = o.allow_data_change;
   if (o.trace_steps < 0) return invalid_argument("trace_steps = {} is below 0", o.trace_steps);
   EPX_RETURN_IF_ERROR(c.validate());
   if (m.task == TaskKind::kNextByte) EPX_RETURN_IF_ERROR(TextTask::create(c.text).status());
@@ -524,6 +528,29 @@ Status check_output_paths(const TrainOptions& o) {
   return Status::ok();
 }
 
+// The checkpoint folder holding step folder `resume` (ck for ck/step-000006),
+// or "" when `resume` is not a step folder.
+std::string checkpoint_folder_of(const std::string& resume) {
+  std::filesystem::path p = std::filesystem::path(resume).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  if (p.filename().string().rfind("step-", 0) != 0) return "";
+  return p.has_parent_path() ? p.parent_path().string() : ".";
+}
+
+// Outputs apart from inputs: --metrics, --trace and --save against --config,
+// --data text:FILE and the --resume checkpoint (its folder too), and each other.
+Status check_train_paths(const TrainOptions& o) {
+  std::vector<CommandPath> inputs = {{"--config", o.config_path, false},
+                                     {"--data", o.data.rfind("text:", 0) == 0 ? o.data.substr(5) : "", false},
+                                     {"--resume", o.resume_dir, true}};
+  if (!o.resume_dir.empty())
+    if (std::string folder = checkpoint_folder_of(o.resume_dir); !folder.empty())
+      inputs.push_back({"--resume", std::move(folder), true});
+  const CommandPath outputs[] = {
+      {"--metrics", o.metrics_path, false}, {"--trace", o.trace_path, false}, {"--save", o.save_dir, true}};
+  return check_outputs_apart(inputs, outputs);
+}
+
 // Before step 1: the memory estimate against what is available, then the
 // output paths (rank 0's). kExitUsage with the numbers when either fails.
 int preflight(const TrainOptions& o, const TrainConfig& c, bool root) {
@@ -535,6 +562,44 @@ int preflight(const TrainOptions& o, const TrainConfig& c, bool root) {
   if (root)
     if (Status s = check_output_paths(o); !s.is_ok()) return fail_usage(s);
   if (o.dry_run && root) fmt::print(text_stream(o), "dry run: every check passed; nothing was written\n");
+  return kExitOk;
+}
+
+// Resuming from the checkpoint of step S: the metrics file is cut back to
+// the records of steps 0 .. S-1 (one line on stderr, even with -q, when
+// records are cut), so the resumed run's steps are in it once.
+Status cut_metrics_for_resume(const TrainOptions& o, const TrainConfig& c) {
+  if (o.resume_dir.empty() || o.metrics_path.empty() || o.metrics_path == "-") return Status::ok();
+  EPX_ASSIGN_OR_RETURN(ResumePoint from, resume_point(c));
+  EPX_ASSIGN_OR_RETURN(MetricsCut cut, cut_metrics_before_step(o.metrics_path, from.step));
+  if (cut.removed > 0)
+    fmt::print(stderr,
+               "epx train: {}: cut back to the steps before the checkpoint's step {} ({} records kept; the {} "
+               "records of steps {} to {}, written after that checkpoint, removed: this run writes those steps anew)\n",
+               o.metrics_path, from.step, cut.kept, cut.removed, cut.first_removed_step, cut.last_removed_step);
+  else if (cut.bytes_removed > 0)
+    fmt::print(stderr, "epx train: {}: removed a torn last line ({} bytes without a newline)\n", o.metrics_path,
+               cut.bytes_removed);
+  return Status::ok();
+}
+
+// Rank 0: the --save folder's lock (a second run is refused, exit 2; a stale
+// lock is taken over with a line saying whose it was), then the metrics file
+// (cut back for a resume, appended to then). The other ranks open nothing.
+int open_outputs(const TrainOptions& o, const TrainConfig& c, bool root, std::optional<SaveLock>* lock,
+                 std::optional<MetricsWriter>* metrics) {
+  if (!root) return kExitOk;
+  if (!o.save_dir.empty()) {
+    auto taken = SaveLock::acquire(o.save_dir, c.run_id);
+    if (!taken.is_ok()) return fail_usage(taken.status());
+    if (!taken->note().empty()) fmt::print(stderr, "epx train: {}\n", taken->note());
+    lock->emplace(std::move(taken).value());
+  }
+  if (o.metrics_path.empty()) return kExitOk;
+  if (Status s = cut_metrics_for_resume(o, c); !s.is_ok()) return fail_usage(s);
+  auto opened = MetricsWriter::open(o.metrics_path, /*append=*/!o.resume_dir.empty());
+  if (!opened.is_ok()) return fail_usage(opened.status());
+  metrics->emplace(std::move(opened).value());
   return kExitOk;
 }
 
@@ -685,12 +750,17 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--save", o.save_dir,
                   "Checkpoint folder that epx owns: new, empty, or written by epx before (anything else is refused, "
                   "nothing touched). Each save adds a verified step-NNNNNN folder and updates 'latest'; checked "
-                  "writable and for free space before step 1");
+                  "writable and for free space before step 1. One run writes into it at a time: the run holds a lock "
+                  "on DIR/.epx-lock (host, pid, start time, run id) from before step 1 to its end, and a second run "
+                  "is refused naming the first; a lock left by a run that was killed is taken over, saying so");
   cmd->add_option("--save-every", o.save_every, "Also checkpoint every N steps (0 = only at the end)")
       ->transform(at_least(int64_t{0}))
       ->capture_default_str();
-  cmd->add_option("--keep", o.keep, "Step folders kept in the --save folder (older ones are removed after a new one is "
-                  "complete)")
+  cmd->add_flag("--async-save", o.async_save,
+                "Write the --save-every checkpoints while training goes on: the step boundary copies the state, a "
+                "thread writes the files, a later step boundary publishes them (one save in flight; the same files)");
+  cmd->add_option("--keep", o.keep, "Step folders of this run kept in the --save folder (older ones are removed after a "
+                  "new one is complete; another run's are never removed)")
       ->transform(in_range(1, 1000000))
       ->capture_default_str();
   cmd->add_flag("--dry-run", o.dry_run,
@@ -698,7 +768,16 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                 "rank needs per component, write nothing and exit (0: it would run; 2: it would not)");
   cmd->add_option("--resume", o.resume_dir,
                   "Continue from a checkpoint: a --save folder (its 'latest') or one of its step-NNNNNN folders; the "
-                  "same model on any layout (ranks, nodes, --ep, EPLB slots: resharded); every file is verified first");
+                  "same model and data settings (seed, --data, --clusters, --zipf, --window, --batch-tokens) on any "
+                  "layout (ranks, nodes, --ep, EPLB slots: resharded); every file is verified first. The --metrics file "
+                  "is cut back to the checkpoint's step before the run appends to it, so no step is in it twice");
+  cmd->add_flag("--allow-data-change", o.allow_data_change,
+                "Let --resume train on other data settings than its checkpoint recorded (refused without it: exit 2 "
+                "naming each setting, its old and new value)");
+  cmd->add_flag("--overwrite-checkpoints", o.overwrite_checkpoints,
+                "Let --save write into a folder holding another run's checkpoints (refused without it: a new run "
+                "into a folder with step folders, or a resume into one with another run's): this run takes over "
+                "'latest' and replaces a step folder of the same step; --keep still prunes only this run's");
   cmd->add_option("--compare-balancing", o.compare,
                   "Run the same training once per strategy (comma-separated; empty = none,aux,bias,capacity,"
                   "bias+capacity,eplb,bias+eplb) and print a table side by side")
@@ -750,10 +829,14 @@ void catch_preemption(TrainConfig* config) {
 
 int run_train(const TrainOptions& options) {
   TrainOptions o = options;
+  if (Status s = check_train_paths(o); !s.is_ok()) return fail_usage(s);  // before anything is read or written
   auto config = make_config(o);
   if (!config.is_ok()) return fail_usage(config.status());
   if (Status s = set_test_fault(&*config); !s.is_ok()) return fail_usage(s);
-  auto save_plan = check_save(*config);  // --save: owned, writable, room for a checkpoint
+  auto run_id = resolve_run_id(*config);  // the resumed checkpoint's, or a new one
+  if (!run_id.is_ok()) return fail_usage(run_id.status());
+  config->run_id = *run_id;
+  auto save_plan = check_save(*config);  // --save: owned, writable, room for a checkpoint, no other run's
   if (!save_plan.is_ok()) return fail_usage(save_plan.status());
 
   // Under MPI this process runs one rank; rank 0 prints and writes the files.
@@ -780,15 +863,13 @@ int run_train(const TrainOptions& options) {
   }
   if (o.compare_given) return compare_balancing(o, *config, root);
 
-  // Everything is checked; only now are files opened.
+  // Everything is checked; only now are files opened: the save folder's
+  // lock first (rank 0), then the metrics.
+  std::optional<SaveLock> lock;
   std::optional<MetricsWriter> metrics;
-  if (!o.metrics_path.empty()) {
-    auto opened = MetricsWriter::open(o.metrics_path, /*append=*/!o.resume_dir.empty());
-    if (!opened.is_ok()) {
-      if (transport) transport->abort(aborted("rank 0 could not open the metrics file: {}", opened.status().message()));
-      return fail_usage(opened.status());
-    }
-    metrics.emplace(std::move(opened).value());
+  if (const int rc = open_outputs(o, *config, root, &lock, &metrics); rc != kExitOk) {
+    if (transport) transport->abort(aborted("rank 0 could not open its outputs (the --save lock, --metrics)"));
+    return rc;
   }
   Tracer tracer;
   if (!o.trace_path.empty()) {
@@ -799,6 +880,8 @@ int run_train(const TrainOptions& options) {
   if (root && !o.save_dir.empty() && (!o.quiet || save_plan->tight))
     fmt::print(stderr, "epx train: {}\n", save_plan->describe());
   if (auto note = resume_note(*config); root && note.is_ok() && !note->empty())  // another layout: one line, even with -q
+    fmt::print(stderr, "epx train: {}\n", *note);
+  if (auto note = resume_data_note(*config); root && note.is_ok() && !note->empty())  // unchecked or other data
     fmt::print(stderr, "epx train: {}\n", *note);
   if (!o.save_dir.empty()) catch_preemption(&*config);
   ProgressBar progress(config->steps, "train");

@@ -75,8 +75,11 @@ struct TrainOptions {
   std::string record_waits = "on";  // ModelConfig::record_waits: on or off (off only to measure its cost)
   std::string save_dir;
   int64_t save_every = 0;
+  bool async_save = false;  // --async-save: checkpoints every save_every steps written while training goes on
   int keep = 2;
   std::string resume_dir;
+  bool overwrite_checkpoints = false;  // --overwrite-checkpoints: --save may hold another run's checkpoints
+  bool allow_data_change = false;      // --allow-data-change: --resume with other data settings
   std::string compare;  // --compare-balancing LIST
   bool compare_given = false;
   bool quiet = false;

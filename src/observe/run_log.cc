@@ -286,6 +286,7 @@ error_code read_step_field(std::string_view key, od::value v, StepRecord& step, 
   if (key == "seconds") return read_double(v, step.seconds);
   if (key == "tokens_per_s") return read_double(v, step.tokens_per_s);
   if (key == "num_nodes") return read_int(v, step.num_nodes);
+  if (key == "resumed_from") return read_int(v, step.resumed_from);
   if (key == "layers") return read_records(v, "layers", step.layers, where, read_layer);
   if (key == "ranks") return read_records(v, "ranks", step.ranks, where, read_rank);
   if (key == "wait_matrix") return read_wait_matrix(v, step.wait_matrix.emplace(), where);

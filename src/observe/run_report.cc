@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -39,6 +40,21 @@ std::string number(double v) { return std::isfinite(v) ? fmt::format("{:.4g}", v
 
 }  // namespace
 
+std::string describe_resumes(const std::vector<MetricsResume>& resumes) {
+  std::string out;
+  for (const MetricsResume& r : resumes) {
+    out += fmt::format("{}from the checkpoint of step {}", out.empty() ? "" : "; ", r.step);
+    if (r.replaced > 0)
+      out += fmt::format(" ({} earlier record{} of step {} and later left out: each step is shown once)", r.replaced,
+                         r.replaced == 1 ? "" : "s", r.step);
+  }
+  return out;
+}
+
+namespace {
+
+}  // namespace
+
 struct RunReport::State {
   explicit State(RunReportOptions o)
       : options(o), series(kNumColumns, o.max_points), window(static_cast<std::size_t>(std::max(1, o.straggler_window))) {}
@@ -58,6 +74,7 @@ struct RunReport::State {
   int64_t wait_matrix_step = -1;
   StragglerWindow window;
   std::vector<std::vector<int64_t>> set_aside;  // the expert loads, out of a record while it is copied
+  std::map<int64_t, int64_t> resumes;  // step resumed from -> earlier records it replaced
 
   void add_series(const StepRecord& r);
   void add_layers(const StepRecord& r);
@@ -162,8 +179,14 @@ void RunReport::add(StepRecord&& r) {
     s.wait_matrix = *r.wait_matrix;
     s.wait_matrix_step = r.step;
   }
+  if (r.resumed_from >= 0) add_resume({.step = r.resumed_from, .replaced = 0});
   ++s.num_records;
   s.keep_for_diagnosis(r);
+}
+
+void RunReport::add_resume(const MetricsResume& resume) {
+  int64_t& replaced = state_->resumes[resume.step];
+  replaced = std::max(replaced, resume.replaced);
 }
 
 RunSummary RunReport::summary() const {
@@ -187,6 +210,7 @@ RunSummary RunReport::summary() const {
   out.wait_matrix_step = s.wait_matrix_step;
   const std::vector<Straggler> found = s.window.diagnose();
   if (!found.empty()) out.straggler = describe(found[0]);
+  for (const auto& [step, replaced] : s.resumes) out.resumes.push_back({.step = step, .replaced = replaced});
   return out;
 }
 
@@ -205,6 +229,7 @@ void RunReport::State::add_summary(ReportPage& page, const RunSummary& sum) cons
   t.rows.push_back({"downsampling", fmt::format("line charts: {} step(s) per point; expert-load heatmap: {} step(s) "
                                                 "per column; each the mean of its steps",
                                                 sum.step_bin, sum.heatmap_bin)});
+  if (!sum.resumes.empty()) t.rows.push_back({"resumed", describe_resumes(sum.resumes)});
   if (odd_layouts > 0)
     t.rows.push_back({"records left out of the heatmaps",
                       fmt::format("{} (their layers x experts differ from the first record's)", odd_layouts)});

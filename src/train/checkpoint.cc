@@ -313,6 +313,8 @@ std::string format_checkpoint_meta(const CheckpointMeta& meta) {
     j["layer_slots"] = meta.layer_slots;
     j["eplb_window"] = meta.eplb_window;
   }
+  if (!meta.run_id.empty()) j["run_id"] = meta.run_id;
+  if (!meta.data.empty()) j["data"] = meta.data;
   j["meta_xxh3"] = hex(xxh3(as_bytes(j.dump())));  // of everything above, compact, keys sorted
   return j.dump(2) + "\n";
 }
@@ -361,6 +363,29 @@ bool get_int_lists(const Json& j, const char* key, int64_t lo, int64_t hi, std::
     }
   }
   return true;
+}
+
+// The optional run_id (a short word) and data settings (an object of strings).
+Status parse_meta_run(const Json& j, const std::string& name, CheckpointMeta* meta) {
+  constexpr std::size_t kMaxRunId = 64, kMaxSettings = 64, kMaxValue = 4096;
+  if (const auto it = j.find("run_id"); it != j.end()) {
+    if (!it->is_string() || it->get_ref<const std::string&>().empty() ||
+        it->get_ref<const std::string&>().size() > kMaxRunId ||
+        it->get_ref<const std::string&>().find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyz-_") != std::string::npos)
+      return invalid_argument("{}: run_id must be a word of at most {} lowercase letters, digits, '-' or '_'", name,
+                              kMaxRunId);
+    meta->run_id = it->get<std::string>();
+  }
+  const auto it = j.find("data");
+  if (it == j.end()) return Status::ok();
+  if (!it->is_object() || it->size() > kMaxSettings)
+    return invalid_argument("{}: data must be an object of at most {} settings", name, kMaxSettings);
+  for (const auto& [key, value] : it->items()) {
+    if (!value.is_string() || key.size() > kMaxValue || value.get_ref<const std::string&>().size() > kMaxValue)
+      return invalid_argument("{}: data.{} must be a string of at most {} bytes", name, key.substr(0, 64), kMaxValue);
+    meta->data[key] = value.get<std::string>();
+  }
+  return Status::ok();
 }
 
 Status parse_meta_files(const Json& j, const std::string& name, CheckpointMeta* meta) {
@@ -417,6 +442,7 @@ Status parse_checkpoint_meta(std::string_view text, const std::string& name, Che
   if (!get_hex(j, "model_xxh3", &mh) || mh != model_hash(meta->fingerprint))
     return invalid_argument("{}: model_xxh3 does not match its model '{}'", name, meta->fingerprint);
   EPX_RETURN_IF_ERROR(parse_meta_files(j, name, meta));
+  EPX_RETURN_IF_ERROR(parse_meta_run(j, name, meta));
   if (j.contains("layer_slots")) {
     const bool ok = get_int_lists(j, "layer_slots", -1, 1 << 30, &meta->layer_slots) &&
                     get_int_lists(j, "eplb_window", 0, int64_t{1} << 62, &meta->eplb_window) &&
@@ -450,6 +476,40 @@ Status check_save_dir(const std::string& dir) {
   return invalid_argument("--save {} is a folder that holds other files (e.g. '{}') and no {} marker; epx writes "
                           "checkpoints only into a new or empty folder, or one it created",
                           dir, it->path().filename().string(), kCheckpointMarker);
+}
+
+Status make_checkpoint_folder(const std::string& dir_name) {
+  EPX_RETURN_IF_ERROR(check_save_dir(dir_name));
+  const fs::path dir(dir_name);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return internal_error("cannot create checkpoint folder {}: {}", dir_name, ec.message());
+  if (!fs::exists(dir / kCheckpointMarker, ec)) {
+    EPX_RETURN_IF_ERROR(write_file_durably(dir / kCheckpointMarker, as_bytes("epx checkpoint folder\n")));
+    EPX_RETURN_IF_ERROR(fsync_dir(dir));
+  }
+  return Status::ok();
+}
+
+std::vector<StepOwner> list_step_owners(const std::string& dir) {
+  std::vector<StepOwner> out;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    const int64_t step = parse_step_folder(e.path().filename().string());
+    if (step < 0 || !e.is_directory(ec)) continue;
+    StepOwner& owner = out.emplace_back();
+    owner.step = step;
+    std::vector<uint8_t> bytes;
+    CheckpointMeta meta;
+    const fs::path meta_path = e.path() / "meta.json";
+    owner.readable = read_file(meta_path, kMaxMetaBytes, &bytes).is_ok() &&
+                     parse_checkpoint_meta(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                                           meta_path.string(), &meta)
+                         .is_ok();
+    if (owner.readable) owner.run_id = std::move(meta.run_id);
+  }
+  std::sort(out.begin(), out.end(), [](const StepOwner& a, const StepOwner& b) { return a.step < b.step; });
+  return out;
 }
 
 Result<SaveSpace> probe_save_dir(const std::string& dir) {
@@ -681,14 +741,8 @@ void tidy_leftover(const fs::path& dir, const std::string& name) {
 // Rank 0: DIR exists, is ours (marker), holds no stale temporary folder, and
 // has a fresh empty `tmp`.
 Status prepare_save(const fs::path& dir, const fs::path& tmp) {
-  EPX_RETURN_IF_ERROR(check_save_dir(dir.string()));
+  EPX_RETURN_IF_ERROR(make_checkpoint_folder(dir.string()));
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return internal_error("cannot create checkpoint folder {}: {}", dir.string(), ec.message());
-  if (!fs::exists(dir / kCheckpointMarker, ec)) {
-    EPX_RETURN_IF_ERROR(write_file_durably(dir / kCheckpointMarker, as_bytes("epx checkpoint folder\n")));
-    EPX_RETURN_IF_ERROR(fsync_dir(dir));
-  }
   for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) tidy_leftover(dir, e.path().filename().string());
   fs::create_directory(tmp, ec);
   if (ec) return internal_error("cannot create {}: {}", tmp.string(), ec.message());
@@ -754,18 +808,27 @@ PartState collect_experts(AdamW& adam, std::span<MoELayer* const> layers, int ep
   return state;
 }
 
-// Rank 0: meta.json's file list. `sizes` holds (dense bytes, xxh3, expert
-// file bytes, xxh3) of every rank; experts-N.bin came from rank N (EP group 0).
-std::vector<CheckpointFile> list_files(std::span<const uint64_t> sizes, int ep, std::span<MoELayer* const> layers) {
-  std::vector<CheckpointFile> files = {{kDenseFileName, sizes[0], sizes[1], {}}};
-  for (int r = 0; r < ep; ++r)
-    files.push_back({expert_file_name(r), sizes[4 * r + 2], sizes[4 * r + 3],
-                     std::vector<std::vector<int32_t>>(layers.size())});
+// meta.json's file list without sizes: dense.bin, then experts-N.bin (from
+// EP rank N of EP group 0) with the logical experts it holds, by layer.
+std::vector<CheckpointFile> list_files(int ep, std::span<MoELayer* const> layers) {
+  std::vector<CheckpointFile> files = {{kDenseFileName, 0, 0, {}}};
+  for (int r = 0; r < ep; ++r) files.push_back({expert_file_name(r), 0, 0, std::vector<std::vector<int32_t>>(layers.size())});
   const std::vector<std::vector<int>> first = first_slots(layers);
   for (std::size_t l = 0; l < layers.size(); ++l)
     for (std::size_t e = 0; e < first[l].size(); ++e)
       files[1 + layers[l]->buffer().placement().rank_of(first[l][e])].experts[l].push_back(static_cast<int32_t>(e));
   return files;
+}
+
+// The sizes and checksums: `sizes` holds (dense bytes, xxh3, expert file
+// bytes, xxh3) of every rank; experts-N.bin came from rank N.
+void fill_sizes(std::span<const uint64_t> sizes, std::vector<CheckpointFile>* files) {
+  (*files)[0].bytes = sizes[0];
+  (*files)[0].xxh3 = sizes[1];
+  for (std::size_t r = 0; r + 1 < files->size(); ++r) {
+    (*files)[1 + r].bytes = sizes[4 * r + 2];
+    (*files)[1 + r].xxh3 = sizes[4 * r + 3];
+  }
 }
 
 // Rank 0, after every file is in `tmp`: meta.json, the rename, `latest`.
@@ -797,14 +860,13 @@ Status publish(const fs::path& dir, const fs::path& tmp, const CheckpointMeta& m
   return Status::ok();
 }
 
-// Rank 0: removes all but the newest `keep` step folders; `current` stays.
-Status prune(const fs::path& dir, int64_t current, int keep) {
+// Rank 0: removes all but the newest `keep` step folders of `run_id`;
+// `current` stays, and so does every folder of another run.
+Status prune(const fs::path& dir, int64_t current, int keep, const std::string& run_id) {
   std::vector<int64_t> others;
   std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const int64_t step = parse_step_folder(e.path().filename().string());
-    if (step >= 0 && step != current && e.is_directory(ec)) others.push_back(step);
-  }
+  for (const StepOwner& s : list_step_owners(dir.string()))
+    if (s.step != current && s.readable && s.run_id == run_id) others.push_back(s.step);
   std::sort(others.rbegin(), others.rend());
   for (std::size_t i = static_cast<std::size_t>(std::max(keep - 1, 0)); i < others.size(); ++i) {
     fs::remove_all(dir / step_folder_name(others[i]), ec);
@@ -828,43 +890,88 @@ Status write_part(const fs::path& tmp, const std::string& name, int part, const 
 
 }  // namespace
 
+CheckpointWrite::CheckpointWrite(const std::string& dir, int keep, const CheckpointMeta& meta, int rank)
+    : dir_(dir), tmp_(dir + "/." + step_folder_name(meta.step) + ".tmp"), keep_(keep), rank_(rank), meta_(meta) {}
+
+CheckpointWrite::~CheckpointWrite() {
+  if (writer_.joinable()) writer_.join();
+  if (rank_ == 0 && !finished_) {  // never published: the temporary folder goes
+    std::error_code ec;
+    fs::remove_all(tmp_, ec);
+  }
+}
+
+Status CheckpointWrite::fail(const Status& s) const {
+  return Status(s.code(), fmt::format("writing checkpoint {} in {}: {} (the previous checkpoints are kept)",
+                                      step_folder_name(meta_.step), dir_, s.message()));
+}
+
+Result<std::unique_ptr<CheckpointWrite>> CheckpointWrite::begin(const std::string& dir, int keep,
+                                                                const CheckpointMeta& meta, Transport& transport,
+                                                                const ParallelLayout& layout,
+                                                                std::span<Parameter* const> params, AdamW& adam,
+                                                                std::span<MoELayer* const> layers,
+                                                                const Deadline& deadline) {
+  const int rank = transport.rank();
+  std::unique_ptr<CheckpointWrite> w(new CheckpointWrite(dir, keep, meta, rank));
+  Status s = rank == 0 ? prepare_save(fs::path(dir), fs::path(w->tmp_)) : Status::ok();
+  if (s = agree(transport, s, deadline); !s.is_ok()) return w->fail(s);
+  // The snapshot: rank 0 dense.bin's content, each rank of EP group 0 its expert file's.
+  if (rank == 0) {
+    w->dense_ = collect_dense(params, adam, layers);
+    w->meta_.files = list_files(layout.ep(), layers);
+  }
+  if (layout.ep_group(rank) == 0) {
+    w->ep_rank_ = layout.ep_rank(rank);
+    w->experts_ = collect_experts(adam, layers, w->ep_rank_);
+  }
+  return w;
+}
+
+void CheckpointWrite::write() {
+  if (const char* delay = std::getenv("EPX_TEST_CHECKPOINT_WRITE_DELAY_MS"))  // test hook: a slow disk
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(delay)));
+  Status s;
+  if (rank_ == 0) s = write_part(fs::path(tmp_), kDenseFileName, 0, meta_, *dense_, sums_);
+  if (s.is_ok() && experts_)
+    s = write_part(fs::path(tmp_), expert_file_name(ep_rank_), 1 + ep_rank_, meta_, *experts_, sums_ + 2);
+  dense_.reset();  // the snapshot's memory goes as soon as it is on disk
+  experts_.reset();
+  written_status_ = s;
+  written_.store(true);
+}
+
+void CheckpointWrite::write_in_background() {
+  writer_ = std::thread([this] { write(); });
+}
+
+Status CheckpointWrite::finish(Transport& transport, const Deadline& deadline) {
+  if (writer_.joinable()) writer_.join();
+  if (!written_.load()) write();
+  Status s = written_status_;
+  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
+  std::vector<uint64_t> all(4 * static_cast<std::size_t>(transport.num_ranks()));
+  s = transport.all_gather(std::span<const uint64_t>(sums_, 4), std::span<uint64_t>(all), deadline);
+  if (!s.is_ok()) return fail(s);
+  if (rank_ == 0) {
+    fill_sizes(all, &meta_.files);
+    s = publish(fs::path(dir_), fs::path(tmp_), meta_);
+    if (s.is_ok()) finished_ = true;  // published: the folder is no longer temporary
+    if (s.is_ok()) s = prune(fs::path(dir_), meta_.step, keep_, meta_.run_id);
+  }
+  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
+  finished_ = true;
+  return Status::ok();
+}
+
 Status save_checkpoint(const std::string& dir_name, int keep, const CheckpointMeta& meta_in, Transport& transport,
                        const ParallelLayout& layout, std::span<Parameter* const> params, AdamW& adam,
                        std::span<MoELayer* const> layers, const Deadline& deadline) {
-  const fs::path dir(dir_name);
-  const fs::path tmp = dir / ("." + step_folder_name(meta_in.step) + ".tmp");
-  const int rank = transport.rank(), R = transport.num_ranks();
-  const std::string what = fmt::format("writing checkpoint {} in {}", step_folder_name(meta_in.step), dir_name);
-  auto fail = [&](const Status& s) -> Status {
-    if (rank == 0) {
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-    }
-    return Status(s.code(), fmt::format("{}: {} (the previous checkpoints are kept)", what, s.message()));
-  };
-  Status s = rank == 0 ? prepare_save(dir, tmp) : Status::ok();
-  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
-
-  // Rank 0 writes dense.bin; each rank of EP group 0 its expert file.
-  uint64_t mine[4] = {0, 0, 0, 0};
-  if (rank == 0) s = write_part(tmp, kDenseFileName, 0, meta_in, collect_dense(params, adam, layers), mine);
-  const int ep_rank = layout.ep_rank(rank);
-  if (s.is_ok() && layout.ep_group(rank) == 0)
-    s = write_part(tmp, expert_file_name(ep_rank), 1 + ep_rank, meta_in, collect_experts(adam, layers, ep_rank),
-                   mine + 2);
-  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
-
-  std::vector<uint64_t> all(4 * static_cast<std::size_t>(R));
-  s = transport.all_gather(std::span<const uint64_t>(mine, 4), std::span<uint64_t>(all), deadline);
-  if (!s.is_ok()) return fail(s);
-  if (rank == 0) {
-    CheckpointMeta meta = meta_in;
-    meta.files = list_files(all, layout.ep(), layers);
-    s = publish(dir, tmp, meta);
-    if (s.is_ok()) s = prune(dir, meta.step, keep);
-  }
-  if (s = agree(transport, s, deadline); !s.is_ok()) return fail(s);
-  return Status::ok();
+  EPX_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWrite> w, CheckpointWrite::begin(dir_name, keep, meta_in, transport,
+                                                                                  layout, params, adam, layers,
+                                                                                  deadline));
+  w->write();
+  return w->finish(transport, deadline);
 }
 
 // ---- load ------------------------------------------------------------------

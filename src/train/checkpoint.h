@@ -5,13 +5,16 @@
 // EP, nodes, EPLB slots and replicas) that wrote it, so any layout of the
 // same model resumes from it.
 //
-//   DIR/.epx-checkpoints      marker: DIR belongs to epx (written at the first save)
+//   DIR/.epx-checkpoints      marker: DIR belongs to epx (written when a run takes
+//                             the folder, make_checkpoint_folder)
+//   DIR/.epx-lock             the writing run's lock (SaveLock), while it runs
 //   DIR/latest                "step-000120\n", replaced by write + fsync + rename
 //   DIR/step-000120/meta.json step, model, the writing layout (ranks, nodes,
 //                             ep, slots, each layer's slot map), the eplb
 //                             window's loads, every file's size, XXH3-64 and
 //                             (expert files) its logical experts per layer,
-//                             and a checksum of itself
+//                             the run id, the data settings and a checksum of
+//                             itself
 //   DIR/step-000120/dense.bin        written by rank 0: every dense parameter
 //                             with its two AdamW moments, the AdamW step
 //                             count, the expert biases
@@ -24,16 +27,22 @@
 //
 // A save writes `.step-000120.tmp/` inside DIR, fsyncs every file and the
 // folder, renames it, then replaces `latest`, then removes all but the newest
-// `keep` step folders (the new one always stays). A failed save removes its
+// `keep` step folders of the same run (the new one always stays; a folder
+// written by another run, or whose meta.json cannot be read, stays). A failed save removes its
 // temporary folder; the previous step folders and `latest` stay as they were.
 // A resume verifies meta.json and every file a rank reads before anything is
 // loaded; each rank reads dense.bin and the expert files of its own experts.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "epx/comm/parallel_layout.h"
@@ -68,6 +77,12 @@ struct CheckpointMeta {
   std::vector<std::vector<int32_t>> layer_slots;
   std::vector<std::vector<int64_t>> eplb_window;
   std::vector<CheckpointFile> files;  // dense.bin, then experts-0.bin .. experts-(ep-1).bin
+  // The run that wrote it (TrainConfig::run_id; a resume continues its
+  // checkpoint's). Empty: written before run ids were recorded.
+  std::string run_id;
+  // The settings that decide the training data (data_settings in the
+  // trainer), name -> value. Empty: written before they were recorded.
+  std::map<std::string, std::string> data;
 };
 
 // The fixed-size header at the start of every file.
@@ -110,6 +125,19 @@ struct PartState {
 [[nodiscard]] std::string format_checkpoint_meta(const CheckpointMeta& meta);
 [[nodiscard]] Status parse_checkpoint_meta(std::string_view text, const std::string& name, CheckpointMeta* meta);
 
+// A step folder of a checkpoint folder and the run that wrote it.
+struct StepOwner {
+  int64_t step = 0;
+  std::string run_id;     // empty: written before run ids were recorded, or unreadable
+  bool readable = false;  // its meta.json parsed (checksum and format)
+};
+// The step folders (step-NNNNNN) of `dir` with their owners, by step; none
+// when `dir` does not exist. Reads each step's meta.json only.
+[[nodiscard]] std::vector<StepOwner> list_step_owners(const std::string& dir);
+
+// Creates DIR (check_save_dir first) and its marker, when missing.
+[[nodiscard]] Status make_checkpoint_folder(const std::string& dir);
+
 // --save DIR: OK when DIR does not exist (its nearest existing ancestor must
 // be a folder), is an empty folder, or holds epx's marker; InvalidArgument
 // naming what is there otherwise. Touches nothing.
@@ -136,12 +164,57 @@ struct SaveSpace {
 
 // Collective over the world. Writes step folder `meta.step` under dir (see
 // the top); meta gives the step, fingerprint, layout and eplb state, the
-// files are filled in. `layout` says who writes which expert file.
+// files are filled in. `layout` says who writes which expert file. After
+// the save, the step folders of meta.run_id beyond the newest `keep` are
+// removed; another run's step folders are never removed.
 // EPX_TEST_CHECKPOINT_DELAY_MS (environment) > 0 sleeps between writing the
 // files and renaming the folder (a test hook: a window for kill -9).
 [[nodiscard]] Status save_checkpoint(const std::string& dir, int keep, const CheckpointMeta& meta, Transport& transport,
                                      const ParallelLayout& layout, std::span<Parameter* const> params, AdamW& adam,
                                      std::span<MoELayer* const> layers, const Deadline& deadline);
+
+// One save in three parts, so its files can be written while training goes
+// on (asynchronous checkpoints): begin (collective) prepares the folder and
+// copies this rank's part of the state (the snapshot: the memory of one
+// checkpoint's share per rank); write (this rank alone, on any thread, once)
+// serialises and writes it, fsynced; finish (collective) agrees that every
+// rank wrote, gathers sizes and checksums, and rank 0 publishes the step
+// folder (meta.json, rename, `latest`) and prunes. A failure anywhere leaves
+// the earlier checkpoints as they were; an unfinished save's temporary
+// folder is removed when the object goes. save_checkpoint is the three in a row.
+// EPX_TEST_CHECKPOINT_WRITE_DELAY_MS (environment) > 0 sleeps at the start of
+// write() (a test hook: a slow disk).
+class CheckpointWrite {
+ public:
+  [[nodiscard]] static Result<std::unique_ptr<CheckpointWrite>> begin(
+      const std::string& dir, int keep, const CheckpointMeta& meta, Transport& transport, const ParallelLayout& layout,
+      std::span<Parameter* const> params, AdamW& adam, std::span<MoELayer* const> layers, const Deadline& deadline);
+  ~CheckpointWrite();
+  CheckpointWrite(const CheckpointWrite&) = delete;
+  CheckpointWrite& operator=(const CheckpointWrite&) = delete;
+
+  void write();
+  // write() on a thread of its own; finish() and the destructor join it.
+  void write_in_background();
+  // This rank's files are written (or failed): finish will not wait for them.
+  [[nodiscard]] bool written() const { return written_.load(); }
+  [[nodiscard]] int64_t step() const { return meta_.step; }
+  [[nodiscard]] Status finish(Transport& transport, const Deadline& deadline);
+
+ private:
+  CheckpointWrite(const std::string& dir, int keep, const CheckpointMeta& meta, int rank);
+  [[nodiscard]] Status fail(const Status& s) const;
+
+  std::string dir_, tmp_;
+  int keep_ = 0, rank_ = 0, ep_rank_ = 0;
+  CheckpointMeta meta_;
+  std::optional<PartState> dense_, experts_;  // the snapshot, until written
+  uint64_t sums_[4] = {0, 0, 0, 0};           // (dense bytes, xxh3, expert file bytes, xxh3)
+  Status written_status_;
+  std::atomic<bool> written_{false};
+  bool finished_ = false;
+  std::thread writer_;
+};
 // Collective. Reads meta.json, dense.bin and the expert files that hold this
 // rank's logical experts, verifies them and their fit to the model (names,
 // sizes, every local expert found once), agrees with every rank (all

@@ -4,9 +4,12 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
+#include <filesystem>
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <random>
+#include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -16,6 +19,7 @@
 #include "epx/comm/parallel_layout.h"
 #include "epx/core/clock.h"
 #include "epx/core/memory.h"
+#include "epx/train/checkpoint_lock.h"
 #include "core/guard.h"
 #include "train/checkpoint.h"
 #include "train/eplb_train.h"
@@ -201,6 +205,88 @@ std::string bytes_text(double bytes) {
 
 }  // namespace
 
+namespace {
+
+// meta.json of the resumed checkpoint, checked against this model (any layout).
+Result<detail::CheckpointMeta> resumed_meta(const TrainConfig& config) {
+  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
+  detail::CheckpointMeta meta;
+  meta.fingerprint = fingerprint(m);
+  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &meta));
+  return meta;
+}
+
+// "seed = 1 in the checkpoint, 2 in this run" for each setting that differs.
+std::vector<std::string> data_differences(const std::map<std::string, std::string>& saved,
+                                          const std::map<std::string, std::string>& mine) {
+  std::set<std::string> keys;
+  for (const auto& [key, value] : saved) keys.insert(key);
+  for (const auto& [key, value] : mine) keys.insert(key);
+  std::vector<std::string> out;
+  for (const std::string& key : keys) {
+    const auto a = saved.find(key), b = mine.find(key);
+    const std::string old_value = a == saved.end() ? "(none)" : a->second;
+    const std::string new_value = b == mine.end() ? "(none)" : b->second;
+    if (old_value != new_value)
+      out.push_back(fmt::format("{} = {} in the checkpoint, {} in this run", key, old_value, new_value));
+  }
+  return out;
+}
+
+std::string new_run_id() {
+  std::random_device device;
+  const uint64_t random = (uint64_t{device()} << 32) ^ device();
+  const auto now = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+  return fmt::format("{:016x}", random ^ (now * 0x9e3779b97f4a7c15ULL));
+}
+
+// A run id is a word meta.json can hold (parse_checkpoint_meta's rule).
+Status check_run_id(const std::string& id) {
+  if (id.size() > 64 || id.find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyz-_") != std::string::npos)
+    return invalid_argument("run_id '{}' must be at most 64 lowercase letters, digits, '-' or '_'", id);
+  return Status::ok();
+}
+
+}  // namespace
+
+std::map<std::string, std::string> data_settings(const TrainConfig& c) {
+  std::map<std::string, std::string> s = {{"batch_tokens", fmt::format("{}", c.batch_tokens)}};
+  if (c.model.task == TaskKind::kRegression) {
+    const SyntheticTaskConfig& d = c.synthetic;
+    s["data"] = "synthetic";
+    s["seed"] = fmt::format("{}", d.seed);
+    s["clusters"] = fmt::format("{}", d.num_clusters);
+    s["zipf"] = fmt::format("{}", d.zipf_s);
+    s["cluster_spread"] = fmt::format("{}", d.cluster_spread);
+    s["input_dim"] = fmt::format("{}", d.input_dim);
+    s["output_dim"] = fmt::format("{}", d.output_dim);
+  } else {
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(c.text.path, ec);
+    const std::filesystem::path path = std::filesystem::weakly_canonical(absolute, ec);
+    s["data"] = "text:" + (ec ? absolute.lexically_normal() : path).string();
+    s["seed"] = fmt::format("{}", c.text.seed);
+    s["window"] = fmt::format("{}", c.text.window);
+  }
+  return s;
+}
+
+Result<ResumePoint> resume_point(const TrainConfig& config) {
+  if (config.resume_dir.empty()) return failed_precondition("resume_point: the run does not resume");
+  EPX_ASSIGN_OR_RETURN(std::string folder, detail::resolve_checkpoint(config.resume_dir));
+  EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
+  return ResumePoint{.folder = std::move(folder), .step = meta.step, .run_id = std::move(meta.run_id)};
+}
+
+Result<std::string> resolve_run_id(const TrainConfig& config) {
+  if (!config.run_id.empty()) return config.run_id;
+  if (!config.resume_dir.empty()) {
+    EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
+    if (!meta.run_id.empty()) return meta.run_id;
+  }
+  return new_run_id();
+}
+
 Status check_resume(const TrainConfig& config) {
   if (config.resume_dir.empty()) return Status::ok();
   EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
@@ -211,15 +297,31 @@ Status check_resume(const TrainConfig& config) {
   if (meta.step > config.steps)
     return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
                             meta.step, config.steps);
-  return Status::ok();
+  if (meta.data.empty() || config.allow_data_change) return Status::ok();
+  const std::vector<std::string> changed = data_differences(meta.data, data_settings(config));
+  if (changed.empty()) return Status::ok();
+  return invalid_argument("checkpoint {} (step {}) was trained on other data: {}; a resume continues the data of its "
+                          "checkpoint (pass --allow-data-change to train on this data from it)",
+                          config.resume_dir, meta.step, fmt::join(changed, "; "));
+}
+
+Result<std::string> resume_data_note(const TrainConfig& config) {
+  if (config.resume_dir.empty()) return std::string();
+  EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
+  if (meta.data.empty())
+    return fmt::format("checkpoint {} (step {}) records no data settings (written by an earlier epx): this run's "
+                       "seed, data and batch are not checked against it",
+                       config.resume_dir, meta.step);
+  const std::vector<std::string> changed = data_differences(meta.data, data_settings(config));
+  if (changed.empty()) return std::string();
+  return fmt::format("training on other data than checkpoint {} (step {}) was trained on (--allow-data-change): {}",
+                     config.resume_dir, meta.step, fmt::join(changed, "; "));
 }
 
 Result<std::string> resume_note(const TrainConfig& config) {
   if (config.resume_dir.empty()) return std::string();
   EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  detail::CheckpointMeta meta;
-  meta.fingerprint = fingerprint(m);
-  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &meta));
+  EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
   const detail::RunLayout saved = detail::saved_layout(meta), mine = detail::run_layout(config, m, config.ep_size());
   if (detail::same_layout(saved, mine)) return std::string();
   const char* placement = !config.balancing.eplb ? "experts placed contiguously"
@@ -240,6 +342,51 @@ std::string SavePlan::describe() const {
   return text;
 }
 
+namespace {
+
+// "step-000004, step-000006 (run 1a2b...)", the first few of a list.
+std::string describe_steps(const std::vector<detail::StepOwner>& steps) {
+  constexpr std::size_t kShown = 4;
+  std::vector<std::string> names;
+  std::set<std::string> runs;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    if (i < kShown) names.push_back(detail::step_folder_name(steps[i].step));
+    runs.insert(!steps[i].readable       ? "a meta.json that does not read"
+                : steps[i].run_id.empty() ? "written before run ids"
+                                          : "run " + steps[i].run_id);
+  }
+  if (steps.size() > kShown) names.push_back(fmt::format("... ({} step folders)", steps.size()));
+  return fmt::format("{} ({})", fmt::join(names, ", "), fmt::join(runs, "; "));
+}
+
+// save_dir's step folders are this run's: none for a run that does not
+// resume (unless it was given its run id), its checkpoint's run (and the
+// folders written before run ids) for a resumed one.
+Status check_other_runs(const TrainConfig& config) {
+  const std::vector<detail::StepOwner> owners = detail::list_step_owners(config.save_dir);
+  if (owners.empty()) return Status::ok();
+  const bool resuming = !config.resume_dir.empty();
+  std::string own = config.run_id;
+  if (own.empty() && resuming) {
+    EPX_ASSIGN_OR_RETURN(ResumePoint from, resume_point(config));
+    own = from.run_id;
+  }
+  std::vector<detail::StepOwner> others;
+  for (const detail::StepOwner& o : owners) {
+    const bool mine = o.readable && ((!own.empty() && o.run_id == own) || (resuming && o.run_id.empty()));
+    if (!mine) others.push_back(o);
+  }
+  if (others.empty()) return Status::ok();
+  return invalid_argument(
+      "--save {} holds checkpoints of another run: {}; this {} would take over its 'latest' and mix the two runs' "
+      "step folders. {}Choose another --save folder, or pass --overwrite-checkpoints to save into it anyway (a step "
+      "folder of the same step is replaced; --keep prunes only this run's)",
+      config.save_dir, describe_steps(others), resuming ? "resumed run" : "new run",
+      resuming ? "" : "To continue that run, resume it (--resume). ");
+}
+
+}  // namespace
+
 Result<SavePlan> check_save(const TrainConfig& config) {
   SavePlan plan;
   if (config.save_dir.empty()) return plan;
@@ -256,6 +403,7 @@ Result<SavePlan> check_save(const TrainConfig& config) {
                             plan.checkpoint_bytes, space.probed, bytes_text(static_cast<double>(plan.free_bytes)),
                             plan.free_bytes);
   plan.tight = plan.free_bytes / static_cast<uint64_t>(plan.keep + 1) < static_cast<uint64_t>(plan.checkpoint_bytes);
+  if (!config.overwrite_checkpoints) EPX_RETURN_IF_ERROR(check_other_runs(config));
   return plan;
 }
 
@@ -280,7 +428,11 @@ Status TrainConfig::validate() const {
   if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
   if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
   if (preempt != nullptr && save_dir.empty()) return invalid_argument("preemption needs a save folder to save into");
+  if (async_save && save_every == 0)
+    return invalid_argument(
+        "async_save writes the save_every checkpoints, but save_every = 0 (only the final one, written at once)");
   if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
+  EPX_RETURN_IF_ERROR(check_run_id(run_id));
   if (wait_matrix_every < 0)
     return invalid_argument("wait_matrix_every = {} is below 0 (0: never)", wait_matrix_every);
   if (grad_bucket_bytes < 4 || grad_bucket_bytes > (int64_t{1} << 40))
@@ -344,11 +496,12 @@ std::string StepReport::to_json() const {
                             "\"moved_bytes\":{}}}",
                             fmt::join(eplb->balance_before, ","), fmt::join(eplb->balance_after, ","),
                             eplb->num_moved_slots, eplb->moved_bytes);
+  const std::string resumed = resumed_from >= 0 ? fmt::format(",\"resumed_from\":{}", resumed_from) : "";
   return fmt::format("{{\"step\":{},\"loss\":{},\"main_loss\":{},\"lr\":{},\"grad_norm\":{},"
-                     "\"seconds\":{},\"tokens_per_s\":{},\"num_nodes\":{},\"layers\":[{}],\"ranks\":[{}]{}{}}}",
+                     "\"seconds\":{},\"tokens_per_s\":{},\"num_nodes\":{}{},\"layers\":[{}],\"ranks\":[{}]{}{}}}",
                      step, json_number(loss), json_number(main_loss), json_number(learning_rate),
-                     json_number(grad_norm), json_number(seconds), json_number(tokens_per_second), num_nodes, layers_json,
-                     ranks_json, eplb_json, detail::wait_matrix_json(wait_matrix));
+                     json_number(grad_norm), json_number(seconds), json_number(tokens_per_second), num_nodes, resumed,
+                     layers_json, ranks_json, eplb_json, detail::wait_matrix_json(wait_matrix));
 }
 
 namespace {
@@ -356,20 +509,22 @@ Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& 
                                  bool* stopped_together);
 
 // Collective, after every step: rank 0 tells the others whether its on_step
-// failed, and every rank whether it was asked to stop for preemption. Rank 0
-// returns a failed on_step's Status, the others Aborted naming it, so every
-// rank stops after the same step instead of one leaving the others waiting.
+// failed, every rank whether it was asked to stop for preemption and whether
+// its asynchronous save is still writing. Rank 0 returns a failed on_step's
+// Status, the others Aborted naming it, so every rank stops after the same
+// step instead of one leaving the others waiting.
 struct StepAgreement {
   bool stop = false;     // rank 0's on_step failed: the run stops
   bool preempt = false;  // some rank was asked to stop: every rank saves, then stops
+  bool writing = false;  // some rank's asynchronous save has not written its files yet
 };
 
 Result<StepAgreement> agree_on_stop(Transport& transport, const Status& stop, const std::atomic<bool>* preempt,
-                                    const Deadline& deadline) {
-  double flags[2] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0,
-                     preempt != nullptr && preempt->load() ? 1.0 : 0.0};
-  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flags, 2), ReduceOp::kSum, deadline));
-  return StepAgreement{flags[0] != 0, flags[1] != 0};
+                                    bool writing, const Deadline& deadline) {
+  double flags[3] = {transport.rank() == 0 && !stop.is_ok() ? 1.0 : 0.0,
+                     preempt != nullptr && preempt->load() ? 1.0 : 0.0, writing ? 1.0 : 0.0};
+  EPX_RETURN_IF_ERROR(transport.all_reduce(std::span<double>(flags, 3), ReduceOp::kSum, deadline));
+  return StepAgreement{flags[0] != 0, flags[1] != 0, flags[2] != 0};
 }
 
 // What a stopped run returns on this rank: rank 0 its callback's error, the
@@ -413,6 +568,8 @@ struct RunState {
   double run_seconds = 0, comm_seconds = 0, total_seconds = 0;
   int64_t timed_tokens = 0;
   std::atomic<bool> stopped_together{false};  // every rank agreed to stop after rank 0's on_step failed
+  std::string run_id;                  // resolve_run_id: recorded in every checkpoint
+  std::optional<SaveLock> save_lock;   // save_dir's, held by rank 0 (the process, in-process) for the run
   std::atomic<int64_t> preempted_at{-1};      // every rank agreed to save and stop here (TrainConfig::preempt)
 };
 
@@ -451,6 +608,12 @@ Result<std::unique_ptr<RunState>> prepare_run(const TrainConfig& config, const S
   EPX_RETURN_IF_ERROR(DataSource::create(config).status());
   EPX_RETURN_IF_ERROR(check_resume(config));
   EPX_RETURN_IF_ERROR(check_save(config).status());
+  EPX_ASSIGN_OR_RETURN(run->run_id, resolve_run_id(config));
+  // One writer per save folder: rank 0 publishes and prunes, so rank 0 locks it.
+  if (!config.save_dir.empty() && (config.transport == nullptr || config.transport->rank() == 0)) {
+    EPX_ASSIGN_OR_RETURN(SaveLock lock, SaveLock::acquire(config.save_dir, run->run_id));
+    run->save_lock.emplace(std::move(lock));
+  }
   return run;
 }
 
@@ -517,15 +680,15 @@ struct Rank {
   int64_t first_step = 0;
   Batch batch;
   std::unique_ptr<detail::GradientSync> grad_sync;  // after the model: destroyed before it
+  std::unique_ptr<detail::CheckpointWrite> saving;  // an asynchronous save begun, not yet published
   Status stop;                 // rank 0: what on_step returned
   [[nodiscard]] int rank() const { return groups.world->rank(); }
   [[nodiscard]] const TrainConfig& config() const { return run.config; }
   [[nodiscard]] Deadline deadline() const { return Deadline::after(run.model_config.timeout); }
 };
 
-// Collective: writes checkpoint `step` in logical order (rank 0 the dense
-// file, EP group 0 the expert files) with this run's layout.
-Status save_rank(Rank& r, int64_t step) {
+// Checkpoint `step`'s meta.json before its files are listed.
+detail::CheckpointMeta checkpoint_meta(Rank& r, int64_t step) {
   const TrainConfig& config = r.config();
   detail::CheckpointMeta meta;
   meta.step = step;
@@ -534,12 +697,42 @@ Status save_rank(Rank& r, int64_t step) {
   meta.num_nodes = config.num_nodes;
   meta.ep = r.run.layout.ep();
   meta.num_slots = detail::run_layout(config, r.run.model_config, meta.ep).num_slots;
+  meta.run_id = r.run.run_id;
+  meta.data = data_settings(config);
   if (config.balancing.eplb) {
     for (MoELayer* layer : r.parts.layers) meta.layer_slots.push_back(layer->slot_expert());
     meta.eplb_window = r.eplb.window;
   }
-  return detail::save_checkpoint(config.save_dir, config.keep_checkpoints, meta, *r.groups.world, r.run.layout,
-                                 r.parts.params, r.adam, r.parts.layers, r.deadline());
+  return meta;
+}
+
+// Collective: publishes the asynchronous save in flight, if any (waiting for
+// this rank's files when they are not written yet).
+Status finish_saving(Rank& r) {
+  if (!r.saving) return Status::ok();
+  Status s = r.saving->finish(*r.groups.world, r.deadline());
+  r.saving.reset();
+  return s;
+}
+
+// Collective: writes checkpoint `step` in logical order (rank 0 the dense
+// file, EP group 0 the expert files) with this run's layout. With
+// async_save only the snapshot is taken here; the files are written on a
+// thread and published at a later step boundary (finish_saving). At most one
+// save is in flight: the one before is published first.
+Status save_rank(Rank& r, int64_t step, bool async) {
+  const TrainConfig& config = r.config();
+  EPX_RETURN_IF_ERROR(finish_saving(r));
+  EPX_ASSIGN_OR_RETURN(r.saving, detail::CheckpointWrite::begin(config.save_dir, config.keep_checkpoints,
+                                                                checkpoint_meta(r, step), *r.groups.world,
+                                                                r.run.layout, r.parts.params, r.adam, r.parts.layers,
+                                                                r.deadline()));
+  if (async) {
+    r.saving->write_in_background();
+    return Status::ok();
+  }
+  r.saving->write();
+  return finish_saving(r);
 }
 
 // Collective: the groups, the data, the model and, on a resume, its state.
@@ -689,6 +882,7 @@ Status report_step(Rank& r, int64_t step, StepNumbers& n) {
   report.tokens_per_second = static_cast<double>(r.config().batch_tokens) / std::max(report.seconds, 1e-9);
   report.layers = std::move(n.stats);
   report.eplb = std::move(n.eplb);
+  if (step == r.first_step && !r.config().resume_dir.empty()) report.resumed_from = r.first_step;
   for (int q = 0; q < R; ++q) {
     const double* f = all.data() + static_cast<std::ptrdiff_t>(q) * stride;
     RankTimes& t = report.ranks.emplace_back();
@@ -748,7 +942,7 @@ void keep_rank_parameters(Rank& r) {
 // Preemption: the checkpoint of `step` (steps done), then the run ends on
 // every rank alike. Collective.
 Status save_preempted(Rank& r, int64_t step) {
-  EPX_RETURN_IF_ERROR(save_rank(r, step));
+  EPX_RETURN_IF_ERROR(save_rank(r, step, /*async=*/false));
   r.run.preempted_at.store(step);
   for (MoELayer* layer : r.parts.layers) layer->set_tracer(nullptr);
   return Status::ok();
@@ -762,20 +956,23 @@ Status run_rank(RunState& run, Transport& world, StepContext& where) {
   for (int64_t step = r.first_step; step < config.steps; ++step) {
     EPX_RETURN_IF_ERROR(run_step(r, step));
     where.phase = "agreeing to go on after the step";
-    EPX_ASSIGN_OR_RETURN(const StepAgreement agreed, agree_on_stop(world, r.stop, config.preempt, r.deadline()));
+    const bool writing = r.saving && !r.saving->written();
+    EPX_ASSIGN_OR_RETURN(const StepAgreement agreed,
+                         agree_on_stop(world, r.stop, config.preempt, writing, r.deadline()));
     if (agreed.stop) {
       where.step = -1;
       run.stopped_together.store(true);
       return stop_status(r.rank(), r.stop, step);
     }
     where.phase = "checkpoint";
+    if (r.saving && !agreed.writing) EPX_RETURN_IF_ERROR(finish_saving(r));  // every rank has written it
     if (agreed.preempt && step + 1 < config.steps) return save_preempted(r, step + 1);
     if (config.save_every > 0 && (step + 1) % config.save_every == 0 && step + 1 < config.steps)
-      EPX_RETURN_IF_ERROR(save_rank(r, step + 1));
+      EPX_RETURN_IF_ERROR(save_rank(r, step + 1, config.async_save));
   }
   for (MoELayer* layer : r.parts.layers) layer->set_tracer(nullptr);
   where = {config.steps, "final checkpoint"};
-  if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save_rank(r, config.steps));
+  if (!config.save_dir.empty()) EPX_RETURN_IF_ERROR(save_rank(r, config.steps, /*async=*/false));
   keep_rank_parameters(r);
   return Status::ok();
 }

@@ -157,6 +157,16 @@ else
     fail "full disk left: $(ls -A "$work/full/ck")"
   [[ "$(cat "$work/full/ck/latest")" == step-000002 ]] || fail "full disk: latest is '$(cat "$work/full/ck/latest")'"
   expect "the checkpoint before the full disk resumes" 0 "final loss" --steps 3 --resume "$work/full/ck"
+  mkdir "$work/full_async"
+  mount -t tmpfs -o size=$((kb * 3 / 2))k tmpfs "$work/full_async" && mounts+=("$work/full_async")
+  expect "full disk during the second asynchronous save" 1 "the previous checkpoints are kept" \
+    --steps 6 --save-every 2 --async-save --save "$work/full_async/ck"
+  [[ "$last_out" == *"No space left on device"* && "$last_out" == *"step-000004"* ]] ||
+    fail "full disk, asynchronous: the message does not say 'No space left on device' and step-000004"
+  [[ "$(ls -A "$work/full_async/ck" | tr '\n' ' ')" == ".epx-checkpoints latest step-000002 " ]] ||
+    fail "full disk, asynchronous, left: $(ls -A "$work/full_async/ck")"
+  expect "the checkpoint before the asynchronous full disk resumes" 0 "final loss" --steps 3 \
+    --resume "$work/full_async/ck"
   mount -t tmpfs -o size=64k tmpfs "$work/tiny" && mounts+=("$work/tiny")
   expect "too little space before step 1" 2 "one checkpoint needs about" --steps 2 --save "$work/tiny/ck"
   [[ -z "$(ls -A "$work/tiny")" ]] || fail "too little space: files were written: $(ls -A "$work/tiny")"

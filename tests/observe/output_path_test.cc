@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include "observe/temp_dir.h"
 
@@ -47,6 +49,65 @@ TEST(OutputPath, UnwritablePlacesNameTheFlagThePathAndTheReason) {
   EXPECT_EQ(folder.message(), "--metrics " + dir.path().string() + ": cannot write '" + dir.path().string() +
                                   "': Is a directory");
   EXPECT_EQ(dir.names(), std::vector<std::string>{"a_file"});
+}
+
+}  // namespace
+}  // namespace epx
+
+namespace epx {
+namespace {
+
+using epx::testing::TempDir;
+
+Status apart(std::vector<CommandPath> inputs, std::vector<CommandPath> outputs) {
+  return check_outputs_apart(inputs, outputs);
+}
+
+TEST(OutputsApart, AnOutputThatIsAnInputIsRefusedByInodeAndByPath) {
+  TempDir dir;
+  const std::string m = dir.file("m.jsonl");
+  std::ofstream(m) << "{\"step\":0}\n";
+  std::filesystem::create_symlink(m, dir.file("link.jsonl"));
+  std::filesystem::create_hard_link(m, dir.file("hard.jsonl"));
+  const Status same = apart({{"metrics", m, false}}, {{"--output", m, false}});
+  EXPECT_EQ(same.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(same.message(), "--output '" + m + "' and metrics '" + m +
+                                "' are the same file: the output would overwrite what this command reads; name "
+                                "another --output (nothing was written)");
+  for (const char* other : {"link.jsonl", "hard.jsonl"})
+    EXPECT_FALSE(apart({{"metrics", m, false}}, {{"--output", dir.file(other), false}}).is_ok()) << other;
+  const std::string dotted = (dir.path() / "." / "sub" / ".." / "m.jsonl").string();
+  std::filesystem::create_directory(dir.path() / "sub");
+  EXPECT_FALSE(apart({{"metrics", m, false}}, {{"--output", dotted, false}}).is_ok());
+  EXPECT_TRUE(apart({{"metrics", m, false}}, {{"--output", dir.file("r.html"), false}}).is_ok());
+  EXPECT_EQ(testing::read_file(m), "{\"step\":0}\n");
+}
+
+TEST(OutputsApart, TwoOutputsOfOnePathAreRefusedEvenBeforeTheyExist) {
+  TempDir dir;
+  const std::string f = dir.file("new.json");
+  const Status s = apart({}, {{"--metrics", f, false}, {"--trace", f, false}});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("are the same file: one output would overwrite the other"), std::string::npos)
+      << s.message();
+  EXPECT_TRUE(dir.names().empty());
+  // "-" (stdout) and "" (none) take no part.
+  EXPECT_TRUE(apart({{"--config", "-", false}}, {{"--metrics", "-", false}, {"--trace", "", false}}).is_ok());
+}
+
+TEST(OutputsApart, NoFileOutputInsideACheckpointFolderButSaveMayBeTheResumeFolder) {
+  TempDir dir;
+  const std::string ck = dir.file("ck");
+  std::filesystem::create_directory(ck);
+  const Status in_save = apart({}, {{"--metrics", ck + "/m.jsonl", false}, {"--save", ck, true}});
+  EXPECT_EQ(in_save.message(), "--metrics '" + ck + "/m.jsonl' lies inside the --save folder '" + ck +
+                                   "': a checkpoint folder holds only epx's checkpoints; name a --metrics outside "
+                                   "it (nothing was written)");
+  EXPECT_FALSE(apart({{"--resume", ck, true}}, {{"--trace", ck + "/sub/t.json", false}}).is_ok());
+  const Status at_save = apart({}, {{"--save", dir.file("X"), true}, {"--metrics", dir.file("X"), false}});
+  EXPECT_NE(at_save.message().find("is the --save folder"), std::string::npos) << at_save.message();
+  EXPECT_TRUE(apart({{"--resume", ck, true}}, {{"--save", ck, true}}).is_ok());
+  EXPECT_TRUE(apart({{"--resume", ck, true}}, {{"--metrics", dir.file("ck2/m.jsonl"), false}}).is_ok());
 }
 
 }  // namespace

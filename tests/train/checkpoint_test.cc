@@ -268,6 +268,40 @@ TEST(Checkpoint, SavesStepFoldersKeepsTheNewestAndResumesFromLatestOrAStep) {
   EXPECT_EQ(steps, (std::vector<int64_t>{4, 5}));
 }
 
+// --async-save: while a slow disk writes checkpoint 2, steps 2 and 3 run (the
+// step folder is not there yet when step 3 starts); each save is published at
+// the first boundary after every rank wrote it, and the files are the ones a
+// synchronous save writes.
+TEST(Checkpoint, AsyncSavesWriteWhileTrainingGoesOnAndGiveTheSameFiles) {
+  testing::TempDir tmp;
+  TrainConfig c = tiny(2, 6);
+  c.save_every = 2;
+  c.keep_checkpoints = 10;
+  c.save_dir = (tmp.path() / "sync").string();
+  ASSERT_TRUE(train(c).is_ok());
+
+  TrainConfig a = c;
+  a.save_dir = (tmp.path() / "async").string();
+  a.async_save = true;
+  std::vector<bool> published_before;  // step-000002 there when step s starts (rank 0)
+  a.before_step = [&](int rank, int64_t step) {
+    if (rank == 0 && step >= 2) published_before.push_back(fs::exists(fs::path(a.save_dir) / "step-000002"));
+    return Status::ok();
+  };
+  setenv("EPX_TEST_CHECKPOINT_WRITE_DELAY_MS", "1500", 1);
+  const bool ok = train(a).is_ok();
+  unsetenv("EPX_TEST_CHECKPOINT_WRITE_DELAY_MS");
+  ASSERT_TRUE(ok);
+  ASSERT_EQ(published_before.size(), 4u);
+  EXPECT_FALSE(published_before[0]) << "step 2 waited for the save of step 2";
+  EXPECT_FALSE(published_before[1]) << "step 3 waited for the save of step 2";
+  EXPECT_EQ(entries(a.save_dir), entries(c.save_dir));
+  for (const char* step : {"step-000002", "step-000004", "step-000006"})
+    for (const char* file : {"dense.bin", "experts-0.bin", "experts-1.bin"})
+      EXPECT_EQ(read_text(fs::path(a.save_dir) / step / file), read_text(fs::path(c.save_dir) / step / file))
+          << step << "/" << file;
+}
+
 // A resume that runs no step saves the same step again; a crash in that
 // rewrite (the old folder moved aside) is repaired by the next save, and a
 // stale temporary folder is removed.
@@ -287,6 +321,7 @@ TEST(Checkpoint, RewritesTheSameStepAndRepairsAnInterruptedSave) {
   c.resume_dir.clear();
   c.steps = 1;
   c.schedule.total_steps = 1;
+  c.overwrite_checkpoints = true;  // a new run into the folder of the run above
   ASSERT_TRUE(train(c).is_ok());
   EXPECT_EQ(entries(c.save_dir),
             (std::vector<std::string>{".epx-checkpoints", "latest", "step-000001", "step-000002"}));

@@ -4,7 +4,7 @@
 // the same frame with a simulated run.
 //
 //   epx::RunReport report;
-//   EPX_RETURN_IF_ERROR(epx::read_metrics("metrics.jsonl", [&](epx::StepRecord&& s) {
+//   EPX_RETURN_IF_ERROR(epx::read_run_metrics("metrics.jsonl", [&](epx::StepRecord&& s) {
 //     report.add(std::move(s));
 //     return epx::Status::ok();
 //   }));
@@ -159,7 +159,12 @@ struct RunSummary {
   bool has_wait_matrix = false;
   int64_t wait_matrix_step = -1;
   std::string straggler;  // describe() of the worst straggler, "rank 3 (compute): ..."; empty: none
+  std::vector<MetricsResume> resumes;  // where the run was resumed, by step
 };
+
+// "from the checkpoint of step 6 (2 earlier records of step 6 and later left
+// out: each step is shown once)", resumes joined by "; ".
+[[nodiscard]] std::string describe_resumes(const std::vector<MetricsResume>& resumes);
 
 struct RunReportOptions {
   int max_points = 1000;        // per line chart
@@ -176,6 +181,9 @@ class RunReport {
   ~RunReport();
 
   void add(StepRecord&& record);
+  // A resume found by the reader (read_run_metrics); a record's resumed_from
+  // is one too. The summary lists each step once.
+  void add_resume(const MetricsResume& resume);
   [[nodiscard]] RunSummary summary() const;
   // The page; `source` (the metrics file) is shown under the title.
   [[nodiscard]] ReportPage page(const std::string& source) const;

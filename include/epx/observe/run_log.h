@@ -87,6 +87,7 @@ struct StepRecord {
   double main_loss = std::numeric_limits<double>::quiet_NaN();
   double lr = 0, grad_norm = 0, seconds = 0, tokens_per_s = 0;
   int num_nodes = 0;  // of the run, ranks node-major; 0: not written (files of older epx versions)
+  int64_t resumed_from = -1;  // the first record of a resumed run: its checkpoint's step; -1 otherwise
   std::vector<LayerRecord> layers;
   std::vector<RankRecord> ranks;
   std::optional<WaitMatrix> wait_matrix;
@@ -138,5 +139,50 @@ class MetricsFollower {
   explicit MetricsFollower(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };
+
+}  // namespace epx
+
+// ---- resumed runs ----------------------------------------------------------
+// `epx train --resume` cuts its metrics file back to the checkpoint's step
+// before it appends (cut_metrics_before_step), and marks the first record
+// after the cut (StepRecord::resumed_from). A file written by an older epx
+// may still hold a step twice; read_run_metrics reads either as the run's one
+// history.
+
+namespace epx {
+
+// Where a metrics file's steps go back: a record whose step is not above the
+// step of the record before it (a resumed run appended there).
+struct MetricsResume {
+  int64_t step = 0;      // the first step after the resume
+  int64_t replaced = 0;  // earlier records left out for it (of steps >= step)
+};
+
+// read_metrics, each step once: where the steps go back, every earlier record
+// of that step or a later one is left out, so `on_record` gets the run's final
+// history in file order (of a step written twice, the last record). A file
+// whose steps never go back reads as read_metrics reads it (after a quick
+// scan of its lines for their steps). `resumes`, when given, receives each
+// place the steps went back.
+[[nodiscard]] Status read_run_metrics(const std::string& path, const std::function<Status(StepRecord&&)>& on_record,
+                                      std::vector<MetricsResume>* resumes = nullptr);
+
+// What cut_metrics_before_step removed.
+struct MetricsCut {
+  int64_t kept = 0;     // records left in the file
+  int64_t removed = 0;  // records cut off
+  int64_t first_removed_step = -1, last_removed_step = -1;
+  int64_t bytes_removed = 0;  // with a torn last line (no newline) of a run that was killed
+};
+
+// For a run resumed from the checkpoint of `step` (steps 0 .. step - 1 done):
+// cuts the metrics file back to the end of its last record of a step below
+// `step`, in one ftruncate (a reader sees the file before or after), so the
+// resumed run appends step `step` after step `step - 1` and no step is in the
+// file twice. A missing file, one that is not a regular file, or one with
+// nothing after that record is left as it is. InvalidArgument, nothing
+// changed, when a line is not a metrics record (not a file epx wrote: name
+// another --metrics).
+[[nodiscard]] Result<MetricsCut> cut_metrics_before_step(const std::string& path, int64_t step);
 
 }  // namespace epx

@@ -41,7 +41,10 @@
 // removes its temporary folder, keeps the earlier checkpoints and stops the
 // run with the error. Every file carries a header and XXH3-64 checksums that
 // meta.json lists (itself checksummed); a resume verifies all of it on every
-// rank before anything is loaded. See docs/design.md, Checkpoints.
+// rank before anything is loaded. One run writes into a save_dir at a time:
+// train() holds its lock (SaveLock, on rank 0) for the whole run; each
+// checkpoint records the run's id and data settings, and a resume refuses
+// other data settings (check_resume). See docs/design.md, Checkpoints.
 //
 //   epx::TrainConfig config;  // defaults: the tiny synthetic task
 //   EPX_ASSIGN_OR_RETURN(epx::TrainSummary summary,
@@ -114,7 +117,27 @@ struct TrainConfig {
   std::string save_dir;    // write a checkpoint at the end (and every save_every steps)
   int64_t save_every = 0;
   int keep_checkpoints = 2;  // step folders kept in save_dir (>= 1)
+  // Checkpoints every save_every steps are written while training goes on:
+  // the step boundary copies the state (the snapshot, one checkpoint's share
+  // per rank), a thread writes and fsyncs the files, and the step boundary
+  // after every rank has written them publishes the step folder. At most one
+  // save is in flight. The final checkpoint and a preemption's are written
+  // at once. The same files as without; a failed write stops the run as a
+  // failed save does, and the earlier checkpoints stay.
+  bool async_save = false;
   std::string resume_dir;    // start from this checkpoint: a save_dir (its `latest`) or one step folder
+  // The run's id, recorded in each checkpoint it writes and in save_dir's
+  // lock (SaveLock). Empty: train() takes the resumed checkpoint's, or makes
+  // a new one (resolve_run_id); a resume continues the run of its checkpoint.
+  std::string run_id;
+  // save_dir holding step folders of another run (any step folder, for a run
+  // that does not resume) is refused unless this is set; the run then takes
+  // over `latest` and replaces a step folder of the same step; the other
+  // run's other step folders stay (keep_checkpoints prunes only this run's).
+  bool overwrite_checkpoints = false;
+  // A resume whose data settings (data_settings) differ from those its
+  // checkpoint recorded is refused unless this is set.
+  bool allow_data_change = false;
   Tracer* tracer = nullptr;  // records spans of steps [trace_first, trace_first + trace_steps)
   int64_t trace_first = 1;
   int64_t trace_steps = 0;
@@ -199,6 +222,7 @@ struct StepReport {
   std::vector<RankTimes> ranks;
   std::optional<EplbReport> eplb;  // set on the steps that end with a re-placement
   std::optional<WaitMatrixReport> wait_matrix;  // every TrainConfig::wait_matrix_every steps
+  int64_t resumed_from = -1;  // the first step of a resumed run: its checkpoint's step; -1 otherwise
   // One JSON object (docs/operations.md); non-finite numbers (a NaN loss) as null.
   [[nodiscard]] std::string to_json() const;
 };
@@ -228,8 +252,29 @@ struct TrainSummary {
 // With a resume folder: its meta file is of this model (any layout: ranks,
 // EP, nodes, eplb slots), every file it lists is there, whole and of this
 // checkpoint (sizes, headers, checksums), and its step is at most
-// config.steps. Reads every file once.
+// config.steps; its data settings, when it recorded them, are this run's
+// (InvalidArgument naming each that differs, its old and new value, unless
+// allow_data_change). Reads every file once.
 Status check_resume(const TrainConfig& config);
+
+// The settings that decide which data each step trains on, name -> value:
+// data ("synthetic", or "text:" and the file's absolute path), seed,
+// batch_tokens, and clusters, zipf, cluster_spread, input_dim, output_dim
+// (synthetic) or window (text). A checkpoint records them; a resume compares.
+[[nodiscard]] std::map<std::string, std::string> data_settings(const TrainConfig& config);
+
+// Where a resume starts: the step folder, its step (steps done) and the run
+// that wrote it (empty for a checkpoint written before run ids). Reads
+// meta.json only.
+struct ResumePoint {
+  std::string folder;
+  int64_t step = 0;
+  std::string run_id;
+};
+[[nodiscard]] Result<ResumePoint> resume_point(const TrainConfig& config);
+
+// config.run_id, else the resumed checkpoint's, else a new one (16 hex digits).
+[[nodiscard]] Result<std::string> resolve_run_id(const TrainConfig& config);
 
 // What --save needs, found before step 1 by check_save.
 struct SavePlan {
@@ -245,8 +290,11 @@ struct SavePlan {
 // With a save folder: it is epx's to write (check above), a probe file can be
 // created and removed in it (or in its nearest existing parent), and its
 // filesystem has room for one checkpoint (InvalidArgument with the numbers
-// otherwise); `tight` warns when it lacks room for keep + 1. Touches no file
-// but the probe.
+// otherwise); `tight` warns when it lacks room for keep + 1. It holds no step
+// folder of another run unless overwrite_checkpoints (InvalidArgument naming
+// the run and its steps): a run that does not resume owns none of them, a
+// resumed one those of its checkpoint's run (and those written before run
+// ids). Touches no file but the probe.
 [[nodiscard]] Result<SavePlan> check_save(const TrainConfig& config);
 
 
@@ -281,6 +329,10 @@ class StepCallback {
 // the saved eplb window loads"). Empty without a resume folder or on the same
 // layout (the run then continues with the same bits as one that never stopped).
 [[nodiscard]] Result<std::string> resume_note(const TrainConfig& config);
+// With a resume folder: one line when its checkpoint recorded no data
+// settings (written before they were; nothing is checked), or when
+// allow_data_change let them differ (naming each). Empty otherwise.
+[[nodiscard]] Result<std::string> resume_data_note(const TrainConfig& config);
 
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step = {}, bool keep_parameters = false);
 
