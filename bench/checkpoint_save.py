@@ -30,12 +30,13 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epx", required=True, help="the epx binary")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--save-every", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--ffn-hidden", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--save-every", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn-hidden", type=int, default=512)
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per step (the compute between two saves)")
     p.add_argument("--dir", default=os.path.join(bu.ROOT, "build"), help="where the checkpoints are written")
     return p.parse_args()
 
@@ -43,7 +44,8 @@ def parse_args():
 def command(args, mode, folder):
     cmd = [args.epx, "train", "--config", os.path.join(bu.ROOT, "configs", "train-tiny.toml"), "-q",
            "--steps", str(args.steps), "--hidden", str(args.hidden), "--ffn-hidden", str(args.ffn_hidden),
-           "--experts", str(args.experts), "--ranks", str(args.ranks), "--keep", "1"]
+           "--experts", str(args.experts), "--ranks", str(args.ranks), "--batch-tokens", str(args.batch_tokens),
+           "--keep", "1"]
     cmd += ["--save", folder]
     if MODES[mode]:
         cmd += ["--save-every", str(args.save_every)] + MODES[mode][1:]
