@@ -236,7 +236,8 @@ Status no_records(const std::string& path, double idle_s) {
   if (idle_s > 0)
     return exists ? failed_precondition("'{}' held no complete step record after {} s without change (--idle-exit)",
                                         path, idle_s)
-                  : not_found("'{}' did not appear within {} s (--idle-exit); is the run writing --metrics there?",
+                  : not_found("'{}' did not appear within {} s (--idle-exit); is a run writing its metrics there "
+                              "(epx train --metrics)?",
                               path, idle_s);
   return failed_precondition("'{}' holds no complete step record (empty, or a run's first line still being written); "
                              "--follow waits for one",
@@ -320,9 +321,11 @@ Status check_options(const MonitorOptions& o) {
   const CommandPath inputs[] = {{"metrics", o.metrics_path, false}, {"--alerts", o.alerts_path, false}};
   const CommandPath outputs[] = {{"--prometheus", o.prometheus_path, false}};
   EPX_RETURN_IF_ERROR(check_outputs_apart(inputs, outputs));
-  // A FIFO, a device or a directory is refused here; with --follow the file may appear later.
+  if (o.check && o.alerts_path.empty()) return invalid_argument("--check needs --alerts RULES.toml (the rules to check)");
+  // A FIFO, a device or a directory is refused here; with --follow (or
+  // --check, before a run) the file may appear later.
   if (Result<InputFile> metrics = InputFile::open(o.metrics_path, "the metrics file", -1);
-      !metrics.is_ok() && !(o.follow && metrics.status().code() == StatusCode::kNotFound))
+      !metrics.is_ok() && !((o.follow || o.check) && metrics.status().code() == StatusCode::kNotFound))
     return metrics.status();
   if (!o.prometheus_path.empty())
     EPX_RETURN_IF_ERROR(check_output_writable(o.prometheus_path, "--prometheus", /*renamed_into_place=*/true));
@@ -350,6 +353,11 @@ CLI::App* add_monitor_command(CLI::App& app, MonitorOptions& o) {
                 "Check the whole file against --alerts and exit: alert lines and a verdict on stdout, exit 1 when any "
                 "rule fired, 0 when none did (for cron and CI)")
       ->excludes(follow);
+  cmd->add_flag("--check", o.check,
+                "Check the --alerts rules and that --prometheus can be written, read no metrics (the file need not "
+                "exist yet) and exit: 0 fine, 2 not (a job script's check before the run starts)")
+      ->excludes(follow)
+      ->excludes("--once");
   cmd->add_option("--alerts", o.alerts_path,
                   "Alert rules (TOML; template configs/monitor/alerts.toml). Each alert is one line on stderr when it "
                   "starts (FIRING) and when it stops (CLEARED); --once prints them on stdout");
@@ -385,6 +393,11 @@ int run_monitor(const MonitorOptions& o) {
       return kExitUsage;
     }
     rules = std::move(*loaded);
+  }
+  if (o.check) {
+    fmt::print("epx monitor --check: {} rules in {}{}\n", rules.size(), o.alerts_path,
+               o.prometheus_path.empty() ? "" : fmt::format("; {} can be written", o.prometheus_path));
+    return kExitOk;
   }
   Monitor m(o, std::move(rules));
   m.terminal = !o.plain && !o.once && ::isatty(STDOUT_FILENO) != 0;

@@ -15,6 +15,7 @@ struct MonitorOptions {
   bool follow = false;
   bool plain = false;
   bool once = false;
+  bool check = false;  // --check: the rules and the --prometheus location only; no metrics read
   std::string alerts_path;
   std::string prometheus_path;
   double interval = 1.0;  // seconds between refreshes (view, plain line, Prometheus file)

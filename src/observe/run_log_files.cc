@@ -13,6 +13,7 @@
 #include "epx/core/input_file.h"
 #include "epx/observe/run_log.h"
 #include "observe/file_error.h"
+#include "observe/metrics_line.h"
 #include "observe/run_log_parse.h"
 
 namespace epx {
@@ -26,16 +27,8 @@ namespace {
 constexpr std::size_t kRegionBytes = std::size_t{8} << 20;  // per parse; two are in flight
 constexpr std::size_t kTailBytes = std::size_t{256} << 10;   // read at a time past a region for its last line
 constexpr std::size_t kPadding = simdjson::SIMDJSON_PADDING;
-// A metrics line is a few KiB (a few MiB with wait matrices of many ranks);
-// bytes running longer than this without a newline are not a metrics file,
-// and are refused rather than held in memory.
-constexpr std::size_t kMaxLineBytes = std::size_t{64} << 20;
-
-Status line_too_long(const std::string& path, int64_t line) {
-  return invalid_argument("{}:{}: the line runs over {} bytes without a newline; a metrics line is far shorter (is "
-                          "this a metrics file?)",
-                          path, line, kMaxLineBytes);
-}
+using detail::kMaxLineBytes;
+using detail::line_too_long;
 
 // Reads up to `n` bytes at `at` into `out` (pread() repeated until n or the
 // end of the file); the count read, or -errno.

@@ -10,8 +10,10 @@
 #include <limits>
 #include <string_view>
 
+#include "epx/core/input_file.h"
 #include "epx/observe/run_log.h"
 #include "observe/file_error.h"
+#include "observe/metrics_line.h"
 
 namespace epx {
 
@@ -74,6 +76,7 @@ Result<LineSteps> scan_steps(int fd, const std::string& path) {
     while (!rest.empty()) {
       const std::size_t nl = rest.find('\n');
       line.append(rest.substr(0, nl));
+      if (line.size() > detail::kMaxLineBytes) return detail::line_too_long(path, line_number + 1);
       if (nl == std::string_view::npos) {
         offset += static_cast<int64_t>(rest.size());
         break;
@@ -93,10 +96,10 @@ Result<LineSteps> scan_steps(int fd, const std::string& path) {
   return out;
 }
 
+// Through InputFile: a FIFO, a device or a directory is refused unread.
 Result<LineSteps> scan_file(const std::string& path) {
-  const Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return file_error(errno, "open the metrics file", path);
-  return scan_steps(fd.get(), path);
+  EPX_ASSIGN_OR_RETURN(InputFile file, InputFile::open(path, "the metrics file", -1));
+  return scan_steps(file.fd(), path);
 }
 
 // The histories of a file: a new one starts where the step goes back. Each

@@ -49,7 +49,8 @@ ALLOWED = {
                "--gpus-per-task": "one GPU per rank", "--time": "the job's time limit", "--output": "the job's log",
                "--job-name": "the job's name", "--ntasks": "the allocation", "--exclusive": "whole nodes",
                "--signal": "a warning before the time limit", "--mem": "the job's memory",
-               "--wait": "the test waits for its job", "--exclude": "drain a bad host"},
+               "--wait": "the test waits for its job", "--exclude": "drain a bad host",
+               "--requeue": "a preempted job goes back in the queue"},
     "cmake": {"--build": "build a tree", "--install": "install a tree", "--prefix": "the install prefix",
               "--target": "one target", "--parallel": "build jobs"},
     "ctest": {"--test-dir": "the build tree", "--output-on-failure": "show a failing test's output",
@@ -65,7 +66,7 @@ ALLOWED = {
     "chromium": {"--dump-dom": "the report's browser check", "--headless": "the report's browser check"},
     "gtest": {"--gtest_filter": "one case of a GoogleTest binary"},
     "make": {},
-    "python3": {},
+    "python3": {"--system-site-packages": "a venv that sees Debian's numpy and torch (the pip route)"},
     "git": {},
     "taskset": {},
 }
