@@ -5,9 +5,13 @@
 # address-space limit (ulimit -v), with exit 2 and the setting named. Before,
 # the preflight built the eplb placement to size it (13.9 GB for 2^31 slots)
 # and counted the router's groups one by one.
-# Usage: preflight_memory_test.sh EPX_BINARY
+# Usage: preflight_memory_test.sh EPX_BINARY [sanitized]
+# With `sanitized` (an ASan/UBSan/TSan build, whose runtime reserves far more
+# address space than any such limit) the cases run without the limit: the
+# messages and exit codes are still checked, the memory bound is not.
 set -uo pipefail
 epx=$1
+sanitized=${2:-}
 failures=0
 fail() { echo "FAIL $*"; failures=$((failures + 1)); }
 
@@ -17,7 +21,7 @@ expect() {
   local what=$1 want=$2 text=$3
   shift 3
   local out code
-  out=$(ulimit -v $((1024 * 1024)) && timeout 60 "$epx" train "$@" 2>&1)
+  out=$(if [[ -z "$sanitized" ]]; then ulimit -v $((1024 * 1024)) || exit 125; fi; timeout 60 "$epx" train "$@" 2>&1)
   code=$?
   if [[ $code -ne $want ]]; then fail "$what: exit code $code, want $want; output: $(tail -c 600 <<< "$out")"; return; fi
   if [[ "$out" != *"$text"* ]]; then fail "$what: output lacks '$text': $(tail -c 600 <<< "$out")"; return; fi
