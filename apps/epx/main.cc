@@ -9,6 +9,7 @@
 //   epx sim run SCENARIO.toml     simulate a cluster configuration (docs/simulator.md)
 //   epx monitor METRICS.jsonl     watch a run's metrics: live view, alerts, Prometheus (docs/operations.md)
 //   epx report METRICS.jsonl      a run's metrics as one HTML page
+//   epx supervise -- COMMAND      restart a training from its latest checkpoint when it fails
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -26,6 +27,7 @@
 #include "cli_checks.h"
 #include "commands.h"
 #include "monitor.h"
+#include "supervise.h"
 #include "report.h"
 #include "sim.h"
 #include "train.h"
@@ -282,6 +284,10 @@ int run(int argc, char** argv) {
   epx::app::MonitorOptions monitor;
   CLI::App* monitor_cmd = epx::app::add_monitor_command(app, monitor);
 
+  // epx supervise
+  epx::app::SuperviseOptions supervise;
+  CLI::App* supervise_cmd = epx::app::add_supervise_command(app, supervise);
+
   // epx report
   epx::app::ReportOptions report;
   CLI::App* report_cmd = epx::app::add_report_command(app, report);
@@ -291,8 +297,8 @@ int run(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg.empty() || arg[0] == '-') continue;
     if (arg != "demo" && arg != "bench" && arg != "eplb" && arg != "train" && arg != "sim" &&
-        arg != "monitor" && arg != "report") {
-      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, sim, monitor, report, demo, bench and eplb (see epx --help)\n",
+        arg != "monitor" && arg != "report" && arg != "supervise") {
+      fmt::print(stderr, "epx: '{}' is not a command; the commands are train, supervise, sim, monitor, report, demo, bench and eplb (see epx --help)\n",
                  epx::printable(arg));
       return kExitUsage;
     }
@@ -331,6 +337,7 @@ int run(int argc, char** argv) {
     return epx::app::run_sim(sim_cmds, sim);
   }
   if (*monitor_cmd) return epx::app::run_monitor(monitor);
+  if (*supervise_cmd) return epx::app::run_supervise(supervise);
   fmt::print(stderr, "epx: no command given; see epx --help\n");
   return kExitUsage;
 }

@@ -1,0 +1,312 @@
+// `epx supervise`: restarts a training command from its latest checkpoint.
+#include "supervise.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <fstream>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli_checks.h"
+#include "commands.h"
+#include "epx/core/clock.h"
+#include "epx/core/status.h"
+
+namespace epx::app {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+constexpr auto kPoll = std::chrono::milliseconds(100);
+
+// What the supervisor needs to know of the command: where it saves and
+// writes its metrics, and where its --resume value is (to point it at the
+// latest checkpoint on a restart).
+struct Plan {
+  std::vector<std::string> command;
+  std::string save_dir, metrics_path;
+};
+
+// The value of `flag` in `args` (`--flag VALUE` or `--flag=VALUE`), or empty.
+std::string value_of(const std::vector<std::string>& args, const std::string& flag) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == flag && i + 1 < args.size()) return args[i + 1];
+    if (args[i].rfind(flag + "=", 0) == 0) return args[i].substr(flag.size() + 1);
+  }
+  return "";
+}
+
+// `args` with --resume pointed at `dir` (replaced where given, else appended).
+std::vector<std::string> with_resume(std::vector<std::string> args, const std::string& dir) {
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--resume" && i + 1 < args.size()) {
+      args[i + 1] = dir;
+      return args;
+    }
+    if (args[i].rfind("--resume=", 0) == 0) {
+      args[i] = "--resume=" + dir;
+      return args;
+    }
+  }
+  args.push_back("--resume");
+  args.push_back(dir);
+  return args;
+}
+
+// The step of the checkpoint DIR/latest names, or -1.
+int64_t latest_step(const std::string& dir) {
+  std::ifstream in(dir + "/latest");
+  std::string name;
+  if (!(in >> name) || name.rfind("step-", 0) != 0) return -1;
+  return std::strtoll(name.c_str() + 5, nullptr, 10);
+}
+
+// The step of the last whole line of the metrics file, or -1.
+int64_t last_metrics_step(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in || path.empty()) return -1;
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  const std::streamoff from = std::max<std::streamoff>(0, size - (std::streamoff{1} << 20));
+  in.seekg(from);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::size_t end = text.rfind('\n');
+  if (end == std::string::npos || end == 0) return -1;
+  const std::size_t before = text.rfind('\n', end - 1);
+  const std::size_t start = before == std::string::npos ? 0 : before + 1;
+  const std::string line = text.substr(start, end - start);
+  const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  return j.is_object() && j.contains("step") && j["step"].is_number_integer() ? j["step"].get<int64_t>() : -1;
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st {};
+  return !path.empty() && ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+// The events file: one JSON object per line, flushed at once.
+class Events {
+ public:
+  explicit Events(const std::string& path) {
+    if (!path.empty()) out_.open(path, std::ios::app);
+  }
+  [[nodiscard]] bool ok() const { return !out_.is_open() || out_.good(); }
+  void write(nlohmann::json event) {
+    event["time"] = utc_now();
+    fmt::print(stderr, "epx supervise: {}\n", event.dump());
+    if (out_.is_open()) out_ << event.dump() << '\n' << std::flush;
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+// Signals to the supervisor: passed on to the command (SIGTERM, SIGUSR1: a
+// preemption it saves for), and no restart after.
+std::atomic<int> g_signal{0};
+extern "C" void on_supervisor_signal(int s) { g_signal.store(s); }
+
+void catch_signals() {
+  struct sigaction sa {};
+  sa.sa_handler = on_supervisor_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int s : {SIGTERM, SIGUSR1, SIGINT}) sigaction(s, &sa, nullptr);
+}
+
+// Starts `args` in a process group of its own; the pid, or -1 (errno set).
+pid_t start(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "epx supervise: cannot run %s: %s\n", argv[0], std::strerror(errno));
+    std::_Exit(127);
+  }
+  if (pid > 0) ::setpgid(pid, pid);
+  return pid;
+}
+
+// How one run of the command ended.
+struct Ended {
+  int exit_code = -1;      // when it exited
+  int signal = 0;          // when a signal ended it
+  bool stalled = false;    // the supervisor stopped it: no new step for stall_s
+  int forwarded = 0;       // a signal the supervisor passed on to it
+};
+
+// SIGTERM to the command's process group, SIGKILL after `grace_s`.
+void stop_group(pid_t pid, double grace_s, int* status) {
+  ::killpg(pid, SIGTERM);
+  const auto deadline = SteadyClock::now() + std::chrono::duration<double>(grace_s);
+  while (SteadyClock::now() < deadline) {
+    if (::waitpid(pid, status, WNOHANG) == pid) return;
+    std::this_thread::sleep_for(kPoll);
+  }
+  ::killpg(pid, SIGKILL);
+  ::waitpid(pid, status, 0);
+}
+
+// Waits for the command; passes the supervisor's signals on; stops it when
+// its metrics file has not grown for stall_s.
+Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
+  Ended ended;
+  int status = 0;
+  int64_t size = file_size(plan.metrics_path);
+  auto last_growth = SteadyClock::now();
+  bool grown = false;  // the watch starts at the first new step: start-up and loading take their time
+  for (;;) {
+    if (::waitpid(pid, &status, WNOHANG) == pid) break;
+    if (const int s = g_signal.exchange(0); s != 0) {
+      ::kill(pid, s == SIGINT ? SIGTERM : s);
+      ended.forwarded = s;
+    }
+    if (const int64_t now_size = file_size(plan.metrics_path); now_size != size) {
+      size = now_size;
+      last_growth = SteadyClock::now();
+      grown = true;
+    }
+    if (o.stall_s > 0 && grown && SteadyClock::now() - last_growth > std::chrono::duration<double>(o.stall_s)) {
+      ended.stalled = true;
+      stop_group(pid, o.grace_s, &status);
+      break;
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
+  if (WIFEXITED(status)) ended.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) ended.signal = WTERMSIG(status);
+  return ended;
+}
+
+nlohmann::json exit_event(const Ended& e, int attempt, const Plan& plan, double seconds) {
+  nlohmann::json j{{"event", "exit"}, {"attempt", attempt}, {"seconds", seconds},
+                   {"last_step", last_metrics_step(plan.metrics_path)}, {"checkpoint_step", latest_step(plan.save_dir)}};
+  if (e.exit_code >= 0) j["exit_code"] = e.exit_code;
+  if (e.signal != 0) j["signal"] = strsignal(e.signal);
+  if (e.stalled) j["cause"] = "stalled: no new step in the metrics file";
+  return j;
+}
+
+// Restarts within the window so far; false (and why) once the budget is spent.
+bool budget_left(std::deque<SteadyClock::time_point>* restarts, const SuperviseOptions& o) {
+  const auto window = std::chrono::duration<double>(o.restart_window_s);
+  while (!restarts->empty() && SteadyClock::now() - restarts->front() > window) restarts->pop_front();
+  return static_cast<int>(restarts->size()) < o.max_restarts;
+}
+
+Result<Plan> make_plan(const SuperviseOptions& o) {
+  Plan plan{o.command, value_of(o.command, "--save"), value_of(o.command, "--metrics")};
+  if (plan.command.empty()) return invalid_argument("no command to supervise: epx supervise [OPTIONS] -- COMMAND...");
+  if (plan.save_dir.empty())
+    return invalid_argument("the command has no --save DIR: a restart could only start from step 0; give the "
+                            "training a --save folder");
+  if (o.stall_s > 0 && plan.metrics_path.empty())
+    return invalid_argument("--stall-seconds {} watches the command's --metrics file, but the command has none",
+                            o.stall_s);
+  return plan;
+}
+
+// The decision after one run: an exit code for the supervisor, or nullopt to restart.
+std::optional<int> after_run(const Ended& e, const Plan& plan, std::deque<SteadyClock::time_point>* restarts,
+                             const SuperviseOptions& o, Events& events) {
+  if (e.exit_code == 0) return kExitOk;
+  if (e.exit_code == kExitPreempted) return kExitPreempted;  // saved: the scheduler requeues
+  if (e.forwarded != 0) return e.exit_code > 0 ? e.exit_code : kExitFailed;  // stopped on request: no restart
+  if (e.exit_code == kExitUsage || e.exit_code == 127) {
+    events.write({{"event", "gave_up"}, {"cause", "the command's settings were refused; a restart would be too"}});
+    return kExitFailed;
+  }
+  if (latest_step(plan.save_dir) < 0)
+    fmt::print(stderr, "epx supervise: no checkpoint in {} yet: the restart starts as the first run did\n",
+               plan.save_dir);
+  if (!budget_left(restarts, o)) {
+    events.write({{"event", "gave_up"}, {"restarts", restarts->size()}, {"window_s", o.restart_window_s},
+                  {"checkpoint_step", latest_step(plan.save_dir)}});
+    fmt::print(stderr, "epx supervise: {} restarts within {} s (--max-restarts {}): giving up; resume by hand with "
+               "--resume {}\n", restarts->size(), o.restart_window_s, o.max_restarts, plan.save_dir);
+    return kExitFailed;
+  }
+  restarts->push_back(SteadyClock::now());
+  return std::nullopt;
+}
+
+}  // namespace
+
+CLI::App* add_supervise_command(CLI::App& app, SuperviseOptions& o) {
+  CLI::App* cmd = app.add_subcommand(
+      "supervise",
+      "Run a training command (epx train, or mpirun/srun running it) and restart it from its latest checkpoint "
+      "(--resume of its --save folder) when it fails or stops making steps, within a restart budget; a preempted "
+      "run (exit 75) is passed on for the scheduler's requeue (docs/operations.md)");
+  cmd->add_option("command", o.command, "The command, after --: e.g. -- epx train --config c.toml --save ck")
+      ->required();
+  cmd->add_option("--max-restarts", o.max_restarts, "Restarts allowed within --restart-window; then give up (exit 1)")
+      ->transform(in_range(0, 1000000))
+      ->capture_default_str();
+  cmd->add_option("--restart-window", o.restart_window_s, "Seconds over which restarts are counted")
+      ->transform(in_range(1.0, 1e9))
+      ->capture_default_str();
+  cmd->add_option("--stall-seconds", o.stall_s,
+                  "Stop and restart the command when its --metrics file has not grown for this long since its last "
+                  "step (counted from the first step it writes; 0 = off; epx train --timeout already ends a run "
+                  "whose rank stopped answering)")
+      ->transform(in_range(0.0, 1e9))
+      ->capture_default_str();
+  cmd->add_option("--grace", o.grace_s, "Seconds between SIGTERM and SIGKILL when stopping a stalled command")
+      ->transform(in_range(0.0, 3600.0))
+      ->capture_default_str();
+  cmd->add_option("--events", o.events_path, "Append each start, exit, restart and give-up as a JSON line here");
+  return cmd;
+}
+
+int run_supervise(const SuperviseOptions& o) {
+  Result<Plan> plan = make_plan(o);
+  if (!plan.is_ok()) {
+    fmt::print(stderr, "epx supervise: {}\n", plan.status().message());
+    return kExitUsage;
+  }
+  Events events(o.events_path);
+  if (!events.ok()) {
+    fmt::print(stderr, "epx supervise: cannot open --events {}: {}\n", o.events_path, std::strerror(errno));
+    return kExitUsage;
+  }
+  catch_signals();
+  std::deque<SteadyClock::time_point> restarts;
+  for (int attempt = 0;; ++attempt) {
+    const bool resume = attempt > 0 && latest_step(plan->save_dir) >= 0;
+    const std::vector<std::string> args = resume ? with_resume(plan->command, plan->save_dir) : plan->command;
+    events.write({{"event", "start"}, {"attempt", attempt}, {"command", args}});
+    Stopwatch watch;
+    const pid_t pid = start(args);
+    if (pid < 0) {
+      fmt::print(stderr, "epx supervise: cannot start {}: {}\n", args[0], std::strerror(errno));
+      return kExitFailed;
+    }
+    const Ended ended = wait_for(pid, *plan, o);
+    events.write(exit_event(ended, attempt, *plan, watch.seconds()));
+    if (std::optional<int> code = after_run(ended, *plan, &restarts, o, events)) return *code;
+  }
+}
+
+}  // namespace epx::app
