@@ -219,8 +219,8 @@ Result<Plan> make_plan(const SuperviseOptions& o) {
   Plan plan{o.command, value_of(o.command, "--save"), value_of(o.command, "--metrics")};
   if (plan.command.empty()) return invalid_argument("no command to supervise: epx supervise [OPTIONS] -- COMMAND...");
   if (plan.save_dir.empty())
-    return invalid_argument("the command has no --save DIR: a restart could only start from step 0; give the "
-                            "training a --save folder");
+    return invalid_argument("the command names no save folder (epx train --save DIR): a restart could only "
+                            "start from step 0");
   if (o.stall_s > 0 && plan.metrics_path.empty())
     return invalid_argument("--stall-seconds {} watches the command's --metrics file, but the command has none",
                             o.stall_s);
@@ -243,8 +243,8 @@ std::optional<int> after_run(const Ended& e, const Plan& plan, std::deque<Steady
   if (!budget_left(restarts, o)) {
     events.write({{"event", "gave_up"}, {"restarts", restarts->size()}, {"window_s", o.restart_window_s},
                   {"checkpoint_step", latest_step(plan.save_dir)}});
-    fmt::print(stderr, "epx supervise: {} restarts within {} s (--max-restarts {}): giving up; resume by hand with "
-               "--resume {}\n", restarts->size(), o.restart_window_s, o.max_restarts, plan.save_dir);
+    fmt::print(stderr, "epx supervise: {} restarts within {} s (--max-restarts {}): giving up; its checkpoints are "
+               "in {} (epx train --resume)\n", restarts->size(), o.restart_window_s, o.max_restarts, plan.save_dir);
     return kExitFailed;
   }
   restarts->push_back(SteadyClock::now());

@@ -76,5 +76,5 @@ wait "$sup"; code=$?; sup=
 echo "ok   SIGUSR1: passed on; the training saved, both exited 75"
 
 out=$("$epx" supervise -- "$epx" "${train[@]}" 2>&1); code=$?
-[[ $code == 2 && "$out" == *"has no --save DIR"* ]] || fail "no --save: exit $code: $out"
+[[ $code == 2 && "$out" == *"names no save folder"* ]] || fail "no --save: exit $code: $out"
 echo "supervise_test: all supervisor checks passed"

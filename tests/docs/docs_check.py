@@ -393,7 +393,7 @@ def check_piece(path, n, piece, epx, root, out, context, heading_context, all_ep
     usage = bool(words) and words[0].startswith("-")  # a usage line: options of the program above
     current = None
     previous = before = ""
-    for word in words:
+    for at, word in enumerate(words):
         prog = None if usage or word.startswith("-") else program_of(word, root)
         if prog and current and current[0] == "file" and previous.startswith("--") and previous != "--" \
                 and "=" not in previous:
@@ -402,7 +402,7 @@ def check_piece(path, n, piece, epx, root, out, context, heading_context, all_ep
             prog = None  # an Open MPI setting's value, such as --mca plm_rsh_agent tests/mpi/fake-ssh
         if prog and prog[0] == "epx":
             rest = []
-            for w in words[words.index(word) + 1:]:
+            for w in words[at + 1:]:
                 if w.startswith("-"):
                     break
                 rest.append(w)
