@@ -105,10 +105,10 @@ std::string utc_now() {
 // The events file: one JSON object per line, flushed at once.
 class Events {
  public:
-  explicit Events(const std::string& path) {
-    if (!path.empty()) out_.open(path, std::ios::app);
+  explicit Events(const std::string& path) : wanted_(!path.empty()) {
+    if (wanted_) out_.open(path, std::ios::app);
   }
-  [[nodiscard]] bool ok() const { return !out_.is_open() || out_.good(); }
+  [[nodiscard]] bool ok() const { return !wanted_ || (out_.is_open() && out_.good()); }
   void write(nlohmann::json event) {
     event["time"] = utc_now();
     fmt::print(stderr, "epx supervise: {}\n", event.dump());
@@ -116,6 +116,7 @@ class Events {
   }
 
  private:
+  bool wanted_ = false;
   std::ofstream out_;
 };
 
@@ -130,6 +131,7 @@ void catch_signals() {
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
   for (int s : {SIGTERM, SIGUSR1, SIGINT}) sigaction(s, &sa, nullptr);
+  ::signal(SIGCHLD, SIG_DFL);  // an inherited SIG_IGN would leave no exit status to wait for
 }
 
 // Starts `args` in a process group of its own; the pid, or -1 (errno set).
@@ -168,6 +170,14 @@ void stop_group(pid_t pid, double grace_s, int* status) {
   ::waitpid(pid, status, 0);
 }
 
+// What the command left running in its process group (ranks of a launcher
+// that died) is killed before a restart, so no old rank holds the --save
+// folder's lock or writes into it. Bounded: 10 s.
+void end_group(pid_t pid) {
+  ::killpg(pid, SIGKILL);
+  for (int i = 0; i < 100 && ::killpg(pid, 0) == 0; ++i) std::this_thread::sleep_for(kPoll);
+}
+
 // Waits for the command; passes the supervisor's signals on; stops it when
 // its metrics file has not grown for stall_s.
 Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
@@ -177,15 +187,25 @@ Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
   auto last_growth = SteadyClock::now();
   bool grown = false;  // the watch starts at the first new step: start-up and loading take their time
   for (;;) {
-    if (::waitpid(pid, &status, WNOHANG) == pid) break;
+    const pid_t got = ::waitpid(pid, &status, WNOHANG);
+    if (got == pid) break;
+    if (got < 0 && errno != EINTR) {  // the command is not ours to wait for: count it as failed
+      ended.signal = SIGKILL;
+      stop_group(pid, 0, &status);
+      return ended;
+    }
     if (const int s = g_signal.exchange(0); s != 0) {
-      ::kill(pid, s == SIGINT ? SIGTERM : s);
+      // As SIGUSR1, which epx train saves for like SIGTERM and which mpirun
+      // passes on to its ranks (it answers SIGTERM by killing them).
+      ::kill(pid, SIGUSR1);
       ended.forwarded = s;
     }
     if (const int64_t now_size = file_size(plan.metrics_path); now_size != size) {
+      if (now_size > size) {  // a new step; a file cut back at a resume is no step
+        last_growth = SteadyClock::now();
+        grown = true;
+      }
       size = now_size;
-      last_growth = SteadyClock::now();
-      grown = true;
     }
     if (o.stall_s > 0 && grown && SteadyClock::now() - last_growth > std::chrono::duration<double>(o.stall_s)) {
       ended.stalled = true;
@@ -196,6 +216,7 @@ Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
   }
   if (WIFEXITED(status)) ended.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) ended.signal = WTERMSIG(status);
+  end_group(pid);
   return ended;
 }
 
@@ -227,16 +248,28 @@ Result<Plan> make_plan(const SuperviseOptions& o) {
   return plan;
 }
 
+std::optional<int> restart_if_budget(const Plan& plan, std::deque<SteadyClock::time_point>* restarts,
+                                     const SuperviseOptions& o, Events& events);
+
 // The decision after one run: an exit code for the supervisor, or nullopt to restart.
 std::optional<int> after_run(const Ended& e, const Plan& plan, std::deque<SteadyClock::time_point>* restarts,
                              const SuperviseOptions& o, Events& events) {
+  const bool asked_to_stop = e.forwarded != 0 || g_signal.load() != 0;
   if (e.exit_code == 0) return kExitOk;
+  if (e.stalled && !asked_to_stop) return restart_if_budget(plan, restarts, o, events);  // its 75 is ours
   if (e.exit_code == kExitPreempted) return kExitPreempted;  // saved: the scheduler requeues
-  if (e.forwarded != 0) return e.exit_code > 0 ? e.exit_code : kExitFailed;  // stopped on request: no restart
+  if (asked_to_stop)  // no restart: the scheduler's requeue resumes from the checkpoint there is
+    return latest_step(plan.save_dir) >= 0 ? kExitPreempted : kExitFailed;
   if (e.exit_code == kExitUsage || e.exit_code == 127) {
     events.write({{"event", "gave_up"}, {"cause", "the command's settings were refused; a restart would be too"}});
     return kExitFailed;
   }
+  return restart_if_budget(plan, restarts, o, events);
+}
+
+// nullopt (restart) while the budget lasts; else exit 1, saying so.
+std::optional<int> restart_if_budget(const Plan& plan, std::deque<SteadyClock::time_point>* restarts,
+                                     const SuperviseOptions& o, Events& events) {
   if (latest_step(plan.save_dir) < 0)
     fmt::print(stderr, "epx supervise: no checkpoint in {} yet: the restart starts as the first run did\n",
                plan.save_dir);

@@ -832,6 +832,9 @@ int run_train(const TrainOptions& options) {
   if (Status s = check_train_paths(o); !s.is_ok()) return fail_usage(s);  // before anything is read or written
   auto config = make_config(o);
   if (!config.is_ok()) return fail_usage(config.status());
+  // From here: a preemption signal during start-up (MPI, preflight, loading)
+  // is kept and honoured at the first step boundary.
+  if (!o.save_dir.empty() && !o.dry_run && !o.compare_given) catch_preemption(&*config);
   if (Status s = set_test_fault(&*config); !s.is_ok()) return fail_usage(s);
   auto run_id = resolve_run_id(*config);  // the resumed checkpoint's, or a new one
   if (!run_id.is_ok()) return fail_usage(run_id.status());
@@ -883,7 +886,6 @@ int run_train(const TrainOptions& options) {
     fmt::print(stderr, "epx train: {}\n", *note);
   if (auto note = resume_data_note(*config); root && note.is_ok() && !note->empty())  // unchecked or other data
     fmt::print(stderr, "epx train: {}\n", *note);
-  if (!o.save_dir.empty()) catch_preemption(&*config);
   ProgressBar progress(config->steps, "train");
   Stopwatch wall;
   // The last steps as the metrics reader sees them, for the straggler line

@@ -105,6 +105,9 @@ def _cmake_build():
         env.setdefault("CCACHE_NOHASHDIR", "1")
     args += shlex.split(env.get("EPX_CMAKE_ARGS", ""))
     _run(args, env)
+    # The package folder is assembled anew, so a kept build folder holds no file
+    # the sources no longer have (nor a module of another Python).
+    shutil.rmtree(os.path.join(build, "python", "epx"), ignore_errors=True)
     jobs = env.get("EPX_JOBS") or str(os.cpu_count() or 1)
     _run(["cmake", "--build", build, "--target", "epx_python", "-j", jobs], env)
     return os.path.join(build, "python")

@@ -85,3 +85,22 @@ def test_epx_monitor_and_report_read_it(tmp_path):
     report = subprocess.run([epx_bin, "report", path, "-o", html], capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
     assert "from 4 steps" in report.stdout and os.path.getsize(html) > 1000
+
+
+def test_a_write_that_fails_raises_on_every_rank():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    errors = []
+
+    def fn(t):
+        layers = [et.MoE(H, F, E, K, transport=t)]
+        metrics = et.MetricsWriter("/dev/full", t, layers, append=True)
+        layers[0](torch.randn(T, H))
+        try:
+            metrics.step(0, 1.0)
+        except OSError as e:
+            errors.append((t.rank, str(e)))
+        metrics.close()
+    epx.InprocWorld(num_ranks=2).run(fn)
+    assert sorted(rank for rank, _ in errors) == [0, 1]
+    assert any("could not write step 0" in text for _, text in errors)

@@ -25,8 +25,8 @@ double job_mtbf_s(const FailureModel& m) {
 Status check_failure_model(const FailureModel& m) {
   if (m.gpus < 1 || m.gpus > (int64_t{1} << 24))
     return invalid_argument("gpus = {} is outside [1, {}]", m.gpus, int64_t{1} << 24);
-  if (!(m.failures_per_gpu_hour > 0) || m.failures_per_gpu_hour > 1)
-    return invalid_argument("failures per GPU-hour = {} is outside (0, 1]", m.failures_per_gpu_hour);
+  if (!(m.failures_per_gpu_hour >= 1e-12) || m.failures_per_gpu_hour > 1)
+    return invalid_argument("failures per GPU-hour = {} is outside [1e-12, 1]", m.failures_per_gpu_hour);
   if (!(m.save_blocking_s >= 0) || m.save_blocking_s > 1e6)
     return invalid_argument("save time = {} s is outside [0, 1e6]", m.save_blocking_s);
   if (!(m.restart_s >= 0) || m.restart_s > 1e6)

@@ -942,7 +942,18 @@ void CheckpointWrite::write() {
 }
 
 void CheckpointWrite::write_in_background() {
-  writer_ = std::thread([this] { write(); });
+  writer_ = std::thread([this] {
+    try {
+      write();
+    } catch (const std::exception& e) {  // bad_alloc serialising: a failed save, not a terminate()
+      written_status_ = resource_exhausted("writing in the background: {}", e.what());
+      written_.store(true);
+    }
+  });
+}
+
+void CheckpointWrite::wait() {
+  if (writer_.joinable()) writer_.join();
 }
 
 Status CheckpointWrite::finish(Transport& transport, const Deadline& deadline) {

@@ -196,6 +196,8 @@ class CheckpointWrite {
   void write();
   // write() on a thread of its own; finish() and the destructor join it.
   void write_in_background();
+  // Joins the background write (if any): after it, written() is true.
+  void wait();
   // This rank's files are written (or failed): finish will not wait for them.
   [[nodiscard]] bool written() const { return written_.load(); }
   [[nodiscard]] int64_t step() const { return meta_.step; }

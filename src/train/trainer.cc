@@ -710,6 +710,7 @@ detail::CheckpointMeta checkpoint_meta(Rank& r, int64_t step) {
 // this rank's files when they are not written yet).
 Status finish_saving(Rank& r) {
   if (!r.saving) return Status::ok();
+  r.saving->wait();  // this rank's files first: the deadline is for the other ranks
   Status s = r.saving->finish(*r.groups.world, r.deadline());
   r.saving.reset();
   return s;

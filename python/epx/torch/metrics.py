@@ -56,12 +56,20 @@ class MetricsWriter:
             except OSError as e:
                 failed = e
         # Every rank learns whether rank 0 could open the file, so none waits in a later step().
-        flag = all_reduce_sum(transport, torch.tensor([1.0 if failed else 0.0], dtype=torch.float64))
-        if float(flag[0]) != 0:
-            if failed is not None:
-                raise failed
-            raise FileExistsError(f"epx.torch.MetricsWriter: rank 0 could not open {path}")
+        self._agree(failed, f"could not open {path}")
         self._last = time.perf_counter()
+
+    def _agree(self, failed, what):
+        """Collective: raises on every rank when rank 0 failed (its own error there; on the others
+        FileExistsError for an existing file, else OSError naming it)."""
+        code = 0.0 if failed is None else (1.0 if isinstance(failed, FileExistsError) else 2.0)
+        flag = float(all_reduce_sum(self.transport, torch.tensor([code], dtype=torch.float64))[0])
+        if flag == 0:
+            return
+        if failed is not None:
+            raise failed
+        error = FileExistsError if flag == 1 else OSError
+        raise error(f"epx.torch.MetricsWriter: rank 0 {what}")
 
     def _rank_times(self, seconds):
         """[ranks, phases + 1] seconds: each rank's MoE phases (read and reset) and its step time."""
@@ -87,8 +95,16 @@ class MetricsWriter:
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         times = self._rank_times(seconds)
-        if self._file is None:
-            return
+        failed = None
+        if self._file is not None:
+            try:
+                self._write(step, loss, main_loss, lr, grad_norm, tokens, seconds, times)
+            except OSError as e:  # a full disk: every rank raises, none waits in the next step
+                failed = e
+                self._drop_file()
+        self._agree(failed, f"could not write step {step} to {self.path}")
+
+    def _write(self, step, loss, main_loss, lr, grad_norm, tokens, seconds, times):
         layers = [_layer_record(i, layer.load["stats"]) for i, layer in enumerate(self.layers) if layer.load]
         record = {"step": int(step), "loss": _number(loss),
                   "main_loss": _number(loss if main_loss is None else main_loss), "lr": _number(lr),
@@ -98,6 +114,14 @@ class MetricsWriter:
                   "ranks": [self._rank_record(r, times[r]) for r in range(self.transport.num_ranks)]}
         self._file.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
         self._file.flush()
+
+    def _drop_file(self):
+        """After a failed write: the file is closed without its unwritten buffer."""
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self._file = None
 
     def close(self):
         if self._file is not None:
