@@ -10,7 +10,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <ctime>
 #include <deque>
 #include <fstream>
 #include <optional>
@@ -23,6 +22,7 @@
 #include "commands.h"
 #include "epx/core/clock.h"
 #include "epx/core/status.h"
+#include "machine.h"
 
 namespace epx::app {
 namespace {
@@ -93,13 +93,6 @@ int64_t last_metrics_step(const std::string& path) {
 int64_t file_size(const std::string& path) {
   struct stat st {};
   return !path.empty() && ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
-}
-
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
 }
 
 // The events file: one JSON object per line, flushed at once.
