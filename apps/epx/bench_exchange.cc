@@ -9,9 +9,11 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "exchange_bench.h"
 #include "machine.h"
+#include "shape_options.h"
 
 namespace epx::app {
 
@@ -145,6 +147,61 @@ void append_trace(nlohmann::json& events, const Tracer& tracer, int pid, const s
 }
 
 }  // namespace
+
+CLI::App* add_bench_exchange_command(CLI::App& bench, BenchExchangeOptions& o) {
+  CLI::App* cmd = bench.add_subcommand(
+      "exchange",
+      "Dispatch and combine against the physical limit (memcpy of the same bytes by the same threads) and a naive "
+      "Megatron-style all-to-all; medians of interleaved repetitions");
+  cmd->add_option("--tokens", o.tokens, "Tokens per rank, comma-separated")
+      ->delimiter(',')
+      ->transform(in_range(1, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--nodes-shapes", o.node_shapes,
+                  "Node shapes NODESxRANKS_PER_NODE, comma-separated; each must have --ranks ranks")
+      ->delimiter(',')
+      ->capture_default_str();
+  add_shape_options(cmd, {.ranks = &o.num_ranks,
+                          .hidden = &o.hidden,
+                          .experts = &o.num_experts,
+                          .topk = &o.topk,
+                          .skew = &o.skew,
+                          .seed = &o.seed});
+  cmd->add_option("--dtype", o.dtype,
+                  "Payload type; fp8 instead times bf16 vs fp8 e4m3 dispatch (f32 and ue8m0 scales, rows "
+                  "quantised on send) of the same bf16 rows, bytes and time in one run")
+      ->check(CLI::IsMember({"bf16", "f32", "fp8"}))
+      ->capture_default_str();
+  cmd->add_option("--reps", o.reps, "Timed repetitions of each method")
+      ->transform(in_range(1, 10000))
+      ->capture_default_str();
+  cmd->add_option("--warmup", o.warmup, "Untimed warm-up iterations (the first is checked)")
+      ->transform(in_range(1, 100))
+      ->capture_default_str();
+  cmd->add_flag("--no-verify", o.no_verify, "Skip the check of every method's output after the warm-up");
+  cmd->add_option("--record-waits", o.record_waits,
+                  "on: epx's operations record who waited for whom (BufferConfig::record_waits, the "
+                  "default); off: not, to measure what recording costs")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  cmd->add_option("--layer-combine", o.layer_combine,
+                  "on: also time the combine MoELayer runs (combine_expanded: f32 expert rows, weighted, "
+                  "f32 partials, f32 out; the Buffer then keeps an f32 combine region) against memcpy of "
+                  "its bytes; bf16: the same with bf16 partials (CombineOptions::partial_dtype); receiver: "
+                  "weighted by the receiver (CombineOptions::weights_at), bf16 expert rows already in the "
+                  "combine region, against memcpy of a bf16 combine's bytes (and of the expanded bf16 rows "
+                  "it reads; flat shapes only, e.g. --nodes-shapes 1x8); off: not, which saves its memory")
+      ->check(CLI::IsMember({"on", "bf16", "receiver", "off"}))
+      ->capture_default_str();
+  cmd->add_option("--memory-fraction", o.memory_fraction,
+                  "Share of available memory a shape may use; above it methods run one after the other")
+      ->transform(in_range(0.05, 1.0))
+      ->capture_default_str();
+  cmd->add_flag("--phases", o.phases, "Time the exchange's internal phases (tracer spans) and print them");
+  cmd->add_option("--trace", o.trace_path, "Write a Chrome trace of the timed repetitions to this file");
+  cmd->add_flag("--json", o.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
+  return cmd;
+}
 
 int run_bench_exchange(const BenchExchangeOptions& o) {
   auto usage = [](const std::string& message) {

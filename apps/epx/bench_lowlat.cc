@@ -7,30 +7,28 @@
 #include "commands.h"
 #include "lowlat_bench.h"
 #include "machine.h"
+#include "shape_options.h"
 
 namespace epx::app {
 
-CLI::App* add_bench_lowlat_command(CLI::App* bench_cmd, BenchLowLatOptions& o) {
-  CLI::App* cmd = bench_cmd->add_subcommand(
+CLI::App* add_bench_lowlat_command(CLI::App& bench, BenchLowLatOptions& o) {
+  CLI::App* cmd = bench.add_subcommand(
       "lowlat",
       "Low-latency dispatch/combine against the normal mode at decode sizes, interleaved in one run; medians");
   cmd->add_option("--tokens", o.tokens, "Tokens per rank, comma-separated")->delimiter(',')->capture_default_str();
-  cmd->add_option("--ranks", o.num_ranks, "Ranks (threads)")->transform(in_range(1, 256))->capture_default_str();
-  cmd->add_option("--nodes", o.num_nodes, "Emulated nodes (must divide --ranks)")
-      ->transform(in_range(1, 256))
-      ->capture_default_str();
-  cmd->add_option("--hidden", o.hidden, "Elements per token row")->transform(in_range(4, 65536))->capture_default_str();
-  cmd->add_option("--experts", o.num_experts, "Experts")->transform(in_range(1, 65536))->capture_default_str();
-  cmd->add_option("--topk", o.topk, "Experts per token")->transform(in_range(1, 64))->capture_default_str();
+  add_shape_options(cmd, {.ranks = &o.num_ranks,
+                          .nodes = &o.num_nodes,
+                          .hidden = &o.hidden,
+                          .experts = &o.num_experts,
+                          .topk = &o.topk,
+                          .seed = &o.seed,
+                          .min_hidden = 4});
   cmd->add_option("--dtype", o.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
   cmd->add_option("--reps", o.reps, "Timed rounds")->transform(in_range(1, 10000))->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Untimed rounds first")->transform(in_range(0, 1000))->capture_default_str();
   cmd->add_option("--capacity", o.capacity,
                   "Low-latency rows per (local expert, source rank); 0 = the largest count of the routing")
       ->transform(in_range(0, 1 << 20))
-      ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "Routing seed")
-      ->transform(at_least(uint64_t{0}))
       ->capture_default_str();
   cmd->add_flag("--combine-per-rank", o.combine_per_rank,
                 "Low-latency combine: one row per (token, rank), summed by the expert's rank (other bits)");

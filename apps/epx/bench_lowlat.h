@@ -26,8 +26,8 @@ struct BenchLowLatOptions {
   bool json = false;
 };
 
-// Adds `lowlat` under `bench_cmd`, filling `options`.
-CLI::App* add_bench_lowlat_command(CLI::App* bench_cmd, BenchLowLatOptions& options);
+// Adds `lowlat` under `bench`, filling `options`.
+CLI::App* add_bench_lowlat_command(CLI::App& bench, BenchLowLatOptions& options);
 int run_bench_lowlat(const BenchLowLatOptions& options);
 
 }  // namespace epx::app

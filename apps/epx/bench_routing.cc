@@ -7,9 +7,11 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "machine.h"
 #include "routing_bench.h"
+#include "shape_options.h"
 
 namespace epx::app {
 
@@ -61,6 +63,37 @@ void print_table(std::FILE* f, const bench::RoutingBenchResult& r) {
 }
 
 }  // namespace
+
+CLI::App* add_bench_routing_command(CLI::App& bench, BenchRoutingOptions& o) {
+  CLI::App* cmd = bench.add_subcommand(
+      "routing",
+      "The router (sigmoid + bias + group-limited top-k, and softmax top-k; single-threaded) against the fp32 score "
+      "GEMM that feeds it (OpenBLAS) and the machine's measured sgemm peak, plus expert placement and rebalance; "
+      "medians of interleaved repetitions");
+  cmd->add_option("--tokens", o.tokens, "Tokens")->transform(in_range(1, 1 << 20))->capture_default_str();
+  add_shape_options(cmd, {.hidden = &o.hidden, .experts = &o.num_experts, .topk = &o.topk, .seed = &o.seed});
+  cmd->add_option("--groups", o.groups, "Expert groups (router and placement); must divide --experts")
+      ->transform(in_range(1, 65536))
+      ->capture_default_str();
+  cmd->add_option("--topk-groups", o.topk_groups, "Groups a token may use (sigmoid router)")
+      ->transform(in_range(1, 65536))
+      ->capture_default_str();
+  cmd->add_option("--reps", o.reps, "Timed repetitions of each method")
+      ->transform(in_range(1, 10000))
+      ->capture_default_str();
+  cmd->add_option("--peak-n", o.peak_n, "Size of the square sgemm that measures the fp32 peak; 0 = skip")
+      ->transform(in_range(0, 16384))
+      ->capture_default_str();
+  cmd->add_option("--nodes", o.nodes, "Placement: nodes")->transform(in_range(1, 4096))->capture_default_str();
+  cmd->add_option("--ranks-per-node", o.ranks_per_node, "Placement: ranks per node")
+      ->transform(in_range(1, 4096))
+      ->capture_default_str();
+  cmd->add_option("--slots", o.slots, "Placement: physical slots; >= experts and a multiple of the ranks")
+      ->transform(in_range(1, 1 << 20))
+      ->capture_default_str();
+  cmd->add_flag("--json", o.json, "Print exactly one JSON object on stdout (table and progress on stderr)");
+  return cmd;
+}
 
 int run_bench_routing(const BenchRoutingOptions& o) {
   const bench::RoutingBenchConfig config{.num_tokens = o.tokens,

@@ -1,13 +1,19 @@
-// The subcommands of the `epx` command. Each takes its parsed options and
-// returns the process exit code: 0 done, 1 the run failed (a check or a
+// The subcommands of the `epx` command, in one table (commands()): each adds
+// itself and its flags under the `epx` app, and runs from its parsed options,
+// returning the process exit code: 0 done, 1 the run failed (a check or a
 // shape), 2 bad options (already reported by the caller or by the command),
 // 75 (sysexits' EX_TEMPFAIL) a training preempted by SIGTERM or SIGUSR1 that
 // saved its checkpoint: run it again with --resume.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 namespace epx::app {
 
@@ -91,6 +97,37 @@ struct ReportOptions {
   int straggler_window = 100;
   bool json = false;
 };
+
+// Options of `epx` itself, before the command's name.
+struct GlobalOptions {
+  bool quiet = false;  // -q: no progress lines on stderr
+};
+
+// A command once added under the `epx` app: `node` is its CLI11 subcommand
+// (true after parsing when the user named it) and `run` runs it.
+// `before_parse`, where set, runs before the flags are parsed (train reads
+// --config FILE there, so that the flags override the file): 0 or an exit code.
+struct AddedCommand {
+  CLI::App* node = nullptr;
+  std::function<int(const GlobalOptions&)> run;
+  std::function<int(int argc, char** argv)> before_parse;
+};
+
+struct Command {
+  std::string_view name;
+  AddedCommand (*add)(CLI::App& epx);
+};
+
+// Every command of `epx`, in the order `epx --help` lists them.
+std::span<const Command> commands();
+
+// "train, supervise, ... and eplb": the command names for a message.
+std::string command_names();
+
+CLI::App* add_demo_command(CLI::App& app, DemoOptions& options);
+CLI::App* add_bench_exchange_command(CLI::App& bench, BenchExchangeOptions& options);
+CLI::App* add_bench_routing_command(CLI::App& bench, BenchRoutingOptions& options);
+CLI::App* add_eplb_command(CLI::App& app, EplbOptions& options);
 
 int run_demo(const DemoOptions& options);
 int run_bench_exchange(const BenchExchangeOptions& options);

@@ -10,11 +10,13 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "epx/comm/inproc.h"
 #include "epx/core/buffer.h"
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/layout.h"
+#include "shape_options.h"
 #include "stats.h"
 #include "synthetic_routing.h"
 
@@ -48,6 +50,27 @@ struct DemoShared {
 };
 
 }  // namespace
+
+CLI::App* add_demo_command(CLI::App& app, DemoOptions& o) {
+  CLI::App* cmd = app.add_subcommand(
+      "demo",
+      "A short dispatch/combine over in-process ranks: what moved where, load imbalance, bandwidth, and a round-trip "
+      "check (exit 1 if it fails)");
+  add_shape_options(cmd, {.ranks = &o.num_ranks,
+                          .nodes = &o.num_nodes,
+                          .hidden = &o.hidden,
+                          .experts = &o.num_experts,
+                          .topk = &o.topk,
+                          .skew = &o.skew,
+                          .seed = &o.seed});
+  cmd->add_option("--tokens", o.num_tokens, "Tokens per rank")->transform(in_range(0, 65536))->capture_default_str();
+  cmd->add_option("--dtype", o.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
+  cmd->add_option("--reps", o.reps, "Timed repetitions after the checked warm-up")
+      ->transform(in_range(1, 1000))
+      ->capture_default_str();
+  cmd->add_flag("--json", o.json, "Print one JSON object instead of the text report");
+  return cmd;
+}
 
 int run_demo(const DemoOptions& o) {
   auto usage = [](const std::string& message) {

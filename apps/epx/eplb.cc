@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.h"
 #include "commands.h"
 #include "eplb.h"
 #include "epx/core/input_file.h"
@@ -173,6 +174,49 @@ Status write_placement(const std::string& path, const RedundantPlacement& p, int
 std::string policy_name(PlacementPolicy p) { return p == PlacementPolicy::kHierarchical ? "hierarchical" : "global"; }
 
 }  // namespace
+
+CLI::App* add_eplb_command(CLI::App& app, EplbOptions& o) {
+  CLI::App* cmd = app.add_subcommand(
+      "eplb",
+      "A redundant-expert placement (EPLB-style) for measured per-expert loads: slot -> expert per rank, replica "
+      "counts, balance (max/mean per rank) before and after, bytes moved. With --current FILE: rebalance that "
+      "placement for the loads, moving as few expert weights as the balance allows");
+  cmd->add_option("--loads", o.loads_path, "File of per-expert loads: one per line, or whitespace/comma separated")
+      ->required();
+  cmd->add_option("--slots", o.num_slots, "Physical expert slots; >= experts and a multiple of the ranks")
+      ->required()
+      ->transform(in_range(1, 1 << 20));
+  cmd->add_option("--nodes", o.num_nodes, "Nodes")->required()->transform(in_range(1, 4096));
+  cmd->add_option("--ranks-per-node", o.ranks_per_node, "Ranks per node")->required()->transform(in_range(1, 4096));
+  cmd->add_option("--groups", o.num_groups, "Expert groups (must divide the experts); 0 = none")
+      ->transform(in_range(0, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--expert-bytes", o.expert_bytes, "Bytes of one expert's weights, for the moved bytes")
+      ->transform(in_range(int64_t{0}, int64_t{1} << 50))
+      ->capture_default_str();
+  cmd->add_option("--policy", o.policy,
+                  "hierarchical (groups packed onto nodes; needs --groups a multiple of --nodes, else global) "
+                  "or global")
+      ->check(CLI::IsMember({"hierarchical", "global"}))
+      ->capture_default_str();
+  CLI::Option* current = cmd->add_option(
+      "--current", o.current_path,
+      "Rebalance mode: a file holding the current placement, the logical expert of every physical "
+      "slot in slot order (-1 = empty; whitespace, commas or newlines between ids; '#' starts a "
+      "comment), as --save writes it. Prints a new placement of near-equal balance that moves few "
+      "expert weights, the balance now / rebalanced / from scratch, and the bytes the rebalance "
+      "moves against placing from scratch");
+  cmd->add_option("--tolerance", o.tolerance,
+                  "Rebalance mode: accept a balance up to (1 + this) x the from-scratch placement's")
+      ->transform(in_range(0.0, 10.0))
+      ->needs(current)
+      ->capture_default_str();
+  cmd->add_option("--save", o.save_path,
+                  "Write the printed placement (from scratch, or rebalanced with --current) to this file, one "
+                  "line per rank; --current reads it back");
+  cmd->add_flag("--json", o.json, "Print one JSON object instead of the text report");
+  return cmd;
+}
 
 int run_eplb(const EplbOptions& o) {
   auto fail = [](const Status& s) {

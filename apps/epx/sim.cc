@@ -578,6 +578,7 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "of an MoE configuration on up to thousands of GPUs, with traffic from epx's own router and dispatch layout "
       "(see docs/simulator.md)");
   sim->require_subcommand(1);
+  c.sim = sim;
   c.run = sim->add_subcommand("run", "Simulate a scenario file (configs/sim/*.toml) and print the summary table");
   c.run->add_option("scenario", o.scenario_path, "Scenario TOML file (see configs/sim/template.toml)")->required();
   c.run->add_option("--set", o.sets, "Override one value, KEY=VALUE (e.g. model.topk=4); repeatable")

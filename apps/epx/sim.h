@@ -46,6 +46,7 @@ struct SimOptions {
 };
 
 struct SimCommands {
+  CLI::App* sim = nullptr;  // `epx sim` itself
   CLI::App* run = nullptr;
   CLI::App* keys = nullptr;
   CLI::App* calibrate = nullptr;
