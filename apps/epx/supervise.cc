@@ -382,7 +382,11 @@ Result<std::string> agent_folder(const Plan& plan, int attempt) {
 // (--hosts), or why not.
 Result<std::vector<std::string>> attempt_line(const Plan& plan, int attempt, const SuperviseOptions& o,
                                               std::string* agent_dir) {
-  const bool resume = attempt > 0 && latest_step(plan.save_dir) >= 0;
+  // A restart resumes from the save folder; so does a first run whose folder
+  // has a checkpoint and whose command names no --resume (a supervisor started
+  // again after its own end).
+  const bool resume = latest_step(plan.save_dir) >= 0 &&
+                      (attempt > 0 || (value_of(plan.command, "--resume").empty()));
   std::vector<std::string> train = resume ? with_resume(plan.command, plan.save_dir) : plan.command;
   if (!plan.pool) return train;
   auto dir = agent_folder(plan, attempt);

@@ -91,8 +91,10 @@ std::optional<RankEnd> first_failure(const std::vector<RankEnd>& ends) {
   std::optional<RankEnd> first;
   for (const RankEnd& e : ends) {
     if (e.state == "stopped") return e;
-    const bool failed = (e.state == "killed" || (e.state == "exited" && e.exit_code != 0 &&
-                                                  e.exit_code != kExitPreempted)) && !e.stop_requested;
+    // Exit 2 (settings refused) and 127 (not found) are the command's, not a host's.
+    const bool failed = (e.state == "killed" || (e.state == "exited" && e.exit_code != 0 && e.exit_code != kExitUsage &&
+                                                  e.exit_code != 127 && e.exit_code != kExitPreempted)) &&
+                        !e.stop_requested;
     if (failed && (!first || e.time < first->time)) first = e;
   }
   return first;

@@ -19,7 +19,6 @@ if [[ ${3:-} != --inside ]]; then
   "$here/two_hosts.sh" --hosts 3 --timeout 500 --launch-in-host-a -- bash "${BASH_SOURCE[0]}" "$epx" "$config" --inside
   exit
 fi
-
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "supervise_hosts: FAIL: $*"; exit 1; }
@@ -76,6 +75,13 @@ mpirun --host "$host_a:2" -np 2 --map-by slot "${mpi_args[@]}" "$epx" "${train[@
 (( $(losses "$work/ref.jsonl" | wc -l) == 60 - step )) || fail "the reference run did not write steps $((step + 1))..60"
 [[ "$(losses "$work/killed.jsonl" | tail -n +$((step + 1)))" == "$(losses "$work/ref.jsonl")" ]] ||
   fail "kill -9: the losses after the restart differ from the reference resumed at step $step"
+seconds=$(event "$work/killed.events" resumed | python3 -c 'import json,sys; print(json.loads(sys.stdin.readline())["restart_seconds"])')
+echo "restart time (kill -9 to the first step on 2 ranks): $seconds s"
+# epx report --events shows the restart and the steps lost.
+"$epx" report "$work/killed.jsonl" --events "$work/killed.events" -o "$work/killed.html" >"$work/report.txt" ||
+  fail "epx report --events exited $?"
+grep -q "supervised: 1 restart, $(( $(event "$work/killed.events" exit | head -n 1 | python3 -c 'import json,sys; print(json.loads(sys.stdin.readline())["lost_steps"])') )) steps lost; rank 3 on $host_b: killed by Killed" "$work/report.txt" ||
+  fail "epx report --events: $(cat "$work/report.txt")"
 echo "ok   kill -9 of rank 3 on $host_b: excluded, resumed at step $step on 2 ranks, the same $((60 - step)) losses bit for bit"
 
 # 2. SIGSTOP of rank 2 (host b): stopped at once, restarted on both hosts.
@@ -95,6 +101,17 @@ kill -9 "$(rank_pid spare 2 25)"
 finish spare
 event "$work/spare.events" excluded | grep -q "\"replaced_by\":\"$host_c\"" || fail "spare: $host_b not replaced by $host_c"
 event "$work/spare.events" start | sed -n 2p | grep -q "\"hosts\":\"$host_a:2,$host_c:2\"" ||
-  fail "spare: the restart is not on $host_a and $host_c"
+  fail "spare: the restart is not on $host_a and $host_c: $(grep -v "\"start\"" "$work/spare.events")"
 echo "ok   spare host: $host_b replaced by $host_c, 4 ranks again"
+# 4. A crash loop (rank 3 fails at step 5 every time): host b excluded after its second
+#    failure, and the budget (--max-restarts 1) spent: exit 1, saying so.
+EPX_TEST_FAULT=fail:3:5 supervised loop "$host_a:2,$host_b:2" --max-restarts 1 --launcher-arg=-x --launcher-arg=EPX_TEST_FAULT
+wait "$sup"; code=$?
+[[ $code == 1 ]] || fail "crash loop: supervise exited $code, want 1: $(tail -n 5 "$work/loop.out")"
+(( $(event "$work/loop.events" start | wc -l) == 2 && $(event "$work/loop.events" rank_failed | wc -l) == 2 )) ||
+  fail "crash loop: want 2 runs and 2 failed ranks: $(cat "$work/loop.events")"
+event "$work/loop.events" gave_up >/dev/null && grep -q "(--max-restarts 1): giving up" "$work/loop.out" ||
+  fail "crash loop: no give-up: $(tail -n 5 "$work/loop.out")"
+echo "ok   crash loop: 2 runs, host $host_b excluded, then it gave up (exit 1)"
+
 echo "supervise_hosts: the supervisor restarted every failure on the hosts left"
