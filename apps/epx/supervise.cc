@@ -240,7 +240,13 @@ Ended wait_for(pid_t pid, const Plan& plan, const std::string& agent_dir, const 
   if (WIFEXITED(status)) ended.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) ended.signal = WTERMSIG(status);
   end_group(pid);
-  if (!agent_dir.empty() && !ended.failed) ended.failed = first_failure(read_rank_ends(agent_dir));
+  if (!agent_dir.empty() && !(ended.failed && ended.failed->state == "stopped")) {
+    // Every report is in now: the one seen first may be a rank that only
+    // followed the failed one (a peer gone: exit 1).
+    std::vector<RankEnd> ends = read_rank_ends(agent_dir);
+    if (ended.failed) ends.push_back(*ended.failed);
+    ended.failed = first_failure(ends);
+  }
   return ended;
 }
 
@@ -313,8 +319,8 @@ std::optional<int> after_run(const Ended& e, const Plan& plan, std::deque<Steady
     nlohmann::json event{{"event", "gave_up"}, {"cause", "the command's settings were refused; a restart would be too"}};
     if (plan.pool) {
       event["hosts"] = format_hosts(plan.pool->hosts());
-      fmt::print(stderr, "epx supervise: epx train refused to run on the ranks of --hosts {} ({} ranks; see its "
-                 "message above): giving up; the checkpoints are in {}\n", format_hosts(plan.pool->hosts()),
+      fmt::print(stderr, "epx supervise: the ranks of --hosts {} ({} ranks) cannot run this training (its message "
+                 "above): giving up; the checkpoints are in {}\n", format_hosts(plan.pool->hosts()),
                  total_slots(plan.pool->hosts()), plan.save_dir);
     }
     events.write(event);

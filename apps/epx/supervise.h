@@ -3,7 +3,7 @@
 // checkpoint when it fails, within a restart budget; a command that stops
 // making steps is stopped and restarted the same way. Every start, exit and
 // restart is a JSON line in the events file (docs/operations.md, Supervised
-// runs).
+// runs). With --hosts it starts the ranks itself (supervise_ranks.h).
 #pragma once
 
 #include <string>

@@ -87,15 +87,22 @@ std::vector<RankEnd> read_rank_ends(const std::string& dir) {
   return ends;
 }
 
+int failure_rank(const RankEnd& e) {
+  if (e.state == "stopped") return 3;
+  if (e.stop_requested) return 0;
+  if (e.state == "killed") return 2;
+  // Exit 2 (settings refused) and 127 (not found) are the command's, not a host's.
+  const bool failed = e.state == "exited" && e.exit_code != 0 && e.exit_code != kExitUsage && e.exit_code != 127 &&
+                      e.exit_code != kExitPreempted;
+  return failed ? 1 : 0;
+}
+
 std::optional<RankEnd> first_failure(const std::vector<RankEnd>& ends) {
   std::optional<RankEnd> first;
   for (const RankEnd& e : ends) {
-    if (e.state == "stopped") return e;
-    // Exit 2 (settings refused) and 127 (not found) are the command's, not a host's.
-    const bool failed = (e.state == "killed" || (e.state == "exited" && e.exit_code != 0 && e.exit_code != kExitUsage &&
-                                                  e.exit_code != 127 && e.exit_code != kExitPreempted)) &&
-                        !e.stop_requested;
-    if (failed && (!first || e.time < first->time)) first = e;
+    const int r = failure_rank(e);
+    if (r > 0 && (!first || r > failure_rank(*first) || (r == failure_rank(*first) && e.time < first->time)))
+      first = e;
   }
   return first;
 }
@@ -174,23 +181,24 @@ int run_rank_agent(const std::string& dir, const std::vector<std::string>& comma
   write_report(dir, report);
   int status = 0;
   for (;;) {
+    // The rank's end first: a signal that comes after it (the launcher's
+    // teardown) does not make a death of its own a requested one.
+    const pid_t got = ::waitpid(pid, &status, WNOHANG | WUNTRACED | WCONTINUED);
+    if (got < 0 && errno != EINTR) return kExitFailed;
+    if (got == pid && (WIFEXITED(status) || WIFSIGNALED(status))) break;
     if (const int s = g_agent_signal.exchange(0); s != 0) {
       ::kill(pid, s);
       report["stop_requested"] = true;
       report["time"] = epoch_seconds();
       write_report(dir, report);
     }
-    const pid_t got = ::waitpid(pid, &status, WNOHANG | WUNTRACED | WCONTINUED);
-    if (got < 0 && errno != EINTR) return kExitFailed;
-    if (got == pid && WIFEXITED(status)) break;
-    if (got == pid && WIFSIGNALED(status)) break;
     if (got == pid && (WIFSTOPPED(status) || WIFCONTINUED(status))) {
       report["state"] = WIFSTOPPED(status) ? "stopped" : "running";
       report["signal"] = WIFSTOPPED(status) ? WSTOPSIG(status) : 0;
       report["time"] = epoch_seconds();
       write_report(dir, report);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   report["time"] = epoch_seconds();
   if (WIFEXITED(status)) {

@@ -38,7 +38,8 @@ struct RankEnd {
 std::vector<RankEnd> read_rank_ends(const std::string& dir);
 
 // The rank whose end caused the run's: a stopped rank first, else the
-// earliest one that died by a signal or exited non-zero (neither asked for).
+// earliest one that died by a signal, else the earliest that exited non-zero
+// (neither asked for: a rank whose peer died often exits 1 first).
 std::optional<RankEnd> first_failure(const std::vector<RankEnd>& ends);
 std::string describe_cause(const RankEnd& end);
 

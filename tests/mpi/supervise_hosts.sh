@@ -20,7 +20,7 @@ if [[ ${3:-} != --inside ]]; then
   exit
 fi
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap '[[ -n "${EPX_KEEP:-}" ]] && cp -r "$work" "$EPX_KEEP"; rm -rf "$work"' EXIT
 fail() { echo "supervise_hosts: FAIL: $*"; exit 1; }
 read -r host_a host_b host_c <<<"$EPX_TWO_HOSTS_NAMES"
 mapfile -t mpi_args <<<"$EPX_TWO_HOSTS_MPIRUN_ARGS"
@@ -38,14 +38,17 @@ supervised() {
     "$epx" "${train[@]}" --save "$work/$name" --metrics "$work/$name.jsonl" >"$work/$name.out" 2>&1 &
   sup=$!
 }
-# the pid of RANK's training process in attempt 0, once the metrics hold LINES lines
+# the pid of RANK's training process, once the metrics hold LINES lines
 rank_pid() {
   local name=$1 rank=$2 lines=$3 waited=0
   until [[ -f "$work/$name.jsonl" ]] && (( $(wc -l <"$work/$name.jsonl") >= lines )); do
     sleep 0.1
     (( ++waited < 1800 )) || fail "$name: no step $lines within 180 s: $(tail -n 20 "$work/$name.out")"
   done
-  python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pid"])' "$work/$name.ranks/attempt-0/rank-$rank.json"
+  # the latest attempt: a launch that failed on its own (before any step) was restarted already
+  local dir
+  dir=$(ls -d "$work/$name.ranks"/attempt-* | sort -V | tail -n 1)
+  python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pid"])' "$dir/rank-$rank.json"
 }
 finish() {  # NAME: waits for the supervisor, which must exit 0 with the last step saved
   wait "$sup"; local code=$?
@@ -62,7 +65,7 @@ failed=$(event "$work/killed.events" rank_failed)
 [[ $failed == *'"rank":3'* && $failed == *"\"host\":\"$host_b\""* && $failed == *'"cause":"killed by Killed"'* ]] ||
   fail "kill -9: the failure is not rank 3 of $host_b, killed: $failed"
 event "$work/killed.events" excluded | grep -q "\"host\":\"$host_b\"" || fail "kill -9: $host_b was not excluded"
-restart=$(event "$work/killed.events" start | sed -n 2p)
+restart=$(event "$work/killed.events" start | tail -n 1)
 [[ $restart == *"\"hosts\":\"$host_a:2\""* && $restart == *'"ranks":2'* ]] ||
   fail "kill -9: the restart is not on $host_a's 2 ranks: $restart"
 step=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["checkpoint_step"])' "$restart")
@@ -92,7 +95,7 @@ failed=$(event "$work/stopped.events" rank_failed)
 [[ $failed == *'"rank":2'* && $failed == *'"cause":"stopped by Stopped'* && $failed == *"\"host\":\"$host_b\""* ]] ||
   fail "SIGSTOP: no stopped rank 2: $(cat "$work/stopped.events")"
 ! event "$work/stopped.events" excluded >/dev/null || fail "SIGSTOP: a host was excluded after one failure"
-event "$work/stopped.events" start | sed -n 2p | grep -q '"ranks":4' || fail "SIGSTOP: the restart is not on 4 ranks"
+event "$work/stopped.events" start | tail -n 1 | grep -q '"ranks":4' || fail "SIGSTOP: the restart is not on 4 ranks"
 echo "ok   SIGSTOP of rank 2 on $host_b: stopped, restarted on both hosts"
 
 # 3. --spare-hosts: host b killed, host c takes its place.
@@ -100,8 +103,8 @@ supervised spare "$host_a:2,$host_b:2" --exclude-after 1 --spare-hosts "$host_c:
 kill -9 "$(rank_pid spare 2 25)"
 finish spare
 event "$work/spare.events" excluded | grep -q "\"replaced_by\":\"$host_c\"" || fail "spare: $host_b not replaced by $host_c"
-event "$work/spare.events" start | sed -n 2p | grep -q "\"hosts\":\"$host_a:2,$host_c:2\"" ||
-  fail "spare: the restart is not on $host_a and $host_c: $(grep -v "\"start\"" "$work/spare.events")"
+event "$work/spare.events" start | tail -n 1 | grep -q "\"hosts\":\"$host_a:2,$host_c:2\"" ||
+  fail "spare: the restart is not on $host_a and $host_c: $(cut -c1-200 "$work/spare.events")"
 echo "ok   spare host: $host_b replaced by $host_c, 4 ranks again"
 # 4. A crash loop (rank 3 fails at step 5 every time): host b excluded after its second
 #    failure, and the budget (--max-restarts 1) spent: exit 1, saying so.
