@@ -10,7 +10,9 @@
 #   SIGSTOP of a rank of host b: its agent reports it stopped, the supervisor stops
 #     the run at once and restarts it on both hosts (one failure < --exclude-after 2);
 #   --spare-hosts: host b killed under --exclude-after 1 with host c spare: the run
-#     resumes on a and c (4 ranks).
+#     resumes on a and c (4 ranks);
+#   a crash loop (rank 3 fails at step 5 every run): host b excluded, the budget spent, exit 1.
+# It prints the restart time of the kill -9 (the "resumed" event). EPX_KEEP=DIR keeps the files.
 # Usage: supervise_hosts.sh EPX CONFIG      (exit 77 where two_hosts.sh cannot run)
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
