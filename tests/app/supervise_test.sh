@@ -117,4 +117,6 @@ echo "ok   SIGUSR1: passed on; the training saved, both exited 75"
 
 out=$("$epx" supervise -- "$epx" "${train[@]}" 2>&1); code=$?
 [[ $code == 2 && "$out" == *"names no save folder"* ]] || fail "no --save: exit $code: $out"
+out=$("$epx" report "$work/ref.jsonl" --events "$work/no.events" -o "$work/r.html" 2>&1); code=$?
+[[ $code == 2 && "$out" == *"no.events"* ]] || fail "report --events of a missing file: exit $code: $out"
 echo "supervise_test: all supervisor checks passed"
