@@ -96,6 +96,7 @@ struct ReportOptions {
   int heatmap_columns = 64;
   int straggler_window = 100;
   bool json = false;
+  std::string events_path;  // epx supervise --events: restarts and lost steps
 };
 
 // Options of `epx` itself, before the command's name.

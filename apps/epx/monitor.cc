@@ -1,6 +1,7 @@
 // `epx monitor`: a run's metrics as a live view, alert lines and a
 // Prometheus textfile, all from one RunSnapshot (run_snapshot.h).
 #include "monitor.h"
+#include "supervise_events.h"
 
 #include <sys/ioctl.h>
 #include <unistd.h>
@@ -202,6 +203,15 @@ Status write_prometheus(const Monitor& m, const RunSnapshot& s) {
                                format_prometheus(s, m.alerts.rules(), firing, m.last_step_unix));
 }
 
+// --events: "supervised: 1 restart, 8 steps lost; ..." (re-read at each
+// refresh: the supervisor appends to it), or "" when not given.
+std::string restarts_line(const Monitor& m) {
+  if (m.options.events_path.empty()) return "";
+  auto h = read_restart_history(m.options.events_path);
+  return h.is_ok() ? "supervised: " + describe_restarts(*h) + "\n"
+                   : "supervised: " + std::string(h.status().message()) + "\n";
+}
+
 // One refresh: the view (or the plain line, only when there is news) and the Prometheus file.
 Status refresh(Monitor& m, bool in_place) {
   const RunSnapshot s = m.tracker.snapshot();
@@ -209,12 +219,12 @@ Status refresh(Monitor& m, bool in_place) {
     if (in_place) {
       // The layer table gets the rows the rest of the view leaves (ranks, alerts, headline).
       const std::size_t rows = terminal_rows(), others = s.ranks.size() + 2 * kRecentAlerts + 16;
-      draw_terminal(view_text(m, s, rows > others + 4 ? rows - others : (rows > 0 ? 4 : 0)));
+      draw_terminal(view_text(m, s, rows > others + 5 ? rows - others - 1 : (rows > 0 ? 4 : 0)) + restarts_line(m));
     } else {
-      fmt::print("{}", view_text(m, s, 0));
+      fmt::print("{}{}", view_text(m, s, 0), restarts_line(m));
     }
   } else if (m.dirty && s.records > 0) {
-    fmt::print("{}\n", plain_line(s));
+    fmt::print("{}\n{}", plain_line(s), restarts_line(m));
   }
   std::fflush(stdout);
   m.dirty = false;
@@ -304,6 +314,7 @@ int check_once(Monitor& m) {
     fmt::print(stderr, "epx monitor: {}\n", st.message());
     return kExitFailed;
   }
+  fmt::print("{}", restarts_line(m));
   if (m.alerts.num_fired() == 0) {
     fmt::print("epx monitor --once: no alert over {} steps ({} rules)\n", m.tracker.records(), m.alerts.rules().size());
     return kExitOk;
@@ -374,6 +385,9 @@ CLI::App* add_monitor_command(CLI::App& app, MonitorOptions& o) {
                   "With --follow: exit 0 once the file has not grown for this many seconds (the run ended); 0 = never")
       ->transform(in_range(0.0, 1e6))
       ->capture_default_str();
+  cmd->add_option("--events", o.events_path,
+                  "The run's epx supervise --events file: a line under the view with its restarts, lost steps, "
+                  "failed ranks and excluded hosts");
   cmd->add_option("--hot-experts", o.hot_experts, "Busiest experts shown per layer (view and Prometheus)")
       ->transform(in_range(0, 64))
       ->capture_default_str();

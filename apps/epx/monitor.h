@@ -22,6 +22,7 @@ struct MonitorOptions {
   int window = 20;        // steps of the straggler diagnosis in the view
   double idle_exit = 0;   // --follow: stop after this many seconds without a new line; 0 = never
   int hot_experts = 4;    // per layer, in the view and the Prometheus file
+  std::string events_path;  // epx supervise --events: restarts and lost steps under the view
 };
 
 // Adds `monitor` bound to `options`.

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,7 @@
 #include "epx/observe/output_path.h"
 #include "epx/observe/report.h"
 #include "epx/observe/run_log.h"
+#include "supervise_events.h"
 
 namespace epx::app {
 namespace {
@@ -63,6 +65,9 @@ CLI::App* add_report_command(CLI::App& app, ReportOptions& o) {
       ->transform(in_range(1, 100000))
       ->capture_default_str();
   cmd->add_flag("--json", o.json, "Print one JSON object (what the page summarises) instead of the text lines");
+  cmd->add_option("--events", o.events_path,
+                  "The run's epx supervise --events file: also print its restarts, lost steps, failed ranks and "
+                  "excluded hosts");
   return cmd;
 }
 
@@ -76,6 +81,15 @@ int run_report(const ReportOptions& o) {
   if (Status s = check_output_writable(o.output_path, "--output", /*renamed_into_place=*/true); !s.is_ok()) {
     fmt::print(stderr, "epx report: {}\n", s.message());
     return kExitUsage;
+  }
+  std::optional<RestartHistory> restarts;
+  if (!o.events_path.empty()) {
+    auto read = read_restart_history(o.events_path);
+    if (!read.is_ok()) {
+      fmt::print(stderr, "epx report: {}\n", read.status().message());
+      return kExitUsage;
+    }
+    restarts = *read;
   }
   const auto start = std::chrono::steady_clock::now();
   RunReport report(RunReportOptions{.max_points = o.max_points, .max_heatmap_columns = o.heatmap_columns,
@@ -107,7 +121,9 @@ int run_report(const ReportOptions& o) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (o.json) {
-    fmt::print("{}\n", summary_json(sum, o.output_path, seconds).dump());
+    nlohmann::json j = summary_json(sum, o.output_path, seconds);
+    if (restarts) j["supervised"] = restarts_json(*restarts);
+    fmt::print("{}\n", j.dump());
     return kExitOk;
   }
   fmt::print("wrote {} ({:.1f} KiB) from {} steps in {:.2f} s\n", o.output_path, bytes / 1024.0, sum.num_steps,
@@ -117,6 +133,7 @@ int run_report(const ReportOptions& o) {
              sum.final_loss, sum.mean_tokens_per_s, sum.mean_max_vio, 100 * sum.mean_balancedness, sum.dropped,
              sum.eplb_replacements, sum.straggler.empty() ? "none" : sum.straggler);
   if (!sum.resumes.empty()) fmt::print("resumed {}\n", describe_resumes(sum.resumes));
+  if (restarts) fmt::print("supervised: {}\n", describe_restarts(*restarts));
   return kExitOk;
 }
 

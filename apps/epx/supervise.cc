@@ -2,6 +2,7 @@
 #include "supervise.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -23,6 +24,7 @@
 #include "epx/core/clock.h"
 #include "epx/core/status.h"
 #include "machine.h"
+#include "supervise_ranks.h"
 
 namespace epx::app {
 namespace {
@@ -36,6 +38,8 @@ constexpr auto kPoll = std::chrono::milliseconds(100);
 struct Plan {
   std::vector<std::string> command;
   std::string save_dir, metrics_path;
+  std::optional<HostPool> pool;  // --hosts: the ranks' hosts
+  std::string agent_root;        // --hosts: the rank agents' reports, a folder per attempt
 };
 
 // The value of `flag` in `args` (`--flag VALUE` or `--flag=VALUE`), or empty.
@@ -132,9 +136,14 @@ pid_t start(const std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::setpgid(0, 0);
+    // The supervisor killed: so is its run (a run left behind would hold the
+    // --save lock against the supervisor started next; the checkpoints stay).
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) std::_Exit(137);
     ::execvp(argv[0], argv.data());
     std::fprintf(stderr, "epx supervise: cannot run %s: %s\n", argv[0], std::strerror(errno));
     std::_Exit(127);
@@ -149,6 +158,15 @@ struct Ended {
   int signal = 0;          // when a signal ended it
   bool stalled = false;    // the supervisor stopped it: no new step for stall_s
   int forwarded = 0;       // a signal the supervisor passed on to it
+  std::optional<RankEnd> failed;  // --hosts: the rank whose end ended the run
+  SteadyClock::time_point noticed;  // when the supervisor saw the end (or the stall, or the failed rank)
+};
+
+// Restart time: from the failure the supervisor noticed to the restarted
+// run's first step (an event "resumed").
+struct Restarting {
+  int attempt = 0;
+  std::optional<SteadyClock::time_point> failed_at;  // none: the first run
 };
 
 // SIGTERM to the command's process group, SIGKILL after `grace_s`.
@@ -173,7 +191,8 @@ void end_group(pid_t pid) {
 
 // Waits for the command; passes the supervisor's signals on; stops it when
 // its metrics file has not grown for stall_s.
-Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
+Ended wait_for(pid_t pid, const Plan& plan, const std::string& agent_dir, const Restarting& restarting,
+               const SuperviseOptions& o, Events& events) {
   Ended ended;
   int status = 0;
   int64_t size = file_size(plan.metrics_path);
@@ -181,6 +200,7 @@ Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
   bool grown = false;  // the watch starts at the first new step: start-up and loading take their time
   for (;;) {
     const pid_t got = ::waitpid(pid, &status, WNOHANG);
+    ended.noticed = SteadyClock::now();
     if (got == pid) break;
     if (got < 0 && errno != EINTR) {  // the command is not ours to wait for: count it as failed
       ended.signal = SIGKILL;
@@ -196,13 +216,23 @@ Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
     if (const int64_t now_size = file_size(plan.metrics_path); now_size != size) {
       if (now_size > size) {  // a new step; a file cut back at a resume is no step
         last_growth = SteadyClock::now();
+        if (!grown && restarting.failed_at)
+          events.write({{"event", "resumed"}, {"attempt", restarting.attempt},
+                        {"step", last_metrics_step(plan.metrics_path)},
+                        {"restart_seconds", std::chrono::duration<double>(last_growth - *restarting.failed_at).count()}});
         grown = true;
       }
       size = now_size;
     }
     if (o.stall_s > 0 && grown && SteadyClock::now() - last_growth > std::chrono::duration<double>(o.stall_s)) {
+      ended.noticed = SteadyClock::now();
       ended.stalled = true;
       stop_group(pid, o.grace_s, &status);
+      break;
+    }
+    if (!agent_dir.empty() && (ended.failed = first_failure(read_rank_ends(agent_dir)))) {
+      ended.noticed = SteadyClock::now();
+      stop_group(pid, o.grace_s, &status);  // the rest of the ranks, at once
       break;
     }
     std::this_thread::sleep_for(kPoll);
@@ -210,12 +240,21 @@ Ended wait_for(pid_t pid, const Plan& plan, const SuperviseOptions& o) {
   if (WIFEXITED(status)) ended.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) ended.signal = WTERMSIG(status);
   end_group(pid);
+  if (!agent_dir.empty() && !(ended.failed && ended.failed->state == "stopped")) {
+    // Every report is in now: the one seen first may be a rank that only
+    // followed the failed one (a peer gone: exit 1).
+    std::vector<RankEnd> ends = read_rank_ends(agent_dir);
+    if (ended.failed) ends.push_back(*ended.failed);
+    ended.failed = first_failure(ends);
+  }
   return ended;
 }
 
 nlohmann::json exit_event(const Ended& e, int attempt, const Plan& plan, double seconds) {
-  nlohmann::json j{{"event", "exit"}, {"attempt", attempt}, {"seconds", seconds},
-                   {"last_step", last_metrics_step(plan.metrics_path)}, {"checkpoint_step", latest_step(plan.save_dir)}};
+  const int64_t last = last_metrics_step(plan.metrics_path), saved = latest_step(plan.save_dir);
+  nlohmann::json j{{"event", "exit"}, {"attempt", attempt}, {"seconds", seconds}, {"last_step", last},
+                   {"checkpoint_step", saved}};
+  if (e.exit_code != 0) j["lost_steps"] = std::max<int64_t>(0, last + 1 - std::max<int64_t>(0, saved));  // steps count from 0
   if (e.exit_code >= 0) j["exit_code"] = e.exit_code;
   if (e.signal != 0) j["signal"] = strsignal(e.signal);
   if (e.stalled) j["cause"] = "stalled: no new step in the metrics file";
@@ -230,7 +269,7 @@ bool budget_left(std::deque<SteadyClock::time_point>* restarts, const SuperviseO
 }
 
 Result<Plan> make_plan(const SuperviseOptions& o) {
-  Plan plan{o.command, value_of(o.command, "--save"), value_of(o.command, "--metrics")};
+  Plan plan{o.command, value_of(o.command, "--save"), value_of(o.command, "--metrics"), std::nullopt, ""};
   if (plan.command.empty()) return invalid_argument("no command to supervise: epx supervise [OPTIONS] -- COMMAND...");
   if (plan.save_dir.empty())
     return invalid_argument("the command names no save folder (epx train --save DIR): a restart could only "
@@ -238,6 +277,29 @@ Result<Plan> make_plan(const SuperviseOptions& o) {
   if (o.stall_s > 0 && plan.metrics_path.empty())
     return invalid_argument("--stall-seconds {} watches the command's --metrics file, but the command has none",
                             o.stall_s);
+  if (o.hosts.empty()) {
+    if (!o.spare_hosts.empty() || !o.launcher_args.empty())
+      return invalid_argument("--spare-hosts and --launcher-arg need --hosts (the supervisor starts the ranks)");
+    return plan;
+  }
+  auto hosts = parse_hosts(o.hosts, "--hosts");
+  if (!hosts.is_ok()) return hosts.status();
+  std::vector<HostSlots> spares;
+  if (!o.spare_hosts.empty()) {
+    auto parsed = parse_hosts(o.spare_hosts, "--spare-hosts");
+    if (!parsed.is_ok()) return parsed.status();
+    spares = *parsed;
+  }
+  if (o.launcher == "srun")
+    for (const HostSlots& h : *hosts)
+      if (h.slots != hosts->front().slots)
+        return invalid_argument("--launcher srun --hosts {}: srun places the same ranks on every host; give every "
+                                "host the same slots", o.hosts);
+  if (const std::string& c = plan.command.front(); c == "mpirun" || c == "mpiexec" || c == "srun")
+    return invalid_argument("with --hosts the supervisor starts the ranks ({} is built for you): the command is "
+                            "epx train ... alone", c);
+  plan.pool.emplace(*hosts, spares, o.exclude_after);
+  plan.agent_root = plan.save_dir + ".ranks";
   return plan;
 }
 
@@ -254,10 +316,37 @@ std::optional<int> after_run(const Ended& e, const Plan& plan, std::deque<Steady
   if (asked_to_stop)  // no restart: the scheduler's requeue resumes from the checkpoint there is
     return latest_step(plan.save_dir) >= 0 ? kExitPreempted : kExitFailed;
   if (e.exit_code == kExitUsage || e.exit_code == 127) {
-    events.write({{"event", "gave_up"}, {"cause", "the command's settings were refused; a restart would be too"}});
+    nlohmann::json event{{"event", "gave_up"}, {"cause", "the command's settings were refused; a restart would be too"}};
+    if (plan.pool) {
+      event["hosts"] = format_hosts(plan.pool->hosts());
+      fmt::print(stderr, "epx supervise: the ranks of --hosts {} ({} ranks) cannot run this training (its message "
+                 "above): giving up; the checkpoints are in {}\n", format_hosts(plan.pool->hosts()),
+                 total_slots(plan.pool->hosts()), plan.save_dir);
+    }
+    events.write(event);
     return kExitFailed;
   }
   return restart_if_budget(plan, restarts, o, events);
+}
+
+// --hosts: the failed rank's event; its host counted, and left out at
+// --exclude-after failures. false when no host is left to run on.
+bool record_rank_failure(const Ended& e, int attempt, Plan& plan, const SuperviseOptions& o, Events& events) {
+  if (!e.failed) return true;
+  const std::string host = plan.pool->host_of(e.failed->rank);
+  events.write({{"event", "rank_failed"}, {"attempt", attempt}, {"rank", e.failed->rank}, {"host", host},
+                {"hostname", e.failed->hostname}, {"step", last_metrics_step(plan.metrics_path) + 1},
+                {"cause", describe_cause(*e.failed)}});
+  if (std::optional<nlohmann::json> excluded = plan.pool->count_failure(host)) {
+    events.write(*excluded);
+    if (plan.pool->hosts().empty()) {
+      events.write({{"event", "gave_up"}, {"cause", "every host is excluded"}});
+      fmt::print(stderr, "epx supervise: every host is excluded (--exclude-after {}): giving up; the checkpoints are "
+                 "in {}\n", o.exclude_after, plan.save_dir);
+      return false;
+    }
+  }
+  return true;
 }
 
 // nullopt (restart) while the budget lasts; else exit 1, saying so.
@@ -275,6 +364,41 @@ std::optional<int> restart_if_budget(const Plan& plan, std::deque<SteadyClock::t
   }
   restarts->push_back(SteadyClock::now());
   return std::nullopt;
+}
+
+
+// This program's path, for the rank agents the launcher starts.
+std::string own_path() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string("epx");
+}
+
+// A fresh folder for one attempt's rank reports (stale reports removed).
+Result<std::string> agent_folder(const Plan& plan, int attempt) {
+  const std::string dir = fmt::format("{}/attempt-{}", plan.agent_root, attempt);
+  for (const std::string& d : {plan.agent_root, dir})
+    if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST)
+      return failed_precondition("cannot make the rank reports' folder {}: {}", d, std::strerror(errno));
+  for (const RankEnd& e : read_rank_ends(dir)) ::unlink(fmt::format("{}/rank-{}.json", dir, e.rank).c_str());
+  return dir;
+}
+
+// The command line of one attempt, and the folder of its rank reports
+// (--hosts), or why not.
+Result<std::vector<std::string>> attempt_line(const Plan& plan, int attempt, const SuperviseOptions& o,
+                                              std::string* agent_dir) {
+  // A restart resumes from the save folder; so does a first run whose folder
+  // has a checkpoint and whose command names no --resume (a supervisor started
+  // again after its own end).
+  const bool resume = latest_step(plan.save_dir) >= 0 &&
+                      (attempt > 0 || (value_of(plan.command, "--resume").empty()));
+  std::vector<std::string> train = resume ? with_resume(plan.command, plan.save_dir) : plan.command;
+  if (!plan.pool) return train;
+  auto dir = agent_folder(plan, attempt);
+  if (!dir.is_ok()) return dir.status();
+  *agent_dir = *dir;
+  return launch_line(o.launcher, plan.pool->hosts(), o.launcher_args, own_path(), *dir, train);
 }
 
 }  // namespace
@@ -302,11 +426,31 @@ CLI::App* add_supervise_command(CLI::App& app, SuperviseOptions& o) {
   cmd->add_option("--grace", o.grace_s, "Seconds between SIGTERM and SIGKILL when stopping a stalled command")
       ->transform(in_range(0.0, 3600.0))
       ->capture_default_str();
-  cmd->add_option("--events", o.events_path, "Append each start, exit, restart and give-up as a JSON line here");
+  cmd->add_option("--events", o.events_path,
+                  "Append each start, exit, failed rank, excluded host and give-up as a JSON line here");
+  cmd->add_option("--hosts", o.hosts,
+                  "Start the ranks here (HOST:SLOTS,...; one rank per slot, the first host's first) with --launcher, "
+                  "each under an agent that records how it ended, so a failure names its rank and host; the "
+                  "command is then epx train ... alone (its --ranks is set to the slots)");
+  cmd->add_option("--spare-hosts", o.spare_hosts, "With --hosts: hosts (HOST:SLOTS,...) that replace excluded ones, in order");
+  cmd->add_option("--exclude-after", o.exclude_after,
+                  "With --hosts: failures of a host after which the run goes on without it (or on a spare host)")
+      ->transform(in_range(1, 1000000))
+      ->capture_default_str();
+  cmd->add_option("--launcher", o.launcher, "With --hosts: mpirun or srun")
+      ->check(CLI::IsMember({"mpirun", "srun"}))
+      ->capture_default_str();
+  cmd->add_option("--launcher-arg", o.launcher_args,
+                  "With --hosts: one more argument for the launcher, before the command (repeatable; e.g. "
+                  "--launcher-arg=--mca --launcher-arg=btl --launcher-arg=self,tcp)")
+      ->allow_extra_args(false);
+  cmd->add_option("--rank-agent", o.rank_agent_dir, "Internal: run the command as one rank's agent, reporting here")
+      ->group("");
   return cmd;
 }
 
 int run_supervise(const SuperviseOptions& o) {
+  if (!o.rank_agent_dir.empty()) return run_rank_agent(o.rank_agent_dir, o.command);
   Result<Plan> plan = make_plan(o);
   if (!plan.is_ok()) {
     fmt::print(stderr, "epx supervise: {}\n", plan.status().message());
@@ -319,18 +463,33 @@ int run_supervise(const SuperviseOptions& o) {
   }
   catch_signals();
   std::deque<SteadyClock::time_point> restarts;
+  Restarting restarting;
   for (int attempt = 0;; ++attempt) {
-    const bool resume = attempt > 0 && latest_step(plan->save_dir) >= 0;
-    const std::vector<std::string> args = resume ? with_resume(plan->command, plan->save_dir) : plan->command;
-    events.write({{"event", "start"}, {"attempt", attempt}, {"command", args}});
+    std::string agent_dir;
+    const Result<std::vector<std::string>> line = attempt_line(*plan, attempt, o, &agent_dir);
+    if (!line.is_ok()) {
+      fmt::print(stderr, "epx supervise: {}\n", line.status().message());
+      return kExitFailed;
+    }
+    const std::vector<std::string>& args = *line;
+    nlohmann::json start_event{{"event", "start"}, {"attempt", attempt}, {"command", args}};
+    if (plan->pool) {
+      start_event["hosts"] = format_hosts(plan->pool->hosts());
+      start_event["ranks"] = total_slots(plan->pool->hosts());
+    }
+    if (attempt > 0) start_event["checkpoint_step"] = latest_step(plan->save_dir);
+    events.write(start_event);
     Stopwatch watch;
     const pid_t pid = start(args);
     if (pid < 0) {
       fmt::print(stderr, "epx supervise: cannot start {}: {}\n", args[0], std::strerror(errno));
       return kExitFailed;
     }
-    const Ended ended = wait_for(pid, *plan, o);
+    restarting.attempt = attempt;
+    const Ended ended = wait_for(pid, *plan, agent_dir, restarting, o, events);
+    restarting.failed_at = ended.noticed;
     events.write(exit_event(ended, attempt, *plan, watch.seconds()));
+    if (plan->pool && !record_rank_failure(ended, attempt, *plan, o, events)) return kExitFailed;
     if (std::optional<int> code = after_run(ended, *plan, &restarts, o, events)) return *code;
   }
 }

@@ -470,8 +470,13 @@ Status check_save_dir(const std::string& dir) {
   if (fs::exists(path / kCheckpointMarker, ec)) return Status::ok();
   fs::directory_iterator it(path, ec);
   if (ec) return invalid_argument("--save {}: cannot list the folder: {}", dir, ec.message());
-  // Another process's probe file (every MPI process probes) does not count.
-  while (it != fs::directory_iterator() && it->path().filename().string().rfind(".epx-probe-", 0) == 0) it.increment(ec);
+  // Another process's probe file (every MPI process probes) does not count,
+  // nor the marker that rank 0 made since the check above (a new folder).
+  const auto ours = [](const fs::path& p) {
+    const std::string name = p.filename().string();
+    return name.rfind(".epx-probe-", 0) == 0 || name == kCheckpointMarker;
+  };
+  while (it != fs::directory_iterator() && ours(it->path())) it.increment(ec);
   if (ec || it == fs::directory_iterator()) return Status::ok();
   return invalid_argument("--save {} is a folder that holds other files (e.g. '{}') and no {} marker; epx writes "
                           "checkpoints only into a new or empty folder, or one it created",

@@ -3,6 +3,8 @@
 #   kill -9 of the training: restarted from its latest checkpoint, it reaches its last step and
 #     its loss curve (the metrics file, cut back at the resume) equals an uninterrupted run's;
 #   SIGSTOP of the training: --stall-seconds stops it (SIGTERM, then SIGKILL) and restarts it;
+#   a kill during a restart: of the restarted run (restarted again), of the supervisor (its run dies
+#     with it, latest stays valid, the next supervisor resumes; epx monitor --events counts it);
 #   a crash loop (a rank failing at the same step every time): gives up after --max-restarts;
 #   SIGUSR1 to the supervisor: passed on, the training saves and exits 75, and so does supervise;
 #   a command without --save: refused (exit 2).
@@ -51,6 +53,44 @@ grep -q '"signal":"Killed"' "$work/killed.events" || fail "after kill -9: the ex
   fail "after kill -9: the loss curve differs from the uninterrupted run's"
 echo "ok   kill -9: restarted from its checkpoint, the same 300 losses as an uninterrupted run"
 
+# waits until the events file NAME.events holds N start events
+starts_reach() {
+  local waited=0
+  until (( $(events "$work/$1.events" start 2>/dev/null || echo 0) >= $2 )); do
+    sleep 0.02
+    (( ++waited < 3000 )) || fail "$1: no start $2 within 60 s"
+  done
+}
+
+# A kill during the restart: the restarted run killed before its first step.
+supervised again
+kill -9 "$(child_at again 120)"
+starts_reach again 2
+pid=$(pgrep -P "$sup" | head -n 1)
+[[ -n "$pid" ]] && kill -9 "$pid"
+wait "$sup"; code=$?; sup=
+[[ $code == 0 && $(events "$work/again.events" start) == 3 ]] ||
+  fail "killed while restarting: exit $code, want 0 after 3 starts: $(cat "$work/again.events")"
+[[ "$(losses "$work/again.jsonl")" == "$(losses "$work/ref.jsonl")" ]] || fail "killed while restarting: the curve differs"
+echo "ok   the restarted run killed while restarting: restarted again, the same losses"
+
+# The supervisor itself killed while restarting: its run dies with it, latest stays valid, and
+# the supervisor started again resumes from it.
+supervised again2
+kill -9 "$(child_at again2 120)"
+starts_reach again2 2
+kill -9 "$sup"; wait "$sup" 2>/dev/null; sup=
+for _ in $(seq 100); do pgrep -f "$work/again2 " >/dev/null || break; sleep 0.05; done
+! pgrep -f "$work/again2 " >/dev/null || fail "supervisor killed: its run lives on"
+[[ "$(cat "$work/again2/latest")" == step-000100 ]] || fail "supervisor killed: latest is $(cat "$work/again2/latest")"
+supervised again2
+wait "$sup"; code=$?; sup=
+[[ $code == 0 ]] || fail "supervisor killed, started again: exit $code: $(tail -n 5 "$work/again2.out")"
+[[ "$(losses "$work/again2.jsonl")" == "$(losses "$work/ref.jsonl")" ]] || fail "supervisor killed: the curve differs"
+out=$("$epx" monitor "$work/again2.jsonl" --events "$work/again2.events" --plain); code=$?
+[[ $code == 0 && $out == *"supervised: 2 restarts, "* ]] || fail "epx monitor --events: exit $code: $out"
+echo "ok   the supervisor killed while restarting: nothing left running, latest valid, resumed by the next one"
+
 supervised stopped --stall-seconds 2 --grace 1
 kill -STOP "$(child_at stopped 120)"
 wait "$sup"; code=$?; sup=
@@ -77,4 +117,6 @@ echo "ok   SIGUSR1: passed on; the training saved, both exited 75"
 
 out=$("$epx" supervise -- "$epx" "${train[@]}" 2>&1); code=$?
 [[ $code == 2 && "$out" == *"names no save folder"* ]] || fail "no --save: exit $code: $out"
+out=$("$epx" report "$work/ref.jsonl" --events "$work/no.events" -o "$work/r.html" 2>&1); code=$?
+[[ $code == 2 && "$out" == *"no.events"* ]] || fail "report --events of a missing file: exit $code: $out"
 echo "supervise_test: all supervisor checks passed"

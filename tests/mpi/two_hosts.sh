@@ -43,6 +43,11 @@
 #   --mpirun-arg ARG   extra mpirun argument (repeatable), e.g. --mpirun-arg -x --mpirun-arg FOO
 #   -x VAR             forward VAR to the ranks (mpirun -x; repeatable)
 #   --verbose          print the mpirun command and log fake-ssh calls
+#   --launch-in-host-a run PROGRAM itself in host a instead of mpirun: it starts the
+#                      MPI runs (e.g. epx supervise --hosts), with
+#                        EPX_TWO_HOSTS_NAMES="HOST_A HOST_B [HOST_C]" and
+#                        EPX_TWO_HOSTS_MPIRUN_ARGS: the mpirun arguments after
+#                        --host/-np/--map-by slot, one a line (fake-ssh, transports)
 #   --bare             experiments: launch only (hosts, ranks, fake-ssh, --oversubscribe);
 #                      none of the pml/osc/btl/oob/UCX settings below
 #   --no-uts           experiments: both hosts keep this machine's hostname
@@ -54,7 +59,7 @@ set -u
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 me=two_hosts.sh
 
-np=2 hosts=2 cpus='' rate='' rate_host='' burst=256kb tbf_latency=20ms delay='' timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
+launch_in_a=0 np=2 hosts=2 cpus='' rate='' rate_host='' burst=256kb tbf_latency=20ms delay='' timeout_s=300 subnet=10.231.77 verbose=0 bare=0 uts=1
 extra=()
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -72,6 +77,7 @@ while [ $# -gt 0 ]; do
     --mpirun-arg) extra+=("$2"); shift 2 ;;
     -x) extra+=(-x "$2"); shift 2 ;;
     --verbose|-v) verbose=1; shift ;;
+    --launch-in-host-a) launch_in_a=1; shift ;;
     --bare) bare=1; shift ;;
     --no-uts) uts=0; shift ;;
     -h|--help) usage ;;
@@ -255,8 +261,8 @@ tmp=$(mktemp -d "/tmp/epx2h-$id.XXXXXX") && export TMPDIR=$tmp
 
 mpirun_cmd=(
   mpirun
-  --host "$host_list" -np $((hosts * np))
-  --oversubscribe --map-by slot
+  --host "$host_list" -np $((hosts * np)) --map-by slot
+  --oversubscribe
   --mca plm_rsh_agent "$here/fake-ssh"
 )
 if [ "$bare" = 0 ]; then
@@ -279,6 +285,13 @@ else
   in_host_a=(ip netns exec "$ns_a")
 fi
 [ -n "$cpus" ] && in_host_a+=(taskset -c "${cpu_sets[0]}")
+if [ "$launch_in_a" = 1 ]; then  # the program runs mpirun itself: it gets the arguments after --map-by slot
+  EPX_TWO_HOSTS_MPIRUN_ARGS=$(printf '%s\n' "${mpirun_cmd[@]:7:${#mpirun_cmd[@]}-7-$#}")
+  EPX_TWO_HOSTS_NAMES=
+  for h in "${names[@]}"; do n=host_$h; EPX_TWO_HOSTS_NAMES+="${EPX_TWO_HOSTS_NAMES:+ }${!n}"; done
+  export EPX_TWO_HOSTS_MPIRUN_ARGS EPX_TWO_HOSTS_NAMES
+  mpirun_cmd=("$@")
+fi
 [ "$verbose" = 1 ] && echo "$me: ip netns exec $ns_a unshare --uts (hostname $host_a): ${mpirun_cmd[*]}" >&2
 t0=$(date +%s.%N)
 "${in_host_a[@]}" timeout --kill-after=10 "$timeout_s" "${mpirun_cmd[@]}" &
