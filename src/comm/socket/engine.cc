@@ -134,6 +134,9 @@ Result<std::vector<std::byte>> Engine::take(int peer, uint32_t channel, int32_t 
     return body;
   }
   if (!failure_.is_ok()) return failure_;
+  if (links_[peer].closed && !links_[peer].goodbye)  // its failure is being recorded
+    return aborted("{} closed its connection without closing its transport: the process exited or was killed",
+                   describe_peer(*this, peer));
   if (links_[peer].closed || links_[peer].goodbye)
     return aborted("{} closed its transport before sending", describe_peer(*this, peer));
   return deadline_exceeded("nothing arrived");
