@@ -2,6 +2,7 @@
 """Train a small byte-level MoE language model with epx.torch and torch's AdamW.
 
     mpirun -n 4 /usr/bin/python3 examples/python/train_moe.py     # 4 processes, experts split 4 ways
+    python3 -m epx.launch --nproc-per-node 4 examples/python/train_moe.py   # the same, started the torchrun way
     /usr/bin/python3 examples/python/train_moe.py                  # 1 process holding every expert
     /usr/bin/python3 examples/python/train_moe.py --ranks 4        # 4 in-process ranks (threads)
 
@@ -59,13 +60,17 @@ def parse_args(argv=None):
     p.add_argument("--no-expert-bias", action="store_true", help="turn off aux-loss-free balancing")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--ranks", type=int, default=1, help="in-process ranks (threads) when not under mpirun")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="in-process ranks (threads) when not under mpirun, torchrun or epx.launch")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--losses-out", help="write the loss curve here (JSON)")
     p.add_argument("--metrics", help="write epx train's metrics lines here (a new file), for epx monitor and "
                                      "epx report")
     p.add_argument("--compare", help="a curve from --losses-out: exit 1 if a step differs by more than the tolerance")
     p.add_argument("--tolerance", type=float, default=CURVE_TOLERANCE, help="for --compare, per step")
+    p.add_argument("--exact", action="store_true",
+                   help="for --compare: every loss must be the same float (as printed in shortest round-trip form), "
+                        "e.g. the same number of ranks under another launcher")
     return p.parse_args(argv)
 
 
@@ -187,12 +192,20 @@ def train(transport, args):
     return losses
 
 
-def compare_curves(losses, path, tolerance):
-    """0 if every step is within tolerance of the saved curve, else 1 (and say where)."""
+def compare_curves(losses, path, tolerance, exact=False):
+    """0 if every step is within tolerance of the saved curve (exact: the same float), else 1 (and say where)."""
     saved = json.load(open(path))["losses"]
     if len(saved) != len(losses):
         print(f"compare: {len(losses)} steps here, {len(saved)} in {path}")
         return 1
+    if exact:
+        differ = [i for i in range(len(losses)) if repr(losses[i]) != repr(saved[i])]
+        if differ:
+            i = differ[0]
+            print(f"compare: curves DIFFER at {len(differ)} step(s), first at step {i}: {losses[i]!r} vs {saved[i]!r}")
+            return 1
+        print(f"compare: curves identical over {len(losses)} steps (last loss {losses[-1]!r})")
+        return 0
     worst = max(range(len(losses)), key=lambda i: abs(losses[i] - saved[i]))
     diff = abs(losses[worst] - saved[worst])
     verdict = "agree" if diff <= tolerance else "DIFFER"
@@ -201,14 +214,13 @@ def compare_curves(losses, path, tolerance):
     return 0 if diff <= tolerance else 1
 
 
-def under_mpirun():
-    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
-
-
 def main(argv=None):
     args = parse_args(argv)
-    if under_mpirun():
-        transport = epx.mpi_transport()
+    transport = epx.launched_transport()  # mpirun / srun, torchrun / epx.launch, or None
+    if transport is not None:
+        if transport.rank == 0:
+            print(f"{transport.backend} transport: {transport.num_nodes} node(s) x "
+                  f"{transport.num_ranks // transport.num_nodes} rank(s)", flush=True)
         losses, rank, ranks = train(transport, args), transport.rank, transport.num_ranks
     else:
         losses, rank, ranks = epx.InprocWorld(num_ranks=args.ranks).run(lambda t: train(t, args))[0], 0, args.ranks
@@ -220,7 +232,7 @@ def main(argv=None):
     print(f"{ranks} rank(s): loss {losses[0]:.4f} -> {losses[-1]:.4f} in {len(losses)} steps")
     if args.losses_out:
         json.dump({"ranks": ranks, "losses": losses}, open(args.losses_out, "w"))
-    return compare_curves(losses, args.compare, args.tolerance) if args.compare else 0
+    return compare_curves(losses, args.compare, args.tolerance, args.exact) if args.compare else 0
 
 
 if __name__ == "__main__":

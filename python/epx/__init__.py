@@ -1,8 +1,10 @@
 """epx: expert parallelism for Mixture-of-Experts models, from Python (docs/python.md).
 
 The exchange (Buffer: dispatch, combine, their backward passes, ...), the
-transports (InprocWorld, mpi_transport) and routing come from the extension
-epx._epx; the exception classes from epx.errors.
+transports (InprocWorld, mpi_transport, socket_transport) and routing come from
+the extension epx._epx; torchrun_transport and launched_transport (processes
+started by torchrun, epx.launch or mpirun) from epx._environment; the exception
+classes from epx.errors.
 """
 
 import numpy as _np
@@ -26,6 +28,7 @@ from . import _args, _epx
 _args.explain_all(_epx)  # one-line errors for arguments pybind11 cannot convert
 from ._epx import *  # noqa: E402,F401,F403
 from ._epx import __version__  # noqa: F401
+from ._environment import launched_transport, torchrun_transport  # noqa: E402,F401
 
 
 def bf16_from_f32(a):

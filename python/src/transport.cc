@@ -1,5 +1,6 @@
 // Transports: in-process worlds (ranks are threads running a Python function
-// each) and MPI (one rank per process, initialised on first use).
+// each), MPI (one rank per process, initialised on first use) and sockets
+// (one rank per process, met through a key-value store: epx.torchrun_transport).
 #include "transport.h"
 
 #include <dlfcn.h>
@@ -17,6 +18,7 @@
 #include "arrays.h"
 #include "epx/comm/inproc.h"
 #include "epx/comm/mpi.h"
+#include "epx/comm/socket.h"
 #include "errors.h"
 #include "gil.h"
 
@@ -105,13 +107,22 @@ void abort_on_uncaught_exception() {
   });
 }
 
+// Once per process: transports of other processes (MPI, sockets) are closed
+// at exit in order, and aborted by an uncaught exception.
+void close_at_exit() {
+  static bool registered = false;
+  if (registered) return;
+  registered = true;
+  pb::module_::import("atexit").attr("register")(pb::cpp_function(&close_mpi));
+  abort_on_uncaught_exception();
+}
+
 MpiSession& mpi_session() {
   MpiState& state = mpi_state();
   if (!state.session) {
     promote_libmpi();
     state.session = call([] { return MpiSession::init(nullptr, nullptr); });
-    pb::module_::import("atexit").attr("register")(pb::cpp_function(&close_mpi));
-    abort_on_uncaught_exception();
+    close_at_exit();
   }
   return *state.session;
 }
@@ -128,8 +139,9 @@ void refuse_torchrun_launch() {
   throw_error("FailedPreconditionError",
               fmt::format("mpi_transport: WORLD_SIZE={} and RANK={} are set (a torchrun-style launch) but no MPI "
                           "launcher started this process, so MPI would make it rank 0 of 1 and each process would "
-                          "train alone; start the {} processes with `mpirun -n {} python3 ...` or srun (epx has no "
-                          "torch.distributed transport), or run in one process with epx.InprocWorld",
+                          "train alone; use epx.torchrun_transport() (or epx.launched_transport()) for this launch, "
+                          "start the {} processes with `mpirun -n {} python3 ...` or srun, or run in one process with "
+                          "epx.InprocWorld",
                           world_size, rank != nullptr ? rank : "(unset)", size, size));
 }
 
@@ -139,6 +151,54 @@ TransportPtr mpi_transport(int ranks_per_node) {
   MpiOptions options;
   options.ranks_per_node = ranks_per_node;
   TransportPtr out = wrap(call([&] { return session.connect(options); }), true);
+  mpi_state().transports.push_back(out);
+  return out;
+}
+
+// ---- Sockets: a rendezvous through a store given as two Python callables -------
+
+// set(key: str, value: bytes) and get(key: str, timeout_s: float) -> bytes,
+// called with the GIL (connect runs without it).
+class PyStore final : public KeyValueStore {
+ public:
+  PyStore(pb::object set, pb::object get) : set_(std::move(set)), get_(std::move(get)) {}
+  Status set(const std::string& key, const std::string& value) override {
+    pb::gil_scoped_acquire gil;
+    try {
+      set_(key, pb::bytes(value));
+      return Status::ok();
+    } catch (pb::error_already_set& error) {
+      return internal_error("the store's set({}) raised {}", key, error.what());
+    }
+  }
+  Result<std::string> get(const std::string& key, const Deadline& deadline) override {
+    pb::gil_scoped_acquire gil;
+    try {
+      const double seconds = std::chrono::duration<double>(deadline.remaining()).count();
+      return get_(key, std::max(seconds, 0.001)).cast<std::string>();
+    } catch (pb::error_already_set& error) {
+      return deadline_exceeded("the store's get({}) raised {} (no rank set it in time?)", key, error.what());
+    }
+  }
+
+ private:
+  pb::object set_;
+  pb::object get_;
+};
+
+TransportPtr socket_transport(int rank, int world_size, const std::string& address, pb::object store_set,
+                              pb::object store_get, int ranks_per_node, const std::string& prefix,
+                              pb::handle timeout) {
+  SocketOptions options;
+  options.rank = rank;
+  options.world_size = world_size;
+  options.address = address;
+  options.ranks_per_node = ranks_per_node;
+  options.prefix = prefix;
+  options.setup_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_after(timeout, 60.0).remaining());
+  PyStore store(std::move(store_set), std::move(store_get));
+  TransportPtr out = wrap(call([&] { return connect_sockets(store, options); }), true);
+  close_at_exit();
   mpi_state().transports.push_back(out);
   return out;
 }
@@ -260,7 +320,7 @@ void refuse_and_abort(const PyTransport& transport, std::string_view error_class
 void at_mpi_exit(std::function<void()> close) { mpi_state().buffer_closers.push_back(std::move(close)); }
 
 void register_transport(pb::module_& m) {
-  pb::class_<PyTransport, TransportPtr>(m, "Transport", "One rank's transport (in-process or MPI).")
+  pb::class_<PyTransport, TransportPtr>(m, "Transport", "One rank's transport (in-process, MPI or sockets).")
       .def_property_readonly("rank", [](const PyTransport& t) { return t.get().rank(); })
       .def_property_readonly("num_ranks", [](const PyTransport& t) { return t.get().num_ranks(); })
       .def_property_readonly("num_nodes", [](const PyTransport& t) { return t.get().topology().num_nodes(); })
@@ -289,6 +349,12 @@ void register_transport(pb::module_& m) {
 
   m.def("mpi_transport", &mpi_transport, pb::arg("ranks_per_node") = 0,
         "This process's rank under mpirun / srun (MPI initialised on first use, finalised at exit).");
+  m.def("socket_transport", &socket_transport, pb::arg("rank"), pb::arg("world_size"), pb::arg("address"),
+        pb::arg("store_set"), pb::arg("store_get"), pb::arg("ranks_per_node") = 0, pb::arg("prefix") = "epx",
+        pb::arg("timeout") = 60.0,
+        "The socket backend's transport of this process (collective over world_size processes), met through a "
+        "store: store_set(key, value: bytes), store_get(key, timeout_s) -> bytes. epx.torchrun_transport() calls it "
+        "with torch.distributed's store.");
   m.def("mpi_available", &mpi_available);
   m.def("launched_by_mpi", &launched_by_mpi);
 }

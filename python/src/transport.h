@@ -15,8 +15,8 @@
 namespace epx::py {
 
 struct PyTransport {
-  std::unique_ptr<Transport> transport;  // null once closed (MPI, at interpreter exit)
-  bool mpi = false;
+  std::unique_ptr<Transport> transport;  // null once closed (MPI, sockets: at interpreter exit)
+  bool mpi = false;  // closed at interpreter exit: MPI or sockets
   // The transport; FailedPreconditionError once closed.
   Transport& get() const;
 };

@@ -66,7 +66,9 @@ ALLOWED = {
     "chromium": {"--dump-dom": "the report's browser check", "--headless": "the report's browser check"},
     "gtest": {"--gtest_filter": "one case of a GoogleTest binary"},
     "make": {},
-    "python3": {"--system-site-packages": "a venv that sees Debian's numpy and torch (the pip route)"},
+    "python3": {"--system-site-packages": "a venv that sees Debian's numpy and torch (the pip route)",
+                "--nproc-per-node": "python3 -m epx.launch: processes per node", "--nnodes": "epx.launch: nodes",
+                "--node-rank": "epx.launch: this node", "--master-addr": "epx.launch: node 0's address"},
     "git": {},
     "taskset": {},
 }
