@@ -19,6 +19,7 @@ packages=(
   chromium  # the report's browser test (tests/observe/report_browser_test.sh)
   python3-dev pybind11-dev libdlpack-dev python3-numpy python3-torch python3-pytest  # import epx, epx.torch
   python3-venv  # `pip install .` into a venv (make venv, the pip test)
+  fortunes  # English text for examples/python/train_lm.py: /usr/share/games/fortunes (2.4 MB of quotations, poems, jokes)
 )
 
 if [[ "${EPX_SKIP_SETUP:-0}" == 1 ]]; then

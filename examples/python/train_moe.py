@@ -113,10 +113,13 @@ class Block(nn.Module):
 
 
 class MoELanguageModel(nn.Module):
-    def __init__(self, args, transport):
+    """Bytes -> embedding -> --layers blocks -> LayerNorm -> logits over the 256 bytes. `block`:
+    block(args, transport, layer_index) makes one block holding its MoE layer as `.moe`."""
+
+    def __init__(self, args, transport, block=Block):
         super().__init__()
         self.embed = nn.Embedding(256, args.hidden)
-        self.blocks = nn.ModuleList(Block(args, transport, i) for i in range(args.layers))
+        self.blocks = nn.ModuleList(block(args, transport, i) for i in range(args.layers))
         self.norm = nn.LayerNorm(args.hidden)
         self.head = nn.Linear(args.hidden, 256)
         self.init_dense(args.seed)
