@@ -13,19 +13,25 @@
    --shapes 1x8 2x4): the C++ command with --json, then the same operations
    from Python with torch tensors on an epx.InprocWorld of the same shape.
 Timing as the C++ benchmark: every operation starts after the transport's
-barrier, each rank records its start and end, the time is the last end minus
-the first start; one checked warm-up, then --reps repetitions, medians; combine
+barrier and is followed by another, each rank records its start and end, the
+time is the last end minus the first start; one checked warm-up, then --reps repetitions, medians; combine
 is the zero-copy form (y copied into Buffer.combine_input outside the timing).
 The routing is uniform and distinct per token like the C++ one but drawn by
 torch (other rows, the same distribution): the received row counts are printed
-side by side. ratio = C++ time / Python time (1 = no overhead). Prints one JSON
-object per line; the last one is the summary.
+side by side. ratio = C++ time / Python time (1 = no overhead). The machine may be
+shared: --rounds alternates the C++ command and the Python runs so that both
+see the same load, and the medians pool every round's repetitions. Each
+operation's CPU time (the ranks' thread CPU time summed; the C++ bench's
+cpu_ms) is printed too: unlike wall time it does not grow with other load,
+so cpu_ratio = C++ CPU / Python CPU shows the work the Python layer adds.
+Prints one JSON object per line; the last one is the summary.
 """
 import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_util as bu  # noqa: E402
@@ -37,15 +43,18 @@ import epx  # noqa: E402
 
 
 def cxx_bench(binary, tokens, ranks, shapes, reps):
-    """`epx bench exchange --json`: {(tokens, "NxM"): {"dispatch_ms", "combine_ms", "rows"}}."""
+    """`epx bench exchange --json`: {(tokens, "NxM"): {"dispatch", "combine": samples in ms, "dispatch_cpu",
+    "combine_cpu": the medians of the ranks' summed CPU ms, "rows"}}."""
     cmd = [binary, "bench", "exchange", "--json", "--ranks", str(ranks), "--reps", str(reps),
            "--tokens", ",".join(map(str, tokens)), "--nodes-shapes", ",".join(shapes)]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     res = {}
     for s in out["shapes"]:
         key = (s["tokens"], f"{s['nodes']}x{s['ranks_per_node']}")
-        res[key] = {"dispatch_ms": bu.median(s["dispatch"]["samples_ms"]),
-                    "combine_ms": bu.median(s["combine"]["samples_ms"]), "rows": s["rows"]}
+        res[key] = {"rows": s["rows"]}
+        for op in ("dispatch", "combine"):
+            res[key][op] = s[op]["samples_ms"]
+            res[key][f"{op}_cpu"] = [s[op]["cpu_ms"]]
     return res
 
 
@@ -55,13 +64,26 @@ class Marks:
     def __init__(self, ranks):
         self.ranks = {m: [[] for _ in range(ranks)] for m in ("dispatch", "combine")}
 
+        self.cpu = {m: [[] for _ in range(ranks)] for m in ("dispatch", "combine")}
+
     def timed(self, t, method, fn):
-        return bu.timed(lambda: t.barrier(timeout=60.0), fn, self.ranks[method][t.rank])
+        cpu = time.thread_time()
+        value = bu.timed(lambda: t.barrier(timeout=60.0), fn, self.ranks[method][t.rank])
+        self.cpu[method][t.rank].append(time.thread_time() - cpu)
+        # As the C++ bench: no rank goes on before all have ended, so no rank's
+        # next Python work (holding the GIL) delays another rank's end.
+        t.barrier(timeout=60.0)
+        return value
 
     def spans(self, method, skip):
         per_rank = self.ranks[method]
         reps = len(per_rank[0])
         return [bu.span([r[i][0] for r in per_rank], [r[i][1] for r in per_rank]) for i in range(skip, reps)]
+
+    def cpu_seconds(self, method, skip):
+        """The ranks' thread CPU time per repetition, summed (the barrier before each op included)."""
+        per_rank = self.cpu[method]
+        return [sum(r[i] for r in per_rank) for i in range(skip, len(per_rank[0]))]
 
 
 def check_rank(x, idx, out, num_ranks):
@@ -71,7 +93,8 @@ def check_rank(x, idx, out, num_ranks):
 
 
 def python_bench(tokens, ranks, nodes, reps, seed):
-    """The same operations from Python on an InprocWorld; returns (dispatch spans, combine spans, rows)."""
+    """The same operations from Python on an InprocWorld: {"dispatch", "combine": spans in s,
+    "dispatch_cpu", "combine_cpu": summed CPU s, "rows"}."""
     inputs = [make_inputs(r, tokens, seed) for r in range(ranks)]
     per_rank = sum(rows_per_rank(idx, ranks)[0] for _, idx, _ in inputs)
     marks = Marks(ranks)
@@ -93,17 +116,30 @@ def python_bench(tokens, ranks, nodes, reps, seed):
         t.barrier(timeout=60.0)
 
     epx.InprocWorld(num_ranks=ranks, num_nodes=nodes).run(rank_fn)
-    return marks.spans("dispatch", 1), marks.spans("combine", 1), int(per_rank.sum())
+    res = {"rows": int(per_rank.sum())}
+    for op in ("dispatch", "combine"):
+        res[op] = marks.spans(op, 1)
+        res[f"{op}_cpu"] = marks.cpu_seconds(op, 1)
+    return res
+
+
+def pool(into, res):
+    """Appends one round's samples (lists) to the pooled ones."""
+    for k, v in res.items():
+        into[k] = into.get(k, []) + v if isinstance(v, list) else v
+    return into
 
 
 def compare(tokens, ranks, shape, py, cxx):
-    d, c, rows = py
-    rec = {"tokens": tokens, "ranks": ranks, "shape": shape, "rows_python": rows, "rows_cxx": cxx["rows"],
-           "python_dispatch": bu.summary_ms(d), "python_combine": bu.summary_ms(c),
-           "cxx_dispatch_ms": cxx["dispatch_ms"], "cxx_combine_ms": cxx["combine_ms"]}
+    rec = {"tokens": tokens, "ranks": ranks, "shape": shape, "rows_python": py["rows"], "rows_cxx": cxx["rows"]}
     for op in ("dispatch", "combine"):
-        rec[f"{op}_ratio"] = rec[f"cxx_{op}_ms"] / rec[f"python_{op}"]["median_ms"]
-        rec[f"{op}_overhead_us"] = 1e3 * (rec[f"python_{op}"]["median_ms"] - rec[f"cxx_{op}_ms"])
+        rec[f"python_{op}"] = bu.summary_ms(py[op])
+        rec[f"cxx_{op}"] = bu.summary_ms([ms * 1e-3 for ms in cxx[op]])
+        rec[f"python_{op}_cpu_ms"] = 1e3 * bu.median(py[f"{op}_cpu"])
+        rec[f"cxx_{op}_cpu_ms"] = bu.median(cxx[f"{op}_cpu"])
+        rec[f"{op}_ratio"] = rec[f"cxx_{op}"]["median_ms"] / rec[f"python_{op}"]["median_ms"]
+        rec[f"{op}_cpu_ratio"] = rec[f"cxx_{op}_cpu_ms"] / rec[f"python_{op}_cpu_ms"]
+        rec[f"{op}_overhead_us"] = 1e3 * (rec[f"python_{op}"]["median_ms"] - rec[f"cxx_{op}"]["median_ms"])
     return rec
 
 
@@ -116,27 +152,36 @@ def main():
     ap.add_argument("--overhead-ranks", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--overhead-reps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="C++ and Python alternated this many times, pooled")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(json.dumps({"run": bu.run_record(), "torch": torch.__version__}), flush=True)
     rows = []
     for ranks in args.overhead_ranks:
         shape = f"1x{ranks}"
-        cxx = cxx_bench(args.epx, [1], ranks, [shape], args.overhead_reps)[(1, shape)]
-        py = python_bench(1, ranks, 1, args.overhead_reps, args.seed)
+        cxx, py = {}, {}
+        for _ in range(args.rounds):
+            pool(cxx, cxx_bench(args.epx, [1], ranks, [shape], args.overhead_reps)[(1, shape)])
+            pool(py, python_bench(1, ranks, 1, args.overhead_reps, args.seed))
         rows.append({"part": "overhead", **compare(1, ranks, shape, py, cxx)})
         print(json.dumps(rows[-1]), flush=True)
     ranks = 8
-    cxx = cxx_bench(args.epx, args.tokens, ranks, args.shapes, args.reps)
+    cxx, py = {}, {}
+    for _ in range(args.rounds):
+        for key, res in cxx_bench(args.epx, args.tokens, ranks, args.shapes, args.reps).items():
+            pool(cxx.setdefault(key, {}), res)
+        for tokens in args.tokens:
+            for shape in args.shapes:
+                nodes = int(shape.split("x")[0])
+                pool(py.setdefault((tokens, shape), {}), python_bench(tokens, ranks, nodes, args.reps, args.seed))
     for tokens in args.tokens:
         for shape in args.shapes:
-            nodes = int(shape.split("x")[0])
-            py = python_bench(tokens, ranks, nodes, args.reps, args.seed)
-            rows.append({"part": "exchange", **compare(tokens, ranks, shape, py, cxx[(tokens, shape)])})
+            key = (tokens, shape)
+            rows.append({"part": "exchange", **compare(tokens, ranks, shape, py[key], cxx[key])})
             print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"summary": [{k: r[k] for k in ("part", "tokens", "ranks", "shape", "dispatch_ratio",
-                                                      "combine_ratio", "dispatch_overhead_us",
-                                                      "combine_overhead_us")} for r in rows]}))
+    print(json.dumps({"load_average_end": bu.load_average(), "summary": [
+        {k: r[k] for k in ("part", "tokens", "ranks", "shape", "dispatch_ratio", "combine_ratio", "dispatch_cpu_ratio",
+                           "combine_cpu_ratio", "dispatch_overhead_us", "combine_overhead_us")} for r in rows]}))
 
 
 if __name__ == "__main__":
