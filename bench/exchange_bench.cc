@@ -37,12 +37,13 @@ enum Method : int {
   kLayerCombine,
   kMemcpyLayer,
   kMemcpyExpanded,
+  kLayerCombineOutside,
   kNumMethods
 };
 constexpr std::array<std::string_view, kNumMethods> kSpanName = {
     "bench.dispatch",       "bench.combine",       "bench.combine_copy_in", "bench.memcpy",
     "bench.naive_dispatch", "bench.naive_combine", "bench.layer_combine",   "bench.memcpy_layer",
-    "bench.memcpy_expanded"};
+    "bench.memcpy_expanded", "bench.layer_combine_outside"};
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -51,6 +52,13 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr DType kReceiverY = DType::kBF16;
 
 bool receiver_weights(const ExchangeBenchConfig& c) { return c.layer_combine_weights == CombineWeights::kReceiver; }
+
+// Holder weights with f32 partials (the layer's default): the experts write
+// their f32 rows into the combine region (combine_expanded_input), as the
+// layer does when the Buffer has room, and the combine reads them in place.
+bool rows_in_place(const ExchangeBenchConfig& c) {
+  return c.layer_combine && !receiver_weights(c) && c.layer_combine_dtype == DType::kF32;
+}
 
 // Bytes per received row that the layer's combine moves: y in kReceiverY
 // with receiver weights, else one partial in layer_combine_dtype.
@@ -167,10 +175,11 @@ std::size_t layer_combine_bytes(const ExchangeBenchConfig& c, int64_t expanded_r
 
 // Receiver weights: the f32 combine-region rows that hold the most bf16
 // expanded rows (its (token, expert) rows, no padding) a rank of the plan gets.
+// Rows in place (rows_in_place): the f32 rows of the most expanded rows.
 int64_t expanded_region_rows(const ExchangeBenchConfig& c, const ShapePlan& plan) {
-  if (!c.layer_combine || c.layer_combine_weights != CombineWeights::kReceiver) return 0;
+  if (!c.layer_combine || (!receiver_weights(c) && !rows_in_place(c))) return 0;
   const int64_t most = *std::max_element(plan.naive_recv.begin(), plan.naive_recv.end());
-  return most / 2 + 1;
+  return receiver_weights(c) ? most / 2 + 1 : most + 1;
 }
 
 MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan) {
@@ -414,11 +423,15 @@ class RankBench {
     options.partial_dtype = config_.layer_combine_dtype;
     options.weights_at = config_.layer_combine_weights;
     TensorView y = layer_y_view_;
-    if (options.weights_at == CombineWeights::kReceiver) {
-      // The experts' bf16 rows, written into the region untimed (the other
-      // combines overwrite it between repetitions).
-      EPX_ASSIGN_OR_RETURN(y, buffer_->combine_expanded_input(recv_.handle, kReceiverY));
-      for (int64_t i = 0; i < y.size(0); ++i) detail::to_bf16(layer_y_view_.row<float>(i), config_.hidden, y.row<uint16_t>(i));
+    if (receiver() || rows_in_place(config_)) {
+      // The experts' rows, written into the region untimed (the other
+      // combines overwrite it between repetitions): bf16 with receiver
+      // weights, f32 in place.
+      EPX_ASSIGN_OR_RETURN(y, buffer_->combine_expanded_input(recv_.handle, receiver() ? kReceiverY : DType::kF32));
+      for (int64_t i = 0; i < y.size(0); ++i) {
+        if (receiver()) detail::to_bf16(layer_y_view_.row<float>(i), config_.hidden, y.row<uint16_t>(i));
+        else std::memcpy(y.row<float>(i), layer_y_view_.row<float>(i), sizeof(float) * config_.hidden);
+      }
     }
     EPX_RETURN_IF_ERROR(timed(kLayerCombine, record, [&] {
       return buffer_->combine_expanded(y, recv_.handle, layer_out_view_, {}, options);
@@ -427,7 +440,18 @@ class RankBench {
     // Receiver weights round f32 payload rows to bf16 in y.
     const bool rounded = config_.layer_combine_dtype == DType::kBF16 || (receiver() && config_.dtype != DType::kBF16);
     const double tolerance = rounded ? 1e-2 : 1e-5;
-    if (check) return check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32, tolerance);
+    if (check)
+      EPX_RETURN_IF_ERROR(
+          check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32, tolerance));
+    if (!rows_in_place(config_)) return Status::ok();
+    // The same combine with y outside the Buffer: each holder writes its
+    // partials into its region first. The same bits.
+    if (check) layer_in_place_ = std::vector<std::byte>(layer_out_.data(), layer_out_.data() + layer_out_.size());
+    EPX_RETURN_IF_ERROR(timed(kLayerCombineOutside, record, [&] {
+      return buffer_->combine_expanded(layer_y_view_, recv_.handle, layer_out_view_, {}, options);
+    }));
+    if (check && std::memcmp(layer_in_place_.data(), layer_out_.data(), layer_out_.size()) != 0)
+      return internal_error("rank {}: the layer combine with y in place and with y outside differ in bits", rank_);
     return Status::ok();
   }
 
@@ -627,6 +651,7 @@ class RankBench {
   NaiveDispatchResult naive_recv_;
   AlignedBuffer layer_y_;    // the layer combine's y_expanded (f32)
   AlignedBuffer layer_out_;  // and its f32 out
+  std::vector<std::byte> layer_in_place_;  // out of the combine with y in place, when checked
   TensorView layer_y_view_;
   TensorView layer_out_view_;
 };
@@ -784,6 +809,7 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.expanded_bytes = config.layer_combine && receiver_weights(config) ? r.naive_rows * receiver_y_row_bytes(config) : 0;
   r.layer_combine = summarize(shared, kLayerCombine, r.layer_bytes, config.num_ranks);
   r.memcpy_layer = summarize(shared, kMemcpyLayer, r.layer_bytes, config.num_ranks);
+  r.layer_combine_outside = summarize(shared, kLayerCombineOutside, r.layer_bytes, config.num_ranks);
   r.memcpy_expanded = summarize(shared, kMemcpyExpanded, r.expanded_bytes, config.num_ranks);
   auto ratio = [](double num, double den) { return den > 0 ? num / den : 0.0; };
   r.dispatch_vs_memcpy = ratio(r.memcpy.time_ms, r.dispatch.time_ms);
@@ -796,6 +822,8 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.combine_vs_naive_cpu = ratio(r.naive_combine.cpu_ms, r.combine.cpu_ms);
   r.layer_combine_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine.time_ms);
   r.layer_combine_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine.time_ms);
+  r.layer_outside_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine_outside.time_ms);
+  r.layer_outside_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine_outside.time_ms);
   r.layer_combine_vs_memcpy_cpu = ratio(r.memcpy_layer.cpu_ms, r.layer_combine.cpu_ms);
   return r;
 }

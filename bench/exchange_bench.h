@@ -54,7 +54,8 @@ struct ExchangeBenchConfig {
   bool record_waits = true;  // BufferConfig::record_waits of epx's Buffers
   // Also time the MoE layer's combine (MoELayer calls Buffer::combine_expanded:
   // expanded per-expert f32 rows, weighted, f32 partials sent, f32 out) and a
-  // memcpy of the bytes it sends. Its Buffers then take max_combine_dtype = f32.
+  // memcpy of the bytes it sends. Its Buffers then take max_combine_dtype = f32
+  // (and, f32 holder partials, room for the expanded f32 rows in place).
   bool layer_combine = true;
   // The partials' dtype of that combine (CombineOptions::partial_dtype): f32
   // or bf16 (half the bytes, each partial rounded once).
@@ -122,6 +123,11 @@ struct ExchangeBenchResult {
   MethodTiming layer_combine;
   MethodTiming memcpy_layer;
   MethodTiming memcpy_expanded;  // receiver weights: memcpy of the expanded bf16 rows
+  // Holder weights with f32 partials: layer_combine reads the experts' rows in
+  // the combine region (combine_expanded_input, as MoELayer writes them when
+  // the Buffer has room); this is the same combine with y_expanded outside
+  // the Buffer (each holder writes its f32 partials first).
+  MethodTiming layer_combine_outside;
   int64_t layer_bytes = 0;  // recv_rows * hidden * 4 (2: bf16 partials, receiver weights), summed over ranks
   int64_t expanded_bytes = 0;  // receiver weights: (token, expert) rows * hidden * 2, summed over ranks
   double dispatch_vs_memcpy = 0;  // memcpy time / dispatch time (share of the memcpy rate reached)
@@ -130,6 +136,8 @@ struct ExchangeBenchResult {
   double combine_vs_naive = 0;
   double layer_combine_vs_memcpy = 0;  // memcpy_layer time / layer_combine time
   double layer_combine_vs_naive = 0;   // naive combine (also weighted) time / layer_combine time
+  double layer_outside_vs_memcpy = 0;  // the same for layer_combine_outside
+  double layer_outside_vs_naive = 0;
   // The same ratios from CPU time (MethodTiming::cpu_ms), steadier than wall
   // time when other processes share the cores.
   double dispatch_vs_memcpy_cpu = 0;

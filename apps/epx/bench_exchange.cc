@@ -80,6 +80,9 @@ nlohmann::json result_json(const bench::ExchangeBenchResult& r) {
           {"layer_combine", timing_json(r.layer_combine)},
           {"memcpy_layer", timing_json(r.memcpy_layer)},
           {"memcpy_expanded", timing_json(r.memcpy_expanded)},
+          {"layer_combine_outside", timing_json(r.layer_combine_outside)},
+          {"layer_outside_vs_memcpy", r.layer_outside_vs_memcpy},
+          {"layer_outside_vs_naive", r.layer_outside_vs_naive},
           {"layer_bytes", r.layer_bytes},
           {"expanded_bytes", r.expanded_bytes},
           {"layer_combine_vs_memcpy", r.layer_combine_vs_memcpy},
@@ -115,6 +118,8 @@ void print_table(std::FILE* f, const std::vector<bench::ExchangeBenchResult>& re
     line("naive combine", r.naive_combine, 0, 0);
     if (r.config.layer_combine) {
       line("layer combine", r.layer_combine, r.layer_combine_vs_memcpy, r.layer_combine_vs_naive);
+      if (r.layer_combine_outside.time_ms > 0)
+        line("layer (y outside)", r.layer_combine_outside, r.layer_outside_vs_memcpy, r.layer_outside_vs_naive);
       line("memcpy (layer)", r.memcpy_layer, 0, 0);
       if (r.expanded_bytes > 0)
         line("memcpy (expanded)", r.memcpy_expanded, r.memcpy_expanded.time_ms / r.layer_combine.time_ms, 0);
@@ -313,7 +318,8 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
              o.reps, o.num_ranks, machine.cores,
              o.layer_combine == "receiver" ? "bf16 expert rows in the combine region, weighted by the receiver, f32 out"
              : o.layer_combine == "bf16"   ? "f32 expert rows, weighted, bf16 partials sent, f32 out"
-                                           : "f32 expert rows, weighted, f32 partials sent, f32 out",
+                                           : "f32 expert rows in the combine region, weighted where they lie, f32 partials only across nodes, "
+               "f32 out; layer (y outside): the same with the rows outside the Buffer, f32 partials written first",
              o.layer_combine == "receiver" ? "the bytes a bf16 combine moves" : "the partial bytes it sends",
              o.layer_combine == "bf16" || o.layer_combine == "receiver" ? 2 : 4,
              o.layer_combine == "receiver"

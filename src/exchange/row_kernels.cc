@@ -46,21 +46,6 @@ EPX_SIMD_CLONES void start2_bf16(float* acc, const uint16_t* a, const uint16_t* 
   for (int c = 0; c < n; ++c) acc[c] = (0.0f + bf16_to_f32(a[c])) + bf16_to_f32(b[c]);
 }
 
-// acc (+)= a, or acc (+)= a + b: `started` says whether acc holds a sum yet.
-void add_rows(float* acc, bool started, const std::byte* a, const std::byte* b, DType dtype, int n) {
-  const bool bf16 = dtype == DType::kBF16;
-  const auto* a16 = reinterpret_cast<const uint16_t*>(a);
-  const auto* b16 = reinterpret_cast<const uint16_t*>(b);
-  const auto* a32 = reinterpret_cast<const float*>(a);
-  const auto* b32 = reinterpret_cast<const float*>(b);
-  if (b == nullptr) {
-    if (started) bf16 ? add_bf16(acc, a16, n) : add_f32(acc, a32, n);
-    else bf16 ? start_bf16(acc, a16, n) : start_f32(acc, a32, n);
-  } else {
-    if (started) bf16 ? add2_bf16(acc, a16, b16, n) : add2_f32(acc, a32, b32, n);
-    else bf16 ? start2_bf16(acc, a16, b16, n) : start2_f32(acc, a32, b32, n);
-  }
-}
 
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) { return bf16_to_f32(v); }
@@ -161,9 +146,25 @@ void dots4(const float* const* g, const float* const* y, int n, float* s) {
 }
 
 // Columns per slice: the accumulator and a partial stay in L1.
-constexpr int kSlice = 512;
+constexpr int kSlice = kRowSlice;
 
 }  // namespace
+
+// acc (+)= a, or acc (+)= a + b: `started` says whether acc holds a sum yet.
+void add_rows(float* acc, bool started, const std::byte* a, const std::byte* b, DType dtype, int n) {
+  const bool bf16 = dtype == DType::kBF16;
+  const auto* a16 = reinterpret_cast<const uint16_t*>(a);
+  const auto* b16 = reinterpret_cast<const uint16_t*>(b);
+  const auto* a32 = reinterpret_cast<const float*>(a);
+  const auto* b32 = reinterpret_cast<const float*>(b);
+  if (b == nullptr) {
+    if (started) bf16 ? add_bf16(acc, a16, n) : add_f32(acc, a32, n);
+    else bf16 ? start_bf16(acc, a16, n) : start_f32(acc, a32, n);
+  } else {
+    if (started) bf16 ? add2_bf16(acc, a16, b16, n) : add2_f32(acc, a32, b32, n);
+    else bf16 ? start2_bf16(acc, a16, b16, n) : start2_f32(acc, a32, b32, n);
+  }
+}
 
 void accumulate(float* acc, const std::byte* src, DType dtype, int n) {
   if (dtype == DType::kBF16)
@@ -186,25 +187,29 @@ void store(std::byte* dst, DType dtype, const float* acc, int n) {
     std::memcpy(dst, acc, sizeof(float) * static_cast<std::size_t>(n));
 }
 
+void weighted_slice(float* acc, const std::byte* const* rows, const float* weights, int num_rows, DType row_dtype,
+                    std::size_t offset, int n) {
+  if (num_rows == 0) {
+    std::fill(acc, acc + n, 0.0f);
+    return;
+  }
+  // Four rows per pass while four remain, then two, then one: the order of
+  // one pass per row, in fewer passes over acc.
+  int r = 0;
+  for (; r + 3 < num_rows; r += 4) accumulate4_weighted(acc, r == 0, weights + r, rows + r, offset, row_dtype, n);
+  if (r == 0) first_weighted(acc, weights[0], rows[0] + offset, row_dtype, n), r = 1;
+  for (; r + 1 < num_rows; r += 2)
+    accumulate2_weighted(acc, weights[r], rows[r] + offset, weights[r + 1], rows[r + 1] + offset, row_dtype, n);
+  if (r < num_rows) accumulate_weighted(acc, weights[r], rows[r] + offset, row_dtype, n);
+}
+
 void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* rows, const float* weights,
                       int num_rows, DType row_dtype, int hidden) {
   alignas(64) float acc[kSlice];
   const std::size_t in_size = dtype_size(row_dtype), out_size = dtype_size(out_dtype);
   for (int c0 = 0; c0 < hidden; c0 += kSlice) {
     const int n = std::min(kSlice, hidden - c0);
-    const std::size_t offset = static_cast<std::size_t>(c0) * in_size;
-    if (num_rows == 0) {
-      std::fill(acc, acc + n, 0.0f);
-    } else {
-      // Four rows per pass while four remain, then two, then one: the
-      // order of one pass per row, in fewer passes over acc.
-      int r = 0;
-      for (; r + 3 < num_rows; r += 4) accumulate4_weighted(acc, r == 0, weights + r, rows + r, offset, row_dtype, n);
-      if (r == 0) first_weighted(acc, weights[0], rows[0] + offset, row_dtype, n), r = 1;
-      for (; r + 1 < num_rows; r += 2)
-        accumulate2_weighted(acc, weights[r], rows[r] + offset, weights[r + 1], rows[r + 1] + offset, row_dtype, n);
-      if (r < num_rows) accumulate_weighted(acc, weights[r], rows[r] + offset, row_dtype, n);
-    }
+    weighted_slice(acc, rows, weights, num_rows, row_dtype, static_cast<std::size_t>(c0) * in_size, n);
     store(out + static_cast<std::size_t>(c0) * out_size, out_dtype, acc, n);
   }
 }
@@ -241,7 +246,6 @@ void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, 
              DType bias_dtype, int hidden, RowStores stores) {
   alignas(64) float acc[kSlice];
   alignas(64) float partial[kSlice];
-  alignas(64) std::byte rounded[kSlice * sizeof(float)];  // a rounded slice of out, when streamed
   for (int c0 = 0; c0 < hidden; c0 += kSlice) {
     const int n = std::min(kSlice, hidden - c0);
     bool started = false;  // acc = 0 + the groups so far; unread before the first
@@ -266,16 +270,22 @@ void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, 
       started = true;
     }
     if (!started) std::fill(acc, acc + n, 0.0f);
-    if (bias) accumulate(acc, bias + static_cast<std::size_t>(c0) * dtype_size(bias_dtype), bias_dtype, n);
-    std::byte* dst = out + static_cast<std::size_t>(c0) * dtype_size(out_dtype);
-    if (stores == RowStores::kStreamed && dtype_size(out_dtype) <= sizeof(float)) {
-      // f32 out streams straight from acc; other types are rounded first.
-      const std::byte* src = reinterpret_cast<const std::byte*>(acc);
-      if (out_dtype != DType::kF32) store(rounded, out_dtype, acc, n), src = rounded;
-      copy_row(dst, src, static_cast<std::size_t>(n) * dtype_size(out_dtype), stores);
-    } else {
-      store(dst, out_dtype, acc, n);
-    }
+    finish_slice(out, out_dtype, c0, acc, bias, bias_dtype, n, stores);
+  }
+}
+
+void finish_slice(std::byte* out, DType out_dtype, int c0, float* acc, const std::byte* bias, DType bias_dtype, int n,
+                  RowStores stores) {
+  if (bias) accumulate(acc, bias + static_cast<std::size_t>(c0) * dtype_size(bias_dtype), bias_dtype, n);
+  std::byte* dst = out + static_cast<std::size_t>(c0) * dtype_size(out_dtype);
+  if (stores == RowStores::kStreamed && dtype_size(out_dtype) <= sizeof(float)) {
+    // f32 out streams straight from acc; other types are rounded first.
+    alignas(64) std::byte rounded[kSlice * sizeof(float)];
+    const std::byte* src = reinterpret_cast<const std::byte*>(acc);
+    if (out_dtype != DType::kF32) store(rounded, out_dtype, acc, n), src = rounded;
+    copy_row(dst, src, static_cast<std::size_t>(n) * dtype_size(out_dtype), stores);
+  } else {
+    store(dst, out_dtype, acc, n);
   }
 }
 

@@ -29,6 +29,20 @@ void store(std::byte* dst, DType dtype, const float* acc, int n);
 void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* rows, const float* weights,
                       int num_rows, DType row_dtype, int hidden);
 
+// Columns the row functions work on at a time: an f32 slice of this many
+// stays in L1 beside a few others.
+inline constexpr int kRowSlice = 512;
+
+// The slice [offset, offset + n) (offset in bytes of row_dtype) of
+// weighted_partial in fp32 into acc[0, n): the same bits as weighted_partial
+// to f32 on those columns.
+void weighted_slice(float* acc, const std::byte* const* rows, const float* weights, int num_rows, DType row_dtype,
+                    std::size_t offset, int n);
+
+// acc = 0 + a (+ b) when !started, else acc = (acc + a) (+ b): the passes of
+// sum_row; b may be null.
+void add_rows(float* acc, bool started, const std::byte* a, const std::byte* b, DType dtype, int n);
+
 // One dot product of combine_expanded's backward: *out = <g, y>, g an f32
 // row, y a row of the dtype column_order_dots is given.
 struct DotJob {
@@ -58,5 +72,10 @@ struct SumGroup {
 // caller calls finish_streamed_rows() before a reader is told.
 void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,
              DType bias_dtype, int hidden, RowStores stores = RowStores::kCached);
+
+// The end of one slice of sum_row: acc (columns [c0, c0 + n) of a sum, at most
+// kRowSlice) plus the bias slice when given, stored into out's slice.
+void finish_slice(std::byte* out, DType out_dtype, int c0, float* acc, const std::byte* bias, DType bias_dtype, int n,
+                  RowStores stores);
 
 }  // namespace epx::detail

@@ -474,10 +474,18 @@ struct MoELayer::Impl {
   }
 
   // Where the experts write y: the Buffer's combine region in dtype (receiver
-  // weights: the combine reads it there), else y_expanded in f32.
+  // weights: the combine reads it there); with holder weights and f32
+  // partials, the region in f32 when it has room for the rows
+  // (BufferConfig::max_expanded_rows; the combine then weighs them where they
+  // lie, docs/design.md); else y_expanded in f32.
   Result<TensorView> routed_output(int64_t rows) {
     if (config.combine_weights == CombineWeights::kReceiver)
       return buffer.combine_expanded_input(handle, config.dtype);
+    if (config.combine_dtype == DType::kF32) {
+      // Refused only for want of room (the handle and dtype are valid), before anything is written.
+      Result<TensorView> in_region = buffer.combine_expanded_input(handle, DType::kF32);
+      if (in_region.is_ok()) return in_region;
+    }
     return TensorView::contiguous(ensure(y_expanded, rows * hidden()), DType::kF32, {rows, hidden()});
   }
 

@@ -41,11 +41,15 @@ MoELayerConfig small_layer() {
   return c;
 }
 
-Result<std::unique_ptr<Buffer>> make_buffer(Transport& t, const MoELayerConfig& c, int max_tokens) {
+// room_in_place: the combine region has room for the expanded f32 rows, so
+// the layer's experts write them there and the combine reads them in place.
+Result<std::unique_ptr<Buffer>> make_buffer(Transport& t, const MoELayerConfig& c, int max_tokens,
+                                            bool room_in_place = false) {
   BufferConfig bc{.num_experts = c.router.num_experts, .hidden = c.hidden, .dtype = c.dtype,
                   .max_topk = c.router.topk, .max_tokens_per_rank = max_tokens, .placement = {}};
   if (c.combine_weights == CombineWeights::kReceiver)
     bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, t.num_ranks(), c.dtype);
+  if (room_in_place) bc.max_expanded_rows = Buffer::expanded_rows_bound(bc, t.num_ranks(), DType::kF32);
   return Buffer::create(t, bc);
 }
 
@@ -194,7 +198,8 @@ struct RunResult {
   std::vector<int64_t> tokens_per_expert, work_per_rank;
 };
 
-RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config, std::vector<int32_t> slot_expert = {}) {
+RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config, std::vector<int32_t> slot_expert = {},
+                    bool room_in_place = false) {
   const int H = config.hidden, E = config.router.num_experts;
   const std::vector<float> all_x = global_inputs(total, H, 5), all_c = global_inputs(total, H, 6);
   RunResult result;
@@ -208,7 +213,7 @@ RunResult run_layer(int num_ranks, int total, const MoELayerConfig& config, std:
     std::vector<float> c(all_c.begin() + first, all_c.begin() + first + T * H);
     std::unique_ptr<Buffer> buffer;
     if (slot_expert.empty()) {
-      EPX_ASSIGN_OR_RETURN(buffer, make_buffer(t, config, total));
+      EPX_ASSIGN_OR_RETURN(buffer, make_buffer(t, config, total, room_in_place));
     } else {
       const int S = static_cast<int>(slot_expert.size());
       EPX_ASSIGN_OR_RETURN(auto placement, ExpertPlacement::contiguous(S, num_ranks));
@@ -334,6 +339,22 @@ TEST(MoELayerPrecision, Bf16PartialsFollowF32PartialsWithinBf16Rounding) {
   EXPECT_EQ(f32.grad_x, bf16.grad_x);
   ASSERT_EQ(f32.grads.size(), bf16.grads.size());
   for (const auto& [name, grad] : f32.grads) EXPECT_EQ(grad, bf16.grads.at(name)) << name;
+}
+
+// Holder weights with room in the combine region: the experts write y in
+// f32 there and the combine weighs each holder's rows where they lie. The
+// output and every gradient keep the bits of y kept outside the Buffer.
+TEST(MoELayerPrecision, RowsInPlaceKeepTheBitsOfRowsOutside) {
+  MoELayerConfig config = small_layer();
+  config.router = {.num_experts = 8, .topk = 4, .normalize_weights = true};
+  for (const int ranks : {1, 4}) {
+    const RunResult outside = run_layer(ranks, 48, config);
+    const RunResult in_place = run_layer(ranks, 48, config, {}, /*room_in_place=*/true);
+    EXPECT_EQ(outside.out, in_place.out) << ranks << " ranks";
+    EXPECT_EQ(outside.grad_x, in_place.grad_x) << ranks << " ranks";
+    ASSERT_EQ(outside.grads.size(), in_place.grads.size());
+    for (const auto& [name, grad] : outside.grads) EXPECT_EQ(grad, in_place.grads.at(name)) << name;
+  }
 }
 
 // combine_weights receiver: the experts write y in bf16 into the
