@@ -603,14 +603,8 @@ int open_outputs(const TrainOptions& o, const TrainConfig& c, bool root, std::op
   return kExitOk;
 }
 
-}  // namespace
-
-CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
-  CLI::App* cmd = app.add_subcommand(
-      "train",
-      "Train an MoE model on ranks that are threads of this process or, under mpirun or srun, one process each "
-      "(experts spread over them), and report loss, load balance and "
-      "where the time went. Settings: defaults < --config FILE.toml < flags");
+// The run: settings file, ranks and nodes, EP groups, backend, steps, batch, timeout, seed.
+void add_train_run_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--config", o.config_path, "A TOML file of settings (see configs/train-*.toml); flags override it");
   cmd->add_option("--ranks", o.num_ranks, "Ranks: threads, or under MPI the processes started (they must be equal)")
       ->transform(in_range(1, 256))
@@ -643,6 +637,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--seed", o.seed, "Seed of the data and the initialisation")
       ->transform(at_least(uint64_t{0}))
       ->capture_default_str();
+}
+
+// The training data.
+void add_train_data_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--data", o.data,
                   "synthetic (clustered inputs, Zipf-skewed cluster sizes, one random function per cluster) or "
                   "text:FILE (byte-level next-byte prediction)")
@@ -650,6 +648,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--clusters", o.clusters, "Synthetic: clusters")->transform(at_least(1))->capture_default_str();
   cmd->add_option("--zipf", o.zipf, "Synthetic: Zipf exponent of the cluster sizes")->capture_default_str();
   cmd->add_option("--window", o.window, "Text: bytes of context per token")->transform(at_least(1))->capture_default_str();
+}
+
+// The model's shape.
+void add_train_model_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--layers", o.layers, "MoE layers")->transform(at_least(1))->capture_default_str();
   cmd->add_option("--hidden", o.hidden, "Hidden size")->transform(at_least(1))->capture_default_str();
   cmd->add_option("--ffn-hidden", o.ffn_hidden, "Width of each expert")->transform(at_least(1))->capture_default_str();
@@ -660,6 +662,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--shared-experts", o.shared_experts, "Shared experts (every token, every rank)")
       ->transform(at_least(0))
       ->capture_default_str();
+}
+
+// Payload and compute types, overlap, and how the combine works.
+void add_train_exchange_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--dtype", o.dtype, "Dispatch payload (and the expert GEMMs' input): f32 or bf16")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
@@ -696,6 +702,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "--combine-dtype f32 and a flat exchange; docs/design.md, Expanded layout and weighted combine)")
       ->check(CLI::IsMember({"holder", "receiver"}))
       ->capture_default_str();
+}
+
+// The router and load balancing.
+void add_train_routing_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--score", o.score, "Gate: softmax or sigmoid")->check(CLI::IsMember({"softmax", "sigmoid"}))->capture_default_str();
   cmd->add_option("--groups", o.groups, "Expert groups for group-limited routing (1 = none)")
       ->transform(at_least(1))
@@ -718,6 +728,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "experts plus one redundant slot per EP rank)")
       ->transform(at_least(0))
       ->capture_default_str();
+}
+
+// The optimizer and the gradient all-reduce.
+void add_train_optimizer_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--lr", o.lr, "Peak learning rate (AdamW)")->capture_default_str();
   cmd->add_option("--warmup", o.warmup, "Warm-up steps (then cosine decay)")->transform(at_least(int64_t{0}))->capture_default_str();
   cmd->add_option("--clip", o.clip, "Gradient-norm clip (0 = off)")->capture_default_str();
@@ -726,6 +740,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "final, beside the rest of the backward; off: after the backward (the same bits)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+}
+
+// What the run writes to watch it: metrics, trace, wait records.
+void add_train_observe_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--metrics", o.metrics_path,
                   "Write one JSON line per step to this file ('-' = stdout, and all other output goes to stderr). "
                   "Its folder is checked writable before step 1; a line that cannot be written stops the run at "
@@ -747,6 +765,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "stay 0), only to measure what recording costs")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
+}
+
+// Checkpoints, resuming, and the dry run and balancing comparison.
+void add_train_checkpoint_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--save", o.save_dir,
                   "Checkpoint folder that epx owns: new, empty, or written by epx before (anything else is refused, "
                   "nothing touched). Each save adds a verified step-NNNNNN folder and updates 'latest'; checked "
@@ -782,6 +804,24 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "Run the same training once per strategy (comma-separated; empty = none,aux,bias,capacity,"
                   "bias+capacity,eplb,bias+eplb) and print a table side by side")
       ->expected(0, 1);
+}
+
+}  // namespace
+
+CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
+  CLI::App* cmd = app.add_subcommand(
+      "train",
+      "Train an MoE model on ranks that are threads of this process or, under mpirun or srun, one process each "
+      "(experts spread over them), and report loss, load balance and "
+      "where the time went. Settings: defaults < --config FILE.toml < flags");
+  add_train_run_options(cmd, o);
+  add_train_data_options(cmd, o);
+  add_train_model_options(cmd, o);
+  add_train_exchange_options(cmd, o);
+  add_train_routing_options(cmd, o);
+  add_train_optimizer_options(cmd, o);
+  add_train_observe_options(cmd, o);
+  add_train_checkpoint_options(cmd, o);
   return cmd;
 }
 

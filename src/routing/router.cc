@@ -345,28 +345,247 @@ void apply_capacity(const RouterConfig& config, RouterOutput& out) {
   }
 }
 
-// Every field of out is written (its vectors keep their capacity).
-Status route_now(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
-                 RouterOutput& out) {
-  EPX_RETURN_IF_ERROR(config.validate());
-  // The logits' values are checked row by row while routing (below); a bad
-  // shape is reported here, and a bad value before a bad bias, as always.
-  EPX_RETURN_IF_ERROR(detail::check_logits_shape(logits, config.num_experts));
-  const int E = config.num_experts;
-  const int K = config.topk;
-  const int G = config.num_groups;
-  const int64_t T = logits.size(0);
-  const float* bias = nullptr;
-  if (expert_bias.defined()) {
-    if (expert_bias.ndim() != 1 || expert_bias.dtype() != DType::kF32 || expert_bias.size(0) != E ||
-        expert_bias.stride(0) != 1 || expert_bias.device().kind != DeviceKind::kHost) {
-      EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
-      return invalid_argument("expert_bias must be a host f32[{}] with unit stride, got {}", E,
-                              expert_bias.describe());
-    }
-    bias = expert_bias.data_as<const float>();
-  }
+// What routing a token needs besides its logits, fixed for a whole call: the
+// groups (and whether each is one range of ids), the bias, and the output.
+struct RoutePlan {
+  const RouterConfig& config;
+  const TensorView& logits;
+  const float* bias;  // null: no expert bias
+  RouterOutput& out;
+  int E, K, G;
+  std::vector<std::vector<int32_t>> groups;
+  int per_group;          // experts of a group that make its score
+  bool ranges = true;     // every group is one range of ids (contiguous groups always are)
+  int largest_group = 0;
+  std::vector<int32_t> group_of;
+  // A NaN bias makes selection scores incomparable, and then the order in
+  // which candidates are visited shows: keep the original order for them.
+  bool bias_has_nan;
 
+  RoutePlan(const RouterConfig& c, const TensorView& l, const float* b, RouterOutput& o)
+      : config(c),
+        logits(l),
+        bias(b),
+        out(o),
+        E(c.num_experts),
+        K(c.topk),
+        G(c.num_groups),
+        groups(detail::group_members(c)),
+        per_group(std::max(1, c.topk / c.topk_groups)),
+        group_of(c.num_experts, 0),
+        bias_has_nan(b && std::any_of(b, b + c.num_experts, [](float x) { return std::isnan(x); })) {
+    for (int g = 0; g < G; ++g) {
+      const std::vector<int32_t>& m = groups[g];
+      ranges = ranges && m.back() - m.front() + 1 == static_cast<int32_t>(m.size());
+      largest_group = std::max(largest_group, static_cast<int>(m.size()));
+      for (int32_t e : m) group_of[e] = g;
+    }
+  }
+};
+
+// One thread's working memory for routing its tokens (allocated once per range).
+struct RouteScratch {
+  explicit RouteScratch(const RoutePlan& p)
+      : select(p.bias ? p.E : 0),
+        group_score(p.G),
+        member_score(p.ranges ? 0 : p.largest_group),
+        best_value(std::max(p.K, p.per_group)),
+        best_id(std::max(p.K, p.per_group)),
+        group_value(p.config.topk_groups),
+        best_groups(p.config.topk_groups),
+        candidate_score(p.ranges ? 0 : p.E),
+        candidates(p.E),
+        group_kept(p.G),
+        group_top(2 * p.G),
+        witness(2 * p.G),
+        pick_value(p.E + 8),
+        pick_id(p.E + 8) {}
+  std::vector<float> select, group_score, member_score, best_value;
+  std::vector<int32_t> best_id;
+  std::vector<float> group_value;
+  std::vector<int32_t> best_groups;
+  std::vector<float> candidate_score;
+  std::vector<int32_t> candidates;
+  std::vector<uint8_t> group_kept;
+  std::vector<float> group_top, witness, pick_value;
+  std::vector<int32_t> pick_id;
+};
+
+// Group scores: the sum of each group's best `per_group` selection scores.
+void score_groups(const RoutePlan& p, const float* score, RouteScratch& w) {
+  for (int g = 0; g < p.G; ++g) {
+    const std::vector<int32_t>& m = p.groups[g];
+    const int size = static_cast<int>(m.size());
+    const int n = std::min(p.per_group, size);
+    const float* member = score + m.front();
+    if (!p.ranges) {
+      for (int i = 0; i < size; ++i) w.member_score[i] = score[m[i]];
+      member = w.member_score.data();
+    }
+    if (n <= 2 && !p.bias_has_nan) {
+      float* top = w.group_top.data() + 2 * g;
+      top2_values(member, size, &top[0], &top[1]);
+      w.group_score[g] = n == 1 ? 0.0f + top[0] : (0.0f + top[0]) + top[1];
+    } else {
+      TopList best(n, w.best_value.data(), w.best_id.data());
+      best.scan(member, size, nullptr, 0);
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) sum += w.best_value[j];
+      w.group_score[g] = sum;
+    }
+  }
+}
+
+// The best topk_groups groups (ties to the lower group id) into w.best_groups and w.group_kept.
+void keep_best_groups(const RoutePlan& p, RouteScratch& w) {
+  const int G = p.G;
+  if (std::none_of(w.group_score.begin(), w.group_score.end(), [](float x) { return std::isnan(x); })) {
+    for (int g = 0; g < G; ++g) {
+      int rank = 0;
+      for (int h = 0; h < G; ++h)
+        rank += (w.group_score[h] > w.group_score[g]) | ((w.group_score[h] == w.group_score[g]) & (h < g));
+      if (rank < p.config.topk_groups) w.best_groups[rank] = g;
+    }
+  } else {
+    TopList kept(p.config.topk_groups, w.group_value.data(), w.best_groups.data());
+    kept.scan(w.group_score.data(), G, nullptr, 0);
+  }
+  std::fill(w.group_kept.begin(), w.group_kept.end(), uint8_t{0});
+  for (int32_t g : w.best_groups) w.group_kept[g] = 1;
+}
+
+// The fast path of grouped selection: the kept groups' best values are
+// distinct candidates, so when there are K of them the K-th best of them
+// bounds the K-th best expert. False when it does not apply (sel untouched).
+bool select_grouped_by_bound(const RoutePlan& p, const float* score, int32_t* sel, RouteScratch& w) {
+  if (p.bias_has_nan || p.per_group > 2 || p.config.topk_groups * p.per_group < p.K) return false;
+  int num_witnesses = 0;
+  for (int32_t g : w.best_groups)
+    for (int j = 0; j < std::min(p.per_group, static_cast<int>(p.groups[g].size())); ++j)
+      w.witness[num_witnesses++] = w.group_top[2 * g + j];
+  if (num_witnesses < p.K) return false;
+  ThresholdSelect pick(kth_largest(w.witness.data(), num_witnesses, p.K), w.pick_value.data(), w.pick_id.data());
+  if (p.ranges) {
+    for (int32_t g : w.best_groups) pick.offer_range(score, p.groups[g].front(), static_cast<int>(p.groups[g].size()));
+  } else {
+    for (int e = 0; e < p.E; ++e)
+      if (w.group_kept[p.group_of[e]]) pick.offer(score[e], e);
+  }
+  if (!pick.small()) return false;
+  pick.best(p.K, sel);
+  return true;
+}
+
+// Group-limited top-k: the best K experts of the best topk_groups groups, into sel.
+void select_grouped(const RoutePlan& p, const float* score, int32_t* sel, RouteScratch& w) {
+  score_groups(p, score, w);
+  keep_best_groups(p, w);
+  if (select_grouped_by_bound(p, score, sel, w)) return;
+  if (p.bias_has_nan) {
+    int n = 0;
+    for (int32_t g : w.best_groups)
+      for (int32_t e : p.groups[g]) w.candidates[n++] = e;
+    top_k_of(score, w.candidates.data(), n, p.K, sel);
+  } else if (p.ranges) {
+    // Ascending ids across the kept groups: scan them by first id.
+    std::sort(w.best_groups.begin(), w.best_groups.end(),
+              [&](int32_t x, int32_t y) { return p.groups[x].front() < p.groups[y].front(); });
+    TopList top(p.K, w.best_value.data(), sel);
+    for (int32_t g : w.best_groups)
+      top.scan(score + p.groups[g].front(), static_cast<int>(p.groups[g].size()), nullptr, p.groups[g].front());
+  } else {
+    int n = 0;
+    for (int e = 0; e < p.E; ++e) {  // branch-free compaction, ids ascending
+      w.candidate_score[n] = score[e];
+      w.candidates[n] = e;
+      n += w.group_kept[p.group_of[e]];
+    }
+    TopList top(p.K, w.best_value.data(), sel);
+    top.scan(w.candidate_score.data(), n, w.candidates.data(), 0);
+  }
+}
+
+// Plain top-k over all experts, into sel.
+void select_flat(const RoutePlan& p, const float* score, int32_t* sel, RouteScratch& w) {
+  if (!p.bias_has_nan && p.K <= 16 && p.E >= 16) {
+    ThresholdSelect pick(kth_best_bound(score, p.E, p.K), w.pick_value.data(), w.pick_id.data());
+    pick.offer_range(score, 0, p.E);
+    if (pick.small()) {
+      pick.best(p.K, sel);
+      return;
+    }
+  }
+  TopList top(p.K, w.best_value.data(), sel);
+  top.scan(score, p.E, nullptr, 0);
+}
+
+// Token t's gate weights for its selected experts (softmax over them, or
+// their probabilities), normalised and scaled as configured.
+void write_weights(const RoutePlan& p, int64_t t, const float* row, const float* prob, const int32_t* sel) {
+  const int K = p.K;
+  float* w = p.out.selected_probs.data() + t * K;
+  if (p.config.softmax_after_topk) {
+    float max_logit = row[sel[0]];
+    for (int j = 1; j < K; ++j) max_logit = std::max(max_logit, row[sel[j]]);
+    float sum = 0.0f;
+    for (int j = 0; j < K; ++j) sum += (w[j] = std::exp(row[sel[j]] - max_logit));
+    for (int j = 0; j < K; ++j) w[j] /= sum;
+  } else {
+    for (int j = 0; j < K; ++j) w[j] = prob[sel[j]];
+  }
+  float denom = 1.0f;
+  if (p.config.normalize_weights) {
+    denom = 0.0f;
+    for (int j = 0; j < K; ++j) denom += w[j];
+  }
+  for (int j = 0; j < K; ++j) {
+    p.out.topk_idx[t * K + j] = sel[j];
+    p.out.topk_weights[t * K + j] = p.config.scaling_factor * (w[j] / denom);
+  }
+}
+
+// Routes tokens [t_begin, t_end). Tokens are independent: each range writes
+// only its own rows, so how the tokens are split over threads never changes
+// a bit. A range stops at a non-finite logit and says so in *bad_logits.
+void route_tokens(const RoutePlan& p, int64_t t_begin, int64_t t_end, uint8_t* bad_logits) {
+  RouteScratch w(p);
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const float* row = p.logits.row<const float>(t);
+    if (!detail::all_finite(row, p.E)) {
+      *bad_logits = 1;
+      return;
+    }
+    float* prob = p.out.scores.data() + t * p.E;
+    detail::probabilities_row(p.config.score_function, row, prob, p.E);
+    const float* base = p.config.softmax_after_topk ? row : prob;
+    const float* score = base;  // selection scores
+    if (p.bias) {
+      detail::add_rows(base, p.bias, w.select.data(), p.E);
+      score = w.select.data();
+    }
+    int32_t* sel = p.out.selected_idx.data() + t * p.K;
+    if (p.G > 1)
+      select_grouped(p, score, sel, w);
+    else
+      select_flat(p, score, sel, w);
+    write_weights(p, t, row, prob, sel);
+  }
+}
+
+// The bias as a pointer, after checking its shape; null when there is none.
+Result<const float*> checked_bias(const TensorView& logits, const TensorView& expert_bias, int E) {
+  if (!expert_bias.defined()) return static_cast<const float*>(nullptr);
+  if (expert_bias.ndim() != 1 || expert_bias.dtype() != DType::kF32 || expert_bias.size(0) != E ||
+      expert_bias.stride(0) != 1 || expert_bias.device().kind != DeviceKind::kHost) {
+    EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
+    return invalid_argument("expert_bias must be a host f32[{}] with unit stride, got {}", E, expert_bias.describe());
+  }
+  return expert_bias.data_as<const float>();
+}
+
+// Sizes every field of out for T tokens (its vectors keep their capacity).
+void reset_output(const RouterConfig& config, int64_t T, RouterOutput& out) {
+  const int E = config.num_experts, K = config.topk;
   out.num_tokens = T;
   out.num_experts = E;
   out.topk = K;
@@ -376,177 +595,21 @@ Status route_now(const RouterConfig& config, const TensorView& logits, const Ten
   out.selected_idx.assign(T * K, -1);
   out.selected_probs.assign(T * K, 0.0f);
   out.scores.resize(T * E);
+}
 
-  const std::vector<std::vector<int32_t>> groups = detail::group_members(config);
-  const int per_group = std::max(1, K / config.topk_groups);
-  // Groups that are each one range of ids (contiguous groups always are) are
-  // scanned in place; other maps gather a token's candidates first.
-  bool ranges = true;
-  int largest_group = 0;
-  std::vector<int32_t> group_of(E, 0);
-  for (int g = 0; g < G; ++g) {
-    const std::vector<int32_t>& m = groups[g];
-    ranges = ranges && m.back() - m.front() + 1 == static_cast<int32_t>(m.size());
-    largest_group = std::max(largest_group, static_cast<int>(m.size()));
-    for (int32_t e : m) group_of[e] = g;
-  }
-  // A NaN bias makes selection scores incomparable, and then the order in
-  // which candidates are visited shows: keep the original order for them.
-  const bool bias_has_nan = bias && std::any_of(bias, bias + E, [](float b) { return std::isnan(b); });
+// Every field of out is written (its vectors keep their capacity).
+Status route_into_output(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
+                         RouterOutput& out) {
+  EPX_RETURN_IF_ERROR(config.validate());
+  // The logits' values are checked row by row while routing (below); a bad
+  // shape is reported here, and a bad value before a bad bias, as always.
+  EPX_RETURN_IF_ERROR(detail::check_logits_shape(logits, config.num_experts));
+  const int E = config.num_experts;
+  const int64_t T = logits.size(0);
+  EPX_ASSIGN_OR_RETURN(const float* bias, checked_bias(logits, expert_bias, E));
+  reset_output(config, T, out);
+  const RoutePlan plan(config, logits, bias, out);
 
-  // Tokens are independent: each range writes only its own rows, so how the
-  // tokens are split over threads never changes a bit. A range stops at a
-  // non-finite logit and says so; route then reports the first one.
-  auto route_tokens = [&](int64_t t_begin, int64_t t_end, uint8_t* bad_logits) {
-    std::vector<float> select(bias ? E : 0);
-    std::vector<float> group_score(G);
-    std::vector<float> member_score(ranges ? 0 : largest_group);
-    std::vector<float> best_value(std::max(K, per_group));
-    std::vector<int32_t> best_id(std::max(K, per_group));
-    std::vector<float> group_value(config.topk_groups);
-    std::vector<int32_t> best_groups(config.topk_groups);
-    std::vector<float> candidate_score(ranges ? 0 : E);
-    std::vector<int32_t> candidates(E);
-    std::vector<uint8_t> group_kept(G);
-    std::vector<float> group_top(2 * G);
-    std::vector<float> witness(2 * G);
-    std::vector<float> pick_value(E + 8);
-    std::vector<int32_t> pick_id(E + 8);
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const float* row = logits.row<const float>(t);
-      if (!detail::all_finite(row, E)) {
-        *bad_logits = 1;
-        return;
-      }
-      float* prob = out.scores.data() + t * E;
-      detail::probabilities_row(config.score_function, row, prob, E);
-      const float* base = config.softmax_after_topk ? row : prob;
-      const float* score = base;  // selection scores
-      if (bias) {
-        detail::add_rows(base, bias, select.data(), E);
-        score = select.data();
-      }
-
-      int32_t* sel = out.selected_idx.data() + t * K;
-      bool selected = false;
-      if (G > 1) {
-        // Group scores: the sum of each group's best `n` values, best first.
-        for (int g = 0; g < G; ++g) {
-          const std::vector<int32_t>& m = groups[g];
-          const int size = static_cast<int>(m.size());
-          const int n = std::min(per_group, size);
-          const float* member = score + m.front();
-          if (!ranges) {
-            for (int i = 0; i < size; ++i) member_score[i] = score[m[i]];
-            member = member_score.data();
-          }
-          if (n <= 2 && !bias_has_nan) {
-            float* top = group_top.data() + 2 * g;
-            top2_values(member, size, &top[0], &top[1]);
-            group_score[g] = n == 1 ? 0.0f + top[0] : (0.0f + top[0]) + top[1];
-          } else {
-            TopList best(n, best_value.data(), best_id.data());
-            best.scan(member, size, nullptr, 0);
-            float sum = 0.0f;
-            for (int j = 0; j < n; ++j) sum += best_value[j];
-            group_score[g] = sum;
-          }
-        }
-        // The best topk_groups groups, ties to the lower group id.
-        if (std::none_of(group_score.begin(), group_score.end(), [](float x) { return std::isnan(x); })) {
-          for (int g = 0; g < G; ++g) {
-            int rank = 0;
-            for (int h = 0; h < G; ++h)
-              rank += (group_score[h] > group_score[g]) | ((group_score[h] == group_score[g]) & (h < g));
-            if (rank < config.topk_groups) best_groups[rank] = g;
-          }
-        } else {
-          TopList kept(config.topk_groups, group_value.data(), best_groups.data());
-          kept.scan(group_score.data(), G, nullptr, 0);
-        }
-        std::fill(group_kept.begin(), group_kept.end(), uint8_t{0});
-        for (int32_t g : best_groups) group_kept[g] = 1;
-        // The kept groups' best values are distinct candidates: when there
-        // are K of them, the K-th best of them bounds the K-th best expert.
-        if (!bias_has_nan && per_group <= 2 && config.topk_groups * per_group >= K) {
-          int num_witnesses = 0;
-          for (int32_t g : best_groups)
-            for (int j = 0; j < std::min(per_group, static_cast<int>(groups[g].size())); ++j)
-              witness[num_witnesses++] = group_top[2 * g + j];
-          if (num_witnesses >= K) {
-            ThresholdSelect pick(kth_largest(witness.data(), num_witnesses, K), pick_value.data(),
-                                 pick_id.data());
-            if (ranges) {
-              for (int32_t g : best_groups)
-                pick.offer_range(score, groups[g].front(), static_cast<int>(groups[g].size()));
-            } else {
-              for (int e = 0; e < E; ++e)
-                if (group_kept[group_of[e]]) pick.offer(score[e], e);
-            }
-            if (pick.small()) {
-              pick.best(K, sel);
-              selected = true;
-            }
-          }
-        }
-        if (!selected && bias_has_nan) {
-          int n = 0;
-          for (int32_t g : best_groups)
-            for (int32_t e : groups[g]) candidates[n++] = e;
-          top_k_of(score, candidates.data(), n, K, sel);
-        } else if (!selected && ranges) {
-          // Ascending ids across the kept groups: scan them by first id.
-          std::sort(best_groups.begin(), best_groups.end(),
-                    [&](int32_t x, int32_t y) { return groups[x].front() < groups[y].front(); });
-          TopList top(K, best_value.data(), sel);
-          for (int32_t g : best_groups)
-            top.scan(score + groups[g].front(), static_cast<int>(groups[g].size()), nullptr, groups[g].front());
-        } else if (!selected) {
-          int n = 0;
-          for (int e = 0; e < E; ++e) {  // branch-free compaction, ids ascending
-            candidate_score[n] = score[e];
-            candidates[n] = e;
-            n += group_kept[group_of[e]];
-          }
-          TopList top(K, best_value.data(), sel);
-          top.scan(candidate_score.data(), n, candidates.data(), 0);
-        }
-      } else {
-        if (!bias_has_nan && K <= 16 && E >= 16) {
-          ThresholdSelect pick(kth_best_bound(score, E, K), pick_value.data(), pick_id.data());
-          pick.offer_range(score, 0, E);
-          if (pick.small()) {
-            pick.best(K, sel);
-            selected = true;
-          }
-        }
-        if (!selected) {
-          TopList top(K, best_value.data(), sel);
-          top.scan(score, E, nullptr, 0);
-        }
-      }
-
-      float* p = out.selected_probs.data() + t * K;
-      if (config.softmax_after_topk) {
-        float max_logit = row[sel[0]];
-        for (int j = 1; j < K; ++j) max_logit = std::max(max_logit, row[sel[j]]);
-        float sum = 0.0f;
-        for (int j = 0; j < K; ++j) sum += (p[j] = std::exp(row[sel[j]] - max_logit));
-        for (int j = 0; j < K; ++j) p[j] /= sum;
-      } else {
-        for (int j = 0; j < K; ++j) p[j] = prob[sel[j]];
-      }
-      float denom = 1.0f;
-      if (config.normalize_weights) {
-        denom = 0.0f;
-        for (int j = 0; j < K; ++j) denom += p[j];
-      }
-      for (int j = 0; j < K; ++j) {
-        out.topk_idx[t * K + j] = sel[j];
-        out.topk_weights[t * K + j] = config.scaling_factor * (p[j] / denom);
-      }
-    }
-  };
   // Large batches use the machine's cores (at most 8 threads); small ones stay on the caller's.
   constexpr int64_t kMinWorkPerThread = 1 << 17;  // (token, expert) pairs
   const int64_t wanted = T * E / kMinWorkPerThread;
@@ -556,7 +619,7 @@ Status route_now(const RouterConfig& config, const TensorView& logits, const Ten
   // range to the caller's thread: the same output, later.
   std::vector<uint8_t> bad_logits(num_threads, 0);  // one flag per range
   detail::run_shares(static_cast<int>(num_threads), "a router worker thread", [&](int i) {
-    route_tokens(T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
+    route_tokens(plan, T * i / num_threads, T * (i + 1) / num_threads, &bad_logits[i]);
   });
   if (std::find(bad_logits.begin(), bad_logits.end(), 1) != bad_logits.end()) {
     EPX_RETURN_IF_ERROR(detail::check_logits(logits, E));
@@ -577,7 +640,7 @@ Status route_now(const RouterConfig& config, const TensorView& logits, const Ten
 Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias) {
   return detail::guard("route", [&]() -> Result<RouterOutput> {
     RouterOutput out;
-    EPX_RETURN_IF_ERROR(route_now(config, logits, expert_bias, out));
+    EPX_RETURN_IF_ERROR(route_into_output(config, logits, expert_bias, out));
     return out;
   });
 }
@@ -585,7 +648,7 @@ Result<RouterOutput> route(const RouterConfig& config, const TensorView& logits,
 Status route_into(const RouterConfig& config, const TensorView& logits, const TensorView& expert_bias,
                   RouterOutput* out) {
   if (out == nullptr) return invalid_argument("route_into needs an output, got a null pointer");
-  return detail::guard("route", [&] { return route_now(config, logits, expert_bias, *out); });
+  return detail::guard("route", [&] { return route_into_output(config, logits, expert_bias, *out); });
 }
 
 Result<std::vector<float>> route_backward(const RouterConfig& config, const RouterOutput& forward,
