@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "exchange/buffer_impl.h"
+#include "exchange/dispatch_header.h"
 
 namespace epx {
 
@@ -26,6 +27,28 @@ using buffer_detail::TokenRun;
 namespace {
 
 std::atomic<uint64_t> g_next_buffer_id{1};
+
+// Where each of this rank's tokens lands on each destination (h.counts must
+// be set), and the rank and weight of each of its top-k experts, for the
+// combine.
+void plan_token_rows(const DispatchLayout& layout, const DispatchInputs& in, const ExpertPlacement& placement,
+                     int num_ranks, int rank, detail::HandleData& h) {
+  const int R = num_ranks, T = h.num_tokens, topk = h.topk;
+  h.send_row.assign(static_cast<std::size_t>(T) * R, -1);
+  std::vector<int64_t> next_row(R);
+  for (int d = 0; d < R; ++d) next_row[d] = detail::block_base(h.counts, R, rank, d);
+  for (int t = 0; t < T; ++t)
+    for (int d = 0; d < R; ++d)
+      if (layout.in_rank(t, d)) h.send_row[static_cast<std::size_t>(t) * R + d] = static_cast<int32_t>(next_row[d]++);
+  h.topk_rank.resize(static_cast<std::size_t>(T) * topk);
+  for (int t = 0; t < T; ++t) {
+    const int32_t* row = in.topk_idx.row<int32_t>(t);
+    for (int k = 0; k < topk; ++k) h.topk_rank[t * topk + k] = row[k] < 0 ? -1 : placement.rank_of(row[k]);
+  }
+  h.topk_weights.resize(h.has_weights ? static_cast<std::size_t>(T) * topk : 0);
+  for (int t = 0; t < T && h.has_weights; ++t)
+    std::copy_n(in.topk_weights.row<float>(t), topk, h.topk_weights.data() + static_cast<std::size_t>(t) * topk);
+}
 
 }  // namespace
 
@@ -176,38 +199,20 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   if (local_status.is_ok()) local_status = m.payload.stage(in.x, &m.fp8_stage, &send_x);
   const DispatchLayout* layout = &m.layout_scratch;  // equal to `given`, when given
   const bool has_weights = in.topk_weights.defined();
-  std::vector<int64_t> words(3 + R + N + E, 0);
-  if (local_status.is_ok()) {
-    words[0] = layout->num_tokens;
-    words[1] = in.topk_idx.size(1);
-    words[2] = has_weights ? 1 : 0;
-    std::copy(layout->num_tokens_per_rank.begin(), layout->num_tokens_per_rank.end(), words.begin() + 3);
-    std::copy(layout->num_tokens_per_node.begin(), layout->num_tokens_per_node.end(), words.begin() + 3 + R);
-    std::copy(layout->num_tokens_per_expert.begin(), layout->num_tokens_per_expert.end(), words.begin() + 3 + R + N);
-  }
+  std::vector<int64_t> words;
+  if (local_status.is_ok())
+    words = detail::dispatch_header_words(*layout, static_cast<int>(in.topk_idx.size(1)), has_weights);
+  else
+    words.assign(3 + R + N + E, 0);
   std::vector<int64_t> all;
   {
     ScopedSpan header_span(m.config.tracer, m.rank, "dispatch:header");
     EPX_RETURN_IF_ERROR(m.gather_header(local_status, words, &all, "dispatch", deadline));
   }
-  const std::size_t stride = all.size() / R;
-  auto header = [&](int r, std::size_t i) { return all[r * stride + 1 + i]; };
-
-  const int topk = static_cast<int>(header(m.rank, 1));
-  for (int r = 0; r < R; ++r) {
-    if (header(r, 1) != topk)
-      return invalid_argument("topk differs between ranks: rank {} passes {} and rank {} passes {}", m.rank, topk, r,
-                              header(r, 1));
-    if (header(r, 2) != header(0, 2))
-      return invalid_argument("rank 0 {} topk_weights but rank {} {}; pass them on every rank or none",
-                              header(0, 2) ? "passes" : "does not pass", r, header(r, 2) ? "does" : "does not");
-  }
-  {
-    std::vector<int32_t> counts(static_cast<std::size_t>(R) * R);
-    for (int s = 0; s < R; ++s)
-      for (int d = 0; d < R; ++d) counts[static_cast<std::size_t>(s) * R + d] = static_cast<int32_t>(header(s, 3 + d));
-    EPX_RETURN_IF_ERROR(detail::check_recv_capacity(counts, R, m.max_recv));
-  }
+  const detail::DispatchHeaders headers(all, R, N, E);
+  EPX_RETURN_IF_ERROR(headers.check_ranks_agree(m.rank));
+  std::vector<int32_t> counts = headers.rank_counts();
+  EPX_RETURN_IF_ERROR(detail::check_recv_capacity(counts, R, m.max_recv));
   // Past every check that could fail on good input: the caller's previous
   // result is being replaced, so its handle storage may be reused.
   if (out->handle.valid() && &out->handle.data() == m.last_handle.get()) out->handle = Handle();
@@ -221,31 +226,12 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   h->dispatch_seq = ++m.dispatch_seq;
   h->rank = m.rank;
   h->num_tokens = layout->num_tokens;
-  h->topk = topk;
+  h->topk = headers.topk(m.rank);
   h->has_weights = has_weights;
-  h->counts.resize(static_cast<std::size_t>(R) * R);
-  h->node_counts.resize(static_cast<std::size_t>(R) * N);
-  for (int s = 0; s < R; ++s) {
-    for (int d = 0; d < R; ++d) h->counts[s * R + d] = static_cast<int32_t>(header(s, 3 + d));
-    for (int n = 0; n < N; ++n) h->node_counts[s * N + n] = static_cast<int32_t>(header(s, 3 + R + n));
-  }
-
-  // Where each of this rank's tokens lands on each destination.
-  const int T = h->num_tokens;
-  h->send_row.assign(static_cast<std::size_t>(T) * R, -1);
-  std::vector<int64_t> next_row(R);
-  for (int d = 0; d < R; ++d) next_row[d] = Impl::block_base(*h, R, m.rank, d);
-  for (int t = 0; t < T; ++t)
-    for (int d = 0; d < R; ++d)
-      if (layout->in_rank(t, d)) h->send_row[static_cast<std::size_t>(t) * R + d] = static_cast<int32_t>(next_row[d]++);
-  h->topk_rank.resize(static_cast<std::size_t>(T) * topk);
-  for (int t = 0; t < T; ++t) {
-    const int32_t* row = in.topk_idx.row<int32_t>(t);
-    for (int k = 0; k < topk; ++k) h->topk_rank[t * topk + k] = row[k] < 0 ? -1 : m.placement.rank_of(row[k]);
-  }
-  h->topk_weights.resize(has_weights ? static_cast<std::size_t>(T) * topk : 0);
-  for (int t = 0; t < T && has_weights; ++t)
-    std::copy_n(in.topk_weights.row<float>(t), topk, h->topk_weights.data() + static_cast<std::size_t>(t) * topk);
+  h->counts = std::move(counts);
+  h->node_counts = headers.node_counts();
+  plan_token_rows(*layout, in, m.placement, R, m.rank, *h);
+  const int topk = h->topk;
 
   ExchangeStats stats;
   {
@@ -259,11 +245,8 @@ Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const
   }
 
   // Per-local-expert counts come from the senders' layouts.
-  std::vector<int64_t> expert_counts(static_cast<std::size_t>(R) * E);
-  for (int s = 0; s < R; ++s)
-    for (int e = 0; e < E; ++e) expert_counts[static_cast<std::size_t>(s) * E + e] = header(s, 3 + R + N + e);
   h->num_recv_tokens_per_expert =
-      detail::aligned_recv_expert_counts(expert_counts, R, m.placement, m.rank, m.config.expert_alignment);
+      detail::aligned_recv_expert_counts(headers.expert_counts(), R, m.placement, m.rank, m.config.expert_alignment);
   m.finish_receive(*h);
 
   const int64_t num_recv = h->num_recv;
