@@ -34,7 +34,8 @@ Engine::Engine(int rank, std::vector<PeerInfo> peers, std::vector<int> fds, std:
     if (fds[r] < 0) links_[r].closed = true;
   }
   if (::pipe2(wake_fds_, O_CLOEXEC | O_NONBLOCK) != 0) {
-    failure_ = internal_error("pipe2 failed: {}", std::strerror(errno));
+    setup_error_ = internal_error("pipe2 failed: {}", std::strerror(errno));
+    failure_ = setup_error_;
     return;
   }
   thread_ = std::thread([this] { run(); });
@@ -61,6 +62,11 @@ void Engine::say_goodbye_and_wait() {
   const bool failed = !failure_.is_ok();
   for (int r = 0; r < num_ranks(); ++r) {
     if (links_[r].closed) continue;
+    // A failed rank's goodbye alone would read as a clean close ("closed its
+    // transport before sending") to a peer that has not yet read the notice
+    // that failed this rank (it may come on another connection, later): the
+    // failure goes first, on this connection. A peer already failed keeps its own.
+    if (failed) queue_locked(r, notice_locked());
     auto bye = std::make_shared<Send>();
     bye->header = FrameHeader{kMagic, FrameKind::kGoodbye, 0, 0, 0};
     queue_locked(r, std::move(bye));
@@ -154,16 +160,9 @@ void Engine::fail(const Status& reason, bool notify) {
   failure_ = reason.is_ok() ? internal_error("abort() was called with an OK status") : reason;
   std::vector<std::shared_ptr<Send>> notices;
   if (notify) {
-    // code (4 bytes) + message, to every peer still connected.
-    const int32_t code = static_cast<int32_t>(failure_.code());
-    std::vector<std::byte> body(sizeof(code) + failure_.message().size());
-    std::memcpy(body.data(), &code, sizeof(code));
-    std::memcpy(body.data() + sizeof(code), failure_.message().data(), failure_.message().size());
     for (int r = 0; r < num_ranks(); ++r) {
       if (links_[r].closed) continue;
-      auto notice = std::make_shared<Send>();
-      notice->prefix = body;
-      notice->header = FrameHeader{kMagic, FrameKind::kNotice, 0, 0, body.size()};
+      auto notice = notice_locked();
       notices.push_back(notice);
       queue_locked(r, std::move(notice));
     }
@@ -175,6 +174,16 @@ void Engine::fail(const Status& reason, bool notify) {
   changed_.wait_for(lock, std::chrono::milliseconds(200), [&] {
     return std::all_of(notices.begin(), notices.end(), [](const auto& n) { return n->done; });
   });
+}
+
+std::shared_ptr<Send> Engine::notice_locked() const {
+  const int32_t code = static_cast<int32_t>(failure_.code());
+  auto notice = std::make_shared<Send>();
+  notice->prefix.resize(sizeof(code) + failure_.message().size());
+  std::memcpy(notice->prefix.data(), &code, sizeof(code));
+  std::memcpy(notice->prefix.data() + sizeof(code), failure_.message().data(), failure_.message().size());
+  notice->header = FrameHeader{kMagic, FrameKind::kNotice, 0, 0, notice->prefix.size()};
+  return notice;
 }
 
 Status Engine::failure() const {

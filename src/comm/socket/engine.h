@@ -12,7 +12,10 @@
 // every peer as a notice frame; a peer's notice fails this rank the same way
 // (without sending notices again). A connection that ends before its peer
 // said goodbye (a killed process) fails the rank naming that peer. Closing
-// sends goodbye, then waits (close_timeout) until every peer has closed too.
+// sends goodbye, then waits (close_timeout) until every peer has closed too;
+// a failed rank sends its failure as a notice before its goodbye, so that a
+// peer waiting on it learns why it left, whatever order the peer reads its
+// connections in.
 #pragma once
 
 #include <condition_variable>
@@ -69,6 +72,12 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Why the engine could not start (OK once its I/O thread runs). Not
+  // failure(): a peer's notice may fail a started engine at once (a rank
+  // that aborts right after connecting), and that is no reason to refuse
+  // this rank its transport; its calls report the failure.
+  [[nodiscard]] const Status& setup_error() const { return setup_error_; }
+
   [[nodiscard]] int rank() const { return rank_; }
   [[nodiscard]] int num_ranks() const { return static_cast<int>(peers_.size()); }
   [[nodiscard]] const PeerInfo& peer(int r) const { return peers_[r]; }
@@ -118,6 +127,8 @@ class Engine {
   void deliver(int peer, FrameHeader header, std::vector<std::byte> body);
   void connection_lost(int peer, const std::string& why);
   void queue_locked(int peer, std::shared_ptr<Send> send);
+  // A notice frame of failure_ (code, 4 bytes, then the message).
+  [[nodiscard]] std::shared_ptr<Send> notice_locked() const;
   void say_goodbye_and_wait();
 
   const int rank_;
@@ -125,6 +136,7 @@ class Engine {
   const std::chrono::milliseconds close_timeout_;
   std::vector<Link> links_;
   int wake_fds_[2] = {-1, -1};
+  Status setup_error_;  // set by the constructor only
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;

@@ -382,7 +382,10 @@ Result<std::string> MemoryStore::get(const std::string& key, const Deadline& dea
 Result<std::unique_ptr<Transport>> connect_sockets(KeyValueStore& store, const SocketOptions& options) {
   EPX_ASSIGN_OR_RETURN(socket_detail::Mesh mesh, socket_detail::rendezvous(store, options));
   auto engine = std::make_shared<Engine>(mesh.rank, std::move(mesh.peers), std::move(mesh.fds), options.close_timeout);
-  if (Status failure = engine->failure(); !failure.is_ok()) return failure;
+  // Only a setup error: the I/O thread runs from here on, and a peer that
+  // aborted right after connecting may have failed the engine already; this
+  // rank still gets its transport, whose calls report that abort.
+  if (!engine->setup_error().is_ok()) return engine->setup_error();
   std::vector<int> members(static_cast<std::size_t>(mesh.topology.num_ranks()));
   for (int r = 0; r < mesh.topology.num_ranks(); ++r) members[r] = r;
   return std::unique_ptr<Transport>(std::make_unique<SocketTransport>(
