@@ -24,24 +24,32 @@ nlohmann::json resumes_json(const std::vector<MetricsResume>& resumes) {
   return out;
 }
 
+nlohmann::json finite_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
+
 nlohmann::json summary_json(const RunSummary& s, const std::string& path, double seconds) {
-  return {{"output", path},
-          {"steps", s.num_steps},
-          {"first_step", s.first_step},
-          {"last_step", s.last_step},
-          {"final_loss", std::isfinite(s.final_loss) ? nlohmann::json(s.final_loss) : nlohmann::json(nullptr)},
-          {"mean_tokens_per_s", s.mean_tokens_per_s},
-          {"mean_max_vio", s.mean_max_vio},
-          {"mean_balancedness", s.mean_balancedness},
-          {"dropped", s.dropped},
-          {"eplb_replacements", s.eplb_replacements},
-          {"eplb_moved_slots", s.eplb_moved_slots},
-          {"straggler", s.straggler},
-          {"wait_matrix_step", s.wait_matrix_step},
-          {"steps_per_point", s.step_bin},
-          {"steps_per_heatmap_column", s.heatmap_bin},
-          {"seconds", seconds},
-          {"resumes", resumes_json(s.resumes)}};
+  nlohmann::json out = {{"output", path},
+                        {"steps", s.num_steps},
+                        {"first_step", s.first_step},
+                        {"last_step", s.last_step},
+                        {"final_loss", finite_or_null(s.final_loss)},
+                        {"mean_tokens_per_s", s.mean_tokens_per_s},
+                        {"mean_max_vio", s.mean_max_vio},
+                        {"mean_balancedness", s.mean_balancedness},
+                        {"dropped", s.dropped},
+                        {"eplb_replacements", s.eplb_replacements},
+                        {"eplb_moved_slots", s.eplb_moved_slots},
+                        {"straggler", s.straggler},
+                        {"wait_matrix_step", s.wait_matrix_step},
+                        {"steps_per_point", s.step_bin},
+                        {"steps_per_heatmap_column", s.heatmap_bin},
+                        {"seconds", seconds},
+                        {"resumes", resumes_json(s.resumes)}};
+  if (s.num_val_losses > 0) {  // only runs that wrote a validation loss
+    out["val_losses"] = s.num_val_losses;
+    out["last_val_loss"] = finite_or_null(s.last_val_loss);
+    out["last_val_step"] = s.last_val_step;
+  }
+  return out;
 }
 
 }  // namespace
@@ -128,9 +136,12 @@ int run_report(const ReportOptions& o) {
   }
   fmt::print("wrote {} ({:.1f} KiB) from {} steps in {:.2f} s\n", o.output_path, bytes / 1024.0, sum.num_steps,
              seconds);
-  fmt::print("final loss {:.4g}, mean tokens/s {:.0f}, mean MaxVio {:.3g}, balancedness {:.1f}%, dropped {}, "
+  const std::string val = sum.num_val_losses > 0 ? fmt::format(", last validation loss {:.4g} (step {})",
+                                                                sum.last_val_loss, sum.last_val_step)
+                                                  : std::string();
+  fmt::print("final loss {:.4g}{}, mean tokens/s {:.0f}, mean MaxVio {:.3g}, balancedness {:.1f}%, dropped {}, "
              "EPLB re-placements {}, straggler: {}\n",
-             sum.final_loss, sum.mean_tokens_per_s, sum.mean_max_vio, 100 * sum.mean_balancedness, sum.dropped,
+             sum.final_loss, val, sum.mean_tokens_per_s, sum.mean_max_vio, 100 * sum.mean_balancedness, sum.dropped,
              sum.eplb_replacements, sum.straggler.empty() ? "none" : sum.straggler);
   if (!sum.resumes.empty()) fmt::print("resumed {}\n", describe_resumes(sum.resumes));
   if (restarts) fmt::print("supervised: {}\n", describe_restarts(*restarts));

@@ -161,13 +161,15 @@ void add_step_charts(ReportPage& page, const sim::SimResult& r) {
                          st.max_vio};
     bins.add(static_cast<int64_t>(i), v);
   }
-  LineChart time{.title = "Step time", .x_label = "step", .y_label = "ms", .note = {}, .x = {}, .series = {{"step time", {}}},
-                 .marks = {}, .marks_label = {}};
+  LineChart time{.title = "Step time", .x_label = "step", .y_label = "ms", .note = {}, .x = {},
+                 .series = {{"step time", {}, {}}}, .marks = {}, .marks_label = {}};
   LineChart idle{.title = "Idle and exposed communication", .x_label = "step", .y_label = "% of stage", .note = {},
-                 .x = {}, .series = {{"worst GPU idle", {}}, {"mean GPU idle", {}}, {"communication not hidden", {}}},
+                 .x = {},
+                 .series = {{"worst GPU idle", {}, {}}, {"mean GPU idle", {}, {}}, {"communication not hidden", {}, {}}},
                  .marks = {}, .marks_label = {}};
   LineChart skew{.title = "Expert-load skew", .x_label = "step", .y_label = "MaxVio", .note = {}, .x = {},
-                 .series = {{"MaxVio (max expert load / mean - 1, worst layer)", {}}}, .marks = {}, .marks_label = {}};
+                 .series = {{"MaxVio (max expert load / mean - 1, worst layer)", {}, {}}}, .marks = {},
+                 .marks_label = {}};
   for (int b = 0; b < bins.num_bins(); ++b) {
     time.x.push_back(bins.mean_step(b));
     idle.x.push_back(bins.mean_step(b));

@@ -5,7 +5,7 @@
     mpirun -n 2 /usr/bin/python3 examples/python/train_lm.py        # 2 processes, experts split 2 ways
     /usr/bin/python3 -m epx.launch --nproc-per-node 2 examples/python/train_lm.py   # the torchrun way
     /usr/bin/python3 examples/python/train_lm.py --balance bias --metrics run.jsonl
-    build/bin/epx report run.jsonl -o report.html                   # the run's report (loss curve, load)
+    build/bin/epx report run.jsonl -o report.html                   # the run's report (train and validation loss, load)
 
 The text: the fortune cookies of Debian's `fortunes` package (/usr/share/games/fortunes,
 installed by scripts/setup.sh): about 2.4 MB of English quotations, jokes, poems and
@@ -73,8 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=50, help="evaluate on the held-out text every N steps (and last)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--losses-out", help="write the train and validation curves and the final load here (JSON)")
-    p.add_argument("--metrics", help="write epx train's metrics lines here (a new file), for epx monitor and "
-                                     "epx report")
+    p.add_argument("--metrics", help="write epx train's metrics lines here (a new file; val_loss on the steps "
+                                     "that evaluate), for epx monitor and epx report")
     p.add_argument("--compare", help="a curve from --losses-out: exit 1 if a step differs by more than the tolerance")
     p.add_argument("--tolerance", type=float, default=CURVE_TOLERANCE, help="for --compare, per step")
     p.add_argument("--exact", action="store_true",
@@ -195,11 +195,14 @@ def train(transport, args):
         curves.losses.append(loss)
         curves.main_losses.append(main_loss)
         curves.max_vio.append([m.load["max_vio"] for m in model.moe_layers()])
-        if metrics:
-            metrics.step(step, loss, main_loss=main_loss, lr=args.lr, tokens=args.batch * args.seq_len)
         last = step == args.steps - 1
+        val_loss = None
         if (step + 1) % args.eval_every == 0 or last:
-            curves.val.append([step, validation_loss(model, transport, val_text, args)])
+            val_loss = validation_loss(model, transport, val_text, args)
+            curves.val.append([step, val_loss])
+        if metrics:  # the evaluation's time counts in this step's seconds
+            metrics.step(step, loss, main_loss=main_loss, val_loss=val_loss, lr=args.lr,
+                         tokens=args.batch * args.seq_len)
         if rank == 0 and (step % args.log_every == 0 or last):
             vio = " ".join(f"{v:.2f}" for v in curves.max_vio[-1])
             val = f"  val {curves.val[-1][1]:.4f}" if curves.val and curves.val[-1][0] == step else ""

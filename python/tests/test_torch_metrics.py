@@ -1,7 +1,7 @@
 """epx.torch.MetricsWriter writes epx train's metrics lines for a PyTorch run: one line per
 step with every MoE layer's global load and every rank's times, read back by `epx monitor` and
 `epx report` unchanged; an existing file is refused on every rank with nothing of it changed;
-a non-finite loss is written as null."""
+a non-finite loss is written as null; val_loss only on the steps given one."""
 import json
 import os
 import subprocess
@@ -15,7 +15,7 @@ import epx.torch as et
 H, F, E, K, T = 16, 24, 8, 2, 12
 
 
-def run_steps(path, steps=3, ranks=2, losses=None):
+def run_steps(path, steps=3, ranks=2, losses=None, val_losses=None):
     """`steps` forward/backward steps of two MoE layers on `ranks` in-process ranks, with metrics."""
     def fn(t):
         layers = [et.MoE(H, F, E, K, transport=t, layer_index=i, seed=3, expert_bias=True) for i in range(2)]
@@ -25,7 +25,8 @@ def run_steps(path, steps=3, ranks=2, losses=None):
             out = layers[1](layers[0](x))
             out.square().mean().backward()
             loss = losses[step] if losses else float(out.square().mean())
-            metrics.step(step, loss, lr=1e-3, tokens=T * ranks)
+            val_loss = val_losses.get(step) if val_losses else None
+            metrics.step(step, loss, val_loss=val_loss, lr=1e-3, tokens=T * ranks)
         metrics.close()
     epx.InprocWorld(num_ranks=ranks).run(fn)
 
@@ -70,6 +71,13 @@ def test_a_nan_loss_is_written_as_null(tmp_path):
     text = open(path).read()
     assert "NaN" not in text
     assert [json.loads(line)["loss"] for line in text.splitlines()] == [1.5, None]
+
+
+def test_val_loss_only_on_the_steps_that_have_one(tmp_path):
+    path = str(tmp_path / "m.jsonl")
+    run_steps(path, steps=4, val_losses={1: 2.25, 3: float("inf")})
+    records = [json.loads(line) for line in open(path).read().splitlines()]
+    assert [r.get("val_loss", "absent") for r in records] == ["absent", 2.25, "absent", None]
 
 
 def test_epx_monitor_and_report_read_it(tmp_path):

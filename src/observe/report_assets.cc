@@ -53,12 +53,15 @@ function tip(sec){let t=sec.querySelector(".tip");if(!t){t=document.createElemen
 function showTip(sec,ev,text){const t=tip(sec),r=sec.getBoundingClientRect();t.textContent=text;t.style.display="block";
   t.style.left=Math.min(ev.clientX-r.left+12,r.width-160)+"px";t.style.top=(ev.clientY-r.top+12)+"px";}
 function hideTip(sec){tip(sec).style.display="none";}
+function nearest(xs,x){let k=0;for(let j=1;j<xs.length;j++)if(Math.abs(xs[j]-x)<Math.abs(xs[k]-x))k=j;return k;}
 
 function lineChart(sec,plot,d){
-  const W=800,H=220,L=56,R=10,T=8,B=30,n=d.x.length;let lo=Infinity,hi=-Infinity;
+  const W=800,H=220,L=56,R=10,T=8,B=30;let lo=Infinity,hi=-Infinity;
   d.series.forEach(s=>s.y.forEach(v=>{if(v!==null&&isFinite(v)){lo=Math.min(lo,v);hi=Math.max(hi,v);}}));
   if(!isFinite(lo)){lo=0;hi=1;}if(hi===lo){hi=lo+Math.max(1e-9,Math.abs(lo)*0.1);lo-=(hi-lo);}
-  const pad=(hi-lo)*0.05;lo-=pad;hi+=pad;const x0=d.x[0],x1=n>1?d.x[n-1]:d.x[0]+1;
+  const pad=(hi-lo)*0.05;lo-=pad;hi+=pad;let x0=Infinity,x1=-Infinity;
+  [d.x].concat(d.series.map(s=>s.x||[])).forEach(xs=>xs.forEach(v=>{if(v!==null&&isFinite(v)){x0=Math.min(x0,v);x1=Math.max(x1,v);}}));
+  if(!isFinite(x0)){x0=0;x1=1;}if(x1===x0)x1=x0+1;
   const sx=x=>L+(x-x0)/(x1-x0||1)*(W-L-R),sy=y=>T+(hi-y)/(hi-lo)*(H-T-B);
   const svg=el("svg",{viewBox:"0 0 "+W+" "+H},plot);let drawn=0;
   ticks(lo,hi,4).forEach(t=>{el("line",{x1:L,x2:W-R,y1:sy(t),y2:sy(t),stroke:"#eceef2"},svg);
@@ -67,16 +70,18 @@ function lineChart(sec,plot,d){
   el("text",{x:(L+W-R)/2,y:H-2,"text-anchor":"middle"},svg).textContent=d.xLabel||"";
   el("text",{x:12,y:T+(H-T-B)/2,"text-anchor":"middle",transform:"rotate(-90 12 "+(T+(H-T-B)/2)+")"},svg).textContent=d.yLabel||"";
   (d.marks||[]).forEach(m=>{el("line",{x1:sx(m),x2:sx(m),y1:T,y2:H-B,stroke:"#c23b3b","stroke-dasharray":"3 3","stroke-opacity":0.6},svg);});
-  d.series.forEach((s,i)=>{let p="",pen=false;
-    s.y.forEach((v,k)=>{if(v===null||!isFinite(v)){pen=false;return;}p+=(pen?"L":"M")+sx(d.x[k]).toFixed(1)+" "+sy(v).toFixed(1);pen=true;drawn++;});
-    if(p)el("path",{d:p,fill:"none",stroke:PALETTE[i%10],"stroke-width":1.5},svg);});
+  d.series.forEach((s,i)=>{const xs=s.x||d.x,c=PALETTE[i%10];let p="",pen=false;
+    s.y.forEach((v,k)=>{if(v===null||!isFinite(v)){pen=false;return;}const px=sx(xs[k]).toFixed(1),py=sy(v).toFixed(1);
+      p+=(pen?"L":"M")+px+" "+py;pen=true;drawn++;if(s.x)el("circle",{cx:px,cy:py,r:3,fill:c},svg);});
+    if(p)el("path",{d:p,fill:"none",stroke:c,"stroke-width":1.5},svg);});
   el("rect",{x:L,y:T,width:W-L-R,height:H-T-B,fill:"none",stroke:"#c9ced6"},svg);
   if(!drawn)el("text",{x:(L+W-R)/2,y:T+(H-T-B)/2,"text-anchor":"middle"},svg).textContent="no finite values";
   const cursor=el("line",{y1:T,y2:H-B,stroke:"#1d2230","stroke-opacity":0.3,visibility:"hidden"},svg);
   svg.addEventListener("mousemove",ev=>{const b=svg.getBoundingClientRect(),x=x0+((ev.clientX-b.left)*W/b.width-L)/(W-L-R)*(x1-x0);
-    let k=0;for(let j=1;j<n;j++)if(Math.abs(d.x[j]-x)<Math.abs(d.x[k]-x))k=j;
+    const k=nearest(d.x,x);
     cursor.setAttribute("x1",sx(d.x[k]));cursor.setAttribute("x2",sx(d.x[k]));cursor.setAttribute("visibility","visible");
-    showTip(sec,ev,"step "+fmt(d.x[k])+"\n"+d.series.map(s=>s.name+": "+fmt(s.y[k])).join("\n"));});
+    showTip(sec,ev,"step "+fmt(d.x[k])+"\n"+d.series.map(s=>{if(!s.x)return s.name+": "+fmt(s.y[k]);
+      const j=nearest(s.x,x);return s.name+": "+fmt(s.y[j])+" (step "+fmt(s.x[j])+")";}).join("\n"));});
   svg.addEventListener("mouseleave",()=>{cursor.setAttribute("visibility","hidden");hideTip(sec);});
   const names=d.series.map(s=>s.name),colors=d.series.map((s,i)=>PALETTE[i%10]);
   if(d.marks&&d.marks.length){names.push(d.marksLabel||"marks");colors.push("#c23b3b");}

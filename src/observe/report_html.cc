@@ -188,7 +188,11 @@ void ReportPage::add(ReportTable t) {
 
 void ReportPage::add(LineChart c) {
   json series = json::array();
-  for (const ChartSeries& s : c.series) series.push_back({{"name", s.name}, {"y", numbers(s.y)}});
+  for (const ChartSeries& s : c.series) {
+    json one = {{"name", s.name}, {"y", numbers(s.y)}};
+    if (!s.x.empty()) one["x"] = numbers(s.x);
+    series.push_back(std::move(one));
+  }
   const json data = {{"x", numbers(c.x)}, {"series", series}, {"marks", numbers(c.marks)},
                      {"marksLabel", c.marks_label}, {"xLabel", c.x_label}, {"yLabel", c.y_label}};
   body_.push_back(chart_section(num_charts_++, "line", c.title, c.note, data));

@@ -281,6 +281,7 @@ error_code read_step_field(std::string_view key, od::value v, StepRecord& step, 
   if (key == "step") return read_int(v, step.step);
   if (key == "loss") return read_double(v, step.loss);
   if (key == "main_loss") return read_double(v, step.main_loss);
+  if (key == "val_loss") return read_double(v, step.val_loss.emplace());
   if (key == "lr") return read_double(v, step.lr);
   if (key == "grad_norm") return read_double(v, step.grad_norm);
   if (key == "seconds") return read_double(v, step.seconds);

@@ -57,15 +57,21 @@ namespace {
 
 struct RunReport::State {
   explicit State(RunReportOptions o)
-      : options(o), series(kNumColumns, o.max_points), window(static_cast<std::size_t>(std::max(1, o.straggler_window))) {}
+      : options(o),
+        series(kNumColumns, o.max_points),
+        val_series(1, o.max_points),
+        window(static_cast<std::size_t>(std::max(1, o.straggler_window))) {}
   RunReportOptions options;
   StepBins series;
+  StepBins val_series;  // the records that hold a val_loss, binned by themselves
   std::unique_ptr<StepBins> load;       // [layer][expert] tokens
   std::unique_ptr<StepBins> layer_vio;  // [layer] max_vio
   std::vector<double> scratch_vio;  // one record's max_vio per layer, reused
   int num_layers = 0, num_experts = 0;
   int64_t num_records = 0, first_step = 0, last_step = 0, odd_layouts = 0;
   double final_loss = std::numeric_limits<double>::quiet_NaN();
+  double last_val_loss = std::numeric_limits<double>::quiet_NaN();
+  int64_t num_val_losses = 0, last_val_step = -1;
   double sum_tokens_per_s = 0, sum_max_vio = 0, sum_balancedness = 0;
   int64_t dropped = 0, eplb_count = 0, eplb_slots = 0, eplb_bytes = 0;
   std::vector<Mark> marks;
@@ -77,6 +83,7 @@ struct RunReport::State {
   std::map<int64_t, int64_t> resumes;  // step resumed from -> earlier records it replaced
 
   void add_series(const StepRecord& r);
+  void add_val_loss(const StepRecord& r);
   void add_layers(const StepRecord& r);
   void add_ranks(const StepRecord& r);
   void keep_for_diagnosis(StepRecord& r);
@@ -88,6 +95,7 @@ struct RunReport::State {
   void add_expert_load(ReportPage& page) const;
   void add_rank_times(ReportPage& page) const;
   void add_waits(ReportPage& page, const RunSummary& sum) const;
+  [[nodiscard]] LineChart loss_chart() const;
   [[nodiscard]] LineChart line_chart(std::string title, std::string y_label, std::vector<Column> columns,
                                      std::vector<std::string> names) const;
 };
@@ -107,6 +115,17 @@ void RunReport::State::add_series(const StepRecord& r) {
   sum_max_vio += r.max_vio();
   sum_balancedness += r.balancedness();
   final_loss = r.loss;
+}
+
+// Validation losses are sparse (every N steps): binned over the records that
+// have one, so a long run keeps at most max_points of them too.
+void RunReport::State::add_val_loss(const StepRecord& r) {
+  if (!r.val_loss) return;
+  const double value = *r.val_loss;
+  val_series.add(r.step, std::span<const double>(&value, 1));
+  last_val_loss = value;
+  last_val_step = r.step;
+  ++num_val_losses;
 }
 
 // The expert loads and per-layer MaxVio; the layout (layers x experts) is the
@@ -167,6 +186,7 @@ void RunReport::add(StepRecord&& r) {
   if (s.num_records == 0) s.first_step = r.step;
   s.last_step = r.step;
   s.add_series(r);
+  s.add_val_loss(r);
   s.add_layers(r);
   s.add_ranks(r);
   if (r.eplb) {
@@ -196,6 +216,9 @@ RunSummary RunReport::summary() const {
   out.first_step = s.first_step;
   out.last_step = s.last_step;
   out.final_loss = s.final_loss;
+  out.num_val_losses = s.num_val_losses;
+  out.last_val_step = s.last_val_step;
+  out.last_val_loss = s.last_val_loss;
   const double n = s.num_records > 0 ? static_cast<double>(s.num_records) : 1.0;
   out.mean_tokens_per_s = s.sum_tokens_per_s / n;
   out.mean_max_vio = s.sum_max_vio / n;
@@ -218,6 +241,10 @@ void RunReport::State::add_summary(ReportPage& page, const RunSummary& sum) cons
   ReportTable t{.title = "Summary", .header = {"", ""}, .rows = {}};
   t.rows.push_back({"steps", fmt::format("{} (steps {} to {})", sum.num_steps, sum.first_step, sum.last_step)});
   t.rows.push_back({"final loss", number(sum.final_loss)});
+  if (sum.num_val_losses > 0)
+    t.rows.push_back({"last validation loss (held out)",
+                      fmt::format("{} (step {}; {} evaluation{})", number(sum.last_val_loss), sum.last_val_step,
+                                  sum.num_val_losses, sum.num_val_losses == 1 ? "" : "s")});
   t.rows.push_back({"mean tokens/s", fmt::format("{:.0f}", sum.mean_tokens_per_s)});
   t.rows.push_back({"mean MaxVio (mean over layers)", number(sum.mean_max_vio)});
   t.rows.push_back({"mean balancedness (mean/max work over ranks, mean over layers)", percent(sum.mean_balancedness)});
@@ -242,7 +269,7 @@ LineChart RunReport::State::line_chart(std::string title, std::string y_label, s
               .series = {}, .marks = {}, .marks_label = "EPLB re-placement"};
   for (int b = 0; b < series.num_bins(); ++b) c.x.push_back(series.mean_step(b));
   for (std::size_t i = 0; i < columns.size(); ++i) {
-    ChartSeries s{.name = names[i], .y = {}};
+    ChartSeries s{.name = names[i], .y = {}, .x = {}};
     for (int b = 0; b < series.num_bins(); ++b) s.y.push_back(series.mean(b, columns[i]));
     c.series.push_back(std::move(s));
   }
@@ -252,9 +279,26 @@ LineChart RunReport::State::line_chart(std::string title, std::string y_label, s
   return c;
 }
 
+// The training losses, and the validation loss as its own series of points
+// at the steps that have one.
+LineChart RunReport::State::loss_chart() const {
+  LineChart c = line_chart("Loss", "loss", {kLoss, kMainLoss}, {"loss", "main loss (without the balancing losses)"});
+  if (num_val_losses == 0) return c;
+  ChartSeries val{.name = "validation loss (held out)", .y = {}, .x = {}};
+  for (int b = 0; b < val_series.num_bins(); ++b) {
+    val.x.push_back(val_series.mean_step(b));
+    val.y.push_back(val_series.mean(b, 0));
+  }
+  c.series.push_back(std::move(val));
+  if (val_series.bin_size() > 1)
+    c.note += fmt::format("{}Each validation point is the mean of {} consecutive evaluations.",
+                          c.note.empty() ? "" : " ", val_series.bin_size());
+  return c;
+}
+
 void RunReport::State::add_training(ReportPage& page) const {
   page.add_heading("Training");
-  page.add(line_chart("Loss", "loss", {kLoss, kMainLoss}, {"loss", "main loss (without the balancing losses)"}));
+  page.add(loss_chart());
   page.add(line_chart("Throughput", "tokens/s", {kTokensPerS}, {"tokens/s"}));
 }
 

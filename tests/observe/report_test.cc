@@ -169,6 +169,65 @@ TEST(RunReport, PageHoldsEveryChartWithValidData) {
   EXPECT_DOUBLE_EQ(waits["max"].get<double>(), 80.0);  // ms
 }
 
+// The validation series of the loss chart, or nullptr when it has none.
+const nlohmann::json* val_series(const nlohmann::json& loss) {
+  for (const nlohmann::json& s : loss["series"])
+    if (s["name"] == "validation loss (held out)") return &s;
+  return nullptr;
+}
+
+TEST(RunReport, ValidationLossIsItsOwnSeriesAtItsSteps) {
+  RunReport report;
+  for (int s = 0; s < 10; ++s) {
+    StepRecord r = make_step(s);
+    if (s % 4 == 3) r.val_loss = 4.5 - 0.25 * s;  // steps 3 and 7
+    report.add(std::move(r));
+  }
+  const RunSummary sum = report.summary();
+  EXPECT_EQ(sum.num_val_losses, 2);
+  EXPECT_EQ(sum.last_val_step, 7);
+  EXPECT_DOUBLE_EQ(sum.last_val_loss, 2.75);
+  const std::string html = report.page("run").html();
+  const auto charts = charts_of(html);
+  const nlohmann::json& loss = charts[0].second;
+  ASSERT_EQ(loss["series"].size(), 3u);  // loss, main loss, validation loss
+  EXPECT_EQ(loss["series"][0].count("x"), 0u);  // the training series follow the chart's x
+  const nlohmann::json* val = val_series(loss);
+  ASSERT_NE(val, nullptr);
+  EXPECT_EQ((*val)["x"], nlohmann::json::array({3.0, 7.0}));
+  EXPECT_EQ((*val)["y"], nlohmann::json::array({3.75, 2.75}));
+  EXPECT_NE(html.find("last validation loss (held out)</td><td class=\"num\">2.75 (step 7; 2 evaluations)"),
+            std::string::npos);
+}
+
+TEST(RunReport, NoValidationLossNoSeries) {
+  RunReport report;
+  for (int s = 0; s < 10; ++s) report.add(make_step(s));
+  EXPECT_EQ(report.summary().num_val_losses, 0);
+  EXPECT_EQ(report.summary().last_val_step, -1);
+  const std::string html = report.page("run").html();
+  const auto charts = charts_of(html);
+  EXPECT_EQ(charts[0].second["series"].size(), 2u);
+  EXPECT_EQ(val_series(charts[0].second), nullptr);
+  EXPECT_EQ(html.find("validation"), std::string::npos);
+}
+
+TEST(RunReport, ManyValidationLossesAreBinnedWithinMaxPoints) {
+  RunReport report(RunReportOptions{.max_points = 8, .max_heatmap_columns = 4, .straggler_window = 10});
+  for (int s = 0; s < 40; ++s) {
+    StepRecord r = make_step(s, 1, 2, 2);
+    if (s % 2 == 1) r.val_loss = static_cast<double>(s);  // 20 evaluations
+    report.add(std::move(r));
+  }
+  const auto charts = charts_of(report.page("run").html());
+  const nlohmann::json* val = val_series(charts[0].second);
+  ASSERT_NE(val, nullptr);
+  ASSERT_EQ((*val)["x"].size(), 5u);  // 20 evaluations, 4 per point
+  EXPECT_EQ((*val)["x"], (*val)["y"]);  // each point the mean of its evaluations: value = step
+  EXPECT_DOUBLE_EQ((*val)["x"][0].get<double>(), 4.0);  // steps 1, 3, 5, 7
+  EXPECT_EQ(report.summary().last_val_step, 39);
+}
+
 TEST(RunReport, BigRunsStayWithinTheLimits) {
   RunReport report(RunReportOptions{.max_points = 100, .max_heatmap_columns = 16, .straggler_window = 10});
   for (int s = 0; s < 1000; ++s) report.add(make_step(s, 1, 8, 2));

@@ -194,6 +194,21 @@ TEST(RunLog, NullLossReadsAsNaN) {
   EXPECT_TRUE(std::isnan(parsed->grad_norm));
 }
 
+TEST(RunLog, ValLossOnlyWhereTheLineHasOne) {
+  Result<StepRecord> with = parse_step_record(R"({"step":4,"loss":2.5,"val_loss":2.25})");
+  ASSERT_TRUE(with.is_ok()) << with.status().to_string();
+  ASSERT_TRUE(with->val_loss.has_value());
+  EXPECT_EQ(*with->val_loss, 2.25);
+  Result<StepRecord> null = parse_step_record(R"({"step":5,"val_loss":null})");
+  ASSERT_TRUE(null.is_ok()) << null.status().to_string();
+  ASSERT_TRUE(null->val_loss.has_value());
+  EXPECT_TRUE(std::isnan(*null->val_loss));
+  Result<StepRecord> without = parse_step_record(R"({"step":6,"loss":2.5})");
+  ASSERT_TRUE(without.is_ok()) << without.status().to_string();
+  EXPECT_FALSE(without->val_loss.has_value());
+  EXPECT_FALSE(parse_step_record(R"({"step":6,"val_loss":"low"})").is_ok());
+}
+
 TEST(RunLog, IgnoresUnknownFieldsAndDefaultsMissingOnes) {
   Result<StepRecord> parsed = parse_step_record(
       R"({"future":{"a":[1,{"b":null}],"c":"x"},"step":9,"ranks":[{"rank":2,"new":[true]}],)"

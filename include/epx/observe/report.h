@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -73,16 +74,19 @@ class StepBins {
   std::vector<int64_t> counts_;   // kReal: values that were not NaN; kCounts: the sums
 };
 
-// One line of a LineChart; NaN leaves a gap.
+// One line of a LineChart; NaN leaves a gap. A series with its own `x` (a
+// sparse one, e.g. a validation loss measured every N steps) is drawn as
+// points joined by a line at those x; without, it follows the chart's x.
 struct ChartSeries {
   std::string name;
   std::vector<double> y;
+  std::vector<double> x;  // empty: the chart's x; else as long as y
 };
 
 struct LineChart {
   std::string title, x_label, y_label, note;
   std::vector<double> x;
-  std::vector<ChartSeries> series;  // each as long as x
+  std::vector<ChartSeries> series;  // each as long as x, or as its own x
   std::vector<double> marks;        // x positions marked by a vertical line (EPLB re-placements)
   std::string marks_label;
 };
@@ -154,6 +158,10 @@ class ReportPage {
 struct RunSummary {
   int64_t num_steps = 0, first_step = 0, last_step = 0;
   double final_loss = 0, mean_tokens_per_s = 0, mean_max_vio = 0, mean_balancedness = 0;
+  // The held-out loss (StepRecord::val_loss): how many steps have one, the
+  // last of them and its step (NaN and -1 when none has).
+  int64_t num_val_losses = 0, last_val_step = -1;
+  double last_val_loss = std::numeric_limits<double>::quiet_NaN();
   int64_t dropped = 0, eplb_replacements = 0, eplb_moved_slots = 0, eplb_moved_bytes = 0;
   int step_bin = 1, heatmap_bin = 1;  // steps per point of the line charts / per heatmap column
   bool has_wait_matrix = false;

@@ -85,6 +85,10 @@ struct StepRecord {
   int64_t step = 0;  // 0-based
   double loss = std::numeric_limits<double>::quiet_NaN();
   double main_loss = std::numeric_limits<double>::quiet_NaN();
+  // The held-out (validation) loss measured after this step, on the steps a
+  // writer that evaluates (epx.torch.MetricsWriter) evaluated; absent on the
+  // others. NaN when written as null.
+  std::optional<double> val_loss;
   double lr = 0, grad_norm = 0, seconds = 0, tokens_per_s = 0;
   int num_nodes = 0;  // of the run, ranks node-major; 0: not written (files of older epx versions)
   int64_t resumed_from = -1;  // the first record of a resumed run: its checkpoint's step; -1 otherwise

@@ -4,6 +4,7 @@
     for step in range(steps):
         ... forward, backward, optimizer step ...
         metrics.step(step, loss.item(), lr=lr, tokens=global_tokens)    # every rank
+        # on steps that evaluate: metrics.step(..., val_loss=held_out_loss)
     metrics.close()
 
 One JSON line per step (docs/operations.md lists the fields), so `epx monitor` and
@@ -88,30 +89,33 @@ class MetricsWriter:
         return {"rank": rank, **moe, "dense": max(total - sum(moe.values()), 0.0), "wait": 0.0, "sync": 0.0,
                 "total": total}
 
-    def step(self, step, loss, *, main_loss=None, lr=0.0, grad_norm=0.0, tokens=0):
+    def step(self, step, loss, *, main_loss=None, val_loss=None, lr=0.0, grad_norm=0.0, tokens=0):
         """Collective: one line for `step` (0-based). loss: the step's loss as rank 0 holds it
         (make it the global loss); main_loss: without the auxiliary losses (default: loss);
-        tokens: the step's tokens over every rank (for tokens/s)."""
+        val_loss: the held-out loss measured after this step, on the steps that evaluate (None:
+        the line has no val_loss); tokens: the step's tokens over every rank (for tokens/s)."""
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         times = self._rank_times(seconds)
         failed = None
         if self._file is not None:
             try:
-                self._write(step, loss, main_loss, lr, grad_norm, tokens, seconds, times)
+                self._write(step, loss, main_loss, val_loss, lr, grad_norm, tokens, seconds, times)
             except OSError as e:  # a full disk: every rank raises, none waits in the next step
                 failed = e
                 self._drop_file()
         self._agree(failed, f"could not write step {step} to {self.path}")
 
-    def _write(self, step, loss, main_loss, lr, grad_norm, tokens, seconds, times):
+    def _write(self, step, loss, main_loss, val_loss, lr, grad_norm, tokens, seconds, times):
         layers = [_layer_record(i, layer.load["stats"]) for i, layer in enumerate(self.layers) if layer.load]
         record = {"step": int(step), "loss": _number(loss),
-                  "main_loss": _number(loss if main_loss is None else main_loss), "lr": _number(lr),
-                  "grad_norm": _number(grad_norm), "seconds": seconds,
-                  "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-                  "num_nodes": self.transport.num_nodes, "layers": layers,
-                  "ranks": [self._rank_record(r, times[r]) for r in range(self.transport.num_ranks)]}
+                  "main_loss": _number(loss if main_loss is None else main_loss)}
+        if val_loss is not None:
+            record["val_loss"] = _number(val_loss)
+        record.update({"lr": _number(lr), "grad_norm": _number(grad_norm), "seconds": seconds,
+                       "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+                       "num_nodes": self.transport.num_nodes, "layers": layers,
+                       "ranks": [self._rank_record(r, times[r]) for r in range(self.transport.num_ranks)]})
         self._file.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
         self._file.flush()
 
