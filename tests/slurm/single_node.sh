@@ -5,7 +5,8 @@
 #
 #   tests/slurm/single_node.sh [-n N] [--mpi TYPE] [--timeout SECS] [--keep]
 #                              [--srun-arg ARG]... -- PROGRAM [ARGS...]
-#   tests/slurm/single_node.sh --sbatch [-n N] [--srun-arg ARG]... -- SCRIPT [ARGS...]
+#   tests/slurm/single_node.sh --sbatch [-n N] [--srun-arg ARG]... [--during CMD] [--after CMD]
+#                              -- SCRIPT [ARGS...]
 #
 #   -n N            tasks (MPI ranks) for srun, default 4 (with --sbatch: only
 #                   when given, else the script's #SBATCH lines decide)
@@ -18,6 +19,21 @@
 #                   templates in configs/slurm/); it runs in a scratch
 #                   directory (its output files go with it unless --keep),
 #                   its output is printed at the end
+#   --during CMD    (--sbatch) run `bash -c CMD` in the job's directory as soon
+#                   as the job is submitted, beside it (e.g. to signal it with
+#                   scancel); the run fails if CMD fails. Its environment has
+#                   EPX_SLURM_JOB_ID (the job id) and SLURM_CONF (scancel,
+#                   scontrol and squeue reach this cluster)
+#   --after CMD     (--sbatch) run `bash -c CMD` the same way once the job has
+#                   ended for good; the run fails if CMD fails
+#                   With --during or --after the job is submitted without
+#                   --wait and followed with `scontrol show job` through its
+#                   requeues until it ends in a final state (COMPLETED,
+#                   FAILED, ...); each change of state and restart count is
+#                   logged ("job J: RUNNING, restarts 1, ..."), the last one
+#                   as "job J ended: STATE, restarts R, exit code X:S". A job
+#                   held (REQUEUE_HOLD, Reason JobHeld* or
+#                   job_requeued_in_held_state) fails the run at once
 #
 # e.g.  tests/slurm/single_node.sh -n 4 -- build/bin/epx demo
 #       EPX=$PWD/build/bin/epx CONFIG=$PWD/configs/train-tiny.toml \
@@ -28,7 +44,9 @@
 # own socket; writes slurm.conf (SLURM_CONF points at it, for the daemons and
 # for srun/sinfo) with free ports, this host's `hostname -s` as the one node,
 # proctrack/linuxproc + task/none (no cgroups), CPUs=max(8,N) accepted on a
-# smaller machine through SlurmdParameters=config_overrides, and a random
+# smaller machine through SlurmdParameters=config_overrides, quick requeues
+# (cred_expire=15, sched_interval=2: a requeued job starts again ~16 s after
+# its run ended instead of ~3 min), and a random
 # FirstJobId (Open MPI names shared memory after the job id: two of these
 # clusters at once must not both run job 1); starts `slurmctld -D` and
 # `slurmd -D` in the background in their own session, records their PIDs,
@@ -39,7 +57,9 @@
 # killed (its harness PID gone) are stopped and removed first, found by their
 # own directory, never by process name.
 #
-# Exit status: the program's (srun's: the largest task exit code);
+# Exit status: the program's (srun's: the largest task exit code; with
+# --during/--after: 0 for a job that ended COMPLETED with exit code 0, else
+# its exit code, or 1, and then 1 if CMD failed);
 # 77 (ctest SKIP_RETURN_CODE) when this environment cannot run Slurm: not
 # root, a Slurm/munge command or the srun MPI plugin missing, or the daemons
 # do not come up; set EPX_SLURM_REQUIRE=1 to make those failures (exit 1)
@@ -60,6 +80,8 @@ keep=0
 srun_extra=()
 mode=srun
 ntasks_given=0
+during_cmd=
+after_cmd=
 
 usage() {
   sed -n '2,/^set -uo/{/^set -uo/d;s/^# \{0,1\}//;p}' "$0" >&2
@@ -78,6 +100,8 @@ while (($#)); do
     --keep) keep=1; shift ;;
     --srun-arg) [[ $# -ge 2 ]] || usage; srun_extra+=("$2"); shift 2 ;;
     --srun-arg=*) srun_extra+=("${1#--srun-arg=}"); shift ;;
+    --during) [[ $# -ge 2 ]] || usage; during_cmd=$2; shift 2 ;;
+    --after) [[ $# -ge 2 ]] || usage; after_cmd=$2; shift 2 ;;
     -h|--help) usage ;;
     --) shift; break ;;
     *) echo "$prog_name: unknown option '$1' (the program goes after --)" >&2; usage ;;
@@ -86,6 +110,9 @@ done
 (($# >= 1)) || { echo "$prog_name: no program given after --" >&2; usage; }
 [[ "$ntasks" =~ ^[1-9][0-9]*$ ]] || { echo "$prog_name: -n wants a positive integer, got '$ntasks'" >&2; exit 2; }
 [[ "$timeout_s" =~ ^[1-9][0-9]*$ ]] || { echo "$prog_name: --timeout wants seconds, got '$timeout_s'" >&2; exit 2; }
+follow=0
+[[ -n "$during_cmd" || -n "$after_cmd" ]] && follow=1
+((follow)) && [[ "$mode" != sbatch ]] && { echo "$prog_name: --during and --after go with --sbatch" >&2; exit 2; }
 
 t_start=${EPOCHREALTIME/[.,]/}
 # The caller's stdout and stderr, for the traps: a signal that arrives while
@@ -204,6 +231,8 @@ mkdir -p "$tmp"/{munge,state,spool/slurmd-"$host",log,run,tmpfs}
 started=()      # PIDs of the daemons we started, in start order
 watchdog=
 srun_pid=
+hook_pid=       # --during or --after CMD while it runs
+job_id=         # --during/--after: the submitted job
 status=1
 cleaned=0
 
@@ -245,6 +274,11 @@ cleanup() {
     for ((i = 0; i < 80; i++)); do kill -0 "$srun_pid" 2>/dev/null || break; sleep 0.1; done
     stop_pids 2 "$srun_pid"
   fi
+  # A followed job (--during/--after) still in the queue: cancel it too.
+  if [[ -n "$job_id" ]] && ((${#started[@]} >= 2)) && kill -0 "${started[1]}" 2>/dev/null; then
+    timeout 5 env SLURM_CONF="$slurm_conf" scancel --quiet --full --user=root 2>/dev/null
+  fi
+  [[ -n "$hook_pid" ]] && stop_pids 2 "$hook_pid"
   [[ "$mode" == sbatch ]] && print_job_output
   # Daemons in reverse start order: slurmd, slurmctld, munged.
   local rev=()
@@ -385,7 +419,10 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$munge_socket
+# cred_expire: also how long a requeued job waits before it may start again
+# (default 120 s); sched_interval: the main scheduling pass (default 60 s),
+# which starts a requeued job once it may.
+AuthInfo=socket=$munge_socket,cred_expire=15
 StateSaveLocation=$tmp/state
 SlurmdSpoolDir=$tmp/spool/slurmd-%n
 SlurmctldPidFile=$tmp/run/slurmctld.pid
@@ -407,6 +444,7 @@ MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 # The node claims CPUs=$cpus whatever the hardware has, so -n 4 and -n 8 fit
 # on a 2-core machine (ranks then share cores).
 SlurmdParameters=config_overrides
@@ -497,6 +535,115 @@ else
   # The job's environment is ours (sbatch --export=ALL), SLURM_CONF included.
   srun_cmd=(env SLURM_CONF="$slurm_conf" sbatch --wait --quiet --chdir="$tmp/job"
             --output="$tmp/job/slurm-%j.out" "${n_arg[@]}" "${srun_extra[@]}" "$script" "$@")
+fi
+
+# --during/--after: run_hook WHAT CMD starts `bash -c CMD` in the job's
+# directory (hook_pid); wait_hook WHAT waits for it, interruptibly (the traps
+# run meanwhile), and sets hook_status.
+hook_status=0
+run_hook() {
+  local what=$1 cmd=$2
+  log "$what: $cmd"
+  (cd "$tmp/job" && EPX_SLURM_JOB_ID=$job_id SLURM_CONF=$slurm_conf exec bash -c "$cmd") &
+  hook_pid=$!
+}
+wait_hook() {
+  local what=$1
+  wait "$hook_pid"
+  hook_status=$?
+  hook_pid=
+  ((hook_status == 0)) || log "$what exited with status $hook_status"
+}
+
+# --during/--after: follow job $job_id with scontrol until it ends in a final
+# state, through its requeues; sets job_state, job_restarts, job_exit,
+# job_reason. Returns 1 when the job is held (it would never end) or
+# scontrol stops answering.
+job_state='' job_restarts='' job_exit='' job_reason=''
+follow_job() {
+  local line last='' failures=0
+  while :; do
+    line=$(timeout 15 env SLURM_CONF="$slurm_conf" scontrol -o show job "$job_id" 2>&1)
+    if [[ "$line" =~ JobState=([A-Z_]+) ]]; then
+      job_state=${BASH_REMATCH[1]}
+      [[ "$line" =~ Restarts=([0-9]+) ]] && job_restarts=${BASH_REMATCH[1]}
+      [[ "$line" =~ ExitCode=([0-9]+:[0-9]+) ]] && job_exit=${BASH_REMATCH[1]}
+      [[ "$line" =~ Reason=([^ ]+) ]] && job_reason=${BASH_REMATCH[1]}
+      failures=0
+    elif ((++failures >= 20)); then
+      log "scontrol show job $job_id does not answer: $line"
+      return 1
+    else
+      sleep 0.5
+      continue
+    fi
+    if [[ "$job_state $job_restarts $job_reason" != "$last" ]]; then
+      last="$job_state $job_restarts $job_reason"
+      log "job $job_id: $job_state, restarts $job_restarts, reason $job_reason, exit code $job_exit"
+    fi
+    case $job_state in
+      COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|PREEMPTED|BOOT_FAIL|DEADLINE|OUT_OF_MEMORY)
+        log "job $job_id ended: $job_state, restarts $job_restarts, exit code $job_exit"
+        return 0 ;;
+      REQUEUE_HOLD|SPECIAL_EXIT)
+        log "job $job_id is held ($job_state): it will not run again by itself"
+        return 1 ;;
+      PENDING)
+        if [[ "$job_reason" == JobHeld* || "$job_reason" == *held_state* ]]; then
+          log "job $job_id is held ($job_reason): it will not run again by itself"
+          return 1
+        fi ;;
+    esac
+    sleep 0.5
+  done
+}
+
+if ((follow)); then
+  submit=(env SLURM_CONF="$slurm_conf" sbatch --parsable --chdir="$tmp/job"
+          --output="$tmp/job/slurm-%j.out" "${n_arg[@]}" "${srun_extra[@]}" "$script" "$@")
+  log "submitting: ${submit[*]:1}"
+  "${submit[@]}" >"$tmp/job/submitted" &
+  srun_pid=$!
+  wait "$srun_pid"
+  status=$?
+  srun_pid=
+  job_id=$(cut -d';' -f1 "$tmp/job/submitted")
+  if ((status != 0)) || [[ ! "$job_id" =~ ^[0-9]+$ ]]; then
+    log "sbatch exited with status $status, job id '$job_id'"
+    job_id=
+    print_logs "$tmp/log/slurmctld.log"
+    exit 1
+  fi
+  log "submitted batch job $job_id"
+  if [[ -n "$during_cmd" ]]; then run_hook "--during" "$during_cmd"; fi
+  follow_job
+  followed=$?
+  if ((followed != 0)); then
+    status=1
+  elif [[ "$job_state" == COMPLETED && "$job_exit" == 0:0 ]]; then
+    status=0
+  else
+    status=${job_exit%%:*}
+    ((status != 0)) || status=1
+  fi
+  if [[ -n "$during_cmd" && -n "$hook_pid" ]]; then
+    if ((followed == 0)); then
+      wait_hook "--during"
+      ((hook_status == 0)) || status=1
+    else
+      stop_pids 2 "$hook_pid"   # the job will not end by itself: no need to wait for CMD
+      hook_pid=
+    fi
+  fi
+  print_job_output
+  if [[ -n "$after_cmd" ]] && ((followed == 0)); then
+    run_hook "--after" "$after_cmd"
+    wait_hook "--after"
+    ((hook_status == 0 || status != 0)) || status=1
+  fi
+  log "job $job_id: exit status $status"
+  ((status == 0)) || print_logs "$tmp/log/slurmctld.log" "$tmp/log/slurmd.log"
+  exit "$status"
 fi
 log "running: ${srun_cmd[*]:1}"
 "${srun_cmd[@]}" &
