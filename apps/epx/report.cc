@@ -112,6 +112,7 @@ int run_report(const ReportOptions& o) {
       },
       &resumes);
   for (const MetricsResume& r : resumes) report.add_resume(r);
+  if (restarts) report.add_summary_row("supervised (epx supervise --events)", describe_restarts(*restarts));
   if (!read.is_ok()) {
     fmt::print(stderr, "epx report: {}\n", read.message());
     const StatusCode code = read.code();

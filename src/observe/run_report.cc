@@ -81,6 +81,7 @@ struct RunReport::State {
   StragglerWindow window;
   std::vector<std::vector<int64_t>> set_aside;  // the expert loads, out of a record while it is copied
   std::map<int64_t, int64_t> resumes;  // step resumed from -> earlier records it replaced
+  std::vector<std::vector<std::string>> extra_rows;  // add_summary_row
 
   void add_series(const StepRecord& r);
   void add_val_loss(const StepRecord& r);
@@ -209,6 +210,10 @@ void RunReport::add_resume(const MetricsResume& resume) {
   replaced = std::max(replaced, resume.replaced);
 }
 
+void RunReport::add_summary_row(std::string name, std::string value) {
+  state_->extra_rows.push_back({std::move(name), std::move(value)});
+}
+
 RunSummary RunReport::summary() const {
   const State& s = *state_;
   RunSummary out;
@@ -260,6 +265,7 @@ void RunReport::State::add_summary(ReportPage& page, const RunSummary& sum) cons
   if (odd_layouts > 0)
     t.rows.push_back({"records left out of the heatmaps",
                       fmt::format("{} (their layers x experts differ from the first record's)", odd_layouts)});
+  for (const std::vector<std::string>& row : extra_rows) t.rows.push_back(row);
   page.add(std::move(t));
 }
 

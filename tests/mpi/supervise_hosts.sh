@@ -85,8 +85,10 @@ echo "restart time (kill -9 to the first step on 2 ranks): $seconds s"
 # epx report --events shows the restart and the steps lost.
 "$epx" report "$work/killed.jsonl" --events "$work/killed.events" -o "$work/killed.html" >"$work/report.txt" ||
   fail "epx report --events exited $?"
-grep -q "supervised: 1 restart, $(( $(event "$work/killed.events" exit | head -n 1 | python3 -c 'import json,sys; print(json.loads(sys.stdin.readline())["lost_steps"])') )) steps lost; rank 3 on $host_b: killed by Killed" "$work/report.txt" ||
+grep -q "supervised: 1 restart, $(( $(event "$work/killed.events" exit | head -n 1 | python3 -c 'import json,sys; print(json.loads(sys.stdin.readline())["lost_steps"])') )) steps\? lost; rank 3 on $host_b: killed by Killed" "$work/report.txt" ||
   fail "epx report --events: $(cat "$work/report.txt")"
+grep -q "supervised (epx supervise --events).*1 restart, [0-9]* steps\? lost; rank 3 on $host_b" "$work/killed.html" ||
+  fail "epx report --events: the page's summary does not show the restart"
 echo "ok   kill -9 of rank 3 on $host_b: excluded, resumed at step $step on 2 ranks, the same $((60 - step)) losses bit for bit"
 
 # 2. SIGSTOP of rank 2 (host b): stopped at once, restarted on both hosts.

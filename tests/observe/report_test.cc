@@ -212,6 +212,18 @@ TEST(RunReport, NoValidationLossNoSeries) {
   EXPECT_EQ(html.find("validation"), std::string::npos);
 }
 
+TEST(RunReport, SummaryRowsAddedByTheCallerEndTheSummaryEscaped) {
+  RunReport report;
+  for (int s = 0; s < 4; ++s) report.add(make_step(s));
+  EXPECT_EQ(report.page("run").html().find("supervised"), std::string::npos);
+  report.add_summary_row("supervised", "1 restart, 3 steps lost; rank 1 on <b>: killed");
+  const std::string html = report.page("run").html();
+  const std::size_t row = html.find("supervised");
+  ASSERT_NE(row, std::string::npos);
+  EXPECT_NE(html.find("1 restart, 3 steps lost; rank 1 on &lt;b&gt;: killed", row), std::string::npos);
+  EXPECT_GT(row, html.find("downsampling"));  // after the built-in rows
+}
+
 TEST(RunReport, ManyValidationLossesAreBinnedWithinMaxPoints) {
   RunReport report(RunReportOptions{.max_points = 8, .max_heatmap_columns = 4, .straggler_window = 10});
   for (int s = 0; s < 40; ++s) {

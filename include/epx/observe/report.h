@@ -192,6 +192,9 @@ class RunReport {
   // A resume found by the reader (read_run_metrics); a record's resumed_from
   // is one too. The summary lists each step once.
   void add_resume(const MetricsResume& resume);
+  // A row the page's summary table ends with, for what the metrics do not
+  // hold (e.g. a supervisor's restarts, from its events file).
+  void add_summary_row(std::string name, std::string value);
   [[nodiscard]] RunSummary summary() const;
   // The page; `source` (the metrics file) is shown under the title.
   [[nodiscard]] ReportPage page(const std::string& source) const;
