@@ -125,6 +125,19 @@ class SendGroup {
   bool finished_ = false;
 };
 
+// What one dispatch's move_rows moves, handed to each of its steps.
+struct RowMove {
+  const TensorView& x;
+  const TensorView* topk_idx;      // null: rows only (a cached dispatch), no metadata
+  const TensorView* topk_weights;  // null: no weights
+  const detail::HandleData& h;
+  std::size_t meta_bytes;  // per row, 0 without metadata
+  detail::RowStores stores;
+  const Deadline& deadline;
+  ExchangeStats* stats;
+  [[nodiscard]] bool with_meta() const { return topk_idx != nullptr; }
+};
+
 // A message of the wrong size means the ranks disagree about the routes: a bug
 // or a mismatched handle that slipped through; never corrupt memory over it.
 inline Status expect_size(std::size_t got, std::size_t expected, int peer, std::string_view what) {
@@ -347,6 +360,18 @@ struct Buffer::Impl {
   Status move_rows(const TensorView& x, const TensorView* topk_idx, const TensorView* topk_weights,
                    const detail::HandleData& h, detail::ForwardPlan* plan, const Deadline& deadline,
                    ExchangeStats* stats);
+  // move_rows' steps (dispatch_rows.cc).
+  void copy_rows_inside_node(const buffer_detail::RowMove& m);
+  std::vector<buffer_detail::RemoteTarget> remote_targets(const detail::HandleData& h,
+                                                          std::vector<int>* target_of) const;
+  std::vector<int64_t> stage_remote_rows(const buffer_detail::RowMove& m,
+                                         const std::vector<buffer_detail::RemoteTarget>& targets,
+                                         const std::vector<buffer_detail::TokenRun>& runs);
+  Status send_rows_to_other_nodes(const buffer_detail::RowMove& m, buffer_detail::SendGroup& sends);
+  Status receive_from_other_nodes(const buffer_detail::RowMove& m);
+  Status receive_and_forward(const buffer_detail::RowMove& m, detail::ForwardPlan* plan);
+  void plan_forwarded_rows(const buffer_detail::RowMove& m, int s, int src_node, int64_t n, detail::ForwardPlan& plan);
+  void forward_rows(const buffer_detail::RowMove& m, const std::vector<int32_t>& fwd_row, int64_t n);
   void finish_receive(detail::HandleData& h);
   // A rank whose local_status is an error takes part only to tell the others.
   // x_name names the caller's argument in error messages.
