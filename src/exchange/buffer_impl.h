@@ -138,6 +138,19 @@ struct RowMove {
   [[nodiscard]] bool with_meta() const { return topk_idx != nullptr; }
 };
 
+// What one combine_impl moves and sums, handed to each of its steps.
+struct CombineMove {
+  const detail::HandleData& h;
+  const CombineOptions& options;
+  DType ydtype;
+  std::size_t yrow;  // bytes of a row of y
+  std::size_t prow;  // bytes of a row on the wire (two-hop: f32 partials)
+  bool slots;        // weight gradients travel with the rows
+  const Deadline& deadline;
+  std::vector<int64_t> stage_first;  // per remote source rank (flat) or node (two-hop): first staged row, -1: none
+  int64_t stage_rows = 0;
+};
+
 // A message of the wrong size means the ranks disagree about the routes: a bug
 // or a mismatched handle that slipped through; never corrupt memory over it.
 inline Status expect_size(std::size_t got, std::size_t expected, int peer, std::string_view what) {
@@ -388,6 +401,29 @@ struct Buffer::Impl {
                              std::string_view op) const;
   Status combine_impl(Status local_status, const TensorView& y, const detail::HandleData& h, const TensorView& out,
                       const CombineOptions& options, std::string_view op);
+  // combine_impl's steps (combine_rows.cc).
+  void put_in_combine_region(const TensorView& y, const detail::HandleData& h, const CombineOptions& options,
+                             bool slots, std::size_t yrow);
+  Status gather_combine_header(const Status& local_status, DType ydtype, bool slots, const detail::HandleData& h,
+                               std::string_view op, const Deadline& deadline);
+  Status send_combine_rows(buffer_detail::CombineMove& m, buffer_detail::SendGroup& sends);
+  Status reduce_and_send_for_other_nodes(buffer_detail::CombineMove& m, buffer_detail::SendGroup& sends);
+  void sum_node_rows_for(const buffer_detail::CombineMove& m, int n, int64_t rows, detail::RowStores stores,
+                         float* part, float* part_slots);
+  Status receive_combine_rows(const buffer_detail::CombineMove& m);
+  // Scratch of sum_tokens, reused token after token.
+  struct TokenSums {
+    std::vector<int64_t> d_base;    // flat: first row of this rank's block on each holder
+    std::vector<int64_t> next;      // two-hop: next staged row per node
+    std::vector<int64_t> node_row;  // two-hop: staged row of the current token per node
+    std::vector<const std::byte*> rows;
+    std::vector<detail::SumGroup> groups;
+  };
+  void sum_tokens(buffer_detail::CombineMove& m, const TensorView& out);
+  int holder_groups(const buffer_detail::CombineMove& m, const int32_t* send_row, TokenSums& s);
+  int node_groups(const buffer_detail::CombineMove& m, const int32_t* send_row, TokenSums& s);
+  void gather_weight_gradients(const buffer_detail::CombineMove& m, int t, const int32_t* send_row,
+                               const TokenSums& s);
   // Checks the handle and the arguments (named y_name, out_name in messages), then combine_impl.
   Status combine_checked(const TensorView& y, const Handle& handle, const TensorView& out,
                          const CombineOptions& options, std::string_view op, std::string_view y_name,
