@@ -10,7 +10,7 @@
 // controls use AlignedBuffer::allocate or Parameter::make, which name the bytes.
 //
 //   Status Buffer::dispatch(...) {
-//     return detail::guard("dispatch", [&] { return dispatch_now(...); });
+//     return detail::guard("dispatch", [&] { return dispatch_blocking(...); });
 //   }
 //
 // Test hooks, for the whole process: fail_allocations(skip, n) lets the next

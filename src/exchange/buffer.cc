@@ -97,10 +97,10 @@ int64_t Buffer::expanded_rows_bound(const BufferConfig& config, int num_ranks, D
 }
 
 Result<std::unique_ptr<Buffer>> Buffer::create(Transport& transport, BufferConfig config) {
-  return detail::guard("Buffer::create", [&] { return create_now(transport, std::move(config)); });
+  return detail::guard("Buffer::create", [&] { return create_unguarded(transport, std::move(config)); });
 }
 
-Result<std::unique_ptr<Buffer>> Buffer::create_now(Transport& transport, BufferConfig config) {
+Result<std::unique_ptr<Buffer>> Buffer::create_unguarded(Transport& transport, BufferConfig config) {
   const Topology& topo = transport.topology();
   const int num_ranks = topo.num_ranks();
   const Status local_status = detail::validate_buffer_config(&config, num_ranks);
@@ -186,7 +186,7 @@ Status Buffer::Impl::validate_dispatch(const DispatchInputs& in, const DispatchL
   return Status::ok();
 }
 
-Status Buffer::dispatch_now(const DispatchInputs& in, DispatchResult* out, const DispatchLayout* given) {
+Status Buffer::dispatch_blocking(const DispatchInputs& in, DispatchResult* out, const DispatchLayout* given) {
   Impl& m = *impl_;
   ScopedSpan span(m.config.tracer, m.rank, "dispatch");
   Stopwatch watch;
@@ -312,7 +312,7 @@ Status Buffer::Impl::check_same_dispatch(const std::vector<int64_t>& all, std::s
   return Status::ok();
 }
 
-Status Buffer::dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+Status Buffer::dispatch_cached_blocking(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   return impl_->dispatch_cached_impl(Status::ok(), x, handle, recv_x, "dispatch_cached", "x");
 }
 
@@ -358,7 +358,7 @@ Result<TensorView> Buffer::recv_scales(const Handle& handle) const {
   return m.payload.scales(m.local().recv_x, handle.num_recv_tokens());
 }
 
-Result<TensorView> Buffer::combine_input_now(const Handle& handle, DType dtype) {
+Result<TensorView> Buffer::combine_input_blocking(const Handle& handle, DType dtype) {
   Impl& m = *impl_;
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_input"));
   if (!is_payload_dtype(dtype) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
@@ -395,18 +395,18 @@ Status Buffer::Impl::validate_combine(const TensorView& y, const detail::HandleD
   return Status::ok();
 }
 
-Status Buffer::combine_now(const TensorView& y, const Handle& handle, const TensorView& out,
+Status Buffer::combine_blocking(const TensorView& y, const Handle& handle, const TensorView& out,
                            const CombineOptions& options) {
   return impl_->combine_checked(y, handle, out, options, "combine", "y", "out");
 }
 
 
-Status Buffer::dispatch_backward_now(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
+Status Buffer::dispatch_backward_blocking(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
                                      const CombineOptions& options) {
   return impl_->combine_checked(grad_recv_x, handle, grad_x, options, "dispatch_backward", "grad_recv_x", "grad_x");
 }
 
-Status Buffer::combine_backward_now(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
+Status Buffer::combine_backward_blocking(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
   return impl_->dispatch_gradients(Status::ok(), grad_out, handle, grad_y, "combine_backward");
 }
 
@@ -619,7 +619,7 @@ Status Buffer::Impl::combine_receiver(Status local_status, const TensorView& y, 
   return close_op(deadline);
 }
 
-Result<TensorView> Buffer::combine_expanded_input_now(const Handle& handle, DType dtype) {
+Result<TensorView> Buffer::combine_expanded_input_blocking(const Handle& handle, DType dtype) {
   Impl& m = *impl_;
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_expanded_input"));
   if (!is_payload_dtype(dtype) || dtype_size(dtype) > dtype_size(m.config.max_combine_dtype))
@@ -666,7 +666,7 @@ void widen_rows(const TensorView& grad_partial, int64_t first, int64_t count, in
 
 }  // namespace
 
-Status Buffer::combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle,
+Status Buffer::combine_expanded_backward_blocking(const TensorView& grad_out, const Handle& handle,
                                              const TensorView& y_expanded, const TensorView& weights,
                                              const TensorView& grad_y_expanded, const TensorView& grad_weights) {
   Impl& m = *impl_;

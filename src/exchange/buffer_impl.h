@@ -22,7 +22,7 @@
 #include "exchange/payload.h"
 #include "exchange/row_copy.h"
 #include "exchange/row_kernels.h"
-#include "exchange/split.h"
+#include "exchange/split_phase_state.h"
 #include "exchange/waits.h"
 
 namespace epx {

@@ -142,7 +142,7 @@ void Buffer::Impl::publish_holder_weights(const detail::HandleData& h, const flo
   std::memcpy(local().combine_slots, w, sizeof(float) * static_cast<std::size_t>(h.num_recv) * h.topk);
 }
 
-Status Buffer::combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+Status Buffer::combine_expanded_blocking(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                     const TensorView& weights, const CombineOptions& options) {
   Impl& m = *impl_;
   Status local_status = m.check_handle(handle, kOp);

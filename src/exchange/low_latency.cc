@@ -266,7 +266,7 @@ struct LowLatencyBuffer::Impl {
   }
   // The most local experts of one rank a token can go to.
   int64_t pairs_per_row() const { return std::min(config.max_topk, max_local); }
-  // Dispatch steps (dispatch_now runs them in this order).
+  // Dispatch steps (dispatch_blocking runs them in this order).
   void count_rows(const LowLatencyDispatchInputs& in, int T, int K);
   void place_blocks(bool send_rows);
   void write_rows(const LowLatencyDispatchInputs& in, int T, int K, ExchangeStats* stats);
@@ -322,10 +322,10 @@ Status allocate_staging(std::size_t send_bytes, std::size_t recv_bytes, AlignedB
 }  // namespace
 
 Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(Transport& transport, LowLatencyConfig config) {
-  return detail::guard("LowLatencyBuffer::create", [&] { return create_now(transport, std::move(config)); });
+  return detail::guard("LowLatencyBuffer::create", [&] { return create_unguarded(transport, std::move(config)); });
 }
 
-Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_now(Transport& transport, LowLatencyConfig config) {
+Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_unguarded(Transport& transport, LowLatencyConfig config) {
   const Topology& topo = transport.topology();
   const int num_ranks = topo.num_ranks();
   auto check = [&]() -> Status {
@@ -692,7 +692,7 @@ void LowLatencyBuffer::Impl::finish_experts(int64_t* received) {
   }
 }
 
-Status LowLatencyBuffer::dispatch_now(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
+Status LowLatencyBuffer::dispatch_blocking(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
   Impl& m = *impl_;
   if (!m.poisoned.is_ok()) return m.poisoned;
   Stopwatch watch;
@@ -802,7 +802,7 @@ Status LowLatencyBuffer::Impl::validate_combine(const TensorView& y, const LowLa
   return check_matrix(out, "out", out.dtype(), num_tokens, config.hidden);
 }
 
-Status LowLatencyBuffer::combine_now(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
+Status LowLatencyBuffer::combine_blocking(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
   Impl& m = *impl_;
   if (!m.poisoned.is_ok()) return m.poisoned;
   const Deadline deadline = Deadline::after(m.config.timeout);

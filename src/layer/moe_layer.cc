@@ -1040,11 +1040,11 @@ Result<std::unique_ptr<MoELayer>> MoELayer::create(const MoELayerConfig& config,
                                                    int layer_index, std::vector<int32_t> slot_expert,
                                                    Transport* global) {
   return detail::guard("MoELayer::create", [&] {
-    return create_now(config, transport, buffer, layer_index, std::move(slot_expert), global ? *global : transport);
+    return create_unguarded(config, transport, buffer, layer_index, std::move(slot_expert), global ? *global : transport);
   });
 }
 
-Result<std::unique_ptr<MoELayer>> MoELayer::create_now(const MoELayerConfig& config, Transport& transport,
+Result<std::unique_ptr<MoELayer>> MoELayer::create_unguarded(const MoELayerConfig& config, Transport& transport,
                                                        Buffer& buffer, int layer_index,
                                                        std::vector<int32_t> slot_expert, Transport& global) {
   EPX_RETURN_IF_ERROR(config.validate());

@@ -13,7 +13,7 @@
 #endif
 
 #include "core/guard.h"
-#include "core/shares.h"
+#include "core/thread_shares.h"
 #include "core/simd_clones.h"
 #include "routing/scores.h"
 

@@ -20,7 +20,7 @@
 #include "epx/sim/pipeline.h"
 #include "epx/sim/traffic.h"
 #include "core/guard.h"
-#include "core/shares.h"
+#include "core/thread_shares.h"
 #include "sim/routing_trace.h"
 
 namespace epx::sim {

@@ -11,7 +11,7 @@
 #include "epx/routing/replicas.h"
 #include "core/guard.h"
 #include "core/simd_clones.h"
-#include "core/shares.h"
+#include "core/thread_shares.h"
 
 namespace epx::sim {
 namespace {

@@ -406,20 +406,21 @@ class Buffer {
   struct Impl;
   struct Split;
   explicit Buffer(std::unique_ptr<Impl> impl);
-  static Result<std::unique_ptr<Buffer>> create_now(Transport& transport, BufferConfig config);
+  // create() without its guard (which turns an exception into a Status).
+  static Result<std::unique_ptr<Buffer>> create_unguarded(Transport& transport, BufferConfig config);
   // The blocking operations themselves (the public forms first wait for the
   // queued asynchronous ones).
-  Status dispatch_now(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout);
-  Status dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x);
-  Result<TensorView> combine_input_now(const Handle& handle, DType dtype);
-  Result<TensorView> combine_expanded_input_now(const Handle& handle, DType dtype);
-  Status combine_now(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options);
-  Status dispatch_backward_now(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
+  Status dispatch_blocking(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout);
+  Status dispatch_cached_blocking(const TensorView& x, const Handle& handle, TensorView* recv_x);
+  Result<TensorView> combine_input_blocking(const Handle& handle, DType dtype);
+  Result<TensorView> combine_expanded_input_blocking(const Handle& handle, DType dtype);
+  Status combine_blocking(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options);
+  Status dispatch_backward_blocking(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
                                const CombineOptions& options);
-  Status combine_backward_now(const TensorView& grad_out, const Handle& handle, TensorView* grad_y);
-  Status combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+  Status combine_backward_blocking(const TensorView& grad_out, const Handle& handle, TensorView* grad_y);
+  Status combine_expanded_blocking(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                               const TensorView& weights, const CombineOptions& options);
-  Status combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
+  Status combine_expanded_backward_blocking(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
                                        const TensorView& weights, const TensorView& grad_y_expanded,
                                        const TensorView& grad_weights);
   // Waits for every queued asynchronous operation.

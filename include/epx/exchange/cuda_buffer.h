@@ -110,15 +110,15 @@ class CudaBuffer {
   struct Impl;
   explicit CudaBuffer(std::unique_ptr<Impl> impl);
   // The operations themselves (the public forms first wait for the queued ones).
-  Status dispatch_now(const DispatchInputs& inputs, DispatchResult* out);
-  Status dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x);
-  Result<TensorView> combine_input_now(const Handle& handle, DType dtype);
-  Status combine_now(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options);
-  Result<const ExpandedLayout*> expanded_layout_now(const Handle& handle);
-  Status expand_now(const TensorView& recv_x, const Handle& handle, const TensorView& out);
-  Status combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+  Status dispatch_blocking(const DispatchInputs& inputs, DispatchResult* out);
+  Status dispatch_cached_blocking(const TensorView& x, const Handle& handle, TensorView* recv_x);
+  Result<TensorView> combine_input_blocking(const Handle& handle, DType dtype);
+  Status combine_blocking(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options);
+  Result<const ExpandedLayout*> expanded_layout_blocking(const Handle& handle);
+  Status expand_blocking(const TensorView& recv_x, const Handle& handle, const TensorView& out);
+  Status combine_expanded_blocking(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                               const TensorView& weights, const CombineOptions& options);
-  Status combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
+  Status combine_expanded_backward_blocking(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
                                        const TensorView& weights, const TensorView& grad_y_expanded,
                                        const TensorView& grad_weights);
   Status settle();

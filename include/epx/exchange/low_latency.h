@@ -150,9 +150,10 @@ class LowLatencyBuffer {
  private:
   struct Impl;
   explicit LowLatencyBuffer(std::unique_ptr<Impl> impl);
-  static Result<std::unique_ptr<LowLatencyBuffer>> create_now(Transport& transport, LowLatencyConfig config);
-  Status dispatch_now(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out);
-  Status combine_now(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out);
+  // create() without its guard (which turns an exception into a Status).
+  static Result<std::unique_ptr<LowLatencyBuffer>> create_unguarded(Transport& transport, LowLatencyConfig config);
+  Status dispatch_blocking(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out);
+  Status combine_blocking(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out);
   std::unique_ptr<Impl> impl_;
   // Declared last, destroyed first: queued operations finish first.
   std::unique_ptr<detail::ProgressThread> progress_;

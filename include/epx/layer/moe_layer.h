@@ -233,9 +233,10 @@ class MoELayer {
  private:
   struct Impl;
   explicit MoELayer(std::unique_ptr<Impl> impl);
-  static Result<std::unique_ptr<MoELayer>> create_now(const MoELayerConfig& config, Transport& transport,
-                                                      Buffer& buffer, int layer_index, std::vector<int32_t> slot_expert,
-                                                      Transport& global);
+  // create() without its guard (which turns an exception into a Status).
+  static Result<std::unique_ptr<MoELayer>> create_unguarded(const MoELayerConfig& config, Transport& transport,
+                                                            Buffer& buffer, int layer_index,
+                                                            std::vector<int32_t> slot_expert, Transport& global);
   std::unique_ptr<Impl> impl_;
 };
 

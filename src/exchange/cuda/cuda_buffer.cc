@@ -13,7 +13,7 @@
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
 #include "exchange/progress.h"
-#include "exchange/staged.h"
+#include "exchange/host_staged_exchange.h"
 
 namespace epx {
 namespace {
@@ -234,7 +234,7 @@ Result<std::unique_ptr<CudaBuffer>> CudaBuffer::create(Transport& transport, Buf
   return std::unique_ptr<CudaBuffer>(new CudaBuffer(std::move(impl)));
 }
 
-Status CudaBuffer::dispatch_now(const DispatchInputs& in, DispatchResult* out) {
+Status CudaBuffer::dispatch_blocking(const DispatchInputs& in, DispatchResult* out) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->dispatch(in, out);
   Stopwatch watch;
@@ -311,7 +311,7 @@ Status CudaBuffer::dispatch_now(const DispatchInputs& in, DispatchResult* out) {
   return Status::ok();
 }
 
-Status CudaBuffer::dispatch_cached_now(const TensorView& x, const Handle& handle, TensorView* recv_x) {
+Status CudaBuffer::dispatch_cached_blocking(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->dispatch_cached(x, handle, recv_x);
   return m.cached_rows(Status::ok(), x, handle, recv_x);
@@ -333,7 +333,7 @@ Status CudaBuffer::Impl::cached_rows(Status local_status, const TensorView& x, c
   return Status::ok();
 }
 
-Result<TensorView> CudaBuffer::combine_input_now(const Handle& handle, DType dtype) {
+Result<TensorView> CudaBuffer::combine_input_blocking(const Handle& handle, DType dtype) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->combine_input(handle, dtype);
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "combine_input"));
@@ -343,7 +343,7 @@ Result<TensorView> CudaBuffer::combine_input_now(const Handle& handle, DType dty
   return TensorView::contiguous(m.regions[m.rank].combine, dtype, {m.num_recv, m.config.hidden}, m.dev());
 }
 
-Status CudaBuffer::combine_now(const TensorView& y, const Handle& handle, const TensorView& out,
+Status CudaBuffer::combine_blocking(const TensorView& y, const Handle& handle, const TensorView& out,
                                const CombineOptions& options) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->combine(y, handle, out, options);
@@ -412,7 +412,7 @@ Status CudaBuffer::Impl::combine_rows(Status local_status, const TensorView& y, 
   return m.transport.barrier(deadline);
 }
 
-Result<const ExpandedLayout*> CudaBuffer::expanded_layout_now(const Handle& handle) {
+Result<const ExpandedLayout*> CudaBuffer::expanded_layout_blocking(const Handle& handle) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->expanded_layout(handle);
   EPX_RETURN_IF_ERROR(m.check_handle(handle, "expanded_layout"));
@@ -421,21 +421,21 @@ Result<const ExpandedLayout*> CudaBuffer::expanded_layout_now(const Handle& hand
   return &m.expanded.host;
 }
 
-Status CudaBuffer::expand_now(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
+Status CudaBuffer::expand_blocking(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->expand(recv_x, handle, out);
-  EPX_RETURN_IF_ERROR(expanded_layout_now(handle).status());
+  EPX_RETURN_IF_ERROR(expanded_layout_blocking(handle).status());
   return detail::expand_rows(m.expanded, recv_x, out, m.num_recv, m.config.hidden, m.dev(), m.stream);
 }
 
-Status CudaBuffer::combine_expanded_now(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
+Status CudaBuffer::combine_expanded_blocking(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                         const TensorView& weights, const CombineOptions& options) {
   Impl& m = *impl_;
   if (m.staged) return m.staged->combine_expanded(y_expanded, handle, out, weights, options);
   // The weighted sum of each received row's local slots goes into this
   // rank's combine region (f32, dense), where combine reads it.
   const Status local_status = [&]() -> Status {
-    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout_now(handle));
+    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout_blocking(handle));
     EPX_RETURN_IF_ERROR(
         detail::check_expanded_inputs(m.config, false, y_expanded, weights, {}, {}, layout->num_rows(), m.shape()));
     if (options.partial_dtype != DType::kF32)
@@ -461,7 +461,7 @@ Status CudaBuffer::combine_expanded_now(const TensorView& y_expanded, const Hand
   return m.combine_rows(local_status, partial, handle, out, options);
 }
 
-Status CudaBuffer::combine_expanded_backward_now(const TensorView& grad_out, const Handle& handle,
+Status CudaBuffer::combine_expanded_backward_blocking(const TensorView& grad_out, const Handle& handle,
                                                  const TensorView& y_expanded, const TensorView& weights,
                                                  const TensorView& grad_y_expanded, const TensorView& grad_weights) {
   Impl& m = *impl_;
@@ -469,7 +469,7 @@ Status CudaBuffer::combine_expanded_backward_now(const TensorView& grad_out, con
     return m.staged->combine_expanded_backward(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   const float* w = nullptr;
   const Status local_status = [&]() -> Status {
-    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout_now(handle));
+    EPX_ASSIGN_OR_RETURN(const ExpandedLayout* layout, expanded_layout_blocking(handle));
     EPX_RETURN_IF_ERROR(detail::check_expanded_inputs(m.config, true, y_expanded, weights, grad_y_expanded,
                                                       grad_weights, layout->num_rows(), m.shape()));
     return m.expanded_weights(weights, &w);
@@ -487,7 +487,7 @@ Status CudaBuffer::combine_expanded_backward_now(const TensorView& grad_out, con
 }
 
 // The public forms: blocking ones after the queued asynchronous ones, and
-// the asynchronous ones on the progress thread (as Buffer's, async.cc).
+// the asynchronous ones on the progress thread (as Buffer's, buffer_operations.cc).
 
 Status CudaBuffer::settle() { return progress_->drain(); }
 
@@ -495,65 +495,65 @@ PendingOp CudaBuffer::submit(std::function<Status()> op) { return PendingOp(prog
 
 Status CudaBuffer::dispatch(const DispatchInputs& inputs, DispatchResult* out) {
   EPX_RETURN_IF_ERROR(settle());
-  return dispatch_now(inputs, out);
+  return dispatch_blocking(inputs, out);
 }
 
 Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   EPX_RETURN_IF_ERROR(settle());
-  return dispatch_cached_now(x, handle, recv_x);
+  return dispatch_cached_blocking(x, handle, recv_x);
 }
 
 Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) {
   EPX_RETURN_IF_ERROR(settle());  // a queued combine may still use the region
-  return combine_input_now(handle, dtype);
+  return combine_input_blocking(handle, dtype);
 }
 
 Status CudaBuffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
                            const CombineOptions& options) {
   EPX_RETURN_IF_ERROR(settle());
-  return combine_now(y, handle, out, options);
+  return combine_blocking(y, handle, out, options);
 }
 
 Result<const ExpandedLayout*> CudaBuffer::expanded_layout(const Handle& handle) {
   EPX_RETURN_IF_ERROR(settle());  // a queued dispatch would replace it
-  return expanded_layout_now(handle);
+  return expanded_layout_blocking(handle);
 }
 
 Status CudaBuffer::expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
   EPX_RETURN_IF_ERROR(settle());
-  return expand_now(recv_x, handle, out);
+  return expand_blocking(recv_x, handle, out);
 }
 
 Status CudaBuffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                     const TensorView& weights, const CombineOptions& options) {
   EPX_RETURN_IF_ERROR(settle());
-  return combine_expanded_now(y_expanded, handle, out, weights, options);
+  return combine_expanded_blocking(y_expanded, handle, out, weights, options);
 }
 
 Status CudaBuffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
                                              const TensorView& y_expanded, const TensorView& weights,
                                              const TensorView& grad_y_expanded, const TensorView& grad_weights) {
   EPX_RETURN_IF_ERROR(settle());
-  return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
 }
 
 PendingOp CudaBuffer::dispatch_async(const DispatchInputs& inputs, DispatchResult* out) {
-  return submit([this, inputs, out] { return dispatch_now(inputs, out); });
+  return submit([this, inputs, out] { return dispatch_blocking(inputs, out); });
 }
 
 PendingOp CudaBuffer::dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  return submit([this, x, handle, recv_x] { return dispatch_cached_now(x, handle, recv_x); });
+  return submit([this, x, handle, recv_x] { return dispatch_cached_blocking(x, handle, recv_x); });
 }
 
 PendingOp CudaBuffer::combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
                                     const CombineOptions& options) {
-  return submit([this, y, handle, out, options] { return combine_now(y, handle, out, options); });
+  return submit([this, y, handle, out, options] { return combine_blocking(y, handle, out, options); });
 }
 
 PendingOp CudaBuffer::combine_expanded_async(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                              const TensorView& weights, const CombineOptions& options) {
   return submit([this, y_expanded, handle, out, weights, options] {
-    return combine_expanded_now(y_expanded, handle, out, weights, options);
+    return combine_expanded_blocking(y_expanded, handle, out, weights, options);
   });
 }
 
@@ -562,7 +562,7 @@ PendingOp CudaBuffer::combine_expanded_backward_async(const TensorView& grad_out
                                                       const TensorView& grad_y_expanded,
                                                       const TensorView& grad_weights) {
   return submit([this, grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights] {
-    return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+    return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   });
 }
 

@@ -11,7 +11,7 @@
 
 #include "epx/comm/inproc.h"
 #include "exchange/device_buffer_checks.h"
-#include "exchange/staged.h"
+#include "exchange/host_staged_exchange.h"
 
 namespace epx::exchange_test {
 namespace {

@@ -7,7 +7,7 @@
 #include "epx/exchange/low_latency.h"
 #include "core/guard.h"
 #include "exchange/progress.h"
-#include "exchange/split.h"
+#include "exchange/split_phase_state.h"
 
 namespace epx {
 
@@ -37,14 +37,14 @@ PendingOp Buffer::submit(std::function<Status()> op) { return PendingOp(progress
 Status Buffer::dispatch(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout) {
   return detail::guard("dispatch", [&] {
     EPX_RETURN_IF_ERROR(settle());
-    return dispatch_now(inputs, out, layout);
+    return dispatch_blocking(inputs, out, layout);
   });
 }
 
 Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
   return detail::guard("dispatch_cached", [&] {
     EPX_RETURN_IF_ERROR(settle());
-    return dispatch_cached_now(x, handle, recv_x);
+    return dispatch_cached_blocking(x, handle, recv_x);
   });
 }
 
@@ -52,7 +52,7 @@ Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
   // The view is of the combine region, which a queued combine may still use.
   return detail::guard("combine_input", [&]() -> Result<TensorView> {
     EPX_RETURN_IF_ERROR(settle());
-    return combine_input_now(handle, dtype);
+    return combine_input_blocking(handle, dtype);
   });
 }
 
@@ -60,14 +60,14 @@ Result<TensorView> Buffer::combine_expanded_input(const Handle& handle, DType dt
   // As combine_input: the region may still be in use by a queued combine.
   return detail::guard("combine_expanded_input", [&]() -> Result<TensorView> {
     EPX_RETURN_IF_ERROR(settle());
-    return combine_expanded_input_now(handle, dtype);
+    return combine_expanded_input_blocking(handle, dtype);
   });
 }
 
 Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options) {
   return detail::guard("combine", [&] {
     EPX_RETURN_IF_ERROR(settle());
-    return combine_now(y, handle, out, options);
+    return combine_blocking(y, handle, out, options);
   });
 }
 
@@ -75,14 +75,14 @@ Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& ha
                                  const CombineOptions& options) {
   return detail::guard("dispatch_backward", [&] {
     EPX_RETURN_IF_ERROR(settle());
-    return dispatch_backward_now(grad_recv_x, handle, grad_x, options);
+    return dispatch_backward_blocking(grad_recv_x, handle, grad_x, options);
   });
 }
 
 Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
   return detail::guard("combine_backward", [&] {
     EPX_RETURN_IF_ERROR(settle());
-    return combine_backward_now(grad_out, handle, grad_y);
+    return combine_backward_blocking(grad_out, handle, grad_y);
   });
 }
 
@@ -90,7 +90,7 @@ Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& hand
                                 const TensorView& weights, const CombineOptions& options) {
   return detail::guard("combine_expanded", [&] {
     EPX_RETURN_IF_ERROR(settle());
-    return combine_expanded_now(y_expanded, handle, out, weights, options);
+    return combine_expanded_blocking(y_expanded, handle, out, weights, options);
   });
 }
 
@@ -99,7 +99,7 @@ Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handl
                                          const TensorView& grad_y_expanded, const TensorView& grad_weights) {
   return detail::guard("combine_expanded_backward", [&] {
     EPX_RETURN_IF_ERROR(settle());
-    return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+    return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   });
 }
 
@@ -107,33 +107,33 @@ Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handl
 // handles are cheap to copy); what they point at is the caller's to keep.
 
 PendingOp Buffer::dispatch_async(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout) {
-  return submit([this, inputs, out, layout] { return dispatch_now(inputs, out, layout); });
+  return submit([this, inputs, out, layout] { return dispatch_blocking(inputs, out, layout); });
 }
 
 PendingOp Buffer::dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  return submit([this, x, handle, recv_x] { return dispatch_cached_now(x, handle, recv_x); });
+  return submit([this, x, handle, recv_x] { return dispatch_cached_blocking(x, handle, recv_x); });
 }
 
 PendingOp Buffer::combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
                                 const CombineOptions& options) {
-  return submit([this, y, handle, out, options] { return combine_now(y, handle, out, options); });
+  return submit([this, y, handle, out, options] { return combine_blocking(y, handle, out, options); });
 }
 
 PendingOp Buffer::dispatch_backward_async(const TensorView& grad_recv_x, const Handle& handle,
                                           const TensorView& grad_x, const CombineOptions& options) {
   return submit([this, grad_recv_x, handle, grad_x, options] {
-    return dispatch_backward_now(grad_recv_x, handle, grad_x, options);
+    return dispatch_backward_blocking(grad_recv_x, handle, grad_x, options);
   });
 }
 
 PendingOp Buffer::combine_backward_async(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
-  return submit([this, grad_out, handle, grad_y] { return combine_backward_now(grad_out, handle, grad_y); });
+  return submit([this, grad_out, handle, grad_y] { return combine_backward_blocking(grad_out, handle, grad_y); });
 }
 
 PendingOp Buffer::combine_expanded_async(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                          const TensorView& weights, const CombineOptions& options) {
   return submit([this, y_expanded, handle, out, weights, options] {
-    return combine_expanded_now(y_expanded, handle, out, weights, options);
+    return combine_expanded_blocking(y_expanded, handle, out, weights, options);
   });
 }
 
@@ -142,7 +142,7 @@ PendingOp Buffer::combine_expanded_backward_async(const TensorView& grad_out, co
                                                   const TensorView& grad_y_expanded,
                                                   const TensorView& grad_weights) {
   return submit([this, grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights] {
-    return combine_expanded_backward_now(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+    return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   });
 }
 
@@ -151,23 +151,23 @@ PendingOp Buffer::combine_expanded_backward_async(const TensorView& grad_out, co
 Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {
   return detail::guard("low-latency dispatch", [&] {
     EPX_RETURN_IF_ERROR(progress_->drain());
-    return dispatch_now(inputs, out);
+    return dispatch_blocking(inputs, out);
   });
 }
 
 Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
   return detail::guard("low-latency combine", [&] {
     EPX_RETURN_IF_ERROR(progress_->drain());
-    return combine_now(y, handle, out);
+    return combine_blocking(y, handle, out);
   });
 }
 
 PendingOp LowLatencyBuffer::dispatch_async(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {
-  return PendingOp(progress_->submit([this, inputs, out] { return dispatch_now(inputs, out); }));
+  return PendingOp(progress_->submit([this, inputs, out] { return dispatch_blocking(inputs, out); }));
 }
 
 PendingOp LowLatencyBuffer::combine_async(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
-  return PendingOp(progress_->submit([this, y, handle, out] { return combine_now(y, handle, out); }));
+  return PendingOp(progress_->submit([this, y, handle, out] { return combine_blocking(y, handle, out); }));
 }
 
 // Split forms.

@@ -1,4 +1,4 @@
-#include "exchange/staged.h"
+#include "exchange/host_staged_exchange.h"
 
 #include <array>
 #include <vector>

@@ -9,7 +9,7 @@
 //
 // The device side is a DeviceCopier, so the staging logic runs on the CPU in
 // every build: the tests give it host memory tagged as a device
-// (tests/exchange/staged_test.cc). Results are those of the host Buffer,
+// (tests/exchange/host_staged_exchange_test.cc). Results are those of the host Buffer,
 // bit for bit. Collective like Buffer: a rank whose device view is wrong
 // still takes part (passing nothing) so the others return Aborted. Handles
 // are the host Buffer's; device views of a dispatch (recv_x and the recv_*
