@@ -218,6 +218,155 @@ CLI::App* add_eplb_command(CLI::App& app, EplbOptions& o) {
   return cmd;
 }
 
+namespace {
+
+// The placements `epx eplb` compares: from scratch, and with --current the
+// placement in use and its rebalance.
+struct EplbPlacements {
+  std::vector<double> loads;
+  std::optional<RedundantPlacement> scratch;
+  std::optional<RedundantPlacement> current;
+  std::optional<RebalancePlan> plan;
+
+  bool rebalancing() const { return plan.has_value(); }
+  const RedundantPlacement& chosen() const { return plan ? plan->placement : *scratch; }
+};
+
+// Reads the loads (and --current), places from scratch and, with --current, rebalances.
+Result<EplbPlacements> place_for_loads(const EplbOptions& o) {
+  EplbPlacements p;
+  EPX_ASSIGN_OR_RETURN(p.loads, read_loads(o.loads_path));
+  const int num_experts = static_cast<int>(p.loads.size());
+  const int num_ranks = o.num_nodes * o.ranks_per_node;
+  const PlacementConfig config{.num_slots = o.num_slots, .num_nodes = o.num_nodes, .ranks_per_node = o.ranks_per_node,
+                               .num_groups = o.num_groups,
+                               .policy = o.policy == "global" ? PlacementPolicy::kGlobal : PlacementPolicy::kHierarchical};
+  EPX_ASSIGN_OR_RETURN(p.scratch, place_experts(p.loads, config));
+  if (o.current_path.empty()) return p;
+  // Rebalance mode: the current placement, and the plan that moves few weights.
+  EPX_ASSIGN_OR_RETURN(p.current, read_placement(o.current_path, num_experts, o.num_slots, num_ranks, config.policy));
+  EPX_ASSIGN_OR_RETURN(p.plan, rebalance(*p.current, p.loads, config, o.expert_bytes, o.tolerance));
+  return p;
+}
+
+// The balance and the moved slots of the chosen placement against its before.
+struct EplbFigures {
+  int num_experts = 0;
+  int num_ranks = 0;
+  std::vector<double> after_loads;
+  double after_balance = 0;
+  bool has_before = false;
+  double before_balance = 0;
+  int moved = 0;
+  int scratch_moved = 0;
+  int64_t moved_bytes_total = 0;
+  int64_t scratch_bytes = 0;
+  double scratch_balance = 0;
+};
+
+EplbFigures measure_placements(const EplbPlacements& p, const EplbOptions& o) {
+  EplbFigures f;
+  f.num_experts = static_cast<int>(p.loads.size());
+  f.num_ranks = o.num_nodes * o.ranks_per_node;
+  const RedundantPlacement& placement = p.chosen();
+  f.after_loads = rank_loads(placement, p.loads);
+  f.after_balance = balance(f.after_loads);
+  // Before: the current placement, else one replica per expert in contiguous
+  // blocks when the ranks divide the experts.
+  auto contiguous = contiguous_placement(f.num_experts, f.num_ranks);
+  const RedundantPlacement* before = p.rebalancing() ? &*p.current : contiguous.is_ok() ? &*contiguous : nullptr;
+  f.has_before = before != nullptr;
+  f.before_balance = before ? balance(rank_loads(*before, p.loads)) : 0.0;
+  // Moved slots: replicas on a rank that does not hold their expert before (all
+  // of them when there is no before). Rebalance mode: slots whose expert changes.
+  if (p.rebalancing()) {
+    f.moved = p.plan->num_moved_slots;
+    f.scratch_moved = static_cast<int>(moved_bytes(*p.current, *p.scratch, 1));
+  } else {
+    for (int s = 0; s < placement.num_slots(); ++s) {
+      const int e = placement.slot_expert()[s];
+      if (e < 0) continue;
+      if (!before || e / (f.num_experts / f.num_ranks) != placement.rank_of_slot(s)) ++f.moved;
+    }
+  }
+  f.moved_bytes_total = static_cast<int64_t>(f.moved) * o.expert_bytes;
+  f.scratch_bytes = static_cast<int64_t>(f.scratch_moved) * o.expert_bytes;
+  f.scratch_balance = balance(rank_loads(*p.scratch, p.loads));
+  return f;
+}
+
+void print_eplb_json(const EplbOptions& o, const EplbPlacements& p, const EplbFigures& f) {
+  const RedundantPlacement& placement = p.chosen();
+  nlohmann::json j;
+  j["mode"] = p.rebalancing() ? "rebalance" : "place";
+  j["num_experts"] = f.num_experts;
+  j["num_slots"] = placement.num_slots();
+  j["num_ranks"] = f.num_ranks;
+  j["policy"] = policy_name(placement.policy());
+  j["slot_expert"] = placement.slot_expert();
+  j["slot_rank"] = placement.slot_rank();
+  j["replica_counts"] = placement.replica_counts();
+  j["rank_loads"] = f.after_loads;
+  j["balance_before"] = f.has_before ? nlohmann::json(f.before_balance) : nlohmann::json(nullptr);
+  j["balance_after"] = f.after_balance;
+  j["expert_bytes"] = o.expert_bytes;
+  j["moved_slots"] = f.moved;
+  j["moved_bytes"] = f.moved_bytes_total;
+  if (p.rebalancing()) {
+    j["current"] = o.current_path;
+    j["tolerance"] = o.tolerance;
+    j["balance_scratch"] = f.scratch_balance;
+    j["scratch_moved_slots"] = f.scratch_moved;
+    j["scratch_moved_bytes"] = f.scratch_bytes;
+  }
+  if (!o.save_path.empty()) j["saved"] = o.save_path;
+  fmt::print("{}\n", j.dump());
+}
+
+// One line per rank: its slots, its load, its experts; then the replica counts above 1.
+void print_rank_table(const RedundantPlacement& placement, const EplbFigures& f) {
+  const int spr = placement.slots_per_rank();
+  for (int r = 0; r < f.num_ranks; ++r) {
+    std::string row;
+    for (int j = 0; j < spr; ++j) {
+      const int e = placement.slot_expert()[r * spr + j];
+      row += e < 0 ? " -" : fmt::format(" {}", e);
+    }
+    fmt::print("rank {:>3} (slots {:>4}..{:<4}) load {:>12.4g}  experts:{}\n", r, r * spr, (r + 1) * spr - 1,
+               f.after_loads[r], row);
+  }
+  std::string counts;
+  for (int e = 0; e < f.num_experts; ++e)
+    if (placement.num_replicas(e) > 1) counts += fmt::format(" {}:{}", e, placement.num_replicas(e));
+  fmt::print("replicas above 1 (expert:count):{}\n", counts.empty() ? " none" : counts);
+}
+
+void print_eplb_text(const EplbOptions& o, const EplbPlacements& p, const EplbFigures& f) {
+  const RedundantPlacement& placement = p.chosen();
+  fmt::print("{} experts, {} slots over {} ranks ({} nodes x {}), policy {}{}\n", f.num_experts, placement.num_slots(),
+             f.num_ranks, o.num_nodes, o.ranks_per_node, policy_name(placement.policy()),
+             p.rebalancing() ? fmt::format("; rebalanced from {}", o.current_path) : "");
+  print_rank_table(placement, f);
+  if (p.rebalancing()) {
+    fmt::print("balance (max/mean per rank): current {:.4f}, rebalanced {:.4f}, from scratch {:.4f} (tolerance {:g}%)\n",
+               f.before_balance, f.after_balance, f.scratch_balance, 100 * o.tolerance);
+    fmt::print("moved: rebalance {} of {} slots, {} bytes; from scratch {} slots, {} bytes ({} per expert)\n", f.moved,
+               placement.num_slots(), f.moved_bytes_total, f.scratch_moved, f.scratch_bytes, o.expert_bytes);
+  } else {
+    if (f.has_before)
+      fmt::print("balance (max/mean per rank): before {:.4f} (one replica each, contiguous), after {:.4f}\n",
+                 f.before_balance, f.after_balance);
+    else
+      fmt::print(
+          "balance (max/mean per rank): after {:.4f} (no contiguous before: {} ranks do not divide {} experts)\n",
+          f.after_balance, f.num_ranks, f.num_experts);
+    fmt::print("moved bytes from the contiguous layout: {} ({} per expert)\n", f.moved_bytes_total, o.expert_bytes);
+  }
+  if (!o.save_path.empty()) fmt::print("saved {} slots to {}\n", placement.num_slots(), o.save_path);
+}
+
+}  // namespace
+
 int run_eplb(const EplbOptions& o) {
   auto fail = [](const Status& s) {
     fmt::print(stderr, "epx eplb: {}\n", s.message());
@@ -226,118 +375,17 @@ int run_eplb(const EplbOptions& o) {
   const CommandPath inputs[] = {{"--loads", o.loads_path, false}, {"--current", o.current_path, false}};
   const CommandPath outputs[] = {{"--save", o.save_path, false}};
   if (Status s = check_outputs_apart(inputs, outputs); !s.is_ok()) return fail(s);
-  auto loads = read_loads(o.loads_path);
-  if (!loads.is_ok()) return fail(loads.status());
-  const int num_experts = static_cast<int>(loads->size());
-  const int num_ranks = o.num_nodes * o.ranks_per_node;
-  const PlacementConfig config{.num_slots = o.num_slots, .num_nodes = o.num_nodes, .ranks_per_node = o.ranks_per_node,
-                               .num_groups = o.num_groups,
-                               .policy = o.policy == "global" ? PlacementPolicy::kGlobal : PlacementPolicy::kHierarchical};
-  auto scratch = place_experts(*loads, config);
-  if (!scratch.is_ok()) return fail(scratch.status());
-  const bool rebalancing = !o.current_path.empty();
-
-  // Rebalance mode: the current placement, and the plan that moves few weights.
-  std::optional<RedundantPlacement> current;
-  std::optional<RebalancePlan> plan;
-  if (rebalancing) {
-    auto read = read_placement(o.current_path, num_experts, o.num_slots, num_ranks, config.policy);
-    if (!read.is_ok()) return fail(read.status());
-    current = std::move(*read);
-    auto planned = rebalance(*current, *loads, config, o.expert_bytes, o.tolerance);
-    if (!planned.is_ok()) return fail(planned.status());
-    plan = std::move(*planned);
-  }
-  const RedundantPlacement& placement = rebalancing ? plan->placement : *scratch;
-  const auto after_loads = rank_loads(placement, *loads);
-  const double after_balance = balance(after_loads);
+  auto placements = place_for_loads(o);
+  if (!placements.is_ok()) return fail(placements.status());
   if (!o.save_path.empty()) {
-    if (Status s = write_placement(o.save_path, placement, o.num_nodes, o.ranks_per_node); !s.is_ok()) return fail(s);
+    Status s = write_placement(o.save_path, placements->chosen(), o.num_nodes, o.ranks_per_node);
+    if (!s.is_ok()) return fail(s);
   }
-
-  // Before: the current placement, else one replica per expert in contiguous
-  // blocks when the ranks divide the experts.
-  auto contiguous = contiguous_placement(num_experts, num_ranks);
-  const RedundantPlacement* before = rebalancing ? &*current : contiguous.is_ok() ? &*contiguous : nullptr;
-  const double before_balance = before ? balance(rank_loads(*before, *loads)) : 0.0;
-  // Moved slots: replicas on a rank that does not hold their expert before (all
-  // of them when there is no before). Rebalance mode: slots whose expert changes.
-  int moved = 0;
-  int scratch_moved = 0;
-  if (rebalancing) {
-    moved = plan->num_moved_slots;
-    scratch_moved = static_cast<int>(moved_bytes(*current, *scratch, 1));
-  } else {
-    for (int s = 0; s < placement.num_slots(); ++s) {
-      const int e = placement.slot_expert()[s];
-      if (e < 0) continue;
-      if (!before || e / (num_experts / num_ranks) != placement.rank_of_slot(s)) ++moved;
-    }
-  }
-  const int64_t moved_bytes_total = static_cast<int64_t>(moved) * o.expert_bytes;
-  const int64_t scratch_bytes = static_cast<int64_t>(scratch_moved) * o.expert_bytes;
-  const double scratch_balance = balance(rank_loads(*scratch, *loads));
-
-  const int spr = placement.slots_per_rank();
-  if (o.json) {
-    nlohmann::json j;
-    j["mode"] = rebalancing ? "rebalance" : "place";
-    j["num_experts"] = num_experts;
-    j["num_slots"] = placement.num_slots();
-    j["num_ranks"] = num_ranks;
-    j["policy"] = policy_name(placement.policy());
-    j["slot_expert"] = placement.slot_expert();
-    j["slot_rank"] = placement.slot_rank();
-    j["replica_counts"] = placement.replica_counts();
-    j["rank_loads"] = after_loads;
-    j["balance_before"] = before ? nlohmann::json(before_balance) : nlohmann::json(nullptr);
-    j["balance_after"] = after_balance;
-    j["expert_bytes"] = o.expert_bytes;
-    j["moved_slots"] = moved;
-    j["moved_bytes"] = moved_bytes_total;
-    if (rebalancing) {
-      j["current"] = o.current_path;
-      j["tolerance"] = o.tolerance;
-      j["balance_scratch"] = scratch_balance;
-      j["scratch_moved_slots"] = scratch_moved;
-      j["scratch_moved_bytes"] = scratch_bytes;
-    }
-    if (!o.save_path.empty()) j["saved"] = o.save_path;
-    fmt::print("{}\n", j.dump());
-    return kExitOk;
-  }
-  fmt::print("{} experts, {} slots over {} ranks ({} nodes x {}), policy {}{}\n", num_experts, placement.num_slots(),
-             num_ranks, o.num_nodes, o.ranks_per_node, policy_name(placement.policy()),
-             rebalancing ? fmt::format("; rebalanced from {}", o.current_path) : "");
-  for (int r = 0; r < num_ranks; ++r) {
-    std::string row;
-    for (int j = 0; j < spr; ++j) {
-      const int e = placement.slot_expert()[r * spr + j];
-      row += e < 0 ? " -" : fmt::format(" {}", e);
-    }
-    fmt::print("rank {:>3} (slots {:>4}..{:<4}) load {:>12.4g}  experts:{}\n", r, r * spr, (r + 1) * spr - 1,
-               after_loads[r], row);
-  }
-  std::string counts;
-  for (int e = 0; e < num_experts; ++e)
-    if (placement.num_replicas(e) > 1) counts += fmt::format(" {}:{}", e, placement.num_replicas(e));
-  fmt::print("replicas above 1 (expert:count):{}\n", counts.empty() ? " none" : counts);
-  if (rebalancing) {
-    fmt::print("balance (max/mean per rank): current {:.4f}, rebalanced {:.4f}, from scratch {:.4f} (tolerance {:g}%)\n",
-               before_balance, after_balance, scratch_balance, 100 * o.tolerance);
-    fmt::print("moved: rebalance {} of {} slots, {} bytes; from scratch {} slots, {} bytes ({} per expert)\n", moved,
-               placement.num_slots(), moved_bytes_total, scratch_moved, scratch_bytes, o.expert_bytes);
-  } else {
-    if (before)
-      fmt::print("balance (max/mean per rank): before {:.4f} (one replica each, contiguous), after {:.4f}\n",
-                 before_balance, after_balance);
-    else
-      fmt::print(
-          "balance (max/mean per rank): after {:.4f} (no contiguous before: {} ranks do not divide {} experts)\n",
-          after_balance, num_ranks, num_experts);
-    fmt::print("moved bytes from the contiguous layout: {} ({} per expert)\n", moved_bytes_total, o.expert_bytes);
-  }
-  if (!o.save_path.empty()) fmt::print("saved {} slots to {}\n", placement.num_slots(), o.save_path);
+  const EplbFigures figures = measure_placements(*placements, o);
+  if (o.json)
+    print_eplb_json(o, *placements, figures);
+  else
+    print_eplb_text(o, *placements, figures);
   return kExitOk;
 }
 

@@ -257,70 +257,103 @@ int exit_code_of(const Status& status) {
   return code == StatusCode::kInvalidArgument || code == StatusCode::kNotFound ? kExitUsage : kExitFailed;
 }
 
-int run_scenario(const SimOptions& o) {
-  auto loaded = scenario_from(o);
-  if (!loaded.is_ok()) {
-    fmt::print(stderr, "epx sim: {}\n", loaded.status().message());
+// --sweep KEY=V1,V2,...: the key, its values in order, and the base scenario
+// with the key set to each value.
+struct Sweep {
+  std::string key;
+  std::vector<std::string> values;
+  std::vector<sim::Scenario> scenarios;
+};
+
+// Each swept scenario is validated and checked against the memory as a whole.
+Result<Sweep> sweep_of(const SimOptions& o, const sim::Scenario& base) {
+  EPX_ASSIGN_OR_RETURN(auto kv, split_setting(o.sweep, "--sweep"));
+  Sweep sweep;
+  sweep.key = kv.first;
+  const std::string& list = kv.second;
+  for (std::size_t start = 0;;) {
+    const auto comma = list.find(',', start);
+    sweep.values.push_back(list.substr(start, comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  for (const std::string& v : sweep.values) {
+    sim::Scenario s = base;
+    Status st = sim::set_value(s, sweep.key, v);
+    if (st.is_ok()) st = s.validate();
+    if (st.is_ok()) st = check_sim_memory(s);
+    if (!st.is_ok()) return invalid_argument("--sweep {}={}: {}", sweep.key, v, st.message());
+    sweep.scenarios.push_back(std::move(s));
+  }
+  return sweep;
+}
+
+// One simulation per swept value: a table row each, or one JSON object.
+int run_sweep(const SimOptions& o, const sim::Scenario& base) {
+  auto swept = sweep_of(o, base);
+  if (!swept.is_ok()) {
+    fmt::print(stderr, "epx sim: {}\n", swept.status().message());
     return kExitUsage;
   }
-  const sim::Scenario& base = *loaded;
-  if (Status st = check_outputs(o, base); !st.is_ok()) {
-    fmt::print(stderr, "epx sim: {}\n", st.message());
-    return kExitUsage;
+  const std::string& key = swept->key;
+  const std::vector<std::string>& values = swept->values;
+  const std::vector<sim::Scenario>& scenarios = swept->scenarios;
+  if (!o.json) fmt::print("{}\n", describe(base));
+  std::vector<std::vector<std::string>> rows;
+  nlohmann::json all = nlohmann::json::array();
+  for (std::size_t i = 0; i < scenarios.size(); ++i) {
+    auto r = simulate_with_progress(scenarios[i], {}, o, fmt::format("sim {}={}", key, values[i]));
+    if (!r.is_ok()) {
+      fmt::print(stderr, "epx sim: {}={}: {}\n", key, values[i], r.status().message());
+      return exit_code_of(r.status());
+    }
+    const sim::Summary& s = r->summary;
+    rows.push_back({values[i], ms(s.step_s.p50), ms(s.step_s.p99), pct(s.worst_idle.p50), pct(s.exposed_comm.p50),
+                    tokens(s.tokens_per_s_per_gpu.p50), pct(s.mfu.p50), num(s.max_vio.p50),
+                    ms(s.grad_exposed_s.p50), pct(s.grad_hidden.p50)});
+    nlohmann::json j = to_json(*r);
+    j["value"] = values[i];
+    all.push_back(j);
+    if (i == 0 && !o.json) fmt::print("{}\n\n", sampling_note(scenarios[i], *r));
   }
-  if (!o.sweep.empty()) {
-    auto kv = split_setting(o.sweep, "--sweep");
-    if (!kv.is_ok()) {
-      fmt::print(stderr, "epx sim: {}\n", kv.status().message());
-      return kExitUsage;
-    }
-    const auto& [key, list] = *kv;
-    std::vector<std::string> values;
-    for (std::size_t start = 0;;) {
-      const auto comma = list.find(',', start);
-      values.push_back(list.substr(start, comma - start));
-      if (comma == std::string::npos) break;
-      start = comma + 1;
-    }
-    std::vector<sim::Scenario> scenarios;
-    for (const std::string& v : values) {
-      sim::Scenario s = base;
-      Status st = sim::set_value(s, key, v);
-      if (st.is_ok()) st = s.validate();
-      if (st.is_ok()) st = check_sim_memory(s);
-      if (!st.is_ok()) {
-        fmt::print(stderr, "epx sim: --sweep {}={}: {}\n", key, v, st.message());
-        return kExitUsage;
-      }
-      scenarios.push_back(std::move(s));
-    }
-    if (!o.json) fmt::print("{}\n", describe(base));
-    std::vector<std::vector<std::string>> rows;
-    nlohmann::json all = nlohmann::json::array();
-    for (std::size_t i = 0; i < scenarios.size(); ++i) {
-      auto r = simulate_with_progress(scenarios[i], {}, o, fmt::format("sim {}={}", key, values[i]));
-      if (!r.is_ok()) {
-        fmt::print(stderr, "epx sim: {}={}: {}\n", key, values[i], r.status().message());
-        return exit_code_of(r.status());
-      }
-      const sim::Summary& s = r->summary;
-      rows.push_back({values[i], ms(s.step_s.p50), ms(s.step_s.p99), pct(s.worst_idle.p50), pct(s.exposed_comm.p50),
-                      tokens(s.tokens_per_s_per_gpu.p50), pct(s.mfu.p50), num(s.max_vio.p50),
-                      ms(s.grad_exposed_s.p50), pct(s.grad_hidden.p50)});
-      nlohmann::json j = to_json(*r);
-      j["value"] = values[i];
-      all.push_back(j);
-      if (i == 0 && !o.json) fmt::print("{}\n\n", sampling_note(scenarios[i], *r));
-    }
-    if (o.json) {
-      fmt::print("{}\n", nlohmann::json{{"sweep", key}, {"rows", all}}.dump());
-    } else {
-      fmt::print("{}", format_table({key, "step ms p50", "step ms p99", "worst idle", "comm not hidden",
-                                     "tokens/s/GPU", "MFU", "max_vio", "grad AR exposed ms", "grad AR hidden"},
-                                    rows));
-    }
-    return kExitOk;
+  if (o.json) {
+    fmt::print("{}\n", nlohmann::json{{"sweep", key}, {"rows", all}}.dump());
+  } else {
+    fmt::print("{}", format_table({key, "step ms p50", "step ms p99", "worst idle", "comm not hidden",
+                                   "tokens/s/GPU", "MFU", "max_vio", "grad AR exposed ms", "grad AR hidden"},
+                                  rows));
   }
+  return kExitOk;
+}
+
+// The tables of one run for people: the summary per step, the gradient sync,
+// the whole step, the phases, and where the trace and report went.
+void print_run_tables(const SimOptions& o, const sim::Scenario& base, const sim::SimResult& r) {
+  const sim::Summary& s = r.summary;
+  fmt::print("{}{}\n", describe(base), sampling_note(base, r));
+  fmt::print("simulated {} steps x {} of {} EP groups per stage: {} route + layout calls in {:.3f} s\n\n",
+             base.run.steps, r.simulated_groups, base.ep_groups_per_stage(), r.routed_gpu_layers, r.wall_s);
+  fmt::print("{}\n", format_table({"per step", "p50", "p99", "mean"},
+                                  {row_of(s.step_s, "step time ms", ms), row_of(s.worst_idle, "worst GPU idle", pct),
+                                   row_of(s.exposed_comm, "comm not hidden (share of stage)", pct),
+                                   row_of(s.comm_share, "comm busy (share of stage)", pct),
+                                   row_of(s.tokens_per_s_per_gpu, "tokens/s/GPU", tokens),
+                                   row_of(s.mfu, "MFU", pct), row_of(s.max_vio, "max_vio (expert load)", num),
+                                   row_of(s.grad_sync_s, "grad all-reduce busy ms", ms),
+                                   row_of(s.grad_exposed_s, "grad all-reduce exposed ms", ms),
+                                   row_of(s.grad_hidden, "grad all-reduce hidden", pct)}));
+  fmt::print("{}{}\n", grad_sync_lines(base, r), whole_step_lines(base, r));
+  std::vector<std::vector<std::string>> phases;
+  for (const auto& [name, seconds] : s.phase_s) phases.push_back({name, ms(seconds)});
+  fmt::print("{}", format_table({"time per GPU per stage unit (fwd+bwd)", "ms"}, phases));
+  if (!o.trace_path.empty())
+    fmt::print("\ntrace of step {} (the first stage with an MoE layer, EP group 0; track 2g = GPU g compute, 2g+1 = its communication): {}\n",
+               base.run.trace_step, o.trace_path);
+  if (!o.report_path.empty()) fmt::print("\nreport: {}\n", o.report_path);
+}
+
+// One simulation: its trace and report written first, then JSON or the tables.
+int run_once(const SimOptions& o, const sim::Scenario& base) {
   sim::SimOptions so;
   so.keep_trace = !o.trace_path.empty() || !o.report_path.empty();
   auto result = simulate_with_progress(base, so, o, "sim");
@@ -343,32 +376,25 @@ int run_scenario(const SimOptions& o) {
       return kExitFailed;
     }
   }
-  if (o.json) {
+  if (o.json)
     fmt::print("{}\n", to_json(r).dump());
-    return kExitOk;
-  }
-  const sim::Summary& s = r.summary;
-  fmt::print("{}{}\n", describe(base), sampling_note(base, r));
-  fmt::print("simulated {} steps x {} of {} EP groups per stage: {} route + layout calls in {:.3f} s\n\n",
-             base.run.steps, r.simulated_groups, base.ep_groups_per_stage(), r.routed_gpu_layers, r.wall_s);
-  fmt::print("{}\n", format_table({"per step", "p50", "p99", "mean"},
-                                  {row_of(s.step_s, "step time ms", ms), row_of(s.worst_idle, "worst GPU idle", pct),
-                                   row_of(s.exposed_comm, "comm not hidden (share of stage)", pct),
-                                   row_of(s.comm_share, "comm busy (share of stage)", pct),
-                                   row_of(s.tokens_per_s_per_gpu, "tokens/s/GPU", tokens),
-                                   row_of(s.mfu, "MFU", pct), row_of(s.max_vio, "max_vio (expert load)", num),
-                                   row_of(s.grad_sync_s, "grad all-reduce busy ms", ms),
-                                   row_of(s.grad_exposed_s, "grad all-reduce exposed ms", ms),
-                                   row_of(s.grad_hidden, "grad all-reduce hidden", pct)}));
-  fmt::print("{}{}\n", grad_sync_lines(base, r), whole_step_lines(base, r));
-  std::vector<std::vector<std::string>> phases;
-  for (const auto& [name, seconds] : s.phase_s) phases.push_back({name, ms(seconds)});
-  fmt::print("{}", format_table({"time per GPU per stage unit (fwd+bwd)", "ms"}, phases));
-  if (!o.trace_path.empty())
-    fmt::print("\ntrace of step {} (the first stage with an MoE layer, EP group 0; track 2g = GPU g compute, 2g+1 = its communication): {}\n",
-               base.run.trace_step, o.trace_path);
-  if (!o.report_path.empty()) fmt::print("\nreport: {}\n", o.report_path);
+  else
+    print_run_tables(o, base, r);
   return kExitOk;
+}
+
+int run_scenario(const SimOptions& o) {
+  auto loaded = scenario_from(o);
+  if (!loaded.is_ok()) {
+    fmt::print(stderr, "epx sim: {}\n", loaded.status().message());
+    return kExitUsage;
+  }
+  const sim::Scenario& base = *loaded;
+  if (Status st = check_outputs(o, base); !st.is_ok()) {
+    fmt::print(stderr, "epx sim: {}\n", st.message());
+    return kExitUsage;
+  }
+  return o.sweep.empty() ? run_once(o, base) : run_sweep(o, base);
 }
 
 int run_keys() {
@@ -570,6 +596,104 @@ int run_goodput(const SimOptions& o) {
 
 }  // namespace
 
+namespace {
+
+// `epx sim run`: a scenario file, its overrides, a sweep, the outputs.
+CLI::App* add_sim_run(CLI::App& sim, SimOptions& o) {
+  CLI::App* cmd = sim.add_subcommand("run", "Simulate a scenario file (configs/sim/*.toml) and print the summary table");
+  cmd->add_option("scenario", o.scenario_path, "Scenario TOML file (see configs/sim/template.toml)")->required();
+  cmd->add_option("--set", o.sets, "Override one value, KEY=VALUE (e.g. model.topk=4); repeatable")
+      ->allow_extra_args(false)
+      ->take_all();
+  cmd->add_option("--sweep", o.sweep,
+                  "KEY=V1,V2,...: run once per value and print one row per setting (any key; epx sim keys)");
+  cmd->add_option("--steps", o.steps, "Simulated steps (overrides run.steps)")->transform(in_range(1, 1000000));
+  cmd->add_option("--trace", o.trace_path, "Write a Chrome trace of one step (run.trace_step) to this file");
+  cmd->add_option("--report", o.report_path,
+                  "Also write the run as one self-contained HTML page: per-GPU timelines of the traced step, idle "
+                  "and exposed communication per GPU, step time over the steps, a summary (not with --sweep)");
+  cmd->add_flag("--json", o.json, "Print one JSON object instead of the tables");
+  cmd->add_flag("--progress", o.progress,
+                "Progress lines on stderr (steps done, elapsed, ETA) from the start, also when stderr is not a "
+                "terminal (plain lines every 10%); without it a terminal gets one line, redrawn in place, on runs "
+                "longer than a second; -q silences it");
+  return cmd;
+}
+
+// `epx sim calibrate`: this machine's copy rate as a hardware profile.
+CLI::App* add_sim_calibrate(CLI::App& sim, SimOptions& o) {
+  CLI::App* cmd = sim.add_subcommand(
+      "calibrate",
+      "Measure this machine's memory copy rate and print (or write) a hardware profile of the in-process backend "
+      "for `epx sim predict-exchange`");
+  cmd->add_option("--mb", o.calibrate_mb, "MiB copied per thread per pass")
+      ->transform(in_range(int64_t{1}, int64_t{4096}))
+      ->capture_default_str();
+  cmd->add_option("--threads", o.calibrate_threads, "Copy threads for the host rate; 0 = all cores")
+      ->transform(in_range(0, 1024))
+      ->capture_default_str();
+  cmd->add_option("--out", o.calibrate_out, "Write the profile here instead of stdout");
+  return cmd;
+}
+
+// `epx sim fit`: the link model fitted on DeepEP's published points.
+CLI::App* add_sim_fit(CLI::App& sim, SimOptions& o) {
+  CLI::App* cmd = sim.add_subcommand(
+      "fit",
+      "Fit the link model's efficiencies (nvlink, nic) of a profile on DeepEP's published EP8/EP16 points, then "
+      "predict other EP sizes and the decode shape (128 tokens per rank) without fitting");
+  cmd->add_option("--profile", o.fit_profile, "Hardware profile: a shipped one's name or a .toml path (H800: the GPU DeepEP measured on)")
+      ->capture_default_str();
+  return cmd;
+}
+
+// `epx sim predict-exchange`: the in-process exchange at a shape, from a profile.
+CLI::App* add_sim_predict(CLI::App& sim, SimOptions& o) {
+  CLI::App* cmd = sim.add_subcommand(
+      "predict-exchange",
+      "Predict one dispatch and one combine of the in-process backend at `epx bench exchange`'s shape from a "
+      "profile (from `epx sim calibrate`)");
+  cmd->add_option("--profile", o.profile_path, "Hardware profile: a .toml path (from epx sim calibrate) or a shipped one's name")->required();
+  cmd->add_option("--tokens", o.tokens, "Tokens per rank")->transform(in_range(1, 1 << 20))->capture_default_str();
+  cmd->add_option("--ranks", o.ranks, "Ranks")->transform(in_range(1, 4096))->capture_default_str();
+  cmd->add_option("--nodes-shape", o.node_shape, "NODESxRANKS_PER_NODE")->capture_default_str();
+  cmd->add_option("--hidden", o.hidden, "Elements per row")->transform(in_range(1, 1 << 20))->capture_default_str();
+  cmd->add_option("--experts", o.experts, "Experts")->transform(in_range(1, 65536))->capture_default_str();
+  cmd->add_option("--topk", o.topk, "Experts per token")->transform(in_range(1, 64))->capture_default_str();
+  cmd->add_option("--dtype", o.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
+  return cmd;
+}
+
+// `epx sim goodput`: goodput under failures for a range of checkpoint intervals.
+CLI::App* add_sim_goodput(CLI::App& sim, SimOptions& o) {
+  CLI::App* cmd = sim.add_subcommand(
+      "goodput",
+      "Expected goodput of a long run under random failures (Daly's model: each failure loses the work since the "
+      "last save plus a restart) for a range of checkpoint intervals, and the interval that maximises it");
+  cmd->add_option("--gpus", o.gpus, "GPUs in the job")->transform(in_range(int64_t{1}, int64_t{1} << 24))
+      ->capture_default_str();
+  cmd->add_option("--failures-per-gpu-hour", o.failures_per_gpu_hour,
+                  "Failure rate of one GPU with its share of the host and network (default: 419 unexpected "
+                  "interruptions in 54 days on 16,384 GPUs, the Llama 3 report)")
+      ->transform(in_range(0.0, 1.0))
+      ->capture_default_str();
+  cmd->add_option("--save-seconds", o.save_seconds,
+                  "Time one save stops training (an asynchronous save: its snapshot only)")
+      ->transform(in_range(0.0, 1e6))
+      ->capture_default_str();
+  cmd->add_option("--restart-seconds", o.restart_seconds,
+                  "Time from a failure to training again: detect, stop the ranks, start, load the checkpoint")
+      ->transform(in_range(0.0, 1e6))
+      ->capture_default_str();
+  cmd->add_option("--interval", o.intervals_min,
+                  "Checkpoint intervals to show, minutes of training between saves (repeatable; default 5, 10, "
+                  "15, 30, 60, 120, 240)");
+  cmd->add_flag("--json", o.json, "Print one JSON object instead of the table");
+  return cmd;
+}
+
+}  // namespace
+
 SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
   SimCommands c;
   CLI::App* sim = app.add_subcommand(
@@ -579,81 +703,12 @@ SimCommands add_sim_command(CLI::App& app, SimOptions& o) {
       "(see docs/simulator.md)");
   sim->require_subcommand(1);
   c.sim = sim;
-  c.run = sim->add_subcommand("run", "Simulate a scenario file (configs/sim/*.toml) and print the summary table");
-  c.run->add_option("scenario", o.scenario_path, "Scenario TOML file (see configs/sim/template.toml)")->required();
-  c.run->add_option("--set", o.sets, "Override one value, KEY=VALUE (e.g. model.topk=4); repeatable")
-      ->allow_extra_args(false)
-      ->take_all();
-  c.run->add_option("--sweep", o.sweep,
-                    "KEY=V1,V2,...: run once per value and print one row per setting (any key; epx sim keys)");
-  c.run->add_option("--steps", o.steps, "Simulated steps (overrides run.steps)")->transform(in_range(1, 1000000));
-  c.run->add_option("--trace", o.trace_path, "Write a Chrome trace of one step (run.trace_step) to this file");
-  c.run->add_option("--report", o.report_path,
-                    "Also write the run as one self-contained HTML page: per-GPU timelines of the traced step, idle "
-                    "and exposed communication per GPU, step time over the steps, a summary (not with --sweep)");
-  c.run->add_flag("--json", o.json, "Print one JSON object instead of the tables");
-  c.run->add_flag("--progress", o.progress,
-                  "Progress lines on stderr (steps done, elapsed, ETA) from the start, also when stderr is not a "
-                  "terminal (plain lines every 10%); without it a terminal gets one line, redrawn in place, on runs "
-                  "longer than a second; -q silences it");
-
+  c.run = add_sim_run(*sim, o);
   c.keys = sim->add_subcommand("keys", "List every scenario key (--set/--sweep take them)");
-
-  c.calibrate = sim->add_subcommand(
-      "calibrate",
-      "Measure this machine's memory copy rate and print (or write) a hardware profile of the in-process backend "
-      "for `epx sim predict-exchange`");
-  c.calibrate->add_option("--mb", o.calibrate_mb, "MiB copied per thread per pass")
-      ->transform(in_range(int64_t{1}, int64_t{4096}))
-      ->capture_default_str();
-  c.calibrate->add_option("--threads", o.calibrate_threads, "Copy threads for the host rate; 0 = all cores")
-      ->transform(in_range(0, 1024))
-      ->capture_default_str();
-  c.calibrate->add_option("--out", o.calibrate_out, "Write the profile here instead of stdout");
-
-  c.fit = sim->add_subcommand(
-      "fit",
-      "Fit the link model's efficiencies (nvlink, nic) of a profile on DeepEP's published EP8/EP16 points, then "
-      "predict other EP sizes and the decode shape (128 tokens per rank) without fitting");
-  c.fit->add_option("--profile", o.fit_profile, "Hardware profile: a shipped one's name or a .toml path (H800: the GPU DeepEP measured on)")
-      ->capture_default_str();
-
-  c.predict = sim->add_subcommand(
-      "predict-exchange",
-      "Predict one dispatch and one combine of the in-process backend at `epx bench exchange`'s shape from a "
-      "profile (from `epx sim calibrate`)");
-  c.predict->add_option("--profile", o.profile_path, "Hardware profile: a .toml path (from epx sim calibrate) or a shipped one's name")->required();
-  c.predict->add_option("--tokens", o.tokens, "Tokens per rank")->transform(in_range(1, 1 << 20))->capture_default_str();
-  c.predict->add_option("--ranks", o.ranks, "Ranks")->transform(in_range(1, 4096))->capture_default_str();
-  c.predict->add_option("--nodes-shape", o.node_shape, "NODESxRANKS_PER_NODE")->capture_default_str();
-  c.predict->add_option("--hidden", o.hidden, "Elements per row")->transform(in_range(1, 1 << 20))->capture_default_str();
-  c.predict->add_option("--experts", o.experts, "Experts")->transform(in_range(1, 65536))->capture_default_str();
-  c.predict->add_option("--topk", o.topk, "Experts per token")->transform(in_range(1, 64))->capture_default_str();
-  c.predict->add_option("--dtype", o.dtype, "Payload type")->check(CLI::IsMember({"bf16", "f32"}))->capture_default_str();
-
-  c.goodput = sim->add_subcommand(
-      "goodput",
-      "Expected goodput of a long run under random failures (Daly's model: each failure loses the work since the "
-      "last save plus a restart) for a range of checkpoint intervals, and the interval that maximises it");
-  c.goodput->add_option("--gpus", o.gpus, "GPUs in the job")->transform(in_range(int64_t{1}, int64_t{1} << 24))
-      ->capture_default_str();
-  c.goodput->add_option("--failures-per-gpu-hour", o.failures_per_gpu_hour,
-                        "Failure rate of one GPU with its share of the host and network (default: 419 unexpected "
-                        "interruptions in 54 days on 16,384 GPUs, the Llama 3 report)")
-      ->transform(in_range(0.0, 1.0))
-      ->capture_default_str();
-  c.goodput->add_option("--save-seconds", o.save_seconds,
-                        "Time one save stops training (an asynchronous save: its snapshot only)")
-      ->transform(in_range(0.0, 1e6))
-      ->capture_default_str();
-  c.goodput->add_option("--restart-seconds", o.restart_seconds,
-                        "Time from a failure to training again: detect, stop the ranks, start, load the checkpoint")
-      ->transform(in_range(0.0, 1e6))
-      ->capture_default_str();
-  c.goodput->add_option("--interval", o.intervals_min,
-                        "Checkpoint intervals to show, minutes of training between saves (repeatable; default 5, 10, "
-                        "15, 30, 60, 120, 240)");
-  c.goodput->add_flag("--json", o.json, "Print one JSON object instead of the table");
+  c.calibrate = add_sim_calibrate(*sim, o);
+  c.fit = add_sim_fit(*sim, o);
+  c.predict = add_sim_predict(*sim, o);
+  c.goodput = add_sim_goodput(*sim, o);
   return c;
 }
 

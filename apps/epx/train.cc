@@ -865,92 +865,70 @@ void catch_preemption(TrainConfig* config) {
   config->preempt = &g_preempt;
 }
 
-}  // namespace
-
-int run_train(const TrainOptions& options) {
-  TrainOptions o = options;
-  if (Status s = check_train_paths(o); !s.is_ok()) return fail_usage(s);  // before anything is read or written
-  auto config = make_config(o);
-  if (!config.is_ok()) return fail_usage(config.status());
+// The run's configuration, checked before anything is read or written: its
+// run id resolved (the resumed checkpoint's, or a new one) and --save probed.
+Status check_run(const TrainOptions& o, TrainConfig* config, SavePlan* save_plan) {
+  EPX_RETURN_IF_ERROR(check_train_paths(o));  // before anything is read or written
+  EPX_ASSIGN_OR_RETURN(*config, make_config(o));
   // From here: a preemption signal during start-up (MPI, preflight, loading)
   // is kept and honoured at the first step boundary.
-  if (!o.save_dir.empty() && !o.dry_run && !o.compare_given) catch_preemption(&*config);
-  if (Status s = set_test_fault(&*config); !s.is_ok()) return fail_usage(s);
-  auto run_id = resolve_run_id(*config);  // the resumed checkpoint's, or a new one
-  if (!run_id.is_ok()) return fail_usage(run_id.status());
-  config->run_id = *run_id;
-  auto save_plan = check_save(*config);  // --save: owned, writable, room for a checkpoint, no other run's
-  if (!save_plan.is_ok()) return fail_usage(save_plan.status());
+  if (!o.save_dir.empty() && !o.dry_run && !o.compare_given) catch_preemption(config);
+  EPX_RETURN_IF_ERROR(set_test_fault(config));
+  EPX_ASSIGN_OR_RETURN(config->run_id, resolve_run_id(*config));
+  // --save: owned, writable, room for a checkpoint, no other run's
+  EPX_ASSIGN_OR_RETURN(*save_plan, check_save(*config));
+  return Status::ok();
+}
 
-  // Under MPI this process runs one rank; rank 0 prints and writes the files.
-  std::unique_ptr<MpiSession> session;
-  std::unique_ptr<Transport> transport;
-  if (o.backend == "mpi" || (o.backend == "auto" && launched_by_mpi())) {
-    auto opened = open_mpi_rank(config->num_ranks, config->num_nodes, "epx train", &session, &transport);
-    if (opened != kExitOk) return opened;
-    config->num_nodes = transport->topology().num_nodes();
-    config->transport = transport.get();
-    if (transport->rank() != 0) {
-      o.quiet = true;
-      o.metrics_path.clear();
-      o.trace_path.clear();
-    }
+// Under MPI this process runs one rank; rank 0 prints and writes the files.
+int join_mpi(TrainOptions& o, TrainConfig* config, std::unique_ptr<MpiSession>* session,
+             std::unique_ptr<Transport>* transport) {
+  if (o.backend != "mpi" && !(o.backend == "auto" && launched_by_mpi())) return kExitOk;
+  auto opened = open_mpi_rank(config->num_ranks, config->num_nodes, "epx train", session, transport);
+  if (opened != kExitOk) return opened;
+  config->num_nodes = (*transport)->topology().num_nodes();
+  config->transport = transport->get();
+  if ((*transport)->rank() != 0) {
+    o.quiet = true;
+    o.metrics_path.clear();
+    o.trace_path.clear();
   }
-  const bool root = transport == nullptr || transport->rank() == 0;
-  // Preflight: memory and output paths, before any step (and, with
-  // --dry-run, instead of the run; --save was checked above).
-  if (o.dry_run && root && !o.save_dir.empty()) fmt::print(text_stream(o), "{}\n", save_plan->describe());
-  if (const int rc = preflight(o, *config, root); rc != kExitOk || o.dry_run) {
-    if (rc != kExitOk && transport) transport->abort(aborted("rank {} failed the preflight checks", transport->rank()));
-    return rc;
-  }
-  if (o.compare_given) return compare_balancing(o, *config, root);
+  return kExitOk;
+}
 
-  // Everything is checked; only now are files opened: the save folder's
-  // lock first (rank 0), then the metrics.
-  std::optional<SaveLock> lock;
-  std::optional<MetricsWriter> metrics;
-  if (const int rc = open_outputs(o, *config, root, &lock, &metrics); rc != kExitOk) {
-    if (transport) transport->abort(aborted("rank 0 could not open its outputs (the --save lock, --metrics)"));
-    return rc;
-  }
-  Tracer tracer;
-  if (!o.trace_path.empty()) {
-    config->tracer = &tracer;
-    config->trace_steps = o.trace_steps;
-  }
-  if (!o.quiet) print_run_line(o, *config, transport != nullptr);
-  if (root && !o.save_dir.empty() && (!o.quiet || save_plan->tight))
-    fmt::print(stderr, "epx train: {}\n", save_plan->describe());
-  if (auto note = resume_note(*config); root && note.is_ok() && !note->empty())  // another layout: one line, even with -q
+// Rank 0's lines before the first step: the save plan, and what a resume
+// changes (another layout, unchecked or other data: one line each, even with -q).
+void print_start_notes(const TrainOptions& o, const TrainConfig& config, const SavePlan& save_plan, bool root) {
+  if (root && !o.save_dir.empty() && (!o.quiet || save_plan.tight))
+    fmt::print(stderr, "epx train: {}\n", save_plan.describe());
+  if (auto note = resume_note(config); root && note.is_ok() && !note->empty())
     fmt::print(stderr, "epx train: {}\n", *note);
-  if (auto note = resume_data_note(*config); root && note.is_ok() && !note->empty())  // unchecked or other data
+  if (auto note = resume_data_note(config); root && note.is_ok() && !note->empty())
     fmt::print(stderr, "epx train: {}\n", *note);
-  ProgressBar progress(config->steps, "train");
-  Stopwatch wall;
-  // The last steps as the metrics reader sees them, for the straggler line
-  // (the first step left out: every rank's first GEMMs are slow).
-  StragglerWindow recent(kStragglerWindowSteps);
-  // A metrics line that cannot be written stops the run at that step.
-  auto summary = train(*config, [&](const StepReport& r) -> Status {
-    const std::string line = r.to_json();
-    if (metrics) {
-      Status s = metrics->write(line);
-      if (!s.is_ok()) return Status(s.code(), fmt::format("writing metrics: {}", s.message()));
-    }
-    if (Result<StepRecord> record = parse_step_record(line); record.is_ok() && r.step > 0)
-      recent.add(std::move(record).value());
-    double vio = 0;
-    for (const LoadStats& s : r.layers) vio += s.max_vio;
-    vio /= static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
-    if (!o.quiet) progress.update(r.step + 1, fmt::format("loss {:.4g} MaxVio {:.2f}", r.main_loss, vio));
-    return Status::ok();
-  });
-  if (!o.quiet) progress.finish();
-  if (!summary.is_ok()) {
-    fmt::print(stderr, "epx train: {}\n", summary.status().to_string());
-    return kExitFailed;
+}
+
+// After each step on rank 0: the metrics line (a line that cannot be written
+// stops the run at that step), the straggler window, the progress line.
+Status record_step(const StepReport& r, const TrainOptions& o, std::optional<MetricsWriter>& metrics,
+                   StragglerWindow& recent, ProgressBar& progress) {
+  const std::string line = r.to_json();
+  if (metrics) {
+    Status s = metrics->write(line);
+    if (!s.is_ok()) return Status(s.code(), fmt::format("writing metrics: {}", s.message()));
   }
+  if (Result<StepRecord> record = parse_step_record(line); record.is_ok() && r.step > 0)
+    recent.add(std::move(record).value());
+  double vio = 0;
+  for (const LoadStats& s : r.layers) vio += s.max_vio;
+  vio /= static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
+  if (!o.quiet) progress.update(r.step + 1, fmt::format("loss {:.4g} MaxVio {:.2f}", r.main_loss, vio));
+  return Status::ok();
+}
+
+// After the last step: the trace, rank 0's summary, and the exit code
+// (preempted: how to go on).
+int finish_run(const TrainOptions& o, const TrainSummary& summary, const Tracer& tracer, double wall_s,
+               const StragglerWindow& recent, bool root) {
   if (!o.trace_path.empty()) {
     Status s = write_chrome_trace(tracer.spans(), o.trace_path);
     if (!s.is_ok()) {
@@ -958,15 +936,70 @@ int run_train(const TrainOptions& options) {
       return kExitFailed;
     }
   }
-  const int done = summary->preempted_at >= 0 ? kExitPreempted : kExitOk;
+  const int done = summary.preempted_at >= 0 ? kExitPreempted : kExitOk;
   if (!root) return done;
-  print_summary(o, *summary, wall.seconds(), recent);
+  print_summary(o, summary, wall_s, recent);
   if (done == kExitPreempted)
     fmt::print(stderr,
                "epx train: preempted (SIGTERM or SIGUSR1): saved the checkpoint of step {} in {}; exit {}: run the "
                "same command with --resume {} to go on\n",
-               summary->preempted_at, o.save_dir, kExitPreempted, o.save_dir);
+               summary.preempted_at, o.save_dir, kExitPreempted, o.save_dir);
   return done;
+}
+
+// The steps, with their progress line; the exit code.
+int run_steps(const TrainOptions& o, TrainConfig& config, const SavePlan& save_plan, bool root,
+              std::optional<MetricsWriter>& metrics, bool mpi) {
+  Tracer tracer;
+  if (!o.trace_path.empty()) {
+    config.tracer = &tracer;
+    config.trace_steps = o.trace_steps;
+  }
+  if (!o.quiet) print_run_line(o, config, mpi);
+  print_start_notes(o, config, save_plan, root);
+  ProgressBar progress(config.steps, "train");
+  Stopwatch wall;
+  // The last steps as the metrics reader sees them, for the straggler line
+  // (the first step left out: every rank's first GEMMs are slow).
+  StragglerWindow recent(kStragglerWindowSteps);
+  auto summary = train(config, [&](const StepReport& r) { return record_step(r, o, metrics, recent, progress); });
+  if (!o.quiet) progress.finish();
+  if (!summary.is_ok()) {
+    fmt::print(stderr, "epx train: {}\n", summary.status().to_string());
+    return kExitFailed;
+  }
+  return finish_run(o, *summary, tracer, wall.seconds(), recent, root);
+}
+
+}  // namespace
+
+int run_train(const TrainOptions& options) {
+  TrainOptions o = options;
+  TrainConfig config;
+  SavePlan save_plan;
+  if (Status s = check_run(o, &config, &save_plan); !s.is_ok()) return fail_usage(s);
+  std::unique_ptr<MpiSession> session;
+  std::unique_ptr<Transport> transport;
+  if (const int rc = join_mpi(o, &config, &session, &transport); rc != kExitOk) return rc;
+  const bool root = transport == nullptr || transport->rank() == 0;
+  // Preflight: memory and output paths, before any step (and, with
+  // --dry-run, instead of the run; --save was checked above).
+  if (o.dry_run && root && !o.save_dir.empty()) fmt::print(text_stream(o), "{}\n", save_plan.describe());
+  if (const int rc = preflight(o, config, root); rc != kExitOk || o.dry_run) {
+    if (rc != kExitOk && transport) transport->abort(aborted("rank {} failed the preflight checks", transport->rank()));
+    return rc;
+  }
+  if (o.compare_given) return compare_balancing(o, config, root);
+
+  // Everything is checked; only now are files opened: the save folder's
+  // lock first (rank 0), then the metrics.
+  std::optional<SaveLock> lock;
+  std::optional<MetricsWriter> metrics;
+  if (const int rc = open_outputs(o, config, root, &lock, &metrics); rc != kExitOk) {
+    if (transport) transport->abort(aborted("rank 0 could not open its outputs (the --save lock, --metrics)"));
+    return rc;
+  }
+  return run_steps(o, config, save_plan, root, metrics, transport != nullptr);
 }
 
 }  // namespace epx::app

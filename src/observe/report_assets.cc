@@ -37,6 +37,8 @@ select{font-size:13px;margin-bottom:6px}
 )CSS";
 }
 
+// One raw string literal (the whole script), not a procedure: its length is
+// the script's, and splitting it would only scatter the script.
 std::string_view report_script() {
   return R"JS(
 "use strict";

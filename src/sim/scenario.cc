@@ -23,11 +23,10 @@ struct Key {
   Field field;
 };
 
-// The one table of settable keys. Hardware keys are the profile file's keys
-// with "hardware." in front.
-std::vector<Key> keys_of(Scenario& s) {
+// The hardware profile's keys, with "hardware." in front.
+void add_hardware_keys(Scenario& s, std::vector<Key>& keys) {
   HardwareProfile& h = s.hardware;
-  return {
+  keys.insert(keys.end(), {
       {"hardware.name", &h.name},
       {"hardware.compute.bf16_flops", &h.bf16_flops},
       {"hardware.compute.fp8_flops", &h.fp8_flops},
@@ -51,6 +50,12 @@ std::vector<Key> keys_of(Scenario& s) {
       {"hardware.host.nic_copies", &h.host_nic_copies},
       {"hardware.host.cores", &h.host_cores},
       {"hardware.nic.shared_per_node", &h.nic_shared_per_node},
+  });
+}
+
+// The cluster and the model.
+void add_cluster_and_model_keys(Scenario& s, std::vector<Key>& keys) {
+  keys.insert(keys.end(), {
       {"cluster.nodes", &s.cluster.nodes},
       {"cluster.gpus_per_node", &s.cluster.gpus_per_node},
       {"cluster.rail_aligned", &s.cluster.rail_aligned},
@@ -76,6 +81,12 @@ std::vector<Key> keys_of(Scenario& s) {
       {"model.embedding_params", &s.model.embedding_params},
       {"model.head_params", &s.model.head_params},
       {"model.activation_dtype", &s.model.activation_dtype},
+  });
+}
+
+// How the model is split and trained.
+void add_parallelism_and_optimizer_keys(Scenario& s, std::vector<Key>& keys) {
+  keys.insert(keys.end(), {
       {"parallelism.ep", &s.parallelism.ep},
       {"parallelism.pp_stages", &s.parallelism.pp_stages},
       {"parallelism.micro_batches", &s.parallelism.micro_batches},
@@ -92,6 +103,12 @@ std::vector<Key> keys_of(Scenario& s) {
       {"optimizer.moment_dtype", &s.optimizer.moment_dtype},
       {"optimizer.weight_copy_dtype", &s.optimizer.weight_copy_dtype},
       {"optimizer.zero", &s.optimizer.zero},
+  });
+}
+
+// Routing, balancing, schedule and run.
+void add_routing_to_run_keys(Scenario& s, std::vector<Key>& keys) {
+  keys.insert(keys.end(), {
       {"routing.distribution", &s.routing.distribution},
       {"routing.zipf_s", &s.routing.zipf_s},
       {"routing.lognormal_sigma", &s.routing.lognormal_sigma},
@@ -111,7 +128,18 @@ std::vector<Key> keys_of(Scenario& s) {
       {"run.ep_groups", &s.run.ep_groups},
       {"run.trace_step", &s.run.trace_step},
       {"run.threads", &s.run.threads},
-  };
+  });
+}
+
+// The one table of settable keys. Hardware keys are the profile file's keys
+// with "hardware." in front.
+std::vector<Key> keys_of(Scenario& s) {
+  std::vector<Key> keys;
+  add_hardware_keys(s, keys);
+  add_cluster_and_model_keys(s, keys);
+  add_parallelism_and_optimizer_keys(s, keys);
+  add_routing_to_run_keys(s, keys);
+  return keys;
 }
 
 Key* find_key(std::vector<Key>& keys, const std::string& name) {
@@ -277,10 +305,13 @@ double attention_flops(const ModelConfig& m) {
   return m.attention_flops_per_token > 0 ? m.attention_flops_per_token : 8.0 * m.hidden * m.hidden;
 }
 
-Status Scenario::validate() const {
-  const HardwareProfile& h = hardware;
+namespace {
+
+// The hardware profile: rates above 0, efficiencies in (0, 1].
+Status check_hardware(const Scenario& s) {
+  const HardwareProfile& h = s.hardware;
   EPX_RETURN_IF_ERROR(positive("hardware.compute.bf16_flops", h.bf16_flops));
-  if (model.compute_dtype == "fp8") EPX_RETURN_IF_ERROR(positive("hardware.compute.fp8_flops", h.fp8_flops));
+  if (s.model.compute_dtype == "fp8") EPX_RETURN_IF_ERROR(positive("hardware.compute.fp8_flops", h.fp8_flops));
   EPX_RETURN_IF_ERROR(at_least("hardware.compute.sms", h.sms, 1));
   if (h.comm_sms < 0 || h.comm_sms >= h.sms)
     return invalid_argument("hardware.comm.sms = {} is outside [0, hardware.compute.sms = {})", h.comm_sms, h.sms);
@@ -295,7 +326,7 @@ Status Scenario::validate() const {
     return invalid_argument("hardware.nvlink.efficiency = {} is outside (0, 1]", h.nvlink_efficiency);
   EPX_RETURN_IF_ERROR(at_least("hardware.nvlink.latency", h.nvlink_latency, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.nic.per_gpu", h.nics_per_gpu, 1));
-  if (cluster.nodes > 1) EPX_RETURN_IF_ERROR(positive("hardware.nic.bandwidth", h.nic_bandwidth));
+  if (s.cluster.nodes > 1) EPX_RETURN_IF_ERROR(positive("hardware.nic.bandwidth", h.nic_bandwidth));
   if (!(h.nic_efficiency > 0 && h.nic_efficiency <= 1))
     return invalid_argument("hardware.nic.efficiency = {} is outside (0, 1]", h.nic_efficiency);
   EPX_RETURN_IF_ERROR(at_least("hardware.nic.latency", h.nic_latency, 0));
@@ -304,14 +335,18 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("hardware.host.copy_bandwidth", h.host_copy_bandwidth, 0));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.nic_copies", h.host_nic_copies, 1));
   EPX_RETURN_IF_ERROR(at_least("hardware.host.cores", h.host_cores, 0));
+  return Status::ok();
+}
 
-  EPX_RETURN_IF_ERROR(at_least("cluster.nodes", cluster.nodes, 1));
-  EPX_RETURN_IF_ERROR(at_least("cluster.gpus_per_node", cluster.gpus_per_node, 1));
-  if (static_cast<int64_t>(cluster.nodes) * cluster.gpus_per_node > (1 << 20))
+// The cluster's shape and the model's sizes, routing and dtypes.
+Status check_cluster_and_model(const Scenario& s) {
+  EPX_RETURN_IF_ERROR(at_least("cluster.nodes", s.cluster.nodes, 1));
+  EPX_RETURN_IF_ERROR(at_least("cluster.gpus_per_node", s.cluster.gpus_per_node, 1));
+  if (static_cast<int64_t>(s.cluster.nodes) * s.cluster.gpus_per_node > (1 << 20))
     return invalid_argument("cluster.nodes x cluster.gpus_per_node = {} is above the limit {}",
-                            static_cast<int64_t>(cluster.nodes) * cluster.gpus_per_node, 1 << 20);
+                            static_cast<int64_t>(s.cluster.nodes) * s.cluster.gpus_per_node, 1 << 20);
 
-  const ModelConfig& m = model;
+  const ModelConfig& m = s.model;
   EPX_RETURN_IF_ERROR(at_least("model.layers", m.layers, 1));
   if (m.dense_layers < 0 || m.dense_layers >= m.layers)
     return invalid_argument("model.dense_layers = {} is outside [0, model.layers = {})", m.dense_layers, m.layers);
@@ -341,19 +376,24 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(at_least("model.embedding_params", static_cast<double>(m.embedding_params), 0));
   EPX_RETURN_IF_ERROR(at_least("model.head_params", static_cast<double>(m.head_params), 0));
   EPX_RETURN_IF_ERROR(one_of("model.activation_dtype", m.activation_dtype, {"fp8", "bf16", "f32"}));
+  return Status::ok();
+}
 
-  const ParallelismConfig& p = parallelism;
+// How the model is split over the cluster.
+Status check_parallelism(const Scenario& s) {
+  const ModelConfig& m = s.model;
+  const ParallelismConfig& p = s.parallelism;
   EPX_RETURN_IF_ERROR(at_least("parallelism.pp_stages", p.pp_stages, 1));
   if (p.pp_stages > m.layers)
     return invalid_argument("parallelism.pp_stages = {} is above model.layers = {}", p.pp_stages, m.layers);
   EPX_RETURN_IF_ERROR(at_least("parallelism.ep", p.ep, 1));
   if (p.ep > 4096) return invalid_argument("parallelism.ep = {} is above the limit 4096", p.ep);
-  if (num_gpus() % (p.ep * p.pp_stages) != 0)
+  if (s.num_gpus() % (p.ep * p.pp_stages) != 0)
     return invalid_argument("parallelism.ep x parallelism.pp_stages = {} x {} must divide the {} GPUs ({} nodes x {})",
-                            p.ep, p.pp_stages, num_gpus(), cluster.nodes, cluster.gpus_per_node);
-  if (p.ep > cluster.gpus_per_node && p.ep % cluster.gpus_per_node != 0)
+                            p.ep, p.pp_stages, s.num_gpus(), s.cluster.nodes, s.cluster.gpus_per_node);
+  if (p.ep > s.cluster.gpus_per_node && p.ep % s.cluster.gpus_per_node != 0)
     return invalid_argument("parallelism.ep = {} must be a multiple of cluster.gpus_per_node = {} (or at most it)", p.ep,
-                            cluster.gpus_per_node);
+                            s.cluster.gpus_per_node);
   EPX_RETURN_IF_ERROR(at_least("parallelism.micro_batches", p.micro_batches, 1));
   if (p.tokens_per_gpu < 1 || p.tokens_per_gpu > (int64_t{1} << 24))
     return invalid_argument("parallelism.tokens_per_gpu = {} is outside [1, {}]", p.tokens_per_gpu, int64_t{1} << 24);
@@ -361,19 +401,23 @@ Status Scenario::validate() const {
   if (p.combine_per_rank && p.dispatch != "low_latency_epx")
     return invalid_argument("parallelism.combine_per_rank = true needs parallelism.dispatch = 'low_latency_epx', got '{}'",
                             p.dispatch);
-  if (p.dispatch == "two_hop" && !cluster.rail_aligned && p.ep > cluster.gpus_per_node)
+  if (p.dispatch == "two_hop" && !s.cluster.rail_aligned && p.ep > s.cluster.gpus_per_node)
     return invalid_argument("parallelism.dispatch = 'two_hop' needs cluster.rail_aligned = true");
   EPX_RETURN_IF_ERROR(one_of("parallelism.mode", p.mode, {"train", "forward"}));
   EPX_RETURN_IF_ERROR(at_least("parallelism.grad_bucket_bytes", static_cast<double>(p.grad_bucket_bytes), 0));
   EPX_RETURN_IF_ERROR(one_of("parallelism.allreduce", p.allreduce, {"ring", "hierarchical", "auto", "allgather", "chunked"}));
+  return Status::ok();
+}
 
-  const OptimizerConfig& o = optimizer;
+// The optimizer's dtypes and the routing distribution.
+Status check_optimizer_and_routing(const Scenario& s) {
+  const OptimizerConfig& o = s.optimizer;
   EPX_RETURN_IF_ERROR(one_of("optimizer.kind", o.kind, {"adamw", "none"}));
   EPX_RETURN_IF_ERROR(one_of("optimizer.master_dtype", o.master_dtype, {"f32", "bf16"}));
   EPX_RETURN_IF_ERROR(one_of("optimizer.moment_dtype", o.moment_dtype, {"f32", "bf16"}));
   EPX_RETURN_IF_ERROR(one_of("optimizer.weight_copy_dtype", o.weight_copy_dtype, {"none", "bf16", "fp8"}));
 
-  const RoutingConfig& r = routing;
+  const RoutingConfig& r = s.routing;
   EPX_RETURN_IF_ERROR(one_of("routing.distribution", r.distribution, {"uniform", "zipf", "lognormal", "trace"}));
   EPX_RETURN_IF_ERROR(at_least("routing.zipf_s", r.zipf_s, 0));
   EPX_RETURN_IF_ERROR(at_least("routing.lognormal_sigma", r.lognormal_sigma, 0));
@@ -383,8 +427,14 @@ Status Scenario::validate() const {
   EPX_RETURN_IF_ERROR(one_of("routing.trace_format", r.trace_format, {"auto", "jsonl", "counts"}));
   if (r.sample_tokens < 1 || r.sample_tokens > 65536)
     return invalid_argument("routing.sample_tokens = {} is outside [1, 65536]", r.sample_tokens);
+  return Status::ok();
+}
 
-  const BalancingConfig& b = balancing;
+// Balancing against the placement, the overlap schedule, the run.
+Status check_balancing_schedule_and_run(const Scenario& s) {
+  const ModelConfig& m = s.model;
+  const ParallelismConfig& p = s.parallelism;
+  const BalancingConfig& b = s.balancing;
   EPX_RETURN_IF_ERROR(one_of("balancing.strategy", b.strategy, {"none", "aux", "bias", "capacity", "eplb"}));
   if (!(b.aux_skew_reduction >= 0 && b.aux_skew_reduction <= 1))
     return invalid_argument("balancing.aux_skew_reduction = {} is outside [0, 1]", b.aux_skew_reduction);
@@ -402,19 +452,30 @@ Status Scenario::validate() const {
                             "redundant slots",
                             m.experts, p.ep);
 
-  EPX_RETURN_IF_ERROR(one_of("schedule.overlap", schedule.overlap, {"none", "shared", "chunked", "two_micro_batch"}));
-  if (schedule.chunks < 1 || schedule.chunks > 64)
-    return invalid_argument("schedule.chunks = {} is outside [1, 64]", schedule.chunks);
-  if (schedule.overlap == "two_micro_batch" && p.micro_batches % 2 != 0)
+  EPX_RETURN_IF_ERROR(one_of("schedule.overlap", s.schedule.overlap, {"none", "shared", "chunked", "two_micro_batch"}));
+  if (s.schedule.chunks < 1 || s.schedule.chunks > 64)
+    return invalid_argument("schedule.chunks = {} is outside [1, 64]", s.schedule.chunks);
+  if (s.schedule.overlap == "two_micro_batch" && p.micro_batches % 2 != 0)
     return invalid_argument("schedule.overlap = 'two_micro_batch' needs an even parallelism.micro_batches (it is {})",
                             p.micro_batches);
 
-  if (run.steps < 1 || run.steps > 1000000) return invalid_argument("run.steps = {} is outside [1, 1000000]", run.steps);
-  EPX_RETURN_IF_ERROR(at_least("run.ep_groups", run.ep_groups, 0));
-  if (run.trace_step < 0 || run.trace_step >= run.steps)
-    return invalid_argument("run.trace_step = {} is outside [0, run.steps = {})", run.trace_step, run.steps);
-  EPX_RETURN_IF_ERROR(at_least("run.threads", run.threads, 0));
+  if (s.run.steps < 1 || s.run.steps > 1000000)
+    return invalid_argument("run.steps = {} is outside [1, 1000000]", s.run.steps);
+  EPX_RETURN_IF_ERROR(at_least("run.ep_groups", s.run.ep_groups, 0));
+  if (s.run.trace_step < 0 || s.run.trace_step >= s.run.steps)
+    return invalid_argument("run.trace_step = {} is outside [0, run.steps = {})", s.run.trace_step, s.run.steps);
+  EPX_RETURN_IF_ERROR(at_least("run.threads", s.run.threads, 0));
   return Status::ok();
+}
+
+}  // namespace
+
+Status Scenario::validate() const {
+  EPX_RETURN_IF_ERROR(check_hardware(*this));
+  EPX_RETURN_IF_ERROR(check_cluster_and_model(*this));
+  EPX_RETURN_IF_ERROR(check_parallelism(*this));
+  EPX_RETURN_IF_ERROR(check_optimizer_and_routing(*this));
+  return check_balancing_schedule_and_run(*this);
 }
 
 Status load_hardware(const std::string& path, Scenario* scenario) {

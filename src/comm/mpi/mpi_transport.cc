@@ -998,50 +998,71 @@ std::string MpiSession::library_version() const {
   return end == std::string::npos ? version : version.substr(0, end);
 }
 
-Result<std::unique_ptr<Transport>> MpiSession::connect(const MpiOptions& options) {
-  // Wait (polled) until every process has arrived: the set-up below is made
-  // of blocking MPI calls, which then cannot wait for an absent process.
-  if (Status arrived = poll_world_barrier(Deadline::after(options.setup_timeout)); !arrived.is_ok()) {
-    g_failed.store(true);
-    if (arrived.code() != StatusCode::kDeadlineExceeded) return arrived;
-    return deadline_exceeded("process {} {} for every one of the {} processes to connect", world_rank_,
-                             arrived.message(), world_size_);
-  }
+namespace {
 
-  // What every process knows about itself, gathered by all.
-  struct Info {
-    int32_t host_size = 0;
-    int32_t host_rank = 0;
-    int32_t host_leader = 0;  // the smallest world rank of the host
-    int32_t ranks_per_node = 0;
-    int64_t pid = 0;
-    char host[64] = {};
-  };
+// Waits (polled) until every process has arrived: the set-up after it is
+// made of blocking MPI calls, which then cannot wait for an absent process.
+Status wait_for_every_process(const MpiOptions& options, int world_rank, int world_size) {
+  Status arrived = poll_world_barrier(Deadline::after(options.setup_timeout));
+  if (arrived.is_ok()) return arrived;
+  g_failed.store(true);
+  if (arrived.code() != StatusCode::kDeadlineExceeded) return arrived;
+  return deadline_exceeded("process {} {} for every one of the {} processes to connect", world_rank, arrived.message(),
+                           world_size);
+}
+
+// What every process knows about itself, gathered by all.
+struct ProcessInfo {
+  int32_t host_size = 0;
+  int32_t host_rank = 0;
+  int32_t host_leader = 0;  // the smallest world rank of the host
+  int32_t ranks_per_node = 0;
+  int64_t pid = 0;
+  char host[64] = {};
+};
+
+// Every process's ProcessInfo, indexed by world rank.
+Result<std::vector<ProcessInfo>> gather_process_infos(const MpiOptions& options, int world_rank, int world_size) {
   MPI_Comm host = MPI_COMM_NULL;
   EPX_RETURN_IF_ERROR(
-      mpi_call(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank_, MPI_INFO_NULL, &host),
+      mpi_call(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_rank, MPI_INFO_NULL, &host),
                "MPI_Comm_split_type(SHARED)"));
-  Info mine;
+  ProcessInfo mine;
   MPI_Comm_size(host, &mine.host_size);
   MPI_Comm_rank(host, &mine.host_rank);
-  int leader = world_rank_;
+  int leader = world_rank;
   MPI_Allreduce(MPI_IN_PLACE, &leader, 1, MPI_INT, MPI_MIN, host);
   mine.host_leader = leader;
   mine.ranks_per_node = options.ranks_per_node;
   mine.pid = static_cast<int64_t>(::getpid());
   gethostname(mine.host, sizeof(mine.host) - 1);
   MPI_Comm_free(&host);
-  std::vector<Info> all(static_cast<std::size_t>(world_size_));
-  EPX_RETURN_IF_ERROR(mpi_call(
-      MPI_Allgather(&mine, sizeof(Info), MPI_BYTE, all.data(), sizeof(Info), MPI_BYTE, MPI_COMM_WORLD), "MPI_Allgather"));
+  std::vector<ProcessInfo> all(static_cast<std::size_t>(world_size));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Allgather(&mine, sizeof(ProcessInfo), MPI_BYTE, all.data(), sizeof(ProcessInfo),
+                                             MPI_BYTE, MPI_COMM_WORLD),
+                               "MPI_Allgather"));
+  return all;
+}
 
-  // Every process reaches the same verdict from the same table.
+// Where the processes sit: hosts numbered in the order of their leaders, the
+// same number of processes on each, ranks numbered node-major.
+struct HostLayout {
   std::map<int, int> host_index;  // leader world rank -> host number, in leader order
-  for (const Info& info : all) host_index.emplace(info.host_leader, 0);
+  int per_host = 0;
+  int ranks_per_node = 0;
+
+  int node_major(const ProcessInfo& info) const { return host_index.at(info.host_leader) * per_host + info.host_rank; }
+};
+
+// Every process reaches the same verdict from the same table.
+Result<HostLayout> layout_hosts(const std::vector<ProcessInfo>& all, const MpiOptions& options) {
+  HostLayout layout;
+  for (const ProcessInfo& info : all) layout.host_index.emplace(info.host_leader, 0);
   int next = 0;
-  for (auto& [leader_rank, index] : host_index) index = next++;
+  for (auto& [leader_rank, index] : layout.host_index) index = next++;
   const int per_host = all[0].host_size;
-  for (int w = 0; w < world_size_; ++w) {
+  layout.per_host = per_host;
+  for (std::size_t w = 0; w < all.size(); ++w) {
     if (all[w].host_size != per_host)
       return invalid_argument(
           "host {} runs {} processes but host {} runs {}; epx needs the same number of ranks on every node", all[0].host,
@@ -1050,47 +1071,65 @@ Result<std::unique_ptr<Transport>> MpiSession::connect(const MpiOptions& options
       return invalid_argument("process {} asked for ranks_per_node = {} but process 0 for {}", w, all[w].ranks_per_node,
                               all[0].ranks_per_node);
   }
-  const int ranks_per_node = options.ranks_per_node == 0 ? per_host : options.ranks_per_node;
-  if (ranks_per_node < 1 || per_host % ranks_per_node != 0)
+  layout.ranks_per_node = options.ranks_per_node == 0 ? per_host : options.ranks_per_node;
+  if (layout.ranks_per_node < 1 || per_host % layout.ranks_per_node != 0)
     return invalid_argument("ranks_per_node = {} must divide the {} processes per host{}", options.ranks_per_node,
                             per_host, options.ranks_per_node < 0 ? " (and be at least 1)" : "");
-  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(world_size_, world_size_ / ranks_per_node));
-  auto node_major = [&](int w) { return host_index[all[w].host_leader] * per_host + all[w].host_rank; };
-  const int rank = node_major(world_rank_);
+  return layout;
+}
 
-  auto state = std::make_shared<MpiState>(topology, rank, options);
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_split(MPI_COMM_WORLD, 0, rank, &state->comm), "MPI_Comm_split"));
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(state->comm, &state->coll), "MPI_Comm_dup"));
-  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(state->comm, &state->ctrl), "MPI_Comm_dup"));
+// The transport's communicators, in node-major rank order, and the tag limit.
+Status open_communicators(MpiState& state, const Topology& topology, int rank) {
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_split(MPI_COMM_WORLD, 0, rank, &state.comm), "MPI_Comm_split"));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(state.comm, &state.coll), "MPI_Comm_dup"));
+  EPX_RETURN_IF_ERROR(mpi_call(MPI_Comm_dup(state.comm, &state.ctrl), "MPI_Comm_dup"));
   EPX_RETURN_IF_ERROR(
-      mpi_call(MPI_Comm_split(state->comm, topology.node_of(rank), rank, &state->node), "MPI_Comm_split(node)"));
-  for (MPI_Comm c : {state->comm, state->coll, state->ctrl, state->node}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
-  EPX_RETURN_IF_ERROR(map_arrivals(*state));
+      mpi_call(MPI_Comm_split(state.comm, topology.node_of(rank), rank, &state.node), "MPI_Comm_split(node)"));
+  for (MPI_Comm c : {state.comm, state.coll, state.ctrl, state.node}) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+  EPX_RETURN_IF_ERROR(map_arrivals(state));
   int check = -1;
-  MPI_Comm_rank(state->comm, &check);
+  MPI_Comm_rank(state.comm, &check);
   EPX_CHECK_EQ(check, rank);
   void* tag_ub = nullptr;
   int has_tag_ub = 0;
   MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_tag_ub);
-  if (has_tag_ub && tag_ub != nullptr) state->tag_ub = *static_cast<int*>(tag_ub);
+  if (has_tag_ub && tag_ub != nullptr) state.tag_ub = *static_cast<int*>(tag_ub);
+  return Status::ok();
+}
 
-  state->slot_bytes = detail::collective_slot_bytes(world_size_);
-  state->pids.resize(static_cast<std::size_t>(world_size_));
-  state->start_ticks.resize(static_cast<std::size_t>(world_size_), 0);
-  state->hosts.resize(static_cast<std::size_t>(world_size_));
-  for (int w = 0; w < world_size_; ++w) {
-    const int r = node_major(w);
-    state->pids[r] = all[w].pid;
-    state->hosts[r] = all[w].host;
-    if (all[w].host_leader != mine.host_leader || r == rank) continue;
-    // Watched only if its pid is visible here (ranks of one host may sit in
-    // different pid namespaces, e.g. containers): else a live rank would
-    // look dead.
+// Every rank's pid and host; the ranks of this host whose pid is visible
+// here are watched (ranks of one host may sit in different pid namespaces,
+// e.g. containers: watching an invisible one would make a live rank look dead).
+void record_peers(MpiState& state, const std::vector<ProcessInfo>& all, const HostLayout& layout, int world_rank,
+                  int rank) {
+  const int world_size = static_cast<int>(all.size());
+  state.slot_bytes = detail::collective_slot_bytes(world_size);
+  state.pids.resize(static_cast<std::size_t>(world_size));
+  state.start_ticks.resize(static_cast<std::size_t>(world_size), 0);
+  state.hosts.resize(static_cast<std::size_t>(world_size));
+  for (int w = 0; w < world_size; ++w) {
+    const int r = layout.node_major(all[w]);
+    state.pids[r] = all[w].pid;
+    state.hosts[r] = all[w].host;
+    if (all[w].host_leader != all[world_rank].host_leader || r == rank) continue;
     const bool visible = ::kill(static_cast<pid_t>(all[w].pid), 0) == 0 || errno == EPERM;
     if (!visible) continue;
-    state->start_ticks[r] = start_ticks(all[w].pid);
-    state->host_ranks.push_back(r);
+    state.start_ticks[r] = start_ticks(all[w].pid);
+    state.host_ranks.push_back(r);
   }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Transport>> MpiSession::connect(const MpiOptions& options) {
+  EPX_RETURN_IF_ERROR(wait_for_every_process(options, world_rank_, world_size_));
+  EPX_ASSIGN_OR_RETURN(std::vector<ProcessInfo> all, gather_process_infos(options, world_rank_, world_size_));
+  EPX_ASSIGN_OR_RETURN(HostLayout layout, layout_hosts(all, options));
+  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(world_size_, world_size_ / layout.ranks_per_node));
+  const int rank = layout.node_major(all[world_rank_]);
+  auto state = std::make_shared<MpiState>(topology, rank, options);
+  EPX_RETURN_IF_ERROR(open_communicators(*state, topology, rank));
+  record_peers(*state, all, layout, world_rank_, rank);
   std::unique_ptr<Transport> transport = std::make_unique<MpiTransport>(std::move(state));
   return transport;
 }
