@@ -37,6 +37,7 @@
 #include "epx/train/checkpoint_lock.h"
 #include "epx/train/memory_estimate.h"
 #include "epx/train/trainer.h"
+#include "train_limit.h"
 
 namespace epx::app {
 namespace {
@@ -480,12 +481,13 @@ void print_stragglers(std::FILE* out, const StragglerWindow& recent) {
 }
 
 void print_summary(const TrainOptions& o, const TrainSummary& summary, double wall_seconds,
-                   const StragglerWindow& recent) {
+                   const StragglerWindow& recent, const StepLimitWindow& limits) {
   std::FILE* out = text_stream(o);
   auto rows = summary_rows(summary);
   rows.push_back({"wall time (s)", fixed(wall_seconds, 2)});
   fmt::print(out, "{}", format_table({"summary", "value"}, rows));
   print_stragglers(out, recent);
+  print_step_limit(out, limits);
   if (!o.metrics_path.empty() && o.metrics_path != "-") fmt::print(out, "metrics: {}\n", o.metrics_path);
   if (!o.trace_path.empty()) fmt::print(out, "trace: {} (open in https://ui.perfetto.dev)\n", o.trace_path);
   if (!o.save_dir.empty()) fmt::print(out, "checkpoint: {}\n", o.save_dir);
@@ -931,6 +933,7 @@ int run_train(const TrainOptions& options) {
   // The last steps as the metrics reader sees them, for the straggler line
   // (the first step left out: every rank's first GEMMs are slow).
   StragglerWindow recent(kStragglerWindowSteps);
+  StepLimitWindow limits(*config, kStragglerWindowSteps);  // the efficiency line: the same steps
   // A metrics line that cannot be written stops the run at that step.
   auto summary = train(*config, [&](const StepReport& r) -> Status {
     const std::string line = r.to_json();
@@ -940,6 +943,7 @@ int run_train(const TrainOptions& options) {
     }
     if (Result<StepRecord> record = parse_step_record(line); record.is_ok() && r.step > 0)
       recent.add(std::move(record).value());
+    limits.add(r);
     double vio = 0;
     for (const LoadStats& s : r.layers) vio += s.max_vio;
     vio /= static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
@@ -960,7 +964,7 @@ int run_train(const TrainOptions& options) {
   }
   const int done = summary->preempted_at >= 0 ? kExitPreempted : kExitOk;
   if (!root) return done;
-  print_summary(o, *summary, wall.seconds(), recent);
+  print_summary(o, *summary, wall.seconds(), recent, limits);
   if (done == kExitPreempted)
     fmt::print(stderr,
                "epx train: preempted (SIGTERM or SIGUSR1): saved the checkpoint of step {} in {}; exit {}: run the "
