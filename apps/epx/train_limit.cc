@@ -15,7 +15,9 @@ int64_t largest_share(const TrainConfig& c) { return (c.batch_tokens + c.num_ran
 
 // The ranks of one machine: every rank in-process, a node's under MPI (one
 // rank per process).
-int machine_ranks(const TrainConfig& c) { return c.transport ? std::max(1, c.num_ranks / std::max(1, c.num_nodes)) : c.num_ranks; }
+int machine_ranks(const TrainConfig& c) {
+  return c.transport ? std::max(1, c.num_ranks / std::max(1, c.num_nodes)) : c.num_ranks;
+}
 
 // The experts' GEMM at the rows an expert sees on average in a step, within
 // [16, 1024].
@@ -31,7 +33,8 @@ RateProbe probe_of(const TrainConfig& c, const ModelConfig& m) {
 
 }  // namespace
 
-StepLimitWindow::StepLimitWindow(const TrainConfig& config, std::size_t window) : config_(config), window_(window) {}
+StepLimitWindow::StepLimitWindow(const TrainConfig& config, std::size_t window)
+    : config_(config), model_(config.resolved_model()), window_(window) {}
 
 void StepLimitWindow::add(const StepReport& r) {
   if (Status s = count(r); !s.is_ok() && error_.is_ok()) error_ = s;
@@ -39,9 +42,9 @@ void StepLimitWindow::add(const StepReport& r) {
 
 Status StepLimitWindow::count(const StepReport& r) {
   if (r.step == 0 || r.layers.empty()) return Status::ok();
-  EPX_ASSIGN_OR_RETURN(ModelConfig model, config_.resolved_model());
+  EPX_RETURN_IF_ERROR(model_.status());
   EPX_ASSIGN_OR_RETURN(std::vector<StepWork> work,
-                       step_work(model, r.layers, config_.num_ranks / config_.ep_size(), largest_share(config_)));
+                       step_work(*model_, r.layers, config_.num_ranks / config_.ep_size(), largest_share(config_)));
   seconds_.push_back(r.seconds);
   work_.push_back(std::move(work));
   if (seconds_.size() > window_) {
@@ -60,8 +63,8 @@ Result<StepLimit> StepLimitWindow::measure() const {
       mean[r].gemm_flops += step[r].gemm_flops / static_cast<double>(work_.size());
       mean[r].exchange_bytes += step[r].exchange_bytes / static_cast<double>(work_.size());
     }
-  EPX_ASSIGN_OR_RETURN(ModelConfig model, config_.resolved_model());
-  EPX_ASSIGN_OR_RETURN(const MachineRates rates, measure_machine_rates(probe_of(config_, model)));
+  EPX_RETURN_IF_ERROR(model_.status());
+  EPX_ASSIGN_OR_RETURN(const MachineRates rates, measure_machine_rates(probe_of(config_, *model_)));
   const int ranks = machine_ranks(config_);
   const double share = static_cast<double>(ranks) / config_.ep_size();  // EP-rank works summed per machine
   return step_limit(mean, share, ranks, rates, bench::median({seconds_.begin(), seconds_.end()}));

@@ -32,6 +32,7 @@ class StepLimitWindow {
   [[nodiscard]] Status count(const StepReport& report);
 
   TrainConfig config_;
+  Result<ModelConfig> model_;  // resolved once
   std::size_t window_;
   std::deque<double> seconds_;
   std::deque<std::vector<StepWork>> work_;

@@ -173,8 +173,9 @@ Result<MachineRates> measure_machine_rates(const RateProbe& p) {
   if (p.dtype != DType::kF32 && p.dtype != DType::kBF16)
     return invalid_argument("the GEMM probe's dtype {} is not f32 or bf16", dtype_name(p.dtype));
   if (p.hidden < 1 || p.ffn_hidden < 1 || p.rows < 1 || p.num_threads < 1 || p.num_threads > 4096)
-    return invalid_argument("the rate probe needs hidden, ffn_hidden, rows >= 1 and 1..4096 threads; got {}, {}, {}, {}",
-                            p.hidden, p.ffn_hidden, p.rows, p.num_threads);
+    return invalid_argument(
+        "the rate probe needs hidden, ffn_hidden, rows >= 1 and 1..4096 threads; got {}, {}, {}, {}", p.hidden,
+        p.ffn_hidden, p.rows, p.num_threads);
   std::vector<ProbeMemory> memory;
   for (int t = 0; t < p.num_threads; ++t) {
     EPX_ASSIGN_OR_RETURN(ProbeMemory m, probe_memory(p));

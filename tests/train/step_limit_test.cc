@@ -75,7 +75,8 @@ TEST(StepLimit, RefusesStatsOfOtherRankCounts) {
 
 TEST(StepLimit, TheBusiestRankOrTheMachineBoundsTheStep) {
   // Rank 1 has fewer FLOPs but many more bytes: alone, its limit is larger.
-  const std::vector<StepWork> work{{.gemm_flops = 4e9, .exchange_bytes = 1e9}, {.gemm_flops = 2e9, .exchange_bytes = 8e9}};
+  const std::vector<StepWork> work{{.gemm_flops = 4e9, .exchange_bytes = 1e9},
+                                   {.gemm_flops = 2e9, .exchange_bytes = 8e9}};
   const MachineRates rates{.gemm_alone = 1e10, .memcpy_alone = 1e10, .gemm_all = 2e10, .memcpy_all = 2e10};
   const StepLimit l = step_limit(work, 1, 2, rates, 2.0);
   EXPECT_EQ(l.rank, 1);
