@@ -4,6 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
+#include <mutex>
+
+#include "epx/comm/inproc.h"
+#include "epx/exchange/buffer.h"
+
 namespace epx {
 namespace {
 
@@ -60,6 +66,63 @@ TEST(StepLimit, Fp8DispatchAndReceiverCombine) {
   auto work = step_work(m, {tiny_stats()}, 1, 2);
   ASSERT_TRUE(work.is_ok()) << work.status().to_string();
   EXPECT_DOUBLE_EQ((*work)[0].exchange_bytes, 2 * 264.0 + 3 * 1024.0 + 2 * 2 * 1024.0);
+}
+
+// Token t of rank r goes to experts (r + t) % 8 and (r + 3 t + 1) % 8 (two on
+// one rank when they share a block of 2), or only the first when t % 3 == 2.
+std::vector<int32_t> routed(int rank, int num_tokens) {
+  std::vector<int32_t> idx;
+  for (int t = 0; t < num_tokens; ++t) {
+    idx.push_back((rank + t) % 8);
+    idx.push_back(t % 3 == 2 ? -1 : (rank + 3 * t + 1) % 8);
+  }
+  return idx;
+}
+
+// What the real exchange copied: every rank's dispatch payload bytes summed
+// (ExchangeStats), against the dispatch share of step_work's bytes (a
+// quarter for an f32 layer: dispatch, combine and two backward ways of the
+// same rows) computed from the same routing's load statistics.
+TEST(StepLimit, DispatchBytesMatchTheExchangesOwnCounters) {
+  constexpr int kRanks = 4, kTokens = 6, kHidden = 16;
+  auto topology = Topology::create(kRanks, 1);
+  ASSERT_TRUE(topology.is_ok()) << topology.status().to_string();
+  std::mutex mu;
+  LoadStats global;
+  int64_t copied = 0;
+  const auto statuses = run_ranks(*topology, [&](Transport& t) -> Status {
+    BufferConfig bc;
+    bc.num_experts = 8, bc.hidden = kHidden, bc.dtype = DType::kF32, bc.max_topk = 2;
+    bc.max_tokens_per_rank = kTokens;
+    EPX_ASSIGN_OR_RETURN(auto buffer, Buffer::create(t, bc));
+    std::vector<int32_t> idx = routed(t.rank(), kTokens);
+    std::vector<float> x(kTokens * kHidden, 1.0f);
+    const TensorView topk = TensorView::contiguous(idx.data(), DType::kI32, {kTokens, 2});
+    EPX_ASSIGN_OR_RETURN(LoadStats stats, compute_load_stats(topk, buffer->placement().expert_rank()));
+    DispatchResult out;
+    const DispatchInputs in{.x = TensorView::contiguous(x.data(), DType::kF32, {kTokens, kHidden}),
+                            .topk_idx = topk, .topk_weights = {}};
+    EPX_RETURN_IF_ERROR(buffer->dispatch(in, &out));
+    std::lock_guard lock(mu);
+    copied += out.stats.intra_node_payload_bytes + out.stats.inter_node_payload_bytes;
+    if (global.work_per_rank.empty()) global = stats;
+    else
+      for (int r = 0; r < kRanks; ++r) {
+        global.work_per_rank[r] += stats.work_per_rank[r];
+        global.tokens_per_rank[r] += stats.tokens_per_rank[r];
+      }
+    return Status::ok();
+  });
+  ASSERT_TRUE(first_error(statuses).is_ok()) << first_error(statuses).to_string();
+  ModelConfig m = tiny_model();
+  m.layer.hidden = kHidden;
+  m.layer.router = {.num_experts = 8, .topk = 2};
+  auto work = step_work(m, {global}, 1, kTokens);
+  ASSERT_TRUE(work.is_ok()) << work.status().to_string();
+  double counted = 0;
+  for (const StepWork& w : *work) counted += w.exchange_bytes / 4;
+  EXPECT_GT(copied, 0);
+  EXPECT_DOUBLE_EQ(counted, static_cast<double>(copied));
 }
 
 TEST(StepLimit, RefusesStatsOfOtherRankCounts) {
