@@ -37,6 +37,7 @@
 #include "epx/train/checkpoint_lock.h"
 #include "epx/train/memory_estimate.h"
 #include "epx/train/trainer.h"
+#include "train_limit.h"
 
 namespace epx::app {
 namespace {
@@ -480,12 +481,13 @@ void print_stragglers(std::FILE* out, const StragglerWindow& recent) {
 }
 
 void print_summary(const TrainOptions& o, const TrainSummary& summary, double wall_seconds,
-                   const StragglerWindow& recent) {
+                   const StragglerWindow& recent, const StepLimitWindow& limits) {
   std::FILE* out = text_stream(o);
   auto rows = summary_rows(summary);
   rows.push_back({"wall time (s)", fixed(wall_seconds, 2)});
   fmt::print(out, "{}", format_table({"summary", "value"}, rows));
   print_stragglers(out, recent);
+  print_step_limit(out, limits);
   if (!o.metrics_path.empty() && o.metrics_path != "-") fmt::print(out, "metrics: {}\n", o.metrics_path);
   if (!o.trace_path.empty()) fmt::print(out, "trace: {} (open in https://ui.perfetto.dev)\n", o.trace_path);
   if (!o.save_dir.empty()) fmt::print(out, "checkpoint: {}\n", o.save_dir);
@@ -908,9 +910,10 @@ void print_start_notes(const TrainOptions& o, const TrainConfig& config, const S
 }
 
 // After each step on rank 0: the metrics line (a line that cannot be written
-// stops the run at that step), the straggler window, the progress line.
+// stops the run at that step), the straggler and efficiency windows, the
+// progress line.
 Status record_step(const StepReport& r, const TrainOptions& o, std::optional<MetricsWriter>& metrics,
-                   StragglerWindow& recent, ProgressBar& progress) {
+                   StragglerWindow& recent, StepLimitWindow& limits, ProgressBar& progress) {
   const std::string line = r.to_json();
   if (metrics) {
     Status s = metrics->write(line);
@@ -918,6 +921,7 @@ Status record_step(const StepReport& r, const TrainOptions& o, std::optional<Met
   }
   if (Result<StepRecord> record = parse_step_record(line); record.is_ok() && r.step > 0)
     recent.add(std::move(record).value());
+  limits.add(r);
   double vio = 0;
   for (const LoadStats& s : r.layers) vio += s.max_vio;
   vio /= static_cast<double>(std::max<std::size_t>(r.layers.size(), 1));
@@ -928,7 +932,7 @@ Status record_step(const StepReport& r, const TrainOptions& o, std::optional<Met
 // After the last step: the trace, rank 0's summary, and the exit code
 // (preempted: how to go on).
 int finish_run(const TrainOptions& o, const TrainSummary& summary, const Tracer& tracer, double wall_s,
-               const StragglerWindow& recent, bool root) {
+               const StragglerWindow& recent, const StepLimitWindow& limits, bool root) {
   if (!o.trace_path.empty()) {
     Status s = write_chrome_trace(tracer.spans(), o.trace_path);
     if (!s.is_ok()) {
@@ -938,7 +942,7 @@ int finish_run(const TrainOptions& o, const TrainSummary& summary, const Tracer&
   }
   const int done = summary.preempted_at >= 0 ? kExitPreempted : kExitOk;
   if (!root) return done;
-  print_summary(o, summary, wall_s, recent);
+  print_summary(o, summary, wall_s, recent, limits);
   if (done == kExitPreempted)
     fmt::print(stderr,
                "epx train: preempted (SIGTERM or SIGUSR1): saved the checkpoint of step {} in {}; exit {}: run the "
@@ -962,13 +966,15 @@ int run_steps(const TrainOptions& o, TrainConfig& config, const SavePlan& save_p
   // The last steps as the metrics reader sees them, for the straggler line
   // (the first step left out: every rank's first GEMMs are slow).
   StragglerWindow recent(kStragglerWindowSteps);
-  auto summary = train(config, [&](const StepReport& r) { return record_step(r, o, metrics, recent, progress); });
+  StepLimitWindow limits(config, kStragglerWindowSteps);  // the efficiency line: the same steps
+  auto summary =
+      train(config, [&](const StepReport& r) { return record_step(r, o, metrics, recent, limits, progress); });
   if (!o.quiet) progress.finish();
   if (!summary.is_ok()) {
     fmt::print(stderr, "epx train: {}\n", summary.status().to_string());
     return kExitFailed;
   }
-  return finish_run(o, *summary, tracer, wall.seconds(), recent, root);
+  return finish_run(o, *summary, tracer, wall.seconds(), recent, limits, root);
 }
 
 }  // namespace
