@@ -15,7 +15,8 @@ Cases: EP 2 with EDP 1, 2, 4 (2, 4, 8 ranks) at a fixed batch per rank; gradient
 overlap on and off (`--grad-overlap`); in-process (one emulated node) and two hosts (EP groups
 inside a host, EDP groups across the link; EDP 1 = 1 rank per host, so its EP group crosses).
 Medians over the steps after the first `--skip` (warm-up). Needs root for the two hosts (exit
-77 from two_hosts.sh: skipped, said so). Not part of `make test` (minutes).
+77 from two_hosts.sh: skipped, said so). Not part of `make test` (minutes). Without --out, the
+JSON goes to docs/data/ep-edp/ (ep_edp_predictions_RATE.json, ep_edp_measured_RATE.json).
 """
 import argparse
 import json
@@ -31,6 +32,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TWO_HOSTS = os.path.join(ROOT, "tests", "mpi", "two_hosts.sh")
+# Where the predictions and measurements are kept (docs/simulator.md cites them).
+DATA = os.path.join(ROOT, "docs", "data", "ep-edp")
 
 # The model: small enough for 8 ranks on 2 cores, expert gradients large enough to be seen on the link.
 MODEL = dict(layers=4, hidden=128, ffn_hidden=256, experts=8, topk=2, input_dim=32, output_dim=16)
@@ -335,12 +338,15 @@ def main():
     ap.add_argument("--reuse", default="", help="predict: take the calibration of this earlier prediction file")
     ap.add_argument("--subnet", default="10.231.77", help="measure: the /24 of the two emulated hosts")
     ap.add_argument("--where", default="all", choices=["all", "inproc", "two_hosts"], help="measure: which runs")
-    ap.add_argument("--out", default="ep_edp_predictions.json")
-    ap.add_argument("--predictions", default="ep_edp_predictions.json")
+    ap.add_argument("--out", default="",
+                    help=f"default {os.path.relpath(DATA, ROOT)}/ep_edp_{{predictions,measured}}_RATE.json")
+    ap.add_argument("--predictions", default="",
+                    help=f"measure: default {os.path.relpath(DATA, ROOT)}/ep_edp_predictions_RATE.json")
     args = ap.parse_args()
     TOKENS_PER_RANK = args.tokens_per_rank
-    if args.phase == "measure" and args.out == "ep_edp_predictions.json":
-        args.out = "ep_edp_measured.json"
+    args.predictions = args.predictions or os.path.join(DATA, f"ep_edp_predictions_{args.rate}.json")
+    kind = "predictions" if args.phase == "predict" else "measured"
+    args.out = args.out or os.path.join(DATA, f"ep_edp_{kind}_{args.rate}.json")
     (predict if args.phase == "predict" else measure)(args)
 
 

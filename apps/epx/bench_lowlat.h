@@ -1,5 +1,5 @@
 // `epx bench lowlat`: the low-latency dispatch/combine against the normal
-// mode at decode sizes (bench/lowlat_bench.h), in one run.
+// mode at decode sizes (apps/epx/bench/lowlat_bench.h), in one run.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,8 @@
 // CPU time for the benchmarks, one helper per clock: the calling thread's
 // (a rank thread's work in one operation) and the whole process's (every
-// thread's, user + system). Header-only, like stats.h: benchmarks that do not
-// link epx_bench (expert_ffn_bench, moe_overlap_bench) use it too.
+// thread's, user + system). Header-only, like stats.h (target
+// epx_bench_timing): programs that do not link epx_bench (expert_ffn_bench,
+// moe_overlap_bench) use it too.
 #pragma once
 
 #include <time.h>

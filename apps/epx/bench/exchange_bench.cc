@@ -17,7 +17,6 @@
 #include "epx/comm/inproc.h"
 #include "epx/core/buffer.h"
 #include "epx/exchange/buffer.h"
-#include "core/bf16_rows.h"
 #include "cpu_time.h"
 #include "epx/exchange/layout.h"
 #include "naive_alltoall.h"
@@ -429,8 +428,13 @@ class RankBench {
       // weights, f32 in place.
       EPX_ASSIGN_OR_RETURN(y, buffer_->combine_expanded_input(recv_.handle, receiver() ? kReceiverY : DType::kF32));
       for (int64_t i = 0; i < y.size(0); ++i) {
-        if (receiver()) detail::to_bf16(layer_y_view_.row<float>(i), config_.hidden, y.row<uint16_t>(i));
-        else std::memcpy(y.row<float>(i), layer_y_view_.row<float>(i), sizeof(float) * config_.hidden);
+        const float* row = layer_y_view_.row<float>(i);
+        if (receiver()) {
+          uint16_t* out = y.row<uint16_t>(i);
+          for (int64_t c = 0; c < config_.hidden; ++c) out[c] = f32_to_bf16(row[c]);
+        } else {
+          std::memcpy(y.row<float>(i), row, sizeof(float) * config_.hidden);
+        }
       }
     }
     EPX_RETURN_IF_ERROR(timed(kLayerCombine, record, [&] {
@@ -464,10 +468,6 @@ class RankBench {
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t r = expanded.recv_row[static_cast<std::size_t>(i)];
       if (r < 0) continue;
-      if (config_.dtype == DType::kBF16) {
-        detail::to_f32(recv_.recv_x.row<uint16_t>(r), H, y + i * H);
-        continue;
-      }
       for (int64_t c = 0; c < H; ++c) y[i * H + c] = load_as_f32(recv_.recv_x.row(r), config_.dtype, c);
     }
     layer_y_view_ = TensorView::contiguous(y, DType::kF32, {rows, H});

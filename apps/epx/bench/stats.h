@@ -1,6 +1,7 @@
-// Summaries of benchmark repetitions, one helper per job, for bench/ and the
-// `epx` command (apps/epx). Header-only: benchmarks that do not link
-// epx_bench (moe_layer_bench, expert_ffn_bench, ...) use it too.
+// Summaries of benchmark repetitions, one helper per job, for the `epx bench`
+// libraries here and bench/'s programs. Header-only (target epx_bench_timing):
+// programs that do not link epx_bench (moe_layer_bench, expert_ffn_bench, ...)
+// use it too.
 #pragma once
 
 #include <algorithm>
