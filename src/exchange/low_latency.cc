@@ -184,6 +184,11 @@ struct LowLatencyBuffer::Impl {
                         : recv_staging.data() + remote_slot[s] * peer_stride + header_bytes;
   }
 
+  // create()'s steps after the ranks agreed on the config.
+  void size_from_config();
+  Status map_regions(const Deadline& deadline);
+  Status allocate_private_staging(const Deadline& deadline);
+  void size_scratch();
   Status validate_dispatch(const LowLatencyDispatchInputs& in) const;
   Status validate_combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) const;
   // Waits until `*word` reaches `want`, watching this rank's poison word.
@@ -325,141 +330,164 @@ Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(Transport& tr
   return detail::guard("LowLatencyBuffer::create", [&] { return create_unguarded(transport, std::move(config)); });
 }
 
-Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_unguarded(Transport& transport, LowLatencyConfig config) {
-  const Topology& topo = transport.topology();
-  const int num_ranks = topo.num_ranks();
-  auto check = [&]() -> Status {
-    if (config.num_experts < 1) return invalid_argument("num_experts = {} must be at least 1", config.num_experts);
-    if (config.hidden < 1) return invalid_argument("hidden = {} must be at least 1", config.hidden);
-    if (!is_payload_dtype(config.dtype))
-      return invalid_argument("dtype = {} is not a low-latency payload type; use bf16 or f32", dtype_name(config.dtype));
-    if (!is_payload_dtype(config.max_combine_dtype))
-      return invalid_argument("max_combine_dtype = {} must be bf16 or f32", dtype_name(config.max_combine_dtype));
-    if (static_cast<std::size_t>(config.hidden) * 2 % 8 != 0)
-      return invalid_argument("hidden = {} must be a multiple of 4 (rows are a multiple of 8 bytes)", config.hidden);
-    if (config.max_topk < 1 || config.max_topk > config.num_experts)
-      return invalid_argument("max_topk = {} is outside [1, num_experts = {}]", config.max_topk, config.num_experts);
-    if (config.max_tokens_per_rank < 1)
-      return invalid_argument("max_tokens_per_rank = {} must be at least 1", config.max_tokens_per_rank);
-    if (config.capacity < 0 || config.capacity > config.max_tokens_per_rank)
-      return invalid_argument("capacity = {} is outside [0 (the worst case), max_tokens_per_rank = {}]",
-                              config.capacity, config.max_tokens_per_rank);
-    if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
-    return detail::resolve_placement(&config.placement, config.num_experts, num_ranks);
-  };
-  const Status local_status = check();
+namespace {
+
+// The checks a config must pass on its own (placement resolved here).
+Status check_low_latency_config(LowLatencyConfig& config, int num_ranks) {
+  if (config.num_experts < 1) return invalid_argument("num_experts = {} must be at least 1", config.num_experts);
+  if (config.hidden < 1) return invalid_argument("hidden = {} must be at least 1", config.hidden);
+  if (!is_payload_dtype(config.dtype))
+    return invalid_argument("dtype = {} is not a low-latency payload type; use bf16 or f32", dtype_name(config.dtype));
+  if (!is_payload_dtype(config.max_combine_dtype))
+    return invalid_argument("max_combine_dtype = {} must be bf16 or f32", dtype_name(config.max_combine_dtype));
+  if (static_cast<std::size_t>(config.hidden) * 2 % 8 != 0)
+    return invalid_argument("hidden = {} must be a multiple of 4 (rows are a multiple of 8 bytes)", config.hidden);
+  if (config.max_topk < 1 || config.max_topk > config.num_experts)
+    return invalid_argument("max_topk = {} is outside [1, num_experts = {}]", config.max_topk, config.num_experts);
+  if (config.max_tokens_per_rank < 1)
+    return invalid_argument("max_tokens_per_rank = {} must be at least 1", config.max_tokens_per_rank);
+  if (config.capacity < 0 || config.capacity > config.max_tokens_per_rank)
+    return invalid_argument("capacity = {} is outside [0 (the worst case), max_tokens_per_rank = {}]",
+                            config.capacity, config.max_tokens_per_rank);
+  if (config.timeout.count() <= 0) return invalid_argument("timeout = {} ms must be positive", config.timeout.count());
+  return detail::resolve_placement(&config.placement, config.num_experts, num_ranks);
+}
+
+// Every rank must describe the same exchange: these fields, named below.
+std::vector<int64_t> agreed_fields(const LowLatencyConfig& config) {
+  return {config.num_experts,
+          config.hidden,
+          static_cast<int64_t>(config.dtype),
+          config.max_tokens_per_rank,
+          config.max_topk,
+          config.capacity > 0 ? config.capacity : config.max_tokens_per_rank,
+          static_cast<int64_t>(config.max_combine_dtype),
+          detail::placement_hash(*config.placement),
+          config.combine_per_rank ? 1 : 0};
+}
+constexpr const char* kAgreedFieldNames[] = {"num_experts",       "hidden",           "dtype",
+                                             "max_tokens_per_rank", "max_topk",       "capacity",
+                                             "max_combine_dtype", "placement (hash)", "combine_per_rank"};
+
+std::size_t round_up_to_line(std::size_t n) { return (n + kCacheLine - 1) / kCacheLine * kCacheLine; }
+
+}  // namespace
+
+Result<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create_unguarded(Transport& transport,
+                                                                              LowLatencyConfig config) {
+  const Status local_status = check_low_latency_config(config, transport.topology().num_ranks());
   const Deadline deadline = Deadline::after(config.timeout.count() > 0 ? config.timeout : Milliseconds(30000));
-
-  // Every rank must describe the same exchange.
-  std::vector<int64_t> fields;
-  if (local_status.is_ok())
-    fields = {config.num_experts,
-              config.hidden,
-              static_cast<int64_t>(config.dtype),
-              config.max_tokens_per_rank,
-              config.max_topk,
-              config.capacity > 0 ? config.capacity : config.max_tokens_per_rank,
-              static_cast<int64_t>(config.max_combine_dtype),
-              detail::placement_hash(*config.placement),
-              config.combine_per_rank ? 1 : 0};
-  static constexpr const char* kNames[] = {"num_experts", "hidden",           "dtype",
-                                           "max_tokens_per_rank", "max_topk", "capacity",
-                                           "max_combine_dtype",   "placement (hash)", "combine_per_rank"};
-  EPX_RETURN_IF_ERROR(detail::agree_on_config(transport, local_status, fields, kNames, "LowLatencyConfig",
+  const std::vector<int64_t> fields = local_status.is_ok() ? agreed_fields(config) : std::vector<int64_t>{};
+  EPX_RETURN_IF_ERROR(detail::agree_on_config(transport, local_status, fields, kAgreedFieldNames, "LowLatencyConfig",
                                               "LowLatencyBuffer", deadline));
-
   ExpertPlacement placement = *config.placement;
   auto impl = std::make_unique<Impl>(transport, std::move(config), std::move(placement));
-  Impl& m = *impl;
-  const LowLatencyConfig& c = m.config;
-  m.id = g_next_ll_id.fetch_add(1);
-  m.rank = transport.rank();
-  m.num_ranks = num_ranks;
-  m.num_local = m.placement.num_local_experts(m.rank);
-  for (int r = 0; r < num_ranks; ++r) m.max_local = std::max(m.max_local, m.placement.num_local_experts(r));
-  m.capacity = c.capacity > 0 ? c.capacity : c.max_tokens_per_rank;
-  m.row_bytes = static_cast<std::size_t>(c.hidden) * dtype_size(c.dtype);
-  m.combine_row_bytes = static_cast<std::size_t>(c.hidden) * dtype_size(c.max_combine_dtype);
-  m.sig_words = (kSigCounts + static_cast<std::size_t>(m.max_local) + 7) / 8 * 8;
-  m.header_bytes = m.sig_words * sizeof(int64_t);
+  impl->size_from_config();
+  EPX_RETURN_IF_ERROR(impl->map_regions(deadline));
+  EPX_RETURN_IF_ERROR(impl->allocate_private_staging(deadline));
+  impl->size_scratch();
+  return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(impl)));
+}
 
-  const std::size_t slots = static_cast<std::size_t>(m.max_local) * num_ranks * m.capacity;
-  const std::size_t combine_slots = static_cast<std::size_t>(c.max_tokens_per_rank) * c.max_topk;
-  auto round_up = [](std::size_t n) { return (n + kCacheLine - 1) / kCacheLine * kCacheLine; };
-  m.inbox_bytes = round_up(DispatchBlock::bytes(c.max_tokens_per_rank, c.max_tokens_per_rank * m.pairs_per_row(),
-                                                c.combine_per_rank, m.row_bytes));
-  const std::size_t bytes = LLRegion::carve(nullptr, slots, m.row_bytes, num_ranks, m.inbox_bytes, m.sig_words,
-                                            combine_slots, m.combine_row_bytes, nullptr);
-  EPX_ASSIGN_OR_RETURN(m.memory, transport.map_peer_memory(bytes, deadline));
-  m.regions.resize(num_ranks);
+// Sizes that follow from the config and the placement.
+void LowLatencyBuffer::Impl::size_from_config() {
+  const LowLatencyConfig& c = config;
+  id = g_next_ll_id.fetch_add(1);
+  rank = transport.rank();
+  num_ranks = topology.num_ranks();
+  num_local = placement.num_local_experts(rank);
+  for (int r = 0; r < num_ranks; ++r) max_local = std::max(max_local, placement.num_local_experts(r));
+  capacity = c.capacity > 0 ? c.capacity : c.max_tokens_per_rank;
+  row_bytes = static_cast<std::size_t>(c.hidden) * dtype_size(c.dtype);
+  combine_row_bytes = static_cast<std::size_t>(c.hidden) * dtype_size(c.max_combine_dtype);
+  sig_words = (kSigCounts + static_cast<std::size_t>(max_local) + 7) / 8 * 8;
+  header_bytes = sig_words * sizeof(int64_t);
+  inbox_bytes = round_up_to_line(DispatchBlock::bytes(c.max_tokens_per_rank, c.max_tokens_per_rank * pairs_per_row(),
+                                                      c.combine_per_rank, row_bytes));
+}
+
+// The peer-mapped regions: each rank's expert slots, inboxes, signals and
+// combine rows, carved alike on every rank of the node.
+Status LowLatencyBuffer::Impl::map_regions(const Deadline& deadline) {
+  const std::size_t slots = static_cast<std::size_t>(max_local) * num_ranks * capacity;
+  const std::size_t combine_slots = static_cast<std::size_t>(config.max_tokens_per_rank) * config.max_topk;
+  const std::size_t bytes = LLRegion::carve(nullptr, slots, row_bytes, num_ranks, inbox_bytes, sig_words,
+                                            combine_slots, combine_row_bytes, nullptr);
+  EPX_ASSIGN_OR_RETURN(memory, transport.map_peer_memory(bytes, deadline));
+  regions.resize(num_ranks);
   for (int r = 0; r < num_ranks; ++r)
-    if (topo.same_node(r, m.rank))
-      LLRegion::carve(m.memory->peer(r), slots, m.row_bytes, num_ranks, m.inbox_bytes, m.sig_words, combine_slots,
-                      m.combine_row_bytes, &m.regions[r]);
+    if (topology.same_node(r, rank))
+      LLRegion::carve(memory->peer(r), slots, row_bytes, num_ranks, inbox_bytes, sig_words, combine_slots,
+                      combine_row_bytes, &regions[r]);
+  return Status::ok();
+}
 
-  // Private memory, all of it now. Dispatch: this rank's messages to all
-  // remote ranks hold at most T min(K, remote ranks) rows and T K pairs; one
-  // remote source's message is at most a header and an inbox, and each
-  // remote source has its own. Combine: a message to or from one remote rank
-  // holds at most min(T K, E_local capacity) rows, to all of them together at
-  // most remote ranks x that.
-  const int num_remote = num_ranks - topo.ranks_per_node();
+// Private memory, all of it now. Dispatch: this rank's messages to all
+// remote ranks hold at most T min(K, remote ranks) rows and T K pairs; one
+// remote source's message is at most a header and an inbox, and each
+// remote source has its own. Combine: a message to or from one remote rank
+// holds at most min(T K, E_local capacity) rows, to all of them together at
+// most remote ranks x that. Every rank learns whether every other got its staging.
+Status LowLatencyBuffer::Impl::allocate_private_staging(const Deadline& deadline) {
+  const LowLatencyConfig& c = config;
+  const int num_remote = num_ranks - topology.ranks_per_node();
   const int64_t token_slots = static_cast<int64_t>(c.max_tokens_per_rank) * c.max_topk;
-  const int64_t rows_per_peer = std::min<int64_t>(token_slots, static_cast<int64_t>(m.max_local) * m.capacity);
-  const std::size_t combine_row = 8 + m.combine_row_bytes;
-  m.peer_stride = round_up(m.header_bytes + m.inbox_bytes);
+  const int64_t rows_per_peer = std::min<int64_t>(token_slots, static_cast<int64_t>(max_local) * capacity);
+  const std::size_t combine_row = 8 + combine_row_bytes;
+  peer_stride = round_up_to_line(header_bytes + inbox_bytes);
   std::size_t send_bytes = 0, recv_bytes = 0;
   if (num_remote > 0) {
     const int64_t dispatch_rows = static_cast<int64_t>(c.max_tokens_per_rank) * std::min(c.max_topk, num_remote);
     const int64_t combine_rows = std::min<int64_t>(static_cast<int64_t>(num_remote) * token_slots,
-                                                   static_cast<int64_t>(m.num_local) * num_remote * m.capacity);
+                                                   static_cast<int64_t>(num_local) * num_remote * capacity);
     // (+ 8 bytes per message: each pads its weights to 8 bytes)
-    send_bytes = num_remote * (m.header_bytes + 8) +
-                 std::max(DispatchBlock::bytes(dispatch_rows, token_slots, c.combine_per_rank, m.row_bytes),
+    send_bytes = num_remote * (header_bytes + 8) +
+                 std::max(DispatchBlock::bytes(dispatch_rows, token_slots, c.combine_per_rank, row_bytes),
                           static_cast<std::size_t>(combine_rows) * combine_row);
-    recv_bytes = std::max(num_remote * m.peer_stride,
-                          m.header_bytes + static_cast<std::size_t>(rows_per_peer) * combine_row);
+    recv_bytes = std::max(num_remote * peer_stride, header_bytes + static_cast<std::size_t>(rows_per_peer) * combine_row);
   }
-  // Every rank learns whether every other got its staging.
-  const Status staged = allocate_staging(send_bytes, recv_bytes, &m.send_staging, &m.recv_staging);
-  EPX_RETURN_IF_ERROR(
-      detail::agree_on_config(transport, staged, {}, {}, "staging memory", "LowLatencyBuffer", deadline));
+  const Status staged = allocate_staging(send_bytes, recv_bytes, &send_staging, &recv_staging);
+  return detail::agree_on_config(transport, staged, {}, {}, "staging memory", "LowLatencyBuffer", deadline);
+}
 
+// The per-operation scratch, sized once for the largest call.
+void LowLatencyBuffer::Impl::size_scratch() {
+  const LowLatencyConfig& c = config;
   const std::size_t R = num_ranks;
-  m.topk_idx.assign(combine_slots, -1);
-  m.weights.assign(combine_slots, 0.0f);
-  m.own_row.assign(combine_slots, 0);
-  m.recv_counts.assign(R * m.max_local, 0);
-  m.counts_out.assign(m.num_local, 0);
-  const std::size_t out_rows = static_cast<std::size_t>(m.num_local) * R * m.capacity;
-  m.src_rank.assign(out_rows, -1);
-  m.src_idx.assign(out_rows, -1);
-  m.src_slot.assign(out_rows, -1);
-  m.peer_status.assign(R * 4, 0);
-  m.owner_dtype.assign(R, 0);
-  m.send_counts.assign(R * m.max_local, 0);
-  m.fill.assign(R, 0);
-  m.block_of.assign(R, 0);
-  m.rows_to.assign(R, 0);
-  m.pairs_to.assign(R, 0);
-  m.last_token.assign(R, -1);
-  m.block_to.assign(R, DispatchBlock{});
-  m.remote_slot.assign(R, -1);
+  const std::size_t combine_slots = static_cast<std::size_t>(c.max_tokens_per_rank) * c.max_topk;
+  topk_idx.assign(combine_slots, -1);
+  weights.assign(combine_slots, 0.0f);
+  own_row.assign(combine_slots, 0);
+  recv_counts.assign(R * max_local, 0);
+  counts_out.assign(num_local, 0);
+  const std::size_t out_rows = static_cast<std::size_t>(num_local) * R * capacity;
+  src_rank.assign(out_rows, -1);
+  src_idx.assign(out_rows, -1);
+  src_slot.assign(out_rows, -1);
+  peer_status.assign(R * 4, 0);
+  owner_dtype.assign(R, 0);
+  send_counts.assign(R * max_local, 0);
+  fill.assign(R, 0);
+  block_of.assign(R, 0);
+  rows_to.assign(R, 0);
+  pairs_to.assign(R, 0);
+  last_token.assign(R, -1);
+  block_to.assign(R, DispatchBlock{});
+  remote_slot.assign(R, -1);
   for (int r = 0, i = 0; r < num_ranks; ++r)
-    if (!topo.same_node(r, m.rank)) m.remote_slot[r] = i++;
-  m.pairs_written.assign(R, 0);
-  m.next_row.assign(m.max_local, 0);
-  m.row_end.assign(m.max_local, 0);
-  m.held_rows.assign(R, 0);
+    if (!topology.same_node(r, rank)) remote_slot[r] = i++;
+  pairs_written.assign(R, 0);
+  next_row.assign(max_local, 0);
+  row_end.assign(max_local, 0);
+  held_rows.assign(R, 0);
   if (c.combine_per_rank) {
-    m.held.assign(R * c.max_tokens_per_rank, Impl::HeldRow{});
-    m.held_pair_row.assign(R * c.max_tokens_per_rank * m.pairs_per_row(), 0);
-    m.held_pair_weight.assign(R * c.max_tokens_per_rank * m.pairs_per_row(), 0.0f);
-    m.partial.assign(c.hidden, 0.0f);
+    held.assign(R * c.max_tokens_per_rank, Impl::HeldRow{});
+    held_pair_row.assign(R * c.max_tokens_per_rank * pairs_per_row(), 0);
+    held_pair_weight.assign(R * c.max_tokens_per_rank * pairs_per_row(), 0.0f);
+    partial.assign(c.hidden, 0.0f);
   }
-  m.requests.reserve(R);
-  m.acc.assign(c.hidden, 0.0f);
-  return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(impl)));
+  requests.reserve(R);
+  acc.assign(c.hidden, 0.0f);
 }
 
 Status LowLatencyBuffer::Impl::validate_dispatch(const LowLatencyDispatchInputs& in) const {
