@@ -139,6 +139,7 @@ Status Buffer::Impl::check_holder_combine(const TensorView& y, const detail::Han
 
 // The weights of this rank's rows in place, beside them, for their readers.
 void Buffer::Impl::publish_holder_weights(const detail::HandleData& h, const float* w) {
+  if (h.num_recv == 0) return;  // w may be null then
   std::memcpy(local().combine_slots, w, sizeof(float) * static_cast<std::size_t>(h.num_recv) * h.topk);
 }
 
