@@ -68,6 +68,7 @@ Status set_integer(T& field, const toml::node& node, const std::string& key, Int
 template <typename T>
 Setter bind(T& field, IntRange range = {}) {
   return [&field, range](const toml::node& node, const std::string& key) -> Status {
+    (void)range;  // only integers have one
     if constexpr (std::is_same_v<T, bool>) {
       if (auto v = node.value_exact<bool>()) {
         field = *v;
