@@ -57,29 +57,8 @@ BufferConfig make_config(DispatchAlgorithm algorithm, int64_t max_expanded_rows 
   return config;
 }
 
-Status dispatch(Buffer& buffer, const Routing& routing, DispatchResult* d) {
-  static const std::vector<uint16_t> x(kTokens * kHidden, f32_to_bf16(1.0f));
-  return buffer.dispatch({TensorView::contiguous(const_cast<uint16_t*>(x.data()), DType::kBF16, {kTokens, kHidden}),
-                          TensorView::contiguous(const_cast<int32_t*>(routing.idx.data()), DType::kI32, {kTokens, kTopk}),
-                          TensorView::contiguous(const_cast<float*>(routing.w.data()), DType::kF32, {kTokens, kTopk})},
-                         d);
-}
-
-// The "experts'" bf16 output rows, in the expanded layout, into `y`.
-void fill_y(const Buffer& buffer, const DispatchResult& d, int rank, const TensorView& y) {
-  const ExpandedLayout& layout = buffer.expanded_layout(d.handle);
-  const int per_rank = kExperts / buffer.placement().num_ranks();
-  for (int e = 0; e + 1 < static_cast<int>(layout.expert_offsets.size()); ++e)
-    for (int64_t row = layout.expert_offsets[e]; row < layout.expert_offsets[e + 1]; ++row) {
-      const int64_t i = layout.recv_row[row];
-      for (int c = 0; c < kHidden; ++c) {
-        const float v = i < 0 ? 0.0f
-                              : y_value(d.recv_src_rank.data_as<int32_t>()[i], d.recv_src_idx.data_as<int32_t>()[i],
-                                        rank * per_rank + e, c);
-        y.row<uint16_t>(row)[c] = f32_to_bf16(v);
-      }
-    }
-}
+using expanded_test::dispatch;
+using expanded_test::fill_y;
 
 CombineOptions receiver() {
   CombineOptions options;
