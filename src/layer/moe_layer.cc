@@ -404,7 +404,7 @@ struct MoELayer::Impl {
   }
 
   Status forward(const TensorView& x_in, const TensorView& out) {
-    const int H = hidden(), E = config.router.num_experts, K = config.router.topk;
+    const int H = hidden(), K = config.router.topk;
     if (x_in.ndim() != 2)
       return invalid_argument("x must be [tokens, {}] f32, got {}", H, x_in.defined() ? x_in.describe() : "undefined");
     const int64_t T = x_in.size(0);
@@ -427,21 +427,12 @@ struct MoELayer::Impl {
     }
 
     phase.emplace(*this, times.router, "router");
-    EPX_RETURN_IF_ERROR(detail::dense_gemm(false, false, T, E, H, n.data(), router.value.data(), false, ensure(logits, T * E)));
-    const TensorView logits_view = TensorView::contiguous(logits.data(), DType::kF32, {T, E});
-    EPX_ASSIGN_OR_RETURN(routed, route(config.router, logits_view, config.expert_bias ? bias.view() : TensorView{}));
-    EPX_RETURN_IF_ERROR(auxiliary_losses(T));
-    if (!identity) {
-      // Replica choice (token modulo): deterministic, no communication.
-      EPX_ASSIGN_OR_RETURN(slot_idx, map_to_replicas(replicas, routed.topk_idx, K, ReplicaChoice::kTokenModulo));
-      if (slot_idx.empty()) slot_idx.push_back(-1);
-    }
+    EPX_RETURN_IF_ERROR(route_batch(T));
     phase.reset();
 
     // Dispatch the normed tokens, then lay them out per local expert.
     phase.emplace(*this, times.dispatch, "dispatch");
-    n_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
-    detail::convert_from_f32(n.data(), T * H, config.dtype, n_payload.data());
+    to_payload(n.data(), T, n_payload);
     DispatchResult recv;
     EPX_RETURN_IF_ERROR(buffer.dispatch(
         {.x = payload_view(n_payload, T),
@@ -562,6 +553,34 @@ struct MoELayer::Impl {
     ~WaitOnExit() { impl.wait_chunks().ignore(); }
   };
 
+  // The whole batch's routing into `routed`, its auxiliary losses and its
+  // replicas (both forwards, unless the two micro-batches route apart).
+  Status route_batch(int64_t T) {
+    ensure(logits, T * config.router.num_experts);
+    EPX_RETURN_IF_ERROR(route_rows(0, T, &routed));
+    EPX_RETURN_IF_ERROR(auxiliary_losses(T));
+    return choose_replicas();
+  }
+
+  // The slot of each routed (token, k) in slot_idx, among its expert's
+  // replicas (token modulo: deterministic, no communication); nothing to do
+  // without redundant experts.
+  Status choose_replicas() {
+    if (identity) return Status::ok();
+    EPX_ASSIGN_OR_RETURN(slot_idx,
+                         map_to_replicas(replicas, routed.topk_idx, config.router.topk, ReplicaChoice::kTokenModulo));
+    if (slot_idx.empty()) slot_idx.push_back(-1);
+    return Status::ok();
+  }
+
+  // `T` f32 rows of `rows` in the exchange's payload dtype (config.dtype),
+  // into `into` (never empty: at least one row's room).
+  void to_payload(const float* rows, int64_t T, std::vector<std::byte>& into) const {
+    const int H = hidden();
+    into.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
+    detail::convert_from_f32(rows, T * H, config.dtype, into.data());
+  }
+
   // Router GEMM and routing of rows [begin, begin + count) into `out`.
   Status route_rows(int64_t begin, int64_t count, RouterOutput* out) {
     const int H = hidden(), E = config.router.num_experts;
@@ -613,7 +632,7 @@ struct MoELayer::Impl {
 
   // Forward with the exchange in flight under compute (config.overlap).
   Status forward_overlapped(int64_t T, const TensorView& out) {
-    const int H = hidden(), K = config.router.topk;
+    const int H = hidden();
     const int C = num_chunks();
     const bool per_half_routing = config.overlap == OverlapMode::kTwoMicroBatches;
     chunks.resize(static_cast<std::size_t>(C));
@@ -625,19 +644,13 @@ struct MoELayer::Impl {
 
     std::optional<Phase> phase;
     phase.emplace(*this, times.router, "router");
-    ensure(logits, T * config.router.num_experts);
     if (per_half_routing) {
+      ensure(logits, T * config.router.num_experts);
       EPX_RETURN_IF_ERROR(route_rows(0, chunks[0].count, &chunks[0].routed));
     } else {
-      EPX_RETURN_IF_ERROR(route_rows(0, T, &routed));
-      EPX_RETURN_IF_ERROR(auxiliary_losses(T));
-      if (!identity) {
-        EPX_ASSIGN_OR_RETURN(slot_idx, map_to_replicas(replicas, routed.topk_idx, K, ReplicaChoice::kTokenModulo));
-        if (slot_idx.empty()) slot_idx.push_back(-1);
-      }
+      EPX_RETURN_IF_ERROR(route_batch(T));
     }
-    n_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
-    detail::convert_from_f32(n.data(), T * H, config.dtype, n_payload.data());
+    to_payload(n.data(), T, n_payload);
     phase.reset();
 
     start_dispatch(chunks[0], per_half_routing);
@@ -766,8 +779,7 @@ struct MoELayer::Impl {
     std::optional<Phase> phase;
 
     phase.emplace(*this, times.combine, "combine_backward");
-    b.grad_out_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
-    detail::convert_from_f32(go, T * H, config.dtype, b.grad_out_payload.data());
+    to_payload(go, T, b.grad_out_payload);
     for (Chunk& c : chunks) {
       const int64_t rows = c.offsets.back(), num_recv = c.recv.handle.num_recv_tokens();
       float* grad_y = ensure(c.grad_y, rows * H);
@@ -945,8 +957,7 @@ struct MoELayer::Impl {
 
     // Combine backward: grad_out travels to the experts' ranks.
     phase.emplace(*this, times.combine, "combine_backward");
-    b.grad_out_payload.resize(static_cast<std::size_t>(std::max<int64_t>(T, 1) * H) * dtype_size(config.dtype));
-    detail::convert_from_f32(go, T * H, config.dtype, b.grad_out_payload.data());
+    to_payload(go, T, b.grad_out_payload);
     float* grad_y = ensure(b.grad_y, rows * H);
     float* grad_recv_weights = ensure(b.grad_recv_weights, num_recv * K);
     EPX_RETURN_IF_ERROR(buffer.combine_expanded_backward(
