@@ -11,8 +11,8 @@
 
 #include "cli_checks.h"
 #include "epx/observe/output_path.h"
-#include "epx/observe/report.h"
 #include "epx/observe/run_log.h"
+#include "epx/observe/run_report.h"
 #include "supervise_events.h"
 
 namespace epx::app {

@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "epx/observe/report.h"
+#include "epx/observe/report_page.h"
 
 namespace epx::app {
 namespace {

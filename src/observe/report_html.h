@@ -1,4 +1,4 @@
-// Private helpers of the run report (report.h): the encodings the page embeds.
+// Private helpers of the report page (report_page.h): the encodings it embeds.
 #pragma once
 
 #include <cstdint>

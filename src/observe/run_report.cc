@@ -1,5 +1,7 @@
 // RunReport: a training run's metrics, accumulated record by record into
 // bounded binned series, and the page built from them.
+#include "epx/observe/run_report.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -7,7 +9,6 @@
 
 #include <fmt/format.h>
 
-#include "epx/observe/report.h"
 #include "epx/observe/straggler.h"
 #include "observe/report_html.h"
 

@@ -1,6 +1,6 @@
 // The run report without a browser: step binning, what RunReport sums, and
 // that each chart's embedded data is valid JSON of the right shape.
-#include "epx/observe/report.h"
+#include "epx/observe/run_report.h"
 
 #include <cmath>
 #include <string>
