@@ -271,18 +271,39 @@ struct LowLatencyBuffer::Impl {
   }
   // The most local experts of one rank a token can go to.
   int64_t pairs_per_row() const { return std::min(config.max_topk, max_local); }
+  // Enters a call of `kind`, after a barrier when `barrier` (see last_call).
+  Status enter_call(LastCall kind, bool barrier, const Deadline& deadline) {
+    if (barrier) {
+      Status st = transport.barrier(deadline);
+      if (!st.is_ok()) return fail(std::move(st), deadline);
+    }
+    last_call = kind;
+    return Status::ok();
+  }
   // Dispatch steps (dispatch_blocking runs them in this order).
   void count_rows(const LowLatencyDispatchInputs& in, int T, int K);
+  void dispatch_status(const Status& local_status, int64_t* status) const;
   void place_blocks(bool send_rows);
   void write_rows(const LowLatencyDispatchInputs& in, int T, int K, ExchangeStats* stats);
   Status publish_dispatch(const int64_t* status, bool send_rows, int64_t seq, const Deadline& deadline,
                           ExchangeStats* stats);
+  Status hear_dispatch(int64_t seq, const Deadline& deadline);
+  Status check_dispatch_message(int src, const int64_t* sig, std::size_t bytes) const;
+  Status record_dispatch_signal(int src, const int64_t* sig);
+  Status expand_all(const LowLatencyDispatchInputs& in, int64_t* received, const Deadline& deadline);
   Status expand_from(int src, const int64_t* sig, const LowLatencyDispatchInputs& in);
   void finish_experts(int64_t* received);
-  // Combine steps.
+  void keep_routing(const LowLatencyDispatchInputs& in, int T, int K);
+  void fill_dispatch_result(int64_t seq, LowLatencyDispatchResult* out) const;
+  // Combine steps (combine_blocking runs them in this order).
+  void size_combine_messages(bool send_rows, std::size_t y_row);
   std::byte* combine_dst(int s, int t, int k, std::size_t y_row);
   void stage_pair_rows(const TensorView& y, std::size_t y_row);
   void stage_rank_sums(const TensorView& y, std::size_t y_row);
+  Status publish_combine(bool send_rows, int64_t y_dtype, std::size_t y_row, int64_t seq, const Deadline& deadline);
+  Status hear_combine(int64_t seq, const Deadline& deadline);
+  Status record_combine_signal(int owner, const int64_t* sig);
+  Status unpack_combine_message(int owner, const int64_t* sig, std::size_t bytes);
   void sum_combine(const TensorView& y, std::size_t y_row, const TensorView& out);
   // The first slot of a token's top-k row `idx` (up to k) naming an expert of `owner`.
   int first_slot_on(const int32_t* idx, int k, int owner) const {
@@ -720,92 +741,120 @@ void LowLatencyBuffer::Impl::finish_experts(int64_t* received) {
   }
 }
 
+// The signal's status words: this rank's rejection of its own input, else
+// the first expert over capacity, else OK.
+void LowLatencyBuffer::Impl::dispatch_status(const Status& local_status, int64_t* status) const {
+  status[0] = local_status.is_ok() ? kSignalOk : kSignalRejected;
+  status[1] = status[2] = status[3] = 0;
+  for (int e = 0; e < config.num_experts && status[0] == kSignalOk; ++e) {
+    const int64_t n = send_counts[static_cast<std::size_t>(placement.rank_of(e)) * max_local + placement.local_id(e)];
+    if (n > capacity) {
+      status[0] = kSignalOverflow;
+      status[1] = e;
+      status[2] = n;
+      status[3] = capacity;
+    }
+  }
+}
+
+// Hears from every rank (a remote source's message stays in its own part of
+// the receive staging).
+Status LowLatencyBuffer::Impl::hear_dispatch(int64_t seq, const Deadline& deadline) {
+  return hear_from_all(
+      local().dispatch_sig, kTagDispatch, seq, "a low-latency dispatch", true, deadline,
+      [this](int src, const int64_t* sig, std::size_t bytes) { return check_dispatch_message(src, sig, bytes); },
+      [this](int src, const int64_t* sig) { return record_dispatch_signal(src, sig); });
+}
+
+// A remote source's dispatch message: its counts fit, and its size is what
+// they announce.
+Status LowLatencyBuffer::Impl::check_dispatch_message(int src, const int64_t* sig, std::size_t bytes) const {
+  EPX_RETURN_IF_ERROR(check_counts(src, sig));
+  const std::size_t expected =
+      header_bytes + DispatchBlock::bytes(sig[kSigRows], announced_pairs(sig), config.combine_per_rank, row_bytes);
+  if (bytes != expected)
+    return internal_error("low-latency dispatch message from rank {} was {} bytes for {} rows, expected {}", src,
+                          bytes, sig[kSigRows], expected);
+  return Status::ok();
+}
+
+// A source's status and per-expert counts, once heard from.
+Status LowLatencyBuffer::Impl::record_dispatch_signal(int src, const int64_t* sig) {
+  EPX_RETURN_IF_ERROR(check_counts(src, sig));
+  std::copy(sig + kSigStatus, sig + kSigStatus + 4, &peer_status[static_cast<std::size_t>(src) * 4]);
+  for (int e = 0; e < max_local; ++e) recv_counts[static_cast<std::size_t>(src) * max_local + e] = sig[kSigCounts + e];
+  return Status::ok();
+}
+
+// Lays every source's rows out, in ascending source rank; `received` rows in all.
+Status LowLatencyBuffer::Impl::expand_all(const LowLatencyDispatchInputs& in, int64_t* received,
+                                          const Deadline& deadline) {
+  std::fill(next_row.begin(), next_row.end(), 0);
+  for (int s = 0; s < num_ranks; ++s) {
+    Status st = expand_from(s, dispatch_sig_of(s), in);
+    if (!st.is_ok()) return fail(std::move(st), deadline);
+  }
+  finish_experts(received);
+  return Status::ok();
+}
+
+// What combine needs of this rank's own tokens: their experts and weights.
+void LowLatencyBuffer::Impl::keep_routing(const LowLatencyDispatchInputs& in, int T, int K) {
+  num_tokens = T;
+  topk = K;
+  const int MK = config.max_topk;
+  for (int t = 0; t < T; ++t) {
+    const int32_t* row = in.topk_idx.row<int32_t>(t);
+    const float* w = in.topk_weights.defined() ? in.topk_weights.row<float>(t) : nullptr;
+    for (int k = 0; k < K; ++k) {
+      topk_idx[static_cast<std::size_t>(t) * MK + k] = row[k];
+      weights[static_cast<std::size_t>(t) * MK + k] = w ? w[k] : 1.0f;
+    }
+  }
+}
+
+// The views of dispatch `seq`'s result (all but its stats).
+void LowLatencyBuffer::Impl::fill_dispatch_result(int64_t seq, LowLatencyDispatchResult* out) const {
+  const int64_t EN = num_local, rows_per_expert = num_ranks * capacity;
+  out->recv_x = TensorView::contiguous(local().recv_x, config.dtype, {EN, rows_per_expert, config.hidden});
+  out->num_recv_tokens_per_expert = TensorView::contiguous(counts_out.data(), DType::kI32, {EN});
+  out->recv_src_rank = TensorView::contiguous(src_rank.data(), DType::kI32, {EN, rows_per_expert});
+  out->recv_src_idx = TensorView::contiguous(src_idx.data(), DType::kI32, {EN, rows_per_expert});
+  out->recv_src_slot = TensorView::contiguous(src_slot.data(), DType::kI32, {EN, rows_per_expert});
+  out->handle = LowLatencyHandle{id, seq};
+}
+
 Status LowLatencyBuffer::dispatch_blocking(const LowLatencyDispatchInputs& in, LowLatencyDispatchResult* out) {
   Impl& m = *impl_;
   if (!m.poisoned.is_ok()) return m.poisoned;
   Stopwatch watch;
   const Deadline deadline = Deadline::after(m.config.timeout);
-  const int EL = m.max_local;
   const Status local_status = out ? m.validate_dispatch(in) : invalid_argument("dispatch needs an output");
   const int64_t seq = ++m.dispatch_seq;
   m.dispatch_ok = false;
   m.combined = false;
-  if (m.last_call == Impl::LastCall::kDispatch) {
-    // No combine since the last dispatch: a peer may still read its inbox.
-    Status st = m.transport.barrier(deadline);
-    if (!st.is_ok()) return m.fail(std::move(st), deadline);
-  }
-  m.last_call = Impl::LastCall::kDispatch;
+  // No combine since the last dispatch: a peer may still read its inbox.
+  EPX_RETURN_IF_ERROR(
+      m.enter_call(Impl::LastCall::kDispatch, m.last_call == Impl::LastCall::kDispatch, deadline));
 
-  // Counts, and the first expert over capacity.
   const int T = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(0)) : 0;
   const int K = local_status.is_ok() ? static_cast<int>(in.topk_idx.size(1)) : 0;
   m.count_rows(in, T, K);
-  int64_t status[4] = {local_status.is_ok() ? kSignalOk : kSignalRejected, 0, 0, 0};
-  for (int e = 0; e < m.config.num_experts && status[0] == kSignalOk; ++e) {
-    const int64_t n = m.send_counts[static_cast<std::size_t>(m.placement.rank_of(e)) * EL + m.placement.local_id(e)];
-    if (n > m.capacity) {
-      status[0] = kSignalOverflow;
-      status[1] = e;
-      status[2] = n;
-      status[3] = m.capacity;
-    }
-  }
+  int64_t status[4];
+  m.dispatch_status(local_status, status);
   const bool send_rows = status[0] == kSignalOk;
   ExchangeStats stats;
   m.place_blocks(send_rows);
   if (send_rows) m.write_rows(in, T, K, &stats);
   EPX_RETURN_IF_ERROR(m.publish_dispatch(status, send_rows, seq, deadline, &stats));
-
-  // Hear from every rank (a remote source's message stays in its own part of
-  // the receive staging), then lay the rows out in ascending source rank.
-  auto unpack = [&](int src, const int64_t* sig, std::size_t bytes) -> Status {
-    EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
-    const std::size_t expected =
-        m.header_bytes + DispatchBlock::bytes(sig[kSigRows], m.announced_pairs(sig), m.config.combine_per_rank, m.row_bytes);
-    if (bytes != expected)
-      return internal_error("low-latency dispatch message from rank {} was {} bytes for {} rows, expected {}", src,
-                            bytes, sig[kSigRows], expected);
-    return Status::ok();
-  };
-  auto record = [&](int src, const int64_t* sig) -> Status {
-    EPX_RETURN_IF_ERROR(m.check_counts(src, sig));
-    std::copy(sig + kSigStatus, sig + kSigStatus + 4, &m.peer_status[static_cast<std::size_t>(src) * 4]);
-    for (int e = 0; e < EL; ++e) m.recv_counts[static_cast<std::size_t>(src) * EL + e] = sig[kSigCounts + e];
-    return Status::ok();
-  };
-  EPX_RETURN_IF_ERROR(m.hear_from_all(m.local().dispatch_sig, kTagDispatch, seq, "a low-latency dispatch", true,
-                                      deadline, unpack, record));
+  EPX_RETURN_IF_ERROR(m.hear_dispatch(seq, deadline));
   EPX_RETURN_IF_ERROR(m.finish_call(local_status, "dispatch", deadline));
-  std::fill(m.next_row.begin(), m.next_row.end(), 0);
-  for (int s = 0; s < m.num_ranks; ++s) {
-    Status st = m.expand_from(s, m.dispatch_sig_of(s), in);
-    if (!st.is_ok()) return m.fail(std::move(st), deadline);
-  }
   int64_t received = 0;
-  m.finish_experts(&received);
-
-  // What combine needs of this rank's own tokens.
-  m.num_tokens = T;
-  m.topk = K;
-  const int MK = m.config.max_topk;
-  for (int t = 0; t < T; ++t) {
-    const int32_t* row = in.topk_idx.row<int32_t>(t);
-    const float* w = in.topk_weights.defined() ? in.topk_weights.row<float>(t) : nullptr;
-    for (int k = 0; k < K; ++k) {
-      m.topk_idx[static_cast<std::size_t>(t) * MK + k] = row[k];
-      m.weights[static_cast<std::size_t>(t) * MK + k] = w ? w[k] : 1.0f;
-    }
-  }
+  EPX_RETURN_IF_ERROR(m.expand_all(in, &received, deadline));
+  m.keep_routing(in, T, K);
   m.dispatch_ok = true;
 
-  const int64_t EN = m.num_local, rows_per_expert = m.num_ranks * m.capacity;
-  out->recv_x = TensorView::contiguous(m.local().recv_x, m.config.dtype, {EN, rows_per_expert, m.config.hidden});
-  out->num_recv_tokens_per_expert = TensorView::contiguous(m.counts_out.data(), DType::kI32, {EN});
-  out->recv_src_rank = TensorView::contiguous(m.src_rank.data(), DType::kI32, {EN, rows_per_expert});
-  out->recv_src_idx = TensorView::contiguous(m.src_idx.data(), DType::kI32, {EN, rows_per_expert});
-  out->recv_src_slot = TensorView::contiguous(m.src_slot.data(), DType::kI32, {EN, rows_per_expert});
-  out->handle = LowLatencyHandle{m.id, seq};
+  m.fill_dispatch_result(seq, out);
   stats.rows_received = received;
   stats.seconds = watch.seconds();
   out->stats = stats;
@@ -834,34 +883,16 @@ Status LowLatencyBuffer::combine_blocking(const TensorView& y, const LowLatencyH
   Impl& m = *impl_;
   if (!m.poisoned.is_ok()) return m.poisoned;
   const Deadline deadline = Deadline::after(m.config.timeout);
-  const int R = m.num_ranks, EL = m.max_local, MK = m.config.max_topk;
   const Status local_status = m.validate_combine(y, handle, out);
   const int64_t seq = ++m.combine_seq;
-  if (m.last_call != Impl::LastCall::kDispatch) {
-    // A combine after a combine: a peer may still read this rank's last signal.
-    Status st = m.transport.barrier(deadline);
-    if (!st.is_ok()) return m.fail(std::move(st), deadline);
-  }
-  m.last_call = Impl::LastCall::kCombine;
+  // A combine after a combine: a peer may still read this rank's last signal.
+  EPX_RETURN_IF_ERROR(
+      m.enter_call(Impl::LastCall::kCombine, m.last_call != Impl::LastCall::kDispatch, deadline));
   const bool send_rows = local_status.is_ok();
   if (send_rows) m.combined = true;
   const std::size_t y_row = send_rows ? static_cast<std::size_t>(m.config.hidden) * dtype_size(y.dtype()) : 0;
 
-  // Messages to other nodes: one per source rank, rows in (expert, row) order.
-  int64_t staged = 0;
-  for (int s = 0; s < R; ++s) {
-    if (m.same_node(s)) continue;
-    int64_t n = 0;
-    if (m.config.combine_per_rank && send_rows) n = m.held_rows[s];
-    for (int e = 0; e < m.num_local && send_rows && !m.config.combine_per_rank; ++e)
-      n += m.recv_counts[static_cast<std::size_t>(s) * EL + e];
-    m.rows_to[s] = n;
-    m.block_of[s] = staged;
-    m.fill[s] = 0;
-    staged += static_cast<int64_t>(m.header_bytes + n * (8 + y_row));
-  }
-  EPX_CHECK(static_cast<std::size_t>(staged) <= m.send_staging.size());
-
+  m.size_combine_messages(send_rows, y_row);
   if (send_rows) {
     if (m.config.combine_per_rank)
       m.stage_rank_sums(y, y_row);
@@ -871,61 +902,95 @@ Status LowLatencyBuffer::combine_blocking(const TensorView& y, const LowLatencyH
   // Signals only after the peers' rows are out of y. This rank's own rows
   // stay in y until the sum below (y may be recv_x, which only this rank's
   // next dispatch overwrites: peers write into its inbox).
-  for (int s = 0; s < R; ++s) {
-    const bool near = m.same_node(s);
-    int64_t* sig = near ? m.regions[s].combine_sig + static_cast<std::size_t>(m.rank) * m.sig_words
-                        : reinterpret_cast<int64_t*>(m.send_staging.data() + m.block_of[s]);
+  const int64_t y_dtype = send_rows ? static_cast<int64_t>(y.dtype()) : 0;
+  EPX_RETURN_IF_ERROR(m.publish_combine(send_rows, y_dtype, y_row, seq, deadline));
+  EPX_RETURN_IF_ERROR(m.hear_combine(seq, deadline));
+  EPX_RETURN_IF_ERROR(m.finish_call(local_status, "combine", deadline));
+
+  m.sum_combine(y, y_row, out);
+  return Status::ok();
+}
+
+// Messages to other nodes: one per source rank, rows in (expert, row)
+// order; where each lies in the send staging.
+void LowLatencyBuffer::Impl::size_combine_messages(bool send_rows, std::size_t y_row) {
+  int64_t staged = 0;
+  for (int s = 0; s < num_ranks; ++s) {
+    if (same_node(s)) continue;
+    int64_t n = 0;
+    if (config.combine_per_rank && send_rows) n = held_rows[s];
+    for (int e = 0; e < num_local && send_rows && !config.combine_per_rank; ++e)
+      n += recv_counts[static_cast<std::size_t>(s) * max_local + e];
+    rows_to[s] = n;
+    block_of[s] = staged;
+    fill[s] = 0;
+    staged += static_cast<int64_t>(header_bytes + n * (8 + y_row));
+  }
+  EPX_CHECK(static_cast<std::size_t>(staged) <= send_staging.size());
+}
+
+// The status and y's dtype to every source rank, then the sequence number
+// (inside the node) or the message (other nodes).
+Status LowLatencyBuffer::Impl::publish_combine(bool send_rows, int64_t y_dtype, std::size_t y_row, int64_t seq,
+                                               const Deadline& deadline) {
+  for (int s = 0; s < num_ranks; ++s) {
+    const bool near = same_node(s);
+    int64_t* sig = near ? regions[s].combine_sig + static_cast<std::size_t>(rank) * sig_words
+                        : reinterpret_cast<int64_t*>(send_staging.data() + block_of[s]);
     sig[kSigStatus] = send_rows ? kSignalOk : kSignalRejected;
-    sig[kSigA] = send_rows ? static_cast<int64_t>(y.dtype()) : 0;
-    sig[kSigB] = near ? 0 : m.rows_to[s];
+    sig[kSigA] = y_dtype;
+    sig[kSigB] = near ? 0 : rows_to[s];
     if (near) {
       store_release(sig + kSigSeq, seq);
       continue;
     }
     sig[kSigSeq] = seq;
-    const std::size_t n = m.header_bytes + static_cast<std::size_t>(m.rows_to[s]) * (8 + y_row);
-    auto request = m.transport.send_async(s, kTagCombine, {m.send_staging.data() + m.block_of[s], n});
-    if (!request.is_ok()) return m.fail(request.status(), deadline);
-    m.requests.push_back(std::move(*request));
+    const std::size_t n = header_bytes + static_cast<std::size_t>(rows_to[s]) * (8 + y_row);
+    auto request = transport.send_async(s, kTagCombine, {send_staging.data() + block_of[s], n});
+    if (!request.is_ok()) return fail(request.status(), deadline);
+    requests.push_back(std::move(*request));
   }
+  return Status::ok();
+}
 
-  // Hear from every owner; rows from other nodes go into this rank's slots.
-  auto y_row_of = [&](const int64_t* sig) -> std::size_t {
-    return static_cast<std::size_t>(m.config.hidden) * dtype_size(static_cast<DType>(sig[kSigA]));
-  };
-  auto record = [&](int owner, const int64_t* sig) -> Status {
-    if (sig[kSigStatus] == kSignalOk && !is_payload_dtype(static_cast<DType>(sig[kSigA])))
-      return internal_error("rank {} announced combine rows of dtype #{}", owner, sig[kSigA]);
-    m.peer_status[static_cast<std::size_t>(owner) * 4] = sig[kSigStatus];
-    m.owner_dtype[owner] = sig[kSigA];
-    return Status::ok();
-  };
-  auto unpack = [&](int owner, const int64_t* sig, std::size_t bytes) -> Status {
-    EPX_RETURN_IF_ERROR(record(owner, sig));
-    const std::size_t row = sig[kSigStatus] == kSignalOk ? y_row_of(sig) : 0;
-    const int64_t n = sig[kSigB];
-    const std::size_t expected = m.header_bytes + static_cast<std::size_t>(n) * (8 + row);
-    if (n < 0 || bytes != expected)
-      return internal_error("low-latency combine message from rank {} was {} bytes for {} rows, expected {}", owner,
-                            bytes, n, expected);
-    const auto* meta = reinterpret_cast<const int32_t*>(m.recv_staging.data() + m.header_bytes);
-    const std::byte* rows = m.recv_staging.data() + m.header_bytes + n * 8;
-    for (int64_t i = 0; i < n; ++i) {
-      const int t = meta[2 * i], k = meta[2 * i + 1];
-      if (t < 0 || t >= m.num_tokens || k < 0 || k >= m.topk)
-        return internal_error("rank {} sent a combine row for (token {}, slot {}) but rank {} has {} tokens of top-{}",
-                              owner, t, k, m.rank, m.num_tokens, m.topk);
-      std::memcpy(m.local().combine + (static_cast<std::size_t>(t) * MK + k) * m.combine_row_bytes, rows + i * row,
-                  row);
-    }
-    return Status::ok();
-  };
-  EPX_RETURN_IF_ERROR(
-      m.hear_from_all(m.local().combine_sig, kTagCombine, seq, "a low-latency combine", false, deadline, unpack,
-                      record));
-  EPX_RETURN_IF_ERROR(m.finish_call(local_status, "combine", deadline));
+// Hears from every owner; rows from other nodes go into this rank's slots.
+Status LowLatencyBuffer::Impl::hear_combine(int64_t seq, const Deadline& deadline) {
+  return hear_from_all(
+      local().combine_sig, kTagCombine, seq, "a low-latency combine", false, deadline,
+      [this](int owner, const int64_t* sig, std::size_t bytes) { return unpack_combine_message(owner, sig, bytes); },
+      [this](int owner, const int64_t* sig) { return record_combine_signal(owner, sig); });
+}
 
-  m.sum_combine(y, y_row, out);
+// An owner's status and the dtype of the rows it sent.
+Status LowLatencyBuffer::Impl::record_combine_signal(int owner, const int64_t* sig) {
+  if (sig[kSigStatus] == kSignalOk && !is_payload_dtype(static_cast<DType>(sig[kSigA])))
+    return internal_error("rank {} announced combine rows of dtype #{}", owner, sig[kSigA]);
+  peer_status[static_cast<std::size_t>(owner) * 4] = sig[kSigStatus];
+  owner_dtype[owner] = sig[kSigA];
+  return Status::ok();
+}
+
+// A remote owner's message: each (token, slot) row into its combine slot.
+Status LowLatencyBuffer::Impl::unpack_combine_message(int owner, const int64_t* sig, std::size_t bytes) {
+  EPX_RETURN_IF_ERROR(record_combine_signal(owner, sig));
+  const std::size_t row =
+      sig[kSigStatus] == kSignalOk ? static_cast<std::size_t>(config.hidden) * dtype_size(static_cast<DType>(sig[kSigA]))
+                                   : 0;
+  const int64_t n = sig[kSigB];
+  const std::size_t expected = header_bytes + static_cast<std::size_t>(n) * (8 + row);
+  if (n < 0 || bytes != expected)
+    return internal_error("low-latency combine message from rank {} was {} bytes for {} rows, expected {}", owner,
+                          bytes, n, expected);
+  const auto* meta = reinterpret_cast<const int32_t*>(recv_staging.data() + header_bytes);
+  const std::byte* rows = recv_staging.data() + header_bytes + n * 8;
+  for (int64_t i = 0; i < n; ++i) {
+    const int t = meta[2 * i], k = meta[2 * i + 1];
+    if (t < 0 || t >= num_tokens || k < 0 || k >= topk)
+      return internal_error("rank {} sent a combine row for (token {}, slot {}) but rank {} has {} tokens of top-{}",
+                            owner, t, k, rank, num_tokens, topk);
+    std::memcpy(local().combine + (static_cast<std::size_t>(t) * config.max_topk + k) * combine_row_bytes,
+                rows + i * row, row);
+  }
   return Status::ok();
 }
 
