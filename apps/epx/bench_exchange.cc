@@ -151,6 +151,157 @@ void append_trace(nlohmann::json& events, const Tracer& tracer, int pid, const s
                       {"dur", static_cast<double>(s.end_ns - s.begin_ns) * 1e-3}});
 }
 
+int usage(const std::string& message) {
+  fmt::print(stderr, "epx bench exchange: {}\n", message);
+  return kExitUsage;
+}
+
+// One benchmark config per (tokens, node shape), each checked (and its
+// memory estimated) before any runs; kExitOk, or kExitUsage after the message.
+int shape_configs(const BenchExchangeOptions& o, std::vector<bench::ExchangeBenchConfig>* configs) {
+  std::vector<NodeShape> shapes;
+  for (const std::string& text : o.node_shapes) {
+    Result<NodeShape> shape = parse_node_shape(text);
+    if (!shape.is_ok()) return usage(fmt::format("--nodes-shapes: {}", shape.status().message()));
+    if (shape->nodes * shape->ranks_per_node != o.num_ranks)
+      return usage(fmt::format("--nodes-shapes {} has {} ranks but --ranks is {}", text,
+                               shape->nodes * shape->ranks_per_node, o.num_ranks));
+    shapes.push_back(*shape);
+  }
+  for (int tokens : o.tokens) {
+    if (tokens < 1) return usage(fmt::format("--tokens {} must be at least 1", tokens));
+    for (const NodeShape& shape : shapes) {
+      bench::ExchangeBenchConfig c{.num_ranks = o.num_ranks,
+                                   .num_nodes = shape.nodes,
+                                   .num_tokens = tokens,
+                                   .hidden = o.hidden,
+                                   .num_experts = o.num_experts,
+                                   .topk = o.topk,
+                                   .dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16,
+                                   .reps = o.reps,
+                                   .warmup = o.warmup,
+                                   .skew = o.skew,
+                                   .seed = o.seed,
+                                   .verify = !o.no_verify,
+                                   .record_waits = o.record_waits == "on",
+                                   .layer_combine = o.layer_combine != "off",
+                                   .layer_combine_dtype = o.layer_combine == "bf16" ? DType::kBF16 : DType::kF32,
+                                   .layer_combine_weights = o.layer_combine == "receiver" ? CombineWeights::kReceiver
+                                                                                          : CombineWeights::kHolder,
+                                   .memory_fraction = o.memory_fraction};
+      if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
+      // A shape that cannot fit is refused now, before any is planned or run.
+      if (Status s = check_memory_fits(bench::estimate_exchange_bench_memory(c), available_memory()); !s.is_ok())
+        return usage(fmt::format("tokens {} on {}x{}: {}", tokens, shape.nodes, shape.ranks_per_node, s.message()));
+      configs->push_back(c);
+    }
+  }
+  return kExitOk;
+}
+
+// What the shapes' runs gave: the results for the table, one JSON object per
+// shape (an error in place of a failed one) and the trace events.
+struct ShapeRuns {
+  std::vector<bench::ExchangeBenchResult> results;
+  nlohmann::json shapes = nlohmann::json::array();
+  nlohmann::json trace_events = nlohmann::json::array();
+  bool any_failed = false;
+};
+
+// Shape `i` of `n`, run and logged, into `runs`.
+void run_shape(const BenchExchangeOptions& o, bench::ExchangeBenchConfig c, std::size_t i, std::size_t n,
+               const MachineInfo& machine, ShapeRuns& runs) {
+  const std::string label = fmt::format("tokens {} {}x{}", c.num_tokens, c.num_nodes, c.num_ranks / c.num_nodes);
+  auto tracer = std::make_unique<Tracer>();
+  if (o.phases || !o.trace_path.empty()) c.tracer = tracer.get();
+  spdlog::info("[{}/{}] {}: starting", i + 1, n, label);
+  Result<bench::ExchangeBenchResult> r =
+      bench::run_exchange_bench(c, [&](const std::string& line) { spdlog::info("[{}/{}] {}: {}", i + 1, n, label, line); });
+  if (!r.is_ok()) {
+    runs.any_failed = true;
+    spdlog::error("[{}/{}] {}: {}", i + 1, n, label, r.status().to_string());
+    runs.shapes.push_back({{"tokens", c.num_tokens},
+                           {"nodes", c.num_nodes},
+                           {"ranks", c.num_ranks},
+                           {"error", r.status().to_string()}});
+    return;
+  }
+  if (r->other_cpu_share > 0.05)
+    spdlog::warn("[{}/{}] {}: other processes took {:.0f}% of the {} cores meanwhile: the times are inflated and "
+                 "noisy (cpu ms and the ratios less so)",
+                 i + 1, n, label, 100 * r->other_cpu_share, machine.cores);
+  spdlog::info("[{}/{}] {}: dispatch {:.3f} ms ({:.2f}x memcpy, {:.2f}x naive), combine {:.3f} ms ({:.2f}x memcpy, "
+               "{:.2f}x naive)",
+               i + 1, n, label, r->dispatch.time_ms, r->dispatch_vs_memcpy, r->dispatch_vs_naive, r->combine.time_ms,
+               r->combine_vs_memcpy, r->combine_vs_naive);
+  nlohmann::json shape = result_json(*r);
+  if (o.phases) {
+    nlohmann::json phases = nlohmann::json::array();
+    for (const bench::PhaseSummary& p : bench::summarize_phases(*tracer))
+      phases.push_back({{"name", p.name}, {"count", p.count}, {"mean_ms", p.mean_ms}, {"max_ms", p.max_ms}});
+    shape["phases"] = phases;
+  }
+  if (!o.trace_path.empty()) append_trace(runs.trace_events, *tracer, static_cast<int>(i), label);
+  runs.shapes.push_back(std::move(shape));
+  runs.results.push_back(std::move(r).value());
+}
+
+void write_trace(const std::string& path, const nlohmann::json& events) {
+  std::ofstream trace(path);
+  trace << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+  if (!trace) spdlog::error("could not write the trace to {}", path);
+  else spdlog::info("trace written to {} (open in chrome://tracing or ui.perfetto.dev)", path);
+}
+
+// What the table's columns mean, and which layer combine it timed.
+void print_legend(std::FILE* table, const BenchExchangeOptions& o, const MachineInfo& machine) {
+  fmt::print(table,
+             "\nGB/s = received rows x row bytes / time (logical, DeepEP's figure), the same bytes for every method; "
+             "vs memcpy = memcpy time / time, vs naive = naive time / time; medians of {} interleaved reps; cpu ms = "
+             "CPU time of all rank threads in the operation; {} rank threads share {} cores. layer combine = "
+             "MoELayer's combine_expanded ({}); its GB/s and memcpy (layer) are of {} (rows x hidden x {}){}.\n",
+             o.reps, o.num_ranks, machine.cores,
+             o.layer_combine == "receiver" ? "bf16 expert rows in the combine region, weighted by the receiver, f32 out"
+             : o.layer_combine == "bf16"   ? "f32 expert rows, weighted, bf16 partials sent, f32 out"
+                                           : "f32 expert rows in the combine region, weighted where they lie, f32 partials only across nodes, "
+               "f32 out; layer (y outside): the same with the rows outside the Buffer, f32 partials written first",
+             o.layer_combine == "receiver" ? "the bytes a bf16 combine moves" : "the partial bytes it sends",
+             o.layer_combine == "bf16" || o.layer_combine == "receiver" ? 2 : 4,
+             o.layer_combine == "receiver"
+                 ? "; memcpy (expanded) copies the expanded bf16 rows it reads, its vs memcpy = its time / the layer "
+                   "combine's"
+                 : "");
+}
+
+// --phases: each shape's tracer spans, folded per name.
+void print_phases(std::FILE* table, const nlohmann::json& shapes) {
+  for (const nlohmann::json& shape : shapes) {
+    if (!shape.contains("phases")) continue;
+    fmt::print(table, "\nphases, tokens {} {}x{} (mean ms per span over ranks and reps):\n",
+               shape["tokens"].get<int>(), shape["nodes"].get<int>(),
+               shape["ranks"].get<int>() / shape["nodes"].get<int>());
+    for (const auto& p : shape["phases"])
+      fmt::print(table, "  {:<32} {:>6} spans  mean {:>9.3f}  max {:>9.3f}\n", p["name"].get<std::string>(),
+                 p["count"].get<int64_t>(), p["mean_ms"].get<double>(), p["max_ms"].get<double>());
+  }
+}
+
+// --json: the one object on stdout.
+void print_json(const BenchExchangeOptions& o, const MachineInfo& machine, const std::string& date,
+                const nlohmann::json& shapes) {
+  nlohmann::json j = record_head(machine, date);
+  j["config"] = {{"ranks", o.num_ranks},      {"tokens", o.tokens}, {"node_shapes", o.node_shapes},
+                 {"hidden", o.hidden},        {"experts", o.num_experts}, {"topk", o.topk},
+                 {"dtype", o.dtype},          {"reps", o.reps},     {"warmup", o.warmup},
+                 {"skew", o.skew},            {"seed", o.seed},     {"verify", !o.no_verify},
+                 {"record_waits", o.record_waits},
+                 {"layer_combine", o.layer_combine},
+                 {"routing", o.skew == 0 ? "uniform random distinct experts per token" : "zipf-skewed"},
+                 {"bandwidth", "logical: received rows x row bytes / median time"}};
+  j["shapes"] = shapes;
+  fmt::print("{}\n", j.dump(2));
+}
+
 }  // namespace
 
 CLI::App* add_bench_exchange_command(CLI::App& bench, BenchExchangeOptions& o) {
@@ -209,49 +360,8 @@ CLI::App* add_bench_exchange_command(CLI::App& bench, BenchExchangeOptions& o) {
 }
 
 int run_bench_exchange(const BenchExchangeOptions& o) {
-  auto usage = [](const std::string& message) {
-    fmt::print(stderr, "epx bench exchange: {}\n", message);
-    return kExitUsage;
-  };
-  std::vector<NodeShape> shapes;
-  for (const std::string& text : o.node_shapes) {
-    Result<NodeShape> shape = parse_node_shape(text);
-    if (!shape.is_ok()) return usage(fmt::format("--nodes-shapes: {}", shape.status().message()));
-    if (shape->nodes * shape->ranks_per_node != o.num_ranks)
-      return usage(fmt::format("--nodes-shapes {} has {} ranks but --ranks is {}", text,
-                               shape->nodes * shape->ranks_per_node, o.num_ranks));
-    shapes.push_back(*shape);
-  }
-  // Check every shape before running any.
   std::vector<bench::ExchangeBenchConfig> configs;
-  for (int tokens : o.tokens) {
-    if (tokens < 1) return usage(fmt::format("--tokens {} must be at least 1", tokens));
-    for (const NodeShape& shape : shapes) {
-      bench::ExchangeBenchConfig c{.num_ranks = o.num_ranks,
-                                   .num_nodes = shape.nodes,
-                                   .num_tokens = tokens,
-                                   .hidden = o.hidden,
-                                   .num_experts = o.num_experts,
-                                   .topk = o.topk,
-                                   .dtype = o.dtype == "f32" ? DType::kF32 : DType::kBF16,
-                                   .reps = o.reps,
-                                   .warmup = o.warmup,
-                                   .skew = o.skew,
-                                   .seed = o.seed,
-                                   .verify = !o.no_verify,
-                                   .record_waits = o.record_waits == "on",
-                                   .layer_combine = o.layer_combine != "off",
-                                   .layer_combine_dtype = o.layer_combine == "bf16" ? DType::kBF16 : DType::kF32,
-                                   .layer_combine_weights = o.layer_combine == "receiver" ? CombineWeights::kReceiver
-                                                                                          : CombineWeights::kHolder,
-                                   .memory_fraction = o.memory_fraction};
-      if (Status s = bench::validate_exchange_bench_config(c); !s.is_ok()) return usage(s.message());
-      // A shape that cannot fit is refused now, before any is planned or run.
-      if (Status s = check_memory_fits(bench::estimate_exchange_bench_memory(c), available_memory()); !s.is_ok())
-        return usage(fmt::format("tokens {} on {}x{}: {}", tokens, shape.nodes, shape.ranks_per_node, s.message()));
-      configs.push_back(c);
-    }
-  }
+  if (int code = shape_configs(o, &configs); code != kExitOk) return code;
   if (o.dtype == "fp8") return run_bench_fp8(o, configs);
 
   const MachineInfo machine = machine_info();
@@ -259,99 +369,17 @@ int run_bench_exchange(const BenchExchangeOptions& o) {
   spdlog::info("epx bench exchange: {} shapes on {} ({} cores, {:.1f} GiB); {} rank threads",
                configs.size(), machine.cpu_model, machine.cores,
                static_cast<double>(machine.memory_bytes) / (1024.0 * 1024 * 1024), o.num_ranks);
-  std::vector<bench::ExchangeBenchResult> results;
-  nlohmann::json shapes_json = nlohmann::json::array();
-  nlohmann::json trace_events = nlohmann::json::array();
-  bool any_failed = false;
-  for (std::size_t i = 0; i < configs.size(); ++i) {
-    bench::ExchangeBenchConfig c = configs[i];
-    const std::string label = fmt::format("tokens {} {}x{}", c.num_tokens, c.num_nodes, c.num_ranks / c.num_nodes);
-    auto tracer = std::make_unique<Tracer>();
-    if (o.phases || !o.trace_path.empty()) c.tracer = tracer.get();
-    spdlog::info("[{}/{}] {}: starting", i + 1, configs.size(), label);
-    Result<bench::ExchangeBenchResult> r =
-        bench::run_exchange_bench(c, [&](const std::string& line) { spdlog::info("[{}/{}] {}: {}", i + 1, configs.size(), label, line); });
-    if (!r.is_ok()) {
-      any_failed = true;
-      spdlog::error("[{}/{}] {}: {}", i + 1, configs.size(), label, r.status().to_string());
-      shapes_json.push_back({{"tokens", c.num_tokens},
-                             {"nodes", c.num_nodes},
-                             {"ranks", c.num_ranks},
-                             {"error", r.status().to_string()}});
-      continue;
-    }
-    if (r->other_cpu_share > 0.05)
-      spdlog::warn("[{}/{}] {}: other processes took {:.0f}% of the {} cores meanwhile: the times are inflated and "
-                   "noisy (cpu ms and the ratios less so)",
-                   i + 1, configs.size(), label, 100 * r->other_cpu_share, machine.cores);
-    spdlog::info("[{}/{}] {}: dispatch {:.3f} ms ({:.2f}x memcpy, {:.2f}x naive), combine {:.3f} ms ({:.2f}x memcpy, "
-                 "{:.2f}x naive)",
-                 i + 1, configs.size(), label, r->dispatch.time_ms, r->dispatch_vs_memcpy, r->dispatch_vs_naive,
-                 r->combine.time_ms, r->combine_vs_memcpy, r->combine_vs_naive);
-    nlohmann::json shape = result_json(*r);
-    if (o.phases) {
-      nlohmann::json phases = nlohmann::json::array();
-      for (const bench::PhaseSummary& p : bench::summarize_phases(*tracer))
-        phases.push_back({{"name", p.name}, {"count", p.count}, {"mean_ms", p.mean_ms}, {"max_ms", p.max_ms}});
-      shape["phases"] = phases;
-    }
-    if (!o.trace_path.empty()) append_trace(trace_events, *tracer, static_cast<int>(i), label);
-    shapes_json.push_back(std::move(shape));
-    results.push_back(std::move(r).value());
-  }
-
-  if (!o.trace_path.empty()) {
-    std::ofstream trace(o.trace_path);
-    trace << nlohmann::json{{"traceEvents", trace_events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
-    if (!trace) spdlog::error("could not write the trace to {}", o.trace_path);
-    else spdlog::info("trace written to {} (open in chrome://tracing or ui.perfetto.dev)", o.trace_path);
-  }
+  ShapeRuns runs;
+  for (std::size_t i = 0; i < configs.size(); ++i) run_shape(o, configs[i], i, configs.size(), machine, runs);
+  if (!o.trace_path.empty()) write_trace(o.trace_path, runs.trace_events);
 
   std::FILE* table = o.json ? stderr : stdout;
   fmt::print(table, "\n");
-  print_table(table, results);
-  fmt::print(table,
-             "\nGB/s = received rows x row bytes / time (logical, DeepEP's figure), the same bytes for every method; "
-             "vs memcpy = memcpy time / time, vs naive = naive time / time; medians of {} interleaved reps; cpu ms = "
-             "CPU time of all rank threads in the operation; {} rank threads share {} cores. layer combine = "
-             "MoELayer's combine_expanded ({}); its GB/s and memcpy (layer) are of {} (rows x hidden x {}){}.\n",
-             o.reps, o.num_ranks, machine.cores,
-             o.layer_combine == "receiver" ? "bf16 expert rows in the combine region, weighted by the receiver, f32 out"
-             : o.layer_combine == "bf16"   ? "f32 expert rows, weighted, bf16 partials sent, f32 out"
-                                           : "f32 expert rows in the combine region, weighted where they lie, f32 partials only across nodes, "
-               "f32 out; layer (y outside): the same with the rows outside the Buffer, f32 partials written first",
-             o.layer_combine == "receiver" ? "the bytes a bf16 combine moves" : "the partial bytes it sends",
-             o.layer_combine == "bf16" || o.layer_combine == "receiver" ? 2 : 4,
-             o.layer_combine == "receiver"
-                 ? "; memcpy (expanded) copies the expanded bf16 rows it reads, its vs memcpy = its time / the layer "
-                   "combine's"
-                 : "");
-  if (o.phases) {
-    for (std::size_t i = 0; i < shapes_json.size(); ++i) {
-      if (!shapes_json[i].contains("phases")) continue;
-      fmt::print(table, "\nphases, tokens {} {}x{} (mean ms per span over ranks and reps):\n",
-                 shapes_json[i]["tokens"].get<int>(), shapes_json[i]["nodes"].get<int>(),
-                 shapes_json[i]["ranks"].get<int>() / shapes_json[i]["nodes"].get<int>());
-      for (const auto& p : shapes_json[i]["phases"])
-        fmt::print(table, "  {:<32} {:>6} spans  mean {:>9.3f}  max {:>9.3f}\n", p["name"].get<std::string>(),
-                   p["count"].get<int64_t>(), p["mean_ms"].get<double>(), p["max_ms"].get<double>());
-    }
-  }
-
-  if (o.json) {
-    nlohmann::json j = record_head(machine, date);
-    j["config"] = {{"ranks", o.num_ranks},      {"tokens", o.tokens}, {"node_shapes", o.node_shapes},
-                   {"hidden", o.hidden},        {"experts", o.num_experts}, {"topk", o.topk},
-                   {"dtype", o.dtype},          {"reps", o.reps},     {"warmup", o.warmup},
-                   {"skew", o.skew},            {"seed", o.seed},     {"verify", !o.no_verify},
-                   {"record_waits", o.record_waits},
-                   {"layer_combine", o.layer_combine},
-                   {"routing", o.skew == 0 ? "uniform random distinct experts per token" : "zipf-skewed"},
-                   {"bandwidth", "logical: received rows x row bytes / median time"}};
-    j["shapes"] = shapes_json;
-    fmt::print("{}\n", j.dump(2));
-  }
-  return any_failed ? kExitFailed : kExitOk;
+  print_table(table, runs.results);
+  print_legend(table, o, machine);
+  if (o.phases) print_phases(table, runs.shapes);
+  if (o.json) print_json(o, machine, date, runs.shapes);
+  return runs.any_failed ? kExitFailed : kExitOk;
 }
 
 }  // namespace epx::app

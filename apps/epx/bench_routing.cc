@@ -62,6 +62,68 @@ void print_table(std::FILE* f, const bench::RoutingBenchResult& r) {
              100 * r.other_cpu_share);
 }
 
+// A timing with its own figures added (`extra`: a JSON object).
+nlohmann::json timing_json(const bench::Timing& t, const nlohmann::json& extra) {
+  nlohmann::json j = timing_json(t);
+  j.update(extra);
+  return j;
+}
+
+// OpenBLAS as loaded, and the environment that steers it.
+nlohmann::json blas_json(const bench::RoutingBenchResult& r) {
+  return {{"library", "OpenBLAS"},
+          {"threads", r.blas_threads},
+          {"config", r.blas_config},
+          {"core", r.blas_core},
+          {"env",
+           {{"OPENBLAS_NUM_THREADS", env_json("OPENBLAS_NUM_THREADS")},
+            {"OMP_NUM_THREADS", env_json("OMP_NUM_THREADS")},
+            {"OPENBLAS_CORETYPE", env_json("OPENBLAS_CORETYPE")},
+            {"OPENBLAS_L2_SIZE", env_json("OPENBLAS_L2_SIZE")}}}};
+}
+
+// --json: the one object on stdout.
+nlohmann::json result_json(const bench::RoutingBenchResult& r, const MachineInfo& machine, const std::string& date) {
+  const auto& c = r.config;
+  nlohmann::json j = record_head(machine, date);
+  j["config"] = {{"tokens", c.num_tokens},       {"experts", c.num_experts},
+                 {"topk", c.topk},               {"groups", c.num_groups},
+                 {"topk_groups", c.topk_groups}, {"hidden", c.hidden},
+                 {"reps", c.reps},               {"seed", c.seed},
+                 {"peak_n", c.peak_n},           {"schedule", "interleaved"},
+                 {"routing_threads", r.routing_threads}};
+  j["blas"] = blas_json(r);
+  j["gemm"] = timing_json(r.gemm, {{"gflops", r.gemm_gflops},
+                                   {"flops", 2.0 * c.num_tokens * static_cast<double>(c.hidden) * c.num_experts}});
+  if (c.peak_n > 0) {
+    j["peak_gemm"] = timing_json(r.peak_gemm, {{"gflops", r.peak_gflops}, {"n", c.peak_n}});
+    j["gemm_vs_peak"] = r.gemm_vs_peak;
+  }
+  j["route_sigmoid"] = timing_json(r.route_sigmoid, {{"tokens_per_s", r.sigmoid_tokens_per_s},
+                                                     {"vs_gemm", r.sigmoid_vs_gemm},
+                                                     {"expert_balance", r.sigmoid_expert_balance}});
+  j["route_softmax"] =
+      timing_json(r.route_softmax, {{"tokens_per_s", r.softmax_tokens_per_s}, {"vs_gemm", r.softmax_vs_gemm}});
+  j["placement"] = {{"experts", c.num_experts},
+                    {"nodes", c.num_nodes},
+                    {"ranks_per_node", c.ranks_per_node},
+                    {"slots", c.num_slots},
+                    {"groups", c.num_groups},
+                    {"load_skew", c.load_skew},
+                    {"balance_contiguous", r.balance_before}};
+  j["place_hierarchical"] =
+      timing_json(r.place_hierarchical, {{"policy_ran", r.hierarchical_policy}, {"balance", r.balance_hierarchical}});
+  j["place_global"] = timing_json(r.place_global, {{"balance", r.balance_global}});
+  j["rebalance"] = timing_json(r.rebalance, {{"load_change", c.load_change},
+                                             {"balance", r.rebalance_balance},
+                                             {"scratch_balance", r.rebalance_scratch_balance},
+                                             {"moved_slots", r.rebalance_moved_slots},
+                                             {"moved_bytes", r.rebalance_moved_bytes},
+                                             {"expert_bytes", c.expert_bytes}});
+  j["other_cpu_share"] = r.other_cpu_share;
+  return j;
+}
+
 }  // namespace
 
 CLI::App* add_bench_routing_command(CLI::App& bench, BenchRoutingOptions& o) {
@@ -129,62 +191,7 @@ int run_bench_routing(const BenchRoutingOptions& o) {
   fmt::print(table, "\n");
   print_table(table, *r);
 
-  if (o.json) {
-    const auto& c = r->config;
-    nlohmann::json j = record_head(machine, date);
-    j["config"] = {{"tokens", c.num_tokens},       {"experts", c.num_experts},
-                   {"topk", c.topk},               {"groups", c.num_groups},
-                   {"topk_groups", c.topk_groups}, {"hidden", c.hidden},
-                   {"reps", c.reps},               {"seed", c.seed},
-                   {"peak_n", c.peak_n},           {"schedule", "interleaved"},
-                   {"routing_threads", r->routing_threads}};
-    j["blas"] = {{"library", "OpenBLAS"},
-                 {"threads", r->blas_threads},
-                 {"config", r->blas_config},
-                 {"core", r->blas_core},
-                 {"env",
-                  {{"OPENBLAS_NUM_THREADS", env_json("OPENBLAS_NUM_THREADS")},
-                   {"OMP_NUM_THREADS", env_json("OMP_NUM_THREADS")},
-                   {"OPENBLAS_CORETYPE", env_json("OPENBLAS_CORETYPE")},
-                   {"OPENBLAS_L2_SIZE", env_json("OPENBLAS_L2_SIZE")}}}};
-    j["gemm"] = timing_json(r->gemm);
-    j["gemm"]["gflops"] = r->gemm_gflops;
-    j["gemm"]["flops"] = 2.0 * c.num_tokens * static_cast<double>(c.hidden) * c.num_experts;
-    if (c.peak_n > 0) {
-      j["peak_gemm"] = timing_json(r->peak_gemm);
-      j["peak_gemm"]["gflops"] = r->peak_gflops;
-      j["peak_gemm"]["n"] = c.peak_n;
-      j["gemm_vs_peak"] = r->gemm_vs_peak;
-    }
-    j["route_sigmoid"] = timing_json(r->route_sigmoid);
-    j["route_sigmoid"]["tokens_per_s"] = r->sigmoid_tokens_per_s;
-    j["route_sigmoid"]["vs_gemm"] = r->sigmoid_vs_gemm;
-    j["route_sigmoid"]["expert_balance"] = r->sigmoid_expert_balance;
-    j["route_softmax"] = timing_json(r->route_softmax);
-    j["route_softmax"]["tokens_per_s"] = r->softmax_tokens_per_s;
-    j["route_softmax"]["vs_gemm"] = r->softmax_vs_gemm;
-    j["placement"] = {{"experts", c.num_experts},
-                      {"nodes", c.num_nodes},
-                      {"ranks_per_node", c.ranks_per_node},
-                      {"slots", c.num_slots},
-                      {"groups", c.num_groups},
-                      {"load_skew", c.load_skew},
-                      {"balance_contiguous", r->balance_before}};
-    j["place_hierarchical"] = timing_json(r->place_hierarchical);
-    j["place_hierarchical"]["policy_ran"] = r->hierarchical_policy;
-    j["place_hierarchical"]["balance"] = r->balance_hierarchical;
-    j["place_global"] = timing_json(r->place_global);
-    j["place_global"]["balance"] = r->balance_global;
-    j["rebalance"] = timing_json(r->rebalance);
-    j["rebalance"]["load_change"] = c.load_change;
-    j["rebalance"]["balance"] = r->rebalance_balance;
-    j["rebalance"]["scratch_balance"] = r->rebalance_scratch_balance;
-    j["rebalance"]["moved_slots"] = r->rebalance_moved_slots;
-    j["rebalance"]["moved_bytes"] = r->rebalance_moved_bytes;
-    j["rebalance"]["expert_bytes"] = c.expert_bytes;
-    j["other_cpu_share"] = r->other_cpu_share;
-    fmt::print("{}\n", j.dump(2));
-  }
+  if (o.json) fmt::print("{}\n", result_json(*r, machine, date).dump(2));
   return kExitOk;
 }
 

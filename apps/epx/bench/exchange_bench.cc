@@ -242,6 +242,16 @@ class RankBench {
         row_bytes_(static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype)) {}
 
   Status run() {
+    EPX_RETURN_IF_ERROR(create_inputs_and_buffer());
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    if (rank_ == 0) choose_schedule();
+    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    return shared_.interleaved ? run_interleaved() : run_phased();
+  }
+
+ private:
+  // x (the pattern), out, epx's Buffer and its dispatch inputs.
+  Status create_inputs_and_buffer() {
     const int T = config_.num_tokens;
     const int64_t H = config_.hidden;
     x_ = AlignedBuffer(static_cast<std::size_t>(T) * row_bytes_, 4096);
@@ -262,41 +272,44 @@ class RankBench {
     buffer_config.record_waits = config_.record_waits;
     EPX_ASSIGN_OR_RETURN(buffer_, Buffer::create(t_, buffer_config));
     inputs_ = DispatchInputs{.x = x_view_, .topk_idx = routing.idx(), .topk_weights = routing.weights()};
-    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
-    if (rank_ == 0) {
-      shared_.epx_region_bytes = buffer_->region_bytes();
-      shared_.hierarchical = buffer_->hierarchical();
-      // Decide now, with epx's regions really allocated, whether the naive
-      // baseline fits next to them.
-      const std::size_t available = available_memory_bytes();
-      const std::size_t need = naive_total_bytes() + epx_staging_bytes_;
-      shared_.interleaved = shared_.interleaved &&
-                            (available == 0 || need <= static_cast<std::size_t>(available * config_.memory_fraction));
-      say(fmt::format("epx regions {} per rank ({}); naive baseline and epx staging need {} more, {} available: {}",
-                      gib(shared_.epx_region_bytes), shared_.hierarchical ? "two-hop" : "flat", gib(need),
-                      gib(available), shared_.interleaved ? "interleaved" : "phased (epx first, then the others)"));
-    }
-    EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
+    return Status::ok();
+  }
 
-    if (shared_.interleaved) {
-      EPX_RETURN_IF_ERROR(create_naive());
-      for (int w = 0; w < config_.warmup; ++w) {
-        const bool check = config_.verify && w == 0;
-        EPX_RETURN_IF_ERROR(epx_group(false, check));
-        EPX_RETURN_IF_ERROR(memcpy_op(false));
-        EPX_RETURN_IF_ERROR(naive_group(false, check));
-      }
-      EPX_RETURN_IF_ERROR(after_warmup());
-      for (int rep = 0; rep < config_.reps; ++rep) {
-        EPX_RETURN_IF_ERROR(epx_group(true, false));
-        EPX_RETURN_IF_ERROR(memcpy_op(true));
-        EPX_RETURN_IF_ERROR(naive_group(true, false));
-        if (rank_ == 0) say(fmt::format("repetition {}/{} done", rep + 1, config_.reps));
-      }
-      return t_.barrier(deadline());
-    }
+  // Rank 0, with epx's regions really allocated: whether the naive baseline
+  // fits next to them (interleaved) or must wait until they are freed (phased).
+  void choose_schedule() {
+    shared_.epx_region_bytes = buffer_->region_bytes();
+    shared_.hierarchical = buffer_->hierarchical();
+    const std::size_t available = available_memory_bytes();
+    const std::size_t need = naive_total_bytes() + epx_staging_bytes_;
+    shared_.interleaved = shared_.interleaved &&
+                          (available == 0 || need <= static_cast<std::size_t>(available * config_.memory_fraction));
+    say(fmt::format("epx regions {} per rank ({}); naive baseline and epx staging need {} more, {} available: {}",
+                    gib(shared_.epx_region_bytes), shared_.hierarchical ? "two-hop" : "flat", gib(need),
+                    gib(available), shared_.interleaved ? "interleaved" : "phased (epx first, then the others)"));
+  }
 
-    // Phased: epx alone, freed, then memcpy and naive.
+  // epx, memcpy, naive, epx, memcpy, naive, ...
+  Status run_interleaved() {
+    EPX_RETURN_IF_ERROR(create_naive());
+    for (int w = 0; w < config_.warmup; ++w) {
+      const bool check = config_.verify && w == 0;
+      EPX_RETURN_IF_ERROR(epx_group(false, check));
+      EPX_RETURN_IF_ERROR(memcpy_op(false));
+      EPX_RETURN_IF_ERROR(naive_group(false, check));
+    }
+    EPX_RETURN_IF_ERROR(after_warmup());
+    for (int rep = 0; rep < config_.reps; ++rep) {
+      EPX_RETURN_IF_ERROR(epx_group(true, false));
+      EPX_RETURN_IF_ERROR(memcpy_op(true));
+      EPX_RETURN_IF_ERROR(naive_group(true, false));
+      if (rank_ == 0) say(fmt::format("repetition {}/{} done", rep + 1, config_.reps));
+    }
+    return t_.barrier(deadline());
+  }
+
+  // epx alone, freed, then memcpy and naive.
+  Status run_phased() {
     for (int w = 0; w < config_.warmup; ++w) EPX_RETURN_IF_ERROR(epx_group(false, config_.verify && w == 0));
     EPX_RETURN_IF_ERROR(after_warmup());
     for (int rep = 0; rep < config_.reps; ++rep) EPX_RETURN_IF_ERROR(epx_group(true, false));
@@ -304,16 +317,7 @@ class RankBench {
     recv_ = DispatchResult{};
     buffer_.reset();
     EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
-    if (rank_ == 0) {
-      const std::size_t available = available_memory_bytes();
-      const std::size_t need = naive_total_bytes();
-      if (available != 0 && need > static_cast<std::size_t>(available * config_.memory_fraction))
-        shared_.failure = resource_exhausted(
-            "the naive baseline needs {} for {} tokens/rank but only {} of {} available may be used "
-            "(memory_fraction {}); run fewer tokens",
-            gib(need), config_.num_tokens, gib(static_cast<std::size_t>(available * config_.memory_fraction)),
-            gib(available), config_.memory_fraction);
-    }
+    if (rank_ == 0) shared_.failure = naive_fits();
     EPX_RETURN_IF_ERROR(t_.barrier(deadline()));
     if (!shared_.failure.is_ok()) return shared_.failure;
     EPX_RETURN_IF_ERROR(create_naive());
@@ -329,7 +333,19 @@ class RankBench {
     return t_.barrier(deadline());
   }
 
- private:
+  // ResourceExhausted when the naive baseline does not fit the memory budget.
+  [[nodiscard]] Status naive_fits() const {
+    const std::size_t available = available_memory_bytes();
+    const std::size_t need = naive_total_bytes();
+    if (available != 0 && need > static_cast<std::size_t>(available * config_.memory_fraction))
+      return resource_exhausted(
+          "the naive baseline needs {} for {} tokens/rank but only {} of {} available may be used "
+          "(memory_fraction {}); run fewer tokens",
+          gib(need), config_.num_tokens, gib(static_cast<std::size_t>(available * config_.memory_fraction)),
+          gib(available), config_.memory_fraction);
+    return Status::ok();
+  }
+
   [[nodiscard]] Deadline deadline() const { return Deadline::after(config_.timeout); }
   void say(const std::string& line) const {
     if (progress_) progress_(line);

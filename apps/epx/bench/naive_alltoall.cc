@@ -132,30 +132,35 @@ Status NaiveAllToAll::exchange(const std::byte* send_base, const std::vector<int
   return transport_.barrier(deadline);
 }
 
-Status NaiveAllToAll::dispatch(const TensorView& x, const TensorView& topk_idx, NaiveDispatchResult* out) {
-  const Deadline deadline = Deadline::after(config_.timeout);
-  const int num_ranks = transport_.num_ranks();
-  const int me = transport_.rank();
-  const int64_t hidden = config_.hidden;
-  auto fail = [&](Status status) {
-    transport_.abort(status);
-    return status;
-  };
-  if (topk_idx.ndim() != 2) return fail(invalid_argument("topk_idx must be 2-D, got {}", topk_idx.describe()));
-  const int num_tokens = static_cast<int>(topk_idx.size(0));
-  const int topk = static_cast<int>(topk_idx.size(1));
-  if (topk > config_.max_topk) return fail(invalid_argument("topk = {} is above max_topk = {}", topk, config_.max_topk));
-  if (Status s = check_matrix(x, "x", config_.dtype, num_tokens, hidden); !s.is_ok()) return fail(s);
-  if (Status s = validate_topk_idx(topk_idx, placement_.num_experts()); !s.is_ok()) return fail(s);
+Status NaiveAllToAll::fail(Status status) {
+  transport_.abort(status);
+  return status;
+}
 
-  // Count the pairs per (destination rank, local expert) and give each its send row.
+Status NaiveAllToAll::check_dispatch(const TensorView& x, const TensorView& topk_idx) const {
+  if (topk_idx.ndim() != 2) return invalid_argument("topk_idx must be 2-D, got {}", topk_idx.describe());
+  const int64_t topk = topk_idx.size(1);
+  if (topk > config_.max_topk) return invalid_argument("topk = {} is above max_topk = {}", topk, config_.max_topk);
+  EPX_RETURN_IF_ERROR(check_matrix(x, "x", config_.dtype, topk_idx.size(0), config_.hidden));
+  return validate_topk_idx(topk_idx, placement_.num_experts());
+}
+
+// The (token, expert) pairs per (destination rank, local expert).
+std::vector<int64_t> NaiveAllToAll::count_pairs(const TensorView& topk_idx) const {
   const int el = max_local_experts_;
-  std::vector<int64_t> counts(static_cast<std::size_t>(num_ranks) * el, 0);
-  for (int t = 0; t < num_tokens; ++t)
-    for (int k = 0; k < topk; ++k) {
+  std::vector<int64_t> counts(static_cast<std::size_t>(transport_.num_ranks()) * el, 0);
+  for (int64_t t = 0; t < topk_idx.size(0); ++t)
+    for (int64_t k = 0; k < topk_idx.size(1); ++k) {
       const int32_t e = topk_idx.row<int32_t>(t)[k];
       if (e >= 0) ++counts[static_cast<std::size_t>(placement_.rank_of(e)) * el + placement_.local_id(e)];
     }
+  return counts;
+}
+
+// Each destination's rows and where they start in the send region (by rank,
+// then local expert); returns the first send row of each (rank, local expert).
+std::vector<int64_t> NaiveAllToAll::plan_send(const std::vector<int64_t>& counts) {
+  const int num_ranks = transport_.num_ranks(), el = max_local_experts_;
   std::vector<int64_t> cursor(counts.size());
   send_offset_.assign(num_ranks, 0);
   send_rows_.assign(num_ranks, 0);
@@ -168,26 +173,34 @@ Status NaiveAllToAll::dispatch(const TensorView& x, const TensorView& topk_idx, 
     }
     send_rows_[d] = total - send_offset_[d];
   }
-  if (total > config_.max_rows)
-    return fail(resource_exhausted("rank {} would send {} (token, expert) rows, above max_rows = {}", me, total,
-                                   config_.max_rows));
-  num_tokens_ = num_tokens;
-  topk_ = topk;
-  slot_row_.assign(static_cast<std::size_t>(num_tokens) * topk, -1);
+  return cursor;
+}
+
+// One copy of each token per (token, expert) pair into its send row; the
+// routes (slot_row_) for combine.
+void NaiveAllToAll::pack(const TensorView& x, const TensorView& topk_idx, std::vector<int64_t>& cursor) {
+  const int el = max_local_experts_;
+  num_tokens_ = static_cast<int>(topk_idx.size(0));
+  topk_ = static_cast<int>(topk_idx.size(1));
+  slot_row_.assign(static_cast<std::size_t>(num_tokens_) * topk_, -1);
   std::byte* send = send_region_->local();
-  for (int t = 0; t < num_tokens; ++t) {
+  for (int t = 0; t < num_tokens_; ++t) {
     const std::byte* src = x.row<std::byte>(t);
-    for (int k = 0; k < topk; ++k) {
+    for (int k = 0; k < topk_; ++k) {
       const int32_t e = topk_idx.row<int32_t>(t)[k];
       if (e < 0) continue;
       const int64_t row = cursor[static_cast<std::size_t>(placement_.rank_of(e)) * el + placement_.local_id(e)]++;
-      slot_row_[static_cast<std::size_t>(t) * topk + k] = row;
-      std::memcpy(send + row * row_bytes_, src, row_bytes_);  // one copy per (token, expert)
+      slot_row_[static_cast<std::size_t>(t) * topk_ + k] = row;
+      std::memcpy(send + row * row_bytes_, src, row_bytes_);
     }
   }
+}
 
-  // Sizes: block d = [my send offset for d, counts for d's local experts].
-  const int block = 1 + el;
+// The sizes' all-to-all: block d = [my send offset for d, counts for d's
+// local experts]. Sets where each source's rows land (rank-major) and its
+// chunks per local expert.
+Status NaiveAllToAll::exchange_sizes(const std::vector<int64_t>& counts, const Deadline& deadline) {
+  const int num_ranks = transport_.num_ranks(), el = max_local_experts_, block = 1 + el;
   std::vector<int64_t> size_out(static_cast<std::size_t>(num_ranks) * block), size_in(size_out.size());
   for (int d = 0; d < num_ranks; ++d) {
     size_out[static_cast<std::size_t>(d) * block] = send_offset_[d];
@@ -210,32 +223,56 @@ Status NaiveAllToAll::dispatch(const TensorView& x, const TensorView& topk_idx, 
     }
     num_recv_ += recv_rows_count_[s];
   }
-  if (num_recv_ > config_.max_rows)
-    return fail(resource_exhausted("rank {} would receive {} (token, expert) rows, above max_rows = {}", me,
-                                   num_recv_, config_.max_rows));
+  return Status::ok();
+}
 
-  // Payload: one all-to-all-v into rank-major order.
-  EPX_RETURN_IF_ERROR(exchange(send, send_offset_, send_rows_, recv_rows_.data(), recv_offset_, recv_rows_count_,
-                               peer_send_offset_, kTagDispatch, deadline));
-
-  // Rank-major -> expert-major (Megatron's sort_chunks_by_idxs).
-  const int num_local = placement_.num_local_experts(me);
-  out->num_recv_tokens_per_expert.assign(num_local, 0);
-  std::byte* sorted = sorted_rows_.data();
-  int64_t row = 0;
+// fn(rank-major row, expert-major row, rows, local expert) for each
+// non-empty chunk (the rows of one source for one local expert), in
+// expert-major order: Megatron's sort_chunks_by_idxs, either way.
+template <typename Fn>
+void NaiveAllToAll::for_each_chunk(Fn&& fn) const {
+  const int num_ranks = transport_.num_ranks(), el = max_local_experts_;
   std::vector<int64_t> chunk_start(recv_offset_);
+  int64_t row = 0;
   for (int j = 0; j < el; ++j) {
     for (int s = 0; s < num_ranks; ++s) {
       const int64_t n = recv_chunk_[static_cast<std::size_t>(s) * el + j];
       if (n == 0) continue;
-      std::memcpy(sorted + row * row_bytes_, recv_rows_.data() + chunk_start[s] * row_bytes_,
-                  static_cast<std::size_t>(n) * row_bytes_);
+      fn(chunk_start[s], row, n, j);
       chunk_start[s] += n;
       row += n;
-      if (j < num_local) out->num_recv_tokens_per_expert[j] += n;
     }
   }
-  out->recv_x = TensorView::contiguous(sorted, config_.dtype, {num_recv_, hidden});
+}
+
+Status NaiveAllToAll::dispatch(const TensorView& x, const TensorView& topk_idx, NaiveDispatchResult* out) {
+  const Deadline deadline = Deadline::after(config_.timeout);
+  const int me = transport_.rank();
+  if (Status s = check_dispatch(x, topk_idx); !s.is_ok()) return fail(s);
+  const std::vector<int64_t> counts = count_pairs(topk_idx);
+  std::vector<int64_t> cursor = plan_send(counts);
+  const int64_t total = send_offset_.back() + send_rows_.back();
+  if (total > config_.max_rows)
+    return fail(resource_exhausted("rank {} would send {} (token, expert) rows, above max_rows = {}", me, total,
+                                   config_.max_rows));
+  pack(x, topk_idx, cursor);
+  EPX_RETURN_IF_ERROR(exchange_sizes(counts, deadline));
+  if (num_recv_ > config_.max_rows)
+    return fail(resource_exhausted("rank {} would receive {} (token, expert) rows, above max_rows = {}", me,
+                                   num_recv_, config_.max_rows));
+
+  // Payload: one all-to-all-v into rank-major order, then expert-major.
+  EPX_RETURN_IF_ERROR(exchange(send_region_->local(), send_offset_, send_rows_, recv_rows_.data(), recv_offset_,
+                               recv_rows_count_, peer_send_offset_, kTagDispatch, deadline));
+  const int num_local = placement_.num_local_experts(me);
+  out->num_recv_tokens_per_expert.assign(num_local, 0);
+  std::byte* sorted = sorted_rows_.data();
+  for_each_chunk([&](int64_t rank_row, int64_t expert_row, int64_t n, int j) {
+    std::memcpy(sorted + expert_row * row_bytes_, recv_rows_.data() + rank_row * row_bytes_,
+                static_cast<std::size_t>(n) * row_bytes_);
+    if (j < num_local) out->num_recv_tokens_per_expert[j] += n;
+  });
+  out->recv_x = TensorView::contiguous(sorted, config_.dtype, {num_recv_, config_.hidden});
   out->rows_sent = total;
   out->rows_received = num_recv_;
   dispatched_ = true;
@@ -246,10 +283,6 @@ Status NaiveAllToAll::combine(const TensorView& y, const TensorView& topk_weight
   const Deadline deadline = Deadline::after(config_.timeout);
   const int num_ranks = transport_.num_ranks();
   const int64_t hidden = config_.hidden;
-  auto fail = [&](Status status) {
-    transport_.abort(status);
-    return status;
-  };
   if (!dispatched_) return fail(failed_precondition("naive combine called before any dispatch"));
   if (Status s = check_matrix(y, "y", config_.dtype, num_recv_, hidden); !s.is_ok()) return fail(s);
   if (Status s = check_matrix(out, "out", config_.dtype, num_tokens_, hidden); !s.is_ok()) return fail(s);
@@ -258,19 +291,10 @@ Status NaiveAllToAll::combine(const TensorView& y, const TensorView& topk_weight
       return fail(s);
 
   // Expert-major -> rank-major, into this rank's send region.
-  const int el = max_local_experts_;
   std::byte* send = send_region_->local();
-  std::vector<int64_t> chunk_start(recv_offset_);
-  int64_t row = 0;
-  for (int j = 0; j < el; ++j) {
-    for (int s = 0; s < num_ranks; ++s) {
-      const int64_t n = recv_chunk_[static_cast<std::size_t>(s) * el + j];
-      if (n == 0) continue;
-      std::memcpy(send + chunk_start[s] * row_bytes_, y.row<std::byte>(row), static_cast<std::size_t>(n) * row_bytes_);
-      chunk_start[s] += n;
-      row += n;
-    }
-  }
+  for_each_chunk([&](int64_t rank_row, int64_t expert_row, int64_t n, int) {
+    std::memcpy(send + rank_row * row_bytes_, y.row<std::byte>(expert_row), static_cast<std::size_t>(n) * row_bytes_);
+  });
   // Where each peer put my rows (this all-to-all also says everyone has packed).
   std::vector<int64_t> back_offset(num_ranks);
   EPX_RETURN_IF_ERROR(

@@ -80,6 +80,16 @@ class NaiveAllToAll {
 
  private:
   NaiveAllToAll(Transport& transport, NaiveConfig config, ExpertPlacement placement);
+  // Aborts the transport with `status` (peers stop waiting) and returns it.
+  Status fail(Status status);
+  // Dispatch steps, in order.
+  [[nodiscard]] Status check_dispatch(const TensorView& x, const TensorView& topk_idx) const;
+  [[nodiscard]] std::vector<int64_t> count_pairs(const TensorView& topk_idx) const;
+  std::vector<int64_t> plan_send(const std::vector<int64_t>& counts);
+  void pack(const TensorView& x, const TensorView& topk_idx, std::vector<int64_t>& cursor);
+  [[nodiscard]] Status exchange_sizes(const std::vector<int64_t>& counts, const Deadline& deadline);
+  template <typename Fn>
+  void for_each_chunk(Fn&& fn) const;
   [[nodiscard]] Status exchange(const std::byte* send_base, const std::vector<int64_t>& send_offset,
                                 const std::vector<int64_t>& send_rows, std::byte* recv_base,
                                 const std::vector<int64_t>& recv_offset, const std::vector<int64_t>& recv_rows,
