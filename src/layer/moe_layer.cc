@@ -630,6 +630,37 @@ struct MoELayer::Impl {
                                  &c.recv);
   }
 
+  // Chunk i of an overlapped forward: waits for its dispatch and lays its
+  // rows out, starts the next chunk's dispatch, runs the experts, and queues
+  // its combine into `combined` (behind the next chunk's dispatch).
+  Status chunk_forward(int i, bool per_half_routing, float* combined) {
+    const int H = hidden();
+    Chunk& c = chunks[i];
+    std::optional<Phase> phase;
+    phase.emplace(*this, times.dispatch, "dispatch");
+    EPX_RETURN_IF_ERROR(c.op.wait());
+    c.op = PendingOp();
+    const ExpandedLayout& expanded = buffer.expanded_layout(c.recv.handle);
+    c.offsets = expanded.expert_offsets;
+    c.src_rank = copy_ints(c.recv.recv_src_rank);
+    const int64_t rows = expanded.num_rows();
+    EPX_RETURN_IF_ERROR(expand_received(c.recv, rows, &c.x_expanded));
+    phase.reset();
+    // The region is free again: the next chunk's rows may come.
+    if (i + 1 < static_cast<int>(chunks.size())) start_dispatch(chunks[i + 1], per_half_routing);
+
+    phase.emplace(*this, times.experts, "experts");
+    float* y = ensure(c.y_expanded, rows * H);
+    if (num_local > 0)
+      EPX_RETURN_IF_ERROR(expert_ffn_forward(expert_config(), weights, payload_view(c.x_expanded, rows), c.offsets,
+                                             TensorView::contiguous(y, DType::kF32, {rows, H}), &c.cache));
+    phase.reset();
+    c.op = buffer.combine_expanded_async(TensorView::contiguous(y, DType::kF32, {rows, H}), c.recv.handle,
+                                         TensorView::contiguous(combined + c.begin * H, DType::kF32, {c.count, H}),
+                                         {}, combine_options());
+    return Status::ok();
+  }
+
   // Forward with the exchange in flight under compute (config.overlap).
   Status forward_overlapped(int64_t T, const TensorView& out) {
     const int H = hidden();
@@ -666,31 +697,7 @@ struct MoELayer::Impl {
     phase.reset();
 
     float* combined = ensure(moe_out, T * H);
-    for (int i = 0; i < C; ++i) {
-      Chunk& c = chunks[i];
-      phase.emplace(*this, times.dispatch, "dispatch");
-      EPX_RETURN_IF_ERROR(c.op.wait());
-      c.op = PendingOp();
-      const ExpandedLayout& expanded = buffer.expanded_layout(c.recv.handle);
-      c.offsets = expanded.expert_offsets;
-      c.src_rank = copy_ints(c.recv.recv_src_rank);
-      const int64_t rows = expanded.num_rows();
-      EPX_RETURN_IF_ERROR(expand_received(c.recv, rows, &c.x_expanded));
-      phase.reset();
-      // The region is free again: the next chunk's rows may come.
-      if (i + 1 < C) start_dispatch(chunks[i + 1], per_half_routing);
-
-      phase.emplace(*this, times.experts, "experts");
-      float* y = ensure(c.y_expanded, rows * H);
-      if (num_local > 0)
-        EPX_RETURN_IF_ERROR(expert_ffn_forward(expert_config(), weights, payload_view(c.x_expanded, rows), c.offsets,
-                                               TensorView::contiguous(y, DType::kF32, {rows, H}), &c.cache));
-      phase.reset();
-      // Queued behind the next chunk's dispatch.
-      c.op = buffer.combine_expanded_async(TensorView::contiguous(y, DType::kF32, {rows, H}), c.recv.handle,
-                                           TensorView::contiguous(combined + c.begin * H, DType::kF32, {c.count, H}),
-                                           {}, combine_options());
-    }
+    for (int i = 0; i < C; ++i) EPX_RETURN_IF_ERROR(chunk_forward(i, per_half_routing, combined));
     phase.emplace(*this, times.combine, "combine");
     EPX_RETURN_IF_ERROR(wait_chunks());
     phase.reset();

@@ -687,6 +687,60 @@ MethodTiming summarize(const Shared& shared, Method method, int64_t bytes, int n
   return m;
 }
 
+// The shape's rows and bytes from the plan, and each method's summary.
+ExchangeBenchResult collect_result(const ExchangeBenchConfig& config, const ShapePlan& plan, const Shared& shared) {
+  ExchangeBenchResult r;
+  r.config = config;
+  r.config.tracer = nullptr;
+  r.schedule = shared.interleaved ? "interleaved" : "phased";
+  r.hierarchical = shared.hierarchical;
+  r.row_bytes = static_cast<int64_t>(config.hidden) * static_cast<int64_t>(dtype_size(config.dtype));
+  for (int rank = 0; rank < config.num_ranks; ++rank) {
+    r.recv_rows += plan.recv_rows[rank];
+    r.naive_rows += plan.naive_send[rank];
+    r.dispatch_inter_node_bytes += shared.inter_node_bytes[rank][kDispatch];
+    r.combine_inter_node_bytes += shared.inter_node_bytes[rank][kCombine];
+    r.naive_dispatch_inter_node_bytes += shared.inter_node_bytes[rank][kNaiveDispatch];
+    r.naive_combine_inter_node_bytes += shared.inter_node_bytes[rank][kNaiveCombine];
+  }
+  r.max_recv_rows = plan.max_recv_rows;
+  r.recv_bytes = r.recv_rows * r.row_bytes;
+  r.epx_region_bytes = shared.epx_region_bytes;
+  r.naive_bytes = shared.naive_bytes;
+  r.dispatch = summarize(shared, kDispatch, r.recv_bytes, config.num_ranks);
+  r.combine = summarize(shared, kCombine, r.recv_bytes, config.num_ranks);
+  r.combine_copy_in = summarize(shared, kCombineCopyIn, r.recv_bytes, config.num_ranks);
+  r.memcpy = summarize(shared, kMemcpy, r.recv_bytes, config.num_ranks);
+  r.naive_dispatch = summarize(shared, kNaiveDispatch, r.recv_bytes, config.num_ranks);
+  r.naive_combine = summarize(shared, kNaiveCombine, r.recv_bytes, config.num_ranks);
+  r.layer_bytes = config.layer_combine ? r.recv_rows * layer_row_bytes(config) : 0;
+  r.expanded_bytes = config.layer_combine && receiver_weights(config) ? r.naive_rows * receiver_y_row_bytes(config) : 0;
+  r.layer_combine = summarize(shared, kLayerCombine, r.layer_bytes, config.num_ranks);
+  r.memcpy_layer = summarize(shared, kMemcpyLayer, r.layer_bytes, config.num_ranks);
+  r.layer_combine_outside = summarize(shared, kLayerCombineOutside, r.layer_bytes, config.num_ranks);
+  r.memcpy_expanded = summarize(shared, kMemcpyExpanded, r.expanded_bytes, config.num_ranks);
+  return r;
+}
+
+double ratio(double num, double den) { return den > 0 ? num / den : 0.0; }
+
+// The methods against memcpy and the naive baseline, from wall and CPU time.
+void set_ratios(ExchangeBenchResult& r) {
+  r.dispatch_vs_memcpy = ratio(r.memcpy.time_ms, r.dispatch.time_ms);
+  r.combine_vs_memcpy = ratio(r.memcpy.time_ms, r.combine.time_ms);
+  r.dispatch_vs_naive = ratio(r.naive_dispatch.time_ms, r.dispatch.time_ms);
+  r.combine_vs_naive = ratio(r.naive_combine.time_ms, r.combine.time_ms);
+  r.dispatch_vs_memcpy_cpu = ratio(r.memcpy.cpu_ms, r.dispatch.cpu_ms);
+  r.combine_vs_memcpy_cpu = ratio(r.memcpy.cpu_ms, r.combine.cpu_ms);
+  r.dispatch_vs_naive_cpu = ratio(r.naive_dispatch.cpu_ms, r.dispatch.cpu_ms);
+  r.combine_vs_naive_cpu = ratio(r.naive_combine.cpu_ms, r.combine.cpu_ms);
+  r.layer_combine_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine.time_ms);
+  r.layer_combine_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine.time_ms);
+  r.layer_outside_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine_outside.time_ms);
+  r.layer_outside_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine_outside.time_ms);
+  r.layer_combine_vs_memcpy_cpu = ratio(r.memcpy_layer.cpu_ms, r.layer_combine.cpu_ms);
+}
+
 }  // namespace
 
 CpuSnapshot cpu_snapshot() {
@@ -796,51 +850,10 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   });
   EPX_RETURN_IF_ERROR(first_error(statuses));
 
-  ExchangeBenchResult r;
-  r.config = config;
-  r.config.tracer = nullptr;
-  r.schedule = shared.interleaved ? "interleaved" : "phased";
-  r.other_cpu_share = other_cpu_share(cpu_before, cpu_snapshot());
-  r.hierarchical = shared.hierarchical;
-  r.row_bytes = static_cast<int64_t>(config.hidden) * static_cast<int64_t>(dtype_size(config.dtype));
-  for (int rank = 0; rank < config.num_ranks; ++rank) {
-    r.recv_rows += plan.recv_rows[rank];
-    r.naive_rows += plan.naive_send[rank];
-    r.dispatch_inter_node_bytes += shared.inter_node_bytes[rank][kDispatch];
-    r.combine_inter_node_bytes += shared.inter_node_bytes[rank][kCombine];
-    r.naive_dispatch_inter_node_bytes += shared.inter_node_bytes[rank][kNaiveDispatch];
-    r.naive_combine_inter_node_bytes += shared.inter_node_bytes[rank][kNaiveCombine];
-  }
-  r.max_recv_rows = plan.max_recv_rows;
-  r.recv_bytes = r.recv_rows * r.row_bytes;
-  r.epx_region_bytes = shared.epx_region_bytes;
-  r.naive_bytes = shared.naive_bytes;
-  r.dispatch = summarize(shared, kDispatch, r.recv_bytes, config.num_ranks);
-  r.combine = summarize(shared, kCombine, r.recv_bytes, config.num_ranks);
-  r.combine_copy_in = summarize(shared, kCombineCopyIn, r.recv_bytes, config.num_ranks);
-  r.memcpy = summarize(shared, kMemcpy, r.recv_bytes, config.num_ranks);
-  r.naive_dispatch = summarize(shared, kNaiveDispatch, r.recv_bytes, config.num_ranks);
-  r.naive_combine = summarize(shared, kNaiveCombine, r.recv_bytes, config.num_ranks);
-  r.layer_bytes = config.layer_combine ? r.recv_rows * layer_row_bytes(config) : 0;
-  r.expanded_bytes = config.layer_combine && receiver_weights(config) ? r.naive_rows * receiver_y_row_bytes(config) : 0;
-  r.layer_combine = summarize(shared, kLayerCombine, r.layer_bytes, config.num_ranks);
-  r.memcpy_layer = summarize(shared, kMemcpyLayer, r.layer_bytes, config.num_ranks);
-  r.layer_combine_outside = summarize(shared, kLayerCombineOutside, r.layer_bytes, config.num_ranks);
-  r.memcpy_expanded = summarize(shared, kMemcpyExpanded, r.expanded_bytes, config.num_ranks);
-  auto ratio = [](double num, double den) { return den > 0 ? num / den : 0.0; };
-  r.dispatch_vs_memcpy = ratio(r.memcpy.time_ms, r.dispatch.time_ms);
-  r.combine_vs_memcpy = ratio(r.memcpy.time_ms, r.combine.time_ms);
-  r.dispatch_vs_naive = ratio(r.naive_dispatch.time_ms, r.dispatch.time_ms);
-  r.combine_vs_naive = ratio(r.naive_combine.time_ms, r.combine.time_ms);
-  r.dispatch_vs_memcpy_cpu = ratio(r.memcpy.cpu_ms, r.dispatch.cpu_ms);
-  r.combine_vs_memcpy_cpu = ratio(r.memcpy.cpu_ms, r.combine.cpu_ms);
-  r.dispatch_vs_naive_cpu = ratio(r.naive_dispatch.cpu_ms, r.dispatch.cpu_ms);
-  r.combine_vs_naive_cpu = ratio(r.naive_combine.cpu_ms, r.combine.cpu_ms);
-  r.layer_combine_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine.time_ms);
-  r.layer_combine_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine.time_ms);
-  r.layer_outside_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine_outside.time_ms);
-  r.layer_outside_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine_outside.time_ms);
-  r.layer_combine_vs_memcpy_cpu = ratio(r.memcpy_layer.cpu_ms, r.layer_combine.cpu_ms);
+  const CpuSnapshot cpu_after = cpu_snapshot();
+  ExchangeBenchResult r = collect_result(config, plan, shared);
+  r.other_cpu_share = other_cpu_share(cpu_before, cpu_after);
+  set_ratios(r);
   return r;
 }
 
