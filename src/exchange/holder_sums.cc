@@ -2,10 +2,47 @@
 
 #include <algorithm>
 
+#include "core/simd_clones.h"
 #include "exchange/row_kernels.h"
+#include "exchange/row_lanes.h"
 
 namespace epx::detail {
 namespace {
+
+using lanes::kBlock;
+using lanes::Lanes;
+
+// Columns [c, c + kBlock) of a part's partial: its f32 row, or 0 + w_0 * r_0
+// + w_1 * r_1 + ... (weighted_slice's order).
+[[gnu::always_inline]] inline void part_block(Lanes* p, const HolderPart& part, int c) {
+  if (part.partial) return lanes::load_block(p, part.partial, DType::kF32, c);
+  lanes::zero_block(p);
+  for (int r = 0; r < part.num_rows; ++r) lanes::add_weighted_block(p, part.weights[r], part.rows[r], part.row_dtype, c);
+}
+
+// acc[0, blocks * kBlock) = columns [c0, ...) of sum_parts' fp32 sum.
+EPX_SIMD_CLONES void sum_blocks(float* acc, std::span<const PartGroup> groups, int c0, int blocks) {
+  for (int b = 0; b < blocks; ++b) {
+    const int c = c0 + b * kBlock;
+    Lanes total[lanes::kWide] = {}, group[lanes::kWide], p[lanes::kWide];
+    bool started = false;
+    for (const PartGroup& g : groups) {
+      if (g.num_parts == 1) {
+        part_block(p, g.parts[0], c);
+        lanes::add_block(total, p, started);
+      } else {
+        lanes::zero_block(group);
+        for (int i = 0; i < g.num_parts; ++i) {
+          part_block(p, g.parts[i], c);
+          lanes::add_block(group, p, i > 0);
+        }
+        lanes::add_block(total, group, started);
+      }
+      started = true;
+    }
+    lanes::store_block(acc + static_cast<std::size_t>(b) * kBlock, total);
+  }
+}
 
 // Columns [c0, c0 + n) of a part's partial: the row itself, or its rows
 // weighed and summed into `scratch`.
@@ -37,8 +74,11 @@ void sum_parts(std::byte* out, DType out_dtype, std::span<const PartGroup> group
   alignas(64) float group_sum[kRowSlice];
   for (int c0 = 0; c0 < hidden; c0 += kRowSlice) {
     const int n = std::min(kRowSlice, hidden - c0);
-    for (std::size_t i = 0; i < groups.size(); ++i) add_group(acc, i > 0, groups[i], c0, n, scratch, group_sum);
-    if (groups.empty()) std::fill(acc, acc + n, 0.0f);
+    const int blocks = n / kBlock, done = blocks * kBlock;
+    sum_blocks(acc, groups, c0, blocks);
+    for (std::size_t i = 0; i < groups.size() && done < n; ++i)
+      add_group(acc + done, i > 0, groups[i], c0 + done, n - done, scratch, group_sum);
+    if (groups.empty()) std::fill(acc + done, acc + n, 0.0f);
     finish_slice(out, out_dtype, c0, acc, bias, bias_dtype, n, stores);
   }
 }

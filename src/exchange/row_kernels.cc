@@ -6,6 +6,7 @@
 
 #include "core/bf16_rows.h"
 #include "core/simd_clones.h"
+#include "exchange/row_lanes.h"
 
 namespace epx::detail {
 namespace {
@@ -242,34 +243,71 @@ void column_order_dots(std::span<const DotJob> jobs, DType y_dtype, int n) {
   }
 }
 
+namespace {
+
+// acc[0, blocks * kBlock) = columns [c0, ...) of sum_row's fp32 sum, in registers.
+EPX_SIMD_CLONES void sum_row_blocks(float* acc, std::span<const SumGroup> groups, int c0, int blocks) {
+  using lanes::Lanes;
+  for (int b = 0; b < blocks; ++b) {
+    const int c = c0 + b * lanes::kBlock;
+    Lanes total[lanes::kWide] = {}, group[lanes::kWide], x[lanes::kWide];
+    bool started = false;
+    for (const SumGroup& g : groups) {
+      if (g.num_rows == 1) {
+        lanes::load_block(x, g.rows[0], g.dtype, c);
+        lanes::add_block(total, x, started);
+      } else {
+        lanes::zero_block(group);
+        for (int r = 0; r < g.num_rows; ++r) {
+          lanes::load_block(x, g.rows[r], g.dtype, c);
+          lanes::add_block(group, x, r > 0);
+        }
+        lanes::add_block(total, group, started);
+      }
+      started = true;
+    }
+    lanes::store_block(acc + static_cast<std::size_t>(b) * lanes::kBlock, total);
+  }
+}
+
+// acc[0, n) = columns [c0, c0 + n) of sum_row's fp32 sum, a pass per row or
+// pair of rows over acc (and `partial`, for groups of several rows).
+void sum_row_slice(float* acc, float* partial, std::span<const SumGroup> groups, int c0, int n) {
+  bool started = false;  // acc = 0 + the groups so far; unread before the first
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const SumGroup& g = groups[i];
+    const std::size_t offset = static_cast<std::size_t>(c0) * dtype_size(g.dtype);
+    if (g.num_rows == 1) {
+      // Runs of single rows go two per pass.
+      const SumGroup* next = i + 1 < groups.size() ? &groups[i + 1] : nullptr;
+      const bool pair = next && next->num_rows == 1 && next->dtype == g.dtype;
+      add_rows(acc, started, g.rows[0] + offset, pair ? next->rows[0] + offset : nullptr, g.dtype, n);
+      started = true;
+      if (pair) ++i;
+      continue;
+    }
+    if (g.num_rows == 0) std::fill(partial, partial + n, 0.0f);
+    for (int r = 0; r < g.num_rows; r += 2) {
+      const std::byte* second = r + 1 < g.num_rows ? g.rows[r + 1] + offset : nullptr;
+      add_rows(partial, r > 0, g.rows[r] + offset, second, g.dtype, n);
+    }
+    add_rows(acc, started, reinterpret_cast<const std::byte*>(partial), nullptr, DType::kF32, n);
+    started = true;
+  }
+  if (!started) std::fill(acc, acc + n, 0.0f);
+}
+
+}  // namespace
+
 void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,
              DType bias_dtype, int hidden, RowStores stores) {
   alignas(64) float acc[kSlice];
   alignas(64) float partial[kSlice];
   for (int c0 = 0; c0 < hidden; c0 += kSlice) {
     const int n = std::min(kSlice, hidden - c0);
-    bool started = false;  // acc = 0 + the groups so far; unread before the first
-    for (std::size_t i = 0; i < groups.size(); ++i) {
-      const SumGroup& g = groups[i];
-      const std::size_t offset = static_cast<std::size_t>(c0) * dtype_size(g.dtype);
-      if (g.num_rows == 1) {
-        // Runs of single rows go two per pass.
-        const SumGroup* next = i + 1 < groups.size() ? &groups[i + 1] : nullptr;
-        const bool pair = next && next->num_rows == 1 && next->dtype == g.dtype;
-        add_rows(acc, started, g.rows[0] + offset, pair ? next->rows[0] + offset : nullptr, g.dtype, n);
-        started = true;
-        if (pair) ++i;
-        continue;
-      }
-      if (g.num_rows == 0) std::fill(partial, partial + n, 0.0f);
-      for (int r = 0; r < g.num_rows; r += 2) {
-        const std::byte* second = r + 1 < g.num_rows ? g.rows[r + 1] + offset : nullptr;
-        add_rows(partial, r > 0, g.rows[r] + offset, second, g.dtype, n);
-      }
-      add_rows(acc, started, reinterpret_cast<const std::byte*>(partial), nullptr, DType::kF32, n);
-      started = true;
-    }
-    if (!started) std::fill(acc, acc + n, 0.0f);
+    const int blocks = n / lanes::kBlock, done = blocks * lanes::kBlock;
+    sum_row_blocks(acc, groups, c0, blocks);
+    if (done < n) sum_row_slice(acc + done, partial, groups, c0 + done, n - done);
     finish_slice(out, out_dtype, c0, acc, bias, bias_dtype, n, stores);
   }
 }
