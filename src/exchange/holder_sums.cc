@@ -16,8 +16,7 @@ using lanes::Lanes;
 // + w_1 * r_1 + ... (weighted_slice's order).
 [[gnu::always_inline]] inline void part_block(Lanes* p, const HolderPart& part, int c) {
   if (part.partial) return lanes::load_block(p, part.partial, DType::kF32, c);
-  lanes::zero_block(p);
-  for (int r = 0; r < part.num_rows; ++r) lanes::add_weighted_block(p, part.weights[r], part.rows[r], part.row_dtype, c);
+  lanes::weighted_block(p, part.rows, part.weights, part.num_rows, part.row_dtype, c);
 }
 
 // acc[0, blocks * kBlock) = columns [c0, ...) of sum_parts' fp32 sum.

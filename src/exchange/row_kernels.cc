@@ -204,13 +204,30 @@ void weighted_slice(float* acc, const std::byte* const* rows, const float* weigh
   if (r < num_rows) accumulate_weighted(acc, weights[r], rows[r] + offset, row_dtype, n);
 }
 
+namespace {
+
+// acc[0, blocks * kBlock) = columns [c0, ...) of weighted_partial's fp32 sum, in registers.
+EPX_SIMD_CLONES void weighted_blocks(float* acc, const std::byte* const* rows, const float* weights, int num_rows,
+                                     DType row_dtype, int c0, int blocks) {
+  lanes::Lanes p[lanes::kWide];
+  for (int b = 0; b < blocks; ++b) {
+    lanes::weighted_block(p, rows, weights, num_rows, row_dtype, c0 + b * lanes::kBlock);
+    lanes::store_block(acc + static_cast<std::size_t>(b) * lanes::kBlock, p);
+  }
+}
+
+}  // namespace
+
 void weighted_partial(std::byte* out, DType out_dtype, const std::byte* const* rows, const float* weights,
                       int num_rows, DType row_dtype, int hidden) {
   alignas(64) float acc[kSlice];
   const std::size_t in_size = dtype_size(row_dtype), out_size = dtype_size(out_dtype);
   for (int c0 = 0; c0 < hidden; c0 += kSlice) {
     const int n = std::min(kSlice, hidden - c0);
-    weighted_slice(acc, rows, weights, num_rows, row_dtype, static_cast<std::size_t>(c0) * in_size, n);
+    const int blocks = n / lanes::kBlock, done = blocks * lanes::kBlock;
+    weighted_blocks(acc, rows, weights, num_rows, row_dtype, c0, blocks);
+    if (done < n)
+      weighted_slice(acc + done, rows, weights, num_rows, row_dtype, static_cast<std::size_t>(c0 + done) * in_size, n - done);
     store(out + static_cast<std::size_t>(c0) * out_size, out_dtype, acc, n);
   }
 }

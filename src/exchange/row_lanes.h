@@ -63,6 +63,14 @@ inline constexpr int kBlock = kLanes * kWide;    // columns per block
   }
 }
 
+// p = 0 + w_0 * r_0 + w_1 * r_1 + ... on columns [c, c + kBlock) (zeros
+// for no rows): weighted_slice's order.
+[[gnu::always_inline]] inline void weighted_block(Lanes* p, const std::byte* const* rows, const float* weights,
+                                                  int num_rows, DType dtype, int c) {
+  zero_block(p);
+  for (int r = 0; r < num_rows; ++r) add_weighted_block(p, weights[r], rows[r], dtype, c);
+}
+
 [[gnu::always_inline]] inline void store_block(float* acc, const Lanes* t) { std::memcpy(acc, t, sizeof(Lanes) * kWide); }
 
 }  // namespace epx::detail::lanes

@@ -1,11 +1,12 @@
-// detail::sum_row and detail::sum_parts (the combine's sums of rows, read in
-// registers a block of columns at a time, with a slice path for the last
-// columns) give, bit for bit, a plain scalar loop in the documented order:
-// out = 0 + g_0 + g_1 + ..., a group g = 0 + p_0 + p_1 + ..., a part
-// p = 0 + w_0 * r_0 + w_1 * r_1 + ... (or a single row as it is), then one
-// rounding. The widths cover blocks only, a tail only and both; the groups
-// cover every shape the exchange builds (none, one row, several, empty), bf16
-// and f32 rows, and rows of -0.0, whose sign "0 +" turns.
+// detail::sum_row, detail::sum_parts and detail::weighted_partial (the
+// combine's sums of rows, read in registers a block of columns at a time,
+// with a slice path for the last columns) give, bit for bit, a plain scalar
+// loop in the documented order: out = 0 + g_0 + g_1 + ..., a group
+// g = 0 + p_0 + p_1 + ..., a part p = 0 + w_0 * r_0 + w_1 * r_1 + ... (or a
+// single row as it is), then one rounding. The widths cover blocks only, a
+// tail only and both; the groups cover every shape the exchange builds
+// (none, one row, several, empty), bf16 and f32 rows, and rows of -0.0,
+// whose sign "0 +" turns.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -136,6 +137,33 @@ TEST(SumPartsBlocks, GiveTheSerialOrderBitForBit) {
           ASSERT_EQ(std::bit_cast<uint32_t>(out[c]), std::bit_cast<uint32_t>(total)) << "column " << c;
         }
       }
+}
+
+// weighted_partial (a holder's partial, rounded once to the partials' type).
+TEST(WeightedPartialBlocks, GiveTheSerialOrderBitForBit) {
+  const float weights[] = {0.25f, -1.5f, 3.0f, 0.125f, 1.0f};
+  for (DType dtype : {DType::kF32, DType::kBF16})
+    for (DType out_dtype : {DType::kF32, DType::kBF16})
+      for (int hidden : kWidths)
+        for (int num_rows : {0, 1, 2, 5})
+          for (std::size_t s : {std::size_t{1}, std::size_t{3}, std::size_t{100}}) {
+            SCOPED_TRACE(testing::Message() << dtype_name(dtype) << " to " << dtype_name(out_dtype) << ", hidden "
+                                            << hidden << ", " << num_rows << " rows, case " << s);
+            const Rows rows(hidden);
+            std::vector<const std::byte*> pointers;
+            for (int r = 0; r < num_rows; ++r) pointers.push_back(rows.row(pick(r, s, 8), dtype));
+            std::vector<float> out(hidden, 7.0f);
+            weighted_partial(reinterpret_cast<std::byte*>(out.data()), out_dtype, pointers.data(), weights, num_rows, dtype,
+                             hidden);
+            for (int c = 0; c < hidden; ++c) {
+              float sum = 0.0f;
+              for (int r = 0; r < num_rows; ++r) sum = sum + weights[r] * read(pointers[r], dtype, c);
+              const std::byte* got = reinterpret_cast<const std::byte*>(out.data());
+              ASSERT_EQ(std::bit_cast<uint32_t>(read(got, out_dtype, c)),
+                        std::bit_cast<uint32_t>(out_dtype == DType::kBF16 ? bf16_to_f32(f32_to_bf16(sum)) : sum))
+                  << "column " << c;
+            }
+          }
 }
 
 // The checks can fail: the -0.0 row alone, summed without the leading
