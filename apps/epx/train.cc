@@ -36,8 +36,10 @@
 #include "epx/observe/table.h"
 #include "epx/train/checkpoint_lock.h"
 #include "epx/train/memory_estimate.h"
+#include "epx/train/run_plan.h"
 #include "epx/train/trainer.h"
 #include "train_limit.h"
+#include "train_record.h"
 
 namespace epx::app {
 namespace {
@@ -343,10 +345,7 @@ Result<TrainConfig> make_config(const TrainOptions& o) {
   c.overwrite_checkpoints = o.overwrite_checkpoints;
   c.allow_data_change = o.allow_data_change;
   if (o.trace_steps < 0) return invalid_argument("trace_steps = {} is below 0", o.trace_steps);
-  EPX_RETURN_IF_ERROR(c.validate());
-  if (m.task == TaskKind::kNextByte) EPX_RETURN_IF_ERROR(TextTask::create(c.text).status());
-  EPX_RETURN_IF_ERROR(check_resume(c));
-  return c;
+  return c;  // checked as a whole by plan_run
 }
 
 // The test hook EPX_TEST_FAULT (docs/errors.md, fault table): "stall:RANK:STEP:SECONDS"
@@ -495,15 +494,13 @@ void print_summary(const TrainOptions& o, const TrainSummary& summary, double wa
 }
 
 // --dry-run: the sizes the settings imply and the memory estimate per component.
-void print_dry_run(const TrainOptions& o, const TrainConfig& c, const MemoryEstimate& e, const MemoryAvailable& a) {
+void print_dry_run(const TrainOptions& o, const RunPlan& plan, const MemoryEstimate& e, const MemoryAvailable& a) {
   std::FILE* out = text_stream(o);
-  auto model = c.resolved_model();
-  const ModelConfig& m = model.is_ok() ? *model : c.model;
+  const TrainConfig& c = plan.config();
+  const ModelConfig& m = plan.model();
   const int E = m.layer.router.num_experts;
   const int slots = c.balancing.eplb ? c.balancing.slots(E, c.ep_size()) : E;
-  if (auto topology = Topology::create(c.num_ranks, c.num_nodes); topology.is_ok())
-    if (auto layout = ParallelLayout::create(*topology, c.ep); layout.is_ok())
-      fmt::print(out, "layout: {}\n", layout->describe());
+  fmt::print(out, "layout: {}\n", plan.layout().describe());
   fmt::print(out, "{}", format_table({"derived size", "value"},
                                      {{"tokens per rank (max_tokens_per_rank)", fmt::format("{}", m.max_tokens_per_rank)},
                                       {"expert slots per layer (per EP group)", fmt::format("{}", slots)},
@@ -556,11 +553,11 @@ Status check_train_paths(const TrainOptions& o) {
 
 // Before step 1: the memory estimate against what is available, then the
 // output paths (rank 0's). kExitUsage with the numbers when either fails.
-int preflight(const TrainOptions& o, const TrainConfig& c, bool root) {
-  auto estimate = estimate_train_memory(c);
+int preflight(const TrainOptions& o, const RunPlan& plan, bool root) {
+  auto estimate = estimate_train_memory(plan);
   if (!estimate.is_ok()) return fail_usage(estimate.status());
   const MemoryAvailable available = available_memory();
-  if (o.dry_run && root) print_dry_run(o, c, *estimate, available);
+  if (o.dry_run && root) print_dry_run(o, plan, *estimate, available);
   if (Status s = check_memory_fits(*estimate, available); !s.is_ok()) return fail_usage(s);
   if (root)
     if (Status s = check_output_paths(o); !s.is_ok()) return fail_usage(s);
@@ -571,9 +568,9 @@ int preflight(const TrainOptions& o, const TrainConfig& c, bool root) {
 // Resuming from the checkpoint of step S: the metrics file is cut back to
 // the records of steps 0 .. S-1 (one line on stderr, even with -q, when
 // records are cut), so the resumed run's steps are in it once.
-Status cut_metrics_for_resume(const TrainOptions& o, const TrainConfig& c) {
-  if (o.resume_dir.empty() || o.metrics_path.empty() || o.metrics_path == "-") return Status::ok();
-  EPX_ASSIGN_OR_RETURN(ResumePoint from, resume_point(c));
+Status cut_metrics_for_resume(const TrainOptions& o, const RunPlan& plan) {
+  if (!plan.resume() || o.metrics_path.empty() || o.metrics_path == "-") return Status::ok();
+  const ResumePoint& from = *plan.resume();
   EPX_ASSIGN_OR_RETURN(MetricsCut cut, cut_metrics_before_step(o.metrics_path, from.step));
   if (cut.removed > 0)
     fmt::print(stderr,
@@ -589,17 +586,17 @@ Status cut_metrics_for_resume(const TrainOptions& o, const TrainConfig& c) {
 // Rank 0: the --save folder's lock (a second run is refused, exit 2; a stale
 // lock is taken over with a line saying whose it was), then the metrics file
 // (cut back for a resume, appended to then). The other ranks open nothing.
-int open_outputs(const TrainOptions& o, const TrainConfig& c, bool root, std::optional<SaveLock>* lock,
+int open_outputs(const TrainOptions& o, const RunPlan& plan, bool root, std::optional<SaveLock>* lock,
                  std::optional<MetricsWriter>* metrics) {
   if (!root) return kExitOk;
   if (!o.save_dir.empty()) {
-    auto taken = SaveLock::acquire(o.save_dir, c.run_id);
+    auto taken = SaveLock::acquire(o.save_dir, plan.config().run_id);
     if (!taken.is_ok()) return fail_usage(taken.status());
     if (!taken->note().empty()) fmt::print(stderr, "epx train: {}\n", taken->note());
     lock->emplace(std::move(taken).value());
   }
   if (o.metrics_path.empty()) return kExitOk;
-  if (Status s = cut_metrics_for_resume(o, c); !s.is_ok()) return fail_usage(s);
+  if (Status s = cut_metrics_for_resume(o, plan); !s.is_ok()) return fail_usage(s);
   auto opened = MetricsWriter::open(o.metrics_path, /*append=*/!o.resume_dir.empty());
   if (!opened.is_ok()) return fail_usage(opened.status());
   metrics->emplace(std::move(opened).value());
@@ -838,6 +835,11 @@ Status parse_train_config(std::string_view text, const std::string& path, TrainO
   return apply_config(table, path, options);
 }
 
+// The file is read before CLI11 parses, so that the flags parsed after it
+// override it. CLI11's own config files cannot take its place: they map a
+// key to the flag of the same name and a [section] to a subcommand, while
+// this file has its own sections ([run], [model], ...), keys without a flag
+// (data.input_dim) and range checks whose errors name the file's key.
 int preload_train_config(int argc, char** argv, TrainOptions& options) {
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i], path;
@@ -868,25 +870,25 @@ void catch_preemption(TrainConfig* config) {
   config->preempt = &g_preempt;
 }
 
-// The run's configuration, checked before anything is read or written: its
-// run id resolved (the resumed checkpoint's, or a new one) and --save probed.
-Status check_run(const TrainOptions& o, TrainConfig* config, SavePlan* save_plan) {
+// The run's configuration from the options, each checked by itself, before
+// anything is read or written; plan_run checks it as a whole once this
+// process knows its ranks (under MPI, the real hosts are the nodes).
+Status make_run_config(const TrainOptions& o, TrainConfig* config) {
   EPX_RETURN_IF_ERROR(check_train_paths(o));  // before anything is read or written
   EPX_ASSIGN_OR_RETURN(*config, make_config(o));
   // From here: a preemption signal during start-up (MPI, preflight, loading)
   // is kept and honoured at the first step boundary.
   if (!o.save_dir.empty() && !o.dry_run && !o.compare_given) catch_preemption(config);
-  EPX_RETURN_IF_ERROR(set_test_fault(config));
-  EPX_ASSIGN_OR_RETURN(config->run_id, resolve_run_id(*config));
-  // --save: owned, writable, room for a checkpoint, no other run's
-  EPX_ASSIGN_OR_RETURN(*save_plan, check_save(*config));
-  return Status::ok();
+  return set_test_fault(config);
 }
 
 // Under MPI this process runs one rank; rank 0 prints and writes the files.
 int join_mpi(TrainOptions& o, TrainConfig* config, std::unique_ptr<MpiSession>* session,
              std::unique_ptr<Transport>* transport) {
   if (o.backend != "mpi" && !(o.backend == "auto" && launched_by_mpi())) return kExitOk;
+  // The MPI ranks are split into --nodes nodes: plan_run's rule first.
+  if (config->num_ranks % config->num_nodes != 0)
+    return fail_usage(invalid_argument("nodes = {} must divide ranks = {}", config->num_nodes, config->num_ranks));
   auto opened = open_mpi_rank(config->num_ranks, config->num_nodes, "epx train", session, transport);
   if (opened != kExitOk) return opened;
   config->num_nodes = (*transport)->topology().num_nodes();
@@ -901,13 +903,11 @@ int join_mpi(TrainOptions& o, TrainConfig* config, std::unique_ptr<MpiSession>* 
 
 // Rank 0's lines before the first step: the save plan, and what a resume
 // changes (another layout, unchecked or other data: one line each, even with -q).
-void print_start_notes(const TrainOptions& o, const TrainConfig& config, const SavePlan& save_plan, bool root) {
-  if (root && !o.save_dir.empty() && (!o.quiet || save_plan.tight))
-    fmt::print(stderr, "epx train: {}\n", save_plan.describe());
-  if (auto note = resume_note(config); root && note.is_ok() && !note->empty())
-    fmt::print(stderr, "epx train: {}\n", *note);
-  if (auto note = resume_data_note(config); root && note.is_ok() && !note->empty())
-    fmt::print(stderr, "epx train: {}\n", *note);
+void print_start_notes(const TrainOptions& o, const RunPlan& plan, bool root) {
+  if (!root) return;
+  if (!o.save_dir.empty() && (!o.quiet || plan.save().tight)) fmt::print(stderr, "epx train: {}\n", plan.save().describe());
+  for (const std::string* note : {&plan.resume_note(), &plan.resume_data_note()})
+    if (!note->empty()) fmt::print(stderr, "epx train: {}\n", *note);
 }
 
 // After each step on rank 0: the metrics line (a line that cannot be written
@@ -915,13 +915,11 @@ void print_start_notes(const TrainOptions& o, const TrainConfig& config, const S
 // progress line.
 Status record_step(const StepReport& r, const TrainOptions& o, std::optional<MetricsWriter>& metrics,
                    StragglerWindow& recent, StepLimitWindow& limits, ProgressBar& progress) {
-  const std::string line = r.to_json();
-  if (metrics) {
-    Status s = metrics->write(line);
+  if (metrics) {  // the one place a report becomes text
+    Status s = metrics->write(r.to_json());
     if (!s.is_ok()) return Status(s.code(), fmt::format("writing metrics: {}", s.message()));
   }
-  if (Result<StepRecord> record = parse_step_record(line); record.is_ok() && r.step > 0)
-    recent.add(std::move(record).value());
+  if (r.step > 0) recent.add(step_record(r));
   limits.add(r);
   double vio = 0;
   for (const LoadStats& s : r.layers) vio += s.max_vio;
@@ -953,23 +951,18 @@ int finish_run(const TrainOptions& o, const TrainSummary& summary, const Tracer&
 }
 
 // The steps, with their progress line; the exit code.
-int run_steps(const TrainOptions& o, TrainConfig& config, const SavePlan& save_plan, bool root,
+int run_steps(const TrainOptions& o, const RunPlan& plan, const Tracer& tracer, bool root,
               std::optional<MetricsWriter>& metrics, bool mpi) {
-  Tracer tracer;
-  if (!o.trace_path.empty()) {
-    config.tracer = &tracer;
-    config.trace_steps = o.trace_steps;
-  }
-  if (!o.quiet) print_run_line(o, config, mpi);
-  print_start_notes(o, config, save_plan, root);
-  ProgressBar progress(config.steps, "train");
+  if (!o.quiet) print_run_line(o, plan.config(), mpi);
+  print_start_notes(o, plan, root);
+  ProgressBar progress(plan.config().steps, "train");
   Stopwatch wall;
   // The last steps as the metrics reader sees them, for the straggler line
   // (the first step left out: every rank's first GEMMs are slow).
   StragglerWindow recent(kStragglerWindowSteps);
-  StepLimitWindow limits(config, kStragglerWindowSteps);  // the efficiency line: the same steps
+  StepLimitWindow limits(plan, kStragglerWindowSteps);  // the efficiency line: the same steps
   auto summary =
-      train(config, [&](const StepReport& r) { return record_step(r, o, metrics, recent, limits, progress); });
+      train(plan, [&](const StepReport& r) { return record_step(r, o, metrics, recent, limits, progress); });
   if (!o.quiet) progress.finish();
   if (!summary.is_ok()) {
     fmt::print(stderr, "epx train: {}\n", summary.status().to_string());
@@ -983,30 +976,41 @@ int run_steps(const TrainOptions& o, TrainConfig& config, const SavePlan& save_p
 int run_train(const TrainOptions& options) {
   TrainOptions o = options;
   TrainConfig config;
-  SavePlan save_plan;
-  if (Status s = check_run(o, &config, &save_plan); !s.is_ok()) return fail_usage(s);
+  if (Status s = make_run_config(o, &config); !s.is_ok()) return fail_usage(s);
   std::unique_ptr<MpiSession> session;
   std::unique_ptr<Transport> transport;
   if (const int rc = join_mpi(o, &config, &session, &transport); rc != kExitOk) return rc;
   const bool root = transport == nullptr || transport->rank() == 0;
+  Tracer tracer;
+  if (!o.trace_path.empty() && !o.compare_given) {
+    config.tracer = &tracer;
+    config.trace_steps = o.trace_steps;
+  }
+  // Every check of the run, once (--save: owned, writable, room for a
+  // checkpoint, no other run's); every stage below takes the plan.
+  Result<RunPlan> plan = plan_run(config);
+  if (!plan.is_ok()) {
+    if (transport) transport->abort(aborted("rank {} refused the settings", transport->rank()));
+    return fail_usage(plan.status());
+  }
   // Preflight: memory and output paths, before any step (and, with
-  // --dry-run, instead of the run; --save was checked above).
-  if (o.dry_run && root && !o.save_dir.empty()) fmt::print(text_stream(o), "{}\n", save_plan.describe());
-  if (const int rc = preflight(o, config, root); rc != kExitOk || o.dry_run) {
+  // --dry-run, instead of the run).
+  if (o.dry_run && root && !o.save_dir.empty()) fmt::print(text_stream(o), "{}\n", plan->save().describe());
+  if (const int rc = preflight(o, *plan, root); rc != kExitOk || o.dry_run) {
     if (rc != kExitOk && transport) transport->abort(aborted("rank {} failed the preflight checks", transport->rank()));
     return rc;
   }
-  if (o.compare_given) return compare_balancing(o, config, root);
+  if (o.compare_given) return compare_balancing(o, plan->config(), root);
 
   // Everything is checked; only now are files opened: the save folder's
   // lock first (rank 0), then the metrics.
   std::optional<SaveLock> lock;
   std::optional<MetricsWriter> metrics;
-  if (const int rc = open_outputs(o, config, root, &lock, &metrics); rc != kExitOk) {
+  if (const int rc = open_outputs(o, *plan, root, &lock, &metrics); rc != kExitOk) {
     if (transport) transport->abort(aborted("rank 0 could not open its outputs (the --save lock, --metrics)"));
     return rc;
   }
-  return run_steps(o, config, save_plan, root, metrics, transport != nullptr);
+  return run_steps(o, *plan, tracer, root, metrics, transport != nullptr);
 }
 
 }  // namespace epx::app

@@ -33,8 +33,7 @@ RateProbe probe_of(const TrainConfig& c, const ModelConfig& m) {
 
 }  // namespace
 
-StepLimitWindow::StepLimitWindow(const TrainConfig& config, std::size_t window)
-    : config_(config), model_(config.resolved_model()), window_(window) {}
+StepLimitWindow::StepLimitWindow(const RunPlan& plan, std::size_t window) : plan_(plan), window_(window) {}
 
 void StepLimitWindow::add(const StepReport& r) {
   if (Status s = count(r); !s.is_ok() && error_.is_ok()) error_ = s;
@@ -42,9 +41,9 @@ void StepLimitWindow::add(const StepReport& r) {
 
 Status StepLimitWindow::count(const StepReport& r) {
   if (r.step == 0 || r.layers.empty()) return Status::ok();
-  EPX_RETURN_IF_ERROR(model_.status());
+  const TrainConfig& c = plan_.config();
   EPX_ASSIGN_OR_RETURN(std::vector<StepWork> work,
-                       step_work(*model_, r.layers, config_.num_ranks / config_.ep_size(), largest_share(config_)));
+                       step_work(plan_.model(), r.layers, c.num_ranks / c.ep_size(), largest_share(c)));
   seconds_.push_back(r.seconds);
   work_.push_back(std::move(work));
   if (seconds_.size() > window_) {
@@ -63,10 +62,10 @@ Result<StepLimit> StepLimitWindow::measure() const {
       mean[r].gemm_flops += step[r].gemm_flops / static_cast<double>(work_.size());
       mean[r].exchange_bytes += step[r].exchange_bytes / static_cast<double>(work_.size());
     }
-  EPX_RETURN_IF_ERROR(model_.status());
-  EPX_ASSIGN_OR_RETURN(const MachineRates rates, measure_machine_rates(probe_of(config_, *model_)));
-  const int ranks = machine_ranks(config_);
-  const double share = static_cast<double>(ranks) / config_.ep_size();  // EP-rank works summed per machine
+  const TrainConfig& c = plan_.config();
+  EPX_ASSIGN_OR_RETURN(const MachineRates rates, measure_machine_rates(probe_of(c, plan_.model())));
+  const int ranks = machine_ranks(c);
+  const double share = static_cast<double>(ranks) / c.ep_size();  // EP-rank works summed per machine
   return step_limit(mean, share, ranks, rates, bench::median({seconds_.begin(), seconds_.end()}));
 }
 

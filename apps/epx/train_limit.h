@@ -7,6 +7,7 @@
 #include <deque>
 #include <vector>
 
+#include "epx/train/run_plan.h"
 #include "epx/train/step_limit.h"
 #include "epx/train/trainer.h"
 
@@ -17,7 +18,8 @@ namespace epx::app {
 // limit of the median step.
 class StepLimitWindow {
  public:
-  StepLimitWindow(const TrainConfig& config, std::size_t window);
+  // The run's settings and resolved model are the plan's.
+  StepLimitWindow(const RunPlan& plan, std::size_t window);
   // Called on rank 0 for every step's report; a report that cannot be
   // counted is kept as measure()'s error (the run goes on).
   void add(const StepReport& report);
@@ -31,8 +33,7 @@ class StepLimitWindow {
  private:
   [[nodiscard]] Status count(const StepReport& report);
 
-  TrainConfig config_;
-  Result<ModelConfig> model_;  // resolved once
+  RunPlan plan_;
   std::size_t window_;
   std::deque<double> seconds_;
   std::deque<std::vector<StepWork>> work_;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <charconv>
@@ -517,7 +518,14 @@ std::vector<StepOwner> list_step_owners(const std::string& dir) {
   return out;
 }
 
+namespace {
+std::atomic<int64_t> g_save_dir_probes{0}, g_meta_reads{0};
+}  // namespace
+
+CheckpointProbes checkpoint_probes() { return {.save_dir = g_save_dir_probes.load(), .meta = g_meta_reads.load()}; }
+
 Result<SaveSpace> probe_save_dir(const std::string& dir) {
+  g_save_dir_probes.fetch_add(1);
   EPX_RETURN_IF_ERROR(check_save_dir(dir));
   SaveSpace space;
   const fs::path base = existing_ancestor(dir);
@@ -689,11 +697,13 @@ Status read_meta_at(const std::string& where, CheckpointMeta* expected) {
 }  // namespace
 
 Status read_checkpoint_meta(const std::string& path, CheckpointMeta* expected) {
+  g_meta_reads.fetch_add(1);
   EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
   return read_meta_at(where, expected);
 }
 
 Status verify_checkpoint(const std::string& path, CheckpointMeta* expected) {
+  g_meta_reads.fetch_add(1);
   EPX_ASSIGN_OR_RETURN(std::string where, resolve_checkpoint(path));
   EPX_RETURN_IF_ERROR(read_meta_at(where, expected));
   for (std::size_t i = 0; i < expected->files.size(); ++i) {

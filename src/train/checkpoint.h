@@ -150,6 +150,16 @@ struct SaveSpace {
 // ancestor) and reads the free space of that filesystem (statvfs).
 [[nodiscard]] Result<SaveSpace> probe_save_dir(const std::string& dir);
 
+// How often this process has probed a save folder (probe_save_dir) and read
+// a checkpoint's meta.json to decide on a resume (read_checkpoint_meta,
+// verify_checkpoint; load_checkpoint's own reads are not counted): the tests
+// see that a run plan decides once and train(plan) does not again.
+struct CheckpointProbes {
+  int64_t save_dir = 0;
+  int64_t meta = 0;
+};
+[[nodiscard]] CheckpointProbes checkpoint_probes();
+
 // --resume PATH: PATH/latest's step folder, or PATH itself when it holds
 // meta.json. NotFound naming PATH otherwise.
 [[nodiscard]] Result<std::string> resolve_checkpoint(const std::string& path);

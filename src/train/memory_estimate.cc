@@ -131,6 +131,12 @@ Status add_exchange(const Shape& s, const TrainConfig& c, const ModelConfig& m, 
 
 Result<MemoryEstimate> estimate_train_memory(const TrainConfig& config) {
   EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
+  return estimate_train_memory(config, m);
+}
+
+Result<MemoryEstimate> estimate_train_memory(const RunPlan& plan) { return estimate_train_memory(plan.config(), plan.model()); }
+
+Result<MemoryEstimate> estimate_train_memory(const TrainConfig& config, const ModelConfig& m) {
   const Shape s = shape_of(config, m);
   MemoryEstimate e;
   e.copies = config.transport != nullptr ? 1 : config.num_ranks;

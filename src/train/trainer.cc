@@ -4,12 +4,8 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
-#include <filesystem>
-#include <limits>
 #include <mutex>
 #include <optional>
-#include <random>
-#include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -20,10 +16,12 @@
 #include "epx/core/clock.h"
 #include "epx/core/memory.h"
 #include "epx/train/checkpoint_lock.h"
+#include "epx/train/run_plan.h"
 #include "core/guard.h"
 #include "train/checkpoint.h"
 #include "train/eplb_train.h"
 #include "train/grad_sync.h"
+#include "train/run_plan_state.h"
 #include "train/wait_report.h"
 
 namespace epx {
@@ -34,16 +32,6 @@ std::pair<int64_t, int64_t> share(int64_t total, int num_ranks, int rank) {
   const int64_t base = total / num_ranks, extra = total % num_ranks;
   const int64_t first = rank * base + std::min<int64_t>(rank, extra);
   return {first, base + (rank < extra ? 1 : 0)};
-}
-
-// The model's shape, without its layout (ranks, EP, nodes, slots): a
-// checkpoint resumes on any layout of the same fingerprint.
-std::string fingerprint(const ModelConfig& m) {
-  const MoELayerConfig& l = m.layer;
-  return fmt::format("task={} in={} out={} layers={} hidden={} ffn={} experts={} topk={} shared={} dtype={}",
-                     m.task == TaskKind::kRegression ? "regression" : "next-byte", m.num_inputs(), m.num_outputs(),
-                     m.num_layers, l.hidden, l.ffn_hidden, l.router.num_experts, l.router.topk, l.num_shared_experts,
-                     dtype_name(l.dtype));
 }
 
 // Everything one rank needs to make its batches.
@@ -141,330 +129,6 @@ Result<BalancingConfig> parse_balancing(std::string_view text, const BalancingCo
   return out;
 }
 
-Result<ModelConfig> TrainConfig::resolved_model() const {
-  ModelConfig m = model;
-  if (num_ranks < 1) return invalid_argument("ranks = {} must be at least 1", num_ranks);
-  if (batch_tokens < 1) return invalid_argument("batch_tokens = {} must be at least 1", batch_tokens);
-  const int64_t per_rank = batch_tokens / num_ranks + (batch_tokens % num_ranks != 0 ? 1 : 0);
-  if (per_rank > std::numeric_limits<int>::max())
-    return invalid_argument("batch_tokens = {} is above the limit {} for ranks = {} ({} tokens per rank at most)",
-                            batch_tokens, int64_t{std::numeric_limits<int>::max()} * num_ranks, num_ranks,
-                            std::numeric_limits<int>::max());
-  m.max_tokens_per_rank = static_cast<int>(per_rank);
-  m.layer.aux_loss_coeff = balancing.aux_loss_coeff;
-  m.layer.aux_loss = balancing.aux_loss;
-  m.layer.expert_bias = balancing.expert_bias;
-  m.layer.bias_rate = balancing.bias_rate;
-  m.layer.router.capacity_factor = balancing.capacity_factor;
-  m.layer.router.drop_policy = balancing.drop_policy;
-  if (m.task == TaskKind::kNextByte) m.window = text.window;
-  if (m.task == TaskKind::kRegression) {
-    if (synthetic.input_dim != m.input_dim || synthetic.output_dim != m.output_dim)
-      return invalid_argument("the data has {} inputs and {} outputs, the model {} and {}", synthetic.input_dim,
-                              synthetic.output_dim, m.input_dim, m.output_dim);
-  }
-  EPX_RETURN_IF_ERROR(m.validate());
-  return m;
-}
-
-namespace {
-
-// Bytes of one checkpoint (dense.bin, the ep expert files, meta.json), from
-// the shapes: each dense parameter and each logical expert once, values and
-// two AdamW moments in f32 with a name and counts, the expert biases, the
-// headers, meta.json's expert lists and eplb state. An upper bound within a
-// few percent.
-int64_t checkpoint_bytes(const TrainConfig& config, const ModelConfig& m) {
-  // Saturating, so an absurd shape gives a huge size rather than a wrapped one.
-  const int64_t H = m.layer.hidden, F = m.layer.ffn_hidden, E = m.layer.router.num_experts, L = m.num_layers;
-  const int64_t ep = config.ep_size(), S = saturating_product({m.layer.num_shared_experts, F});
-  const int64_t slots = config.balancing.eplb ? config.balancing.slots(static_cast<int>(E), static_cast<int>(ep)) : E;
-  const int64_t per_layer = saturating_sum(saturating_sum(H, saturating_product({H, E})), saturating_product({3, H, S}));
-  const int64_t dense = saturating_sum(saturating_product({int64_t{m.num_inputs()} + 1 + m.num_outputs(), H}),
-                                       saturating_product({L, per_layer}));
-  const int64_t num_dense = 3 + L * (2 + (S > 0 ? 3 : 0));
-  constexpr int64_t kPerParam = 4 + 40 + 3 * 8;  // name length, a name of up to 40 bytes, three counts
-  const int64_t dense_file = saturating_sum(saturating_sum(128 + num_dense * kPerParam, saturating_product({12, dense})),
-                                            saturating_product({L, 8 + 4 * E}));
-  const int64_t expert_files =
-      saturating_sum(ep * 128, saturating_product({L, E, 3, saturating_sum(kPerParam, saturating_product({12, H, F}))}));
-  const int64_t eplb_state = config.balancing.eplb ? saturating_product({L, slots * 12 + E * 21}) : 0;
-  const int64_t meta = saturating_sum(saturating_sum(1024 + (ep + 1) * 120, saturating_product({L, E, 12})), eplb_state);
-  return saturating_sum(saturating_sum(dense_file, expert_files), meta);
-}
-
-std::string bytes_text(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  int u = 0;
-  while (bytes >= 1024 && u < 5) {
-    bytes /= 1024;
-    ++u;
-  }
-  return fmt::format("{:.{}f} {}", bytes, u == 0 ? 0 : 1, units[u]);
-}
-
-}  // namespace
-
-namespace {
-
-// meta.json of the resumed checkpoint, checked against this model (any layout).
-Result<detail::CheckpointMeta> resumed_meta(const TrainConfig& config) {
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  detail::CheckpointMeta meta;
-  meta.fingerprint = fingerprint(m);
-  EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &meta));
-  return meta;
-}
-
-// "seed = 1 in the checkpoint, 2 in this run" for each setting that differs.
-std::vector<std::string> data_differences(const std::map<std::string, std::string>& saved,
-                                          const std::map<std::string, std::string>& mine) {
-  std::set<std::string> keys;
-  for (const auto& [key, value] : saved) keys.insert(key);
-  for (const auto& [key, value] : mine) keys.insert(key);
-  std::vector<std::string> out;
-  for (const std::string& key : keys) {
-    const auto a = saved.find(key), b = mine.find(key);
-    const std::string old_value = a == saved.end() ? "(none)" : a->second;
-    const std::string new_value = b == mine.end() ? "(none)" : b->second;
-    if (old_value != new_value)
-      out.push_back(fmt::format("{} = {} in the checkpoint, {} in this run", key, old_value, new_value));
-  }
-  return out;
-}
-
-std::string new_run_id() {
-  std::random_device device;
-  const uint64_t random = (uint64_t{device()} << 32) ^ device();
-  const auto now = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
-  return fmt::format("{:016x}", random ^ (now * 0x9e3779b97f4a7c15ULL));
-}
-
-// A run id is a word meta.json can hold (parse_checkpoint_meta's rule).
-Status check_run_id(const std::string& id) {
-  if (id.size() > 64 || id.find_first_not_of("0123456789abcdefghijklmnopqrstuvwxyz-_") != std::string::npos)
-    return invalid_argument("run_id '{}' must be at most 64 lowercase letters, digits, '-' or '_'", id);
-  return Status::ok();
-}
-
-}  // namespace
-
-std::map<std::string, std::string> data_settings(const TrainConfig& c) {
-  std::map<std::string, std::string> s = {{"batch_tokens", fmt::format("{}", c.batch_tokens)}};
-  if (c.model.task == TaskKind::kRegression) {
-    const SyntheticTaskConfig& d = c.synthetic;
-    s["data"] = "synthetic";
-    s["seed"] = fmt::format("{}", d.seed);
-    s["clusters"] = fmt::format("{}", d.num_clusters);
-    s["zipf"] = fmt::format("{}", d.zipf_s);
-    s["cluster_spread"] = fmt::format("{}", d.cluster_spread);
-    s["input_dim"] = fmt::format("{}", d.input_dim);
-    s["output_dim"] = fmt::format("{}", d.output_dim);
-  } else {
-    std::error_code ec;
-    const std::filesystem::path absolute = std::filesystem::absolute(c.text.path, ec);
-    const std::filesystem::path path = std::filesystem::weakly_canonical(absolute, ec);
-    s["data"] = "text:" + (ec ? absolute.lexically_normal() : path).string();
-    s["seed"] = fmt::format("{}", c.text.seed);
-    s["window"] = fmt::format("{}", c.text.window);
-  }
-  return s;
-}
-
-Result<ResumePoint> resume_point(const TrainConfig& config) {
-  if (config.resume_dir.empty()) return failed_precondition("resume_point: the run does not resume");
-  EPX_ASSIGN_OR_RETURN(std::string folder, detail::resolve_checkpoint(config.resume_dir));
-  EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
-  return ResumePoint{.folder = std::move(folder), .step = meta.step, .run_id = std::move(meta.run_id)};
-}
-
-Result<std::string> resolve_run_id(const TrainConfig& config) {
-  if (!config.run_id.empty()) return config.run_id;
-  if (!config.resume_dir.empty()) {
-    EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
-    if (!meta.run_id.empty()) return meta.run_id;
-  }
-  return new_run_id();
-}
-
-Status check_resume(const TrainConfig& config) {
-  if (config.resume_dir.empty()) return Status::ok();
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  detail::CheckpointMeta meta;
-  meta.fingerprint = fingerprint(m);
-  EPX_RETURN_IF_ERROR(detail::guard(fmt::format("verifying checkpoint {}", config.resume_dir),
-                                    [&] { return detail::verify_checkpoint(config.resume_dir, &meta); }));
-  if (meta.step > config.steps)
-    return invalid_argument("checkpoint {} is at step {}, past steps = {}; ask for more steps", config.resume_dir,
-                            meta.step, config.steps);
-  if (meta.data.empty() || config.allow_data_change) return Status::ok();
-  const std::vector<std::string> changed = data_differences(meta.data, data_settings(config));
-  if (changed.empty()) return Status::ok();
-  return invalid_argument("checkpoint {} (step {}) was trained on other data: {}; a resume continues the data of its "
-                          "checkpoint (pass --allow-data-change to train on this data from it)",
-                          config.resume_dir, meta.step, fmt::join(changed, "; "));
-}
-
-Result<std::string> resume_data_note(const TrainConfig& config) {
-  if (config.resume_dir.empty()) return std::string();
-  EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
-  if (meta.data.empty())
-    return fmt::format("checkpoint {} (step {}) records no data settings (written by an earlier epx): this run's "
-                       "seed, data and batch are not checked against it",
-                       config.resume_dir, meta.step);
-  const std::vector<std::string> changed = data_differences(meta.data, data_settings(config));
-  if (changed.empty()) return std::string();
-  return fmt::format("training on other data than checkpoint {} (step {}) was trained on (--allow-data-change): {}",
-                     config.resume_dir, meta.step, fmt::join(changed, "; "));
-}
-
-Result<std::string> resume_note(const TrainConfig& config) {
-  if (config.resume_dir.empty()) return std::string();
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  EPX_ASSIGN_OR_RETURN(detail::CheckpointMeta meta, resumed_meta(config));
-  const detail::RunLayout saved = detail::saved_layout(meta), mine = detail::run_layout(config, m, config.ep_size());
-  if (detail::same_layout(saved, mine)) return std::string();
-  const char* placement = !config.balancing.eplb ? "experts placed contiguously"
-                          : meta.eplb_window.empty() ? "expert placement computed anew for equal loads"
-                                                     : "expert placement computed anew from the saved eplb window loads";
-  return fmt::format("resharding checkpoint {} (step {}) written by {} onto {}: {}", config.resume_dir, meta.step,
-                     saved.describe(), mine.describe(), placement);
-}
-
-std::string SavePlan::describe() const {
-  std::string text = fmt::format("checkpoints to {}: about {} each, keeping {}; {} free in {}", folder,
-                                 bytes_text(static_cast<double>(checkpoint_bytes)), keep,
-                                 bytes_text(static_cast<double>(free_bytes)), probed);
-  if (tight)
-    text += fmt::format(" (warning: below the {} that {} kept checkpoints and one being written need; a later save "
-                        "may fail)",
-                        bytes_text(static_cast<double>(checkpoint_bytes) * (keep + 1)), keep);
-  return text;
-}
-
-namespace {
-
-// "step-000004, step-000006 (run 1a2b...)", the first few of a list.
-std::string describe_steps(const std::vector<detail::StepOwner>& steps) {
-  constexpr std::size_t kShown = 4;
-  std::vector<std::string> names;
-  std::set<std::string> runs;
-  for (std::size_t i = 0; i < steps.size(); ++i) {
-    if (i < kShown) names.push_back(detail::step_folder_name(steps[i].step));
-    runs.insert(!steps[i].readable       ? "a meta.json that does not read"
-                : steps[i].run_id.empty() ? "written before run ids"
-                                          : "run " + steps[i].run_id);
-  }
-  if (steps.size() > kShown) names.push_back(fmt::format("... ({} step folders)", steps.size()));
-  return fmt::format("{} ({})", fmt::join(names, ", "), fmt::join(runs, "; "));
-}
-
-// save_dir's step folders are this run's: none for a run that does not
-// resume (unless it was given its run id), its checkpoint's run (and the
-// folders written before run ids) for a resumed one.
-Status check_other_runs(const TrainConfig& config) {
-  const std::vector<detail::StepOwner> owners = detail::list_step_owners(config.save_dir);
-  if (owners.empty()) return Status::ok();
-  const bool resuming = !config.resume_dir.empty();
-  std::string own = config.run_id;
-  if (own.empty() && resuming) {
-    EPX_ASSIGN_OR_RETURN(ResumePoint from, resume_point(config));
-    own = from.run_id;
-  }
-  std::vector<detail::StepOwner> others;
-  for (const detail::StepOwner& o : owners) {
-    const bool mine = o.readable && ((!own.empty() && o.run_id == own) || (resuming && o.run_id.empty()));
-    if (!mine) others.push_back(o);
-  }
-  if (others.empty()) return Status::ok();
-  return invalid_argument(
-      "--save {} holds checkpoints of another run: {}; this {} would take over its 'latest' and mix the two runs' "
-      "step folders. {}Choose another --save folder, or pass --overwrite-checkpoints to save into it anyway (a step "
-      "folder of the same step is replaced; --keep prunes only this run's)",
-      config.save_dir, describe_steps(others), resuming ? "resumed run" : "new run",
-      resuming ? "" : "To continue that run, resume it (--resume). ");
-}
-
-}  // namespace
-
-Result<SavePlan> check_save(const TrainConfig& config) {
-  SavePlan plan;
-  if (config.save_dir.empty()) return plan;
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, config.resolved_model());
-  EPX_ASSIGN_OR_RETURN(detail::SaveSpace space, detail::probe_save_dir(config.save_dir));
-  plan.folder = config.save_dir;
-  plan.probed = space.probed;
-  plan.keep = config.keep_checkpoints;
-  plan.checkpoint_bytes = checkpoint_bytes(config, m);
-  plan.free_bytes = space.free_bytes;
-  if (plan.free_bytes < static_cast<uint64_t>(plan.checkpoint_bytes))
-    return invalid_argument("--save {}: one checkpoint needs about {} ({} bytes) but {} has {} ({} bytes) free",
-                            config.save_dir, bytes_text(static_cast<double>(plan.checkpoint_bytes)),
-                            plan.checkpoint_bytes, space.probed, bytes_text(static_cast<double>(plan.free_bytes)),
-                            plan.free_bytes);
-  plan.tight = plan.free_bytes / static_cast<uint64_t>(plan.keep + 1) < static_cast<uint64_t>(plan.checkpoint_bytes);
-  if (!config.overwrite_checkpoints) EPX_RETURN_IF_ERROR(check_other_runs(config));
-  return plan;
-}
-
-namespace {
-
-// ep divides the ranks and splits the nodes evenly (ParallelLayout's rules).
-Status validate_layout(const TrainConfig& c) {
-  if (c.ep < 0) return invalid_argument("ep = {} is below 0 (0: all ranks)", c.ep);
-  if (c.ep > 0 && c.num_ranks % c.ep != 0)
-    return invalid_argument("ep = {} must divide ranks = {} (EP groups of equal size)", c.ep, c.num_ranks);
-  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(c.num_ranks, c.num_nodes));
-  return ParallelLayout::create(topology, c.ep).status();
-}
-
-}  // namespace
-
-Status TrainConfig::validate() const {
-  if (steps < 0) return invalid_argument("steps = {} is below 0", steps);
-  if (num_nodes < 1 || num_ranks % num_nodes != 0)
-    return invalid_argument("nodes = {} must divide ranks = {}", num_nodes, num_ranks);
-  if (!(clip_norm >= 0) || !std::isfinite(clip_norm)) return invalid_argument("clip_norm = {} must be >= 0", clip_norm);
-  if (save_every < 0) return invalid_argument("save_every = {} is below 0", save_every);
-  if (save_every > 0 && save_dir.empty()) return invalid_argument("save_every = {} needs a save folder", save_every);
-  if (preempt != nullptr && save_dir.empty()) return invalid_argument("preemption needs a save folder to save into");
-  if (async_save && save_every == 0)
-    return invalid_argument(
-        "async_save writes the save_every checkpoints, but save_every = 0 (only the final one, written at once)");
-  if (keep_checkpoints < 1) return invalid_argument("keep = {} must be at least 1", keep_checkpoints);
-  EPX_RETURN_IF_ERROR(check_run_id(run_id));
-  if (wait_matrix_every < 0)
-    return invalid_argument("wait_matrix_every = {} is below 0 (0: never)", wait_matrix_every);
-  if (grad_bucket_bytes < 4 || grad_bucket_bytes > (int64_t{1} << 40))
-    return invalid_argument("grad_bucket_bytes = {} is outside [4, 2^40]", grad_bucket_bytes);
-  EPX_RETURN_IF_ERROR(schedule.validate());
-  EPX_RETURN_IF_ERROR(adamw.validate());
-  EPX_ASSIGN_OR_RETURN(ModelConfig m, resolved_model());
-  EPX_RETURN_IF_ERROR(validate_layout(*this));
-  const int E = m.layer.router.num_experts, R = ep_size();
-  // What an EP group is called in the messages: all ranks, or the ep ranks of one group.
-  const std::string group = R == num_ranks ? fmt::format("ranks = {}", R) : fmt::format("ep = {}", R);
-  if (balancing.eplb) {
-    if (balancing.eplb_every < 1) return invalid_argument("eplb_every = {} must be at least 1", balancing.eplb_every);
-    if (balancing.eplb_slots < 0) return invalid_argument("eplb_slots = {} is below 0", balancing.eplb_slots);
-    const int S = balancing.slots(E, R);
-    if (S < E) return invalid_argument("eplb_slots = {} is below experts = {}", S, E);
-    // Each rank holds an expert at most once: slots beyond E x R stay empty.
-    if (balancing.eplb_slots > 0 && int64_t{balancing.eplb_slots} > int64_t{E} * R)
-      return invalid_argument("eplb_slots = {} is above experts = {} x {} = {}: a rank holds each expert at most "
-                              "once, so further slots would stay empty",
-                              balancing.eplb_slots, E, group, int64_t{E} * R);
-    if (S % R != 0)
-      return invalid_argument("eplb_slots = {} must be a multiple of {}{}", S, group,
-                              R == num_ranks ? "" : " (each EP group holds its own slots)");
-  } else if (E % R != 0) {
-    return invalid_argument("experts = {} must be a multiple of {} ({})", E, group,
-                            R == num_ranks ? "contiguous placement" : "each EP group holds every expert once");
-  }
-  if (model.task == TaskKind::kRegression) return synthetic.validate();
-  return Status::ok();
-}
-
 // Every number in its shortest form that reads back to the same double, so
 // equal text is equal bits (the same-loss tests compare these lines).
 std::string StepReport::to_json() const {
@@ -505,7 +169,7 @@ std::string StepReport::to_json() const {
 }
 
 namespace {
-Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters,
+Result<TrainSummary> train_ranks(const RunPlan& plan, const StepCallback& on_step, bool keep_parameters,
                                  bool* stopped_together);
 
 // Collective, after every step: rank 0 tells the others whether its on_step
@@ -535,81 +199,89 @@ Status stop_status(int rank, const Status& stop, int64_t step) {
 }
 }  // namespace
 
+namespace {
+
+// On an external transport (MPI) an error on this process alone (a file, a
+// config) must end the other ranks' waits too: they hear of it at once. A
+// stop every rank agreed on needs no notice, and one would race the
+// agreement: it may overtake the all-reduce a slower rank is still
+// finishing, which would then fail with the notice instead of the stop.
+void tell_the_others(const TrainConfig& config, const Status& failed) {
+  if (config.transport != nullptr)
+    config.transport->abort(aborted("rank {} stopped training: {}", config.transport->rank(), failed.to_string()));
+}
+
+}  // namespace
+
 Result<TrainSummary> train(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters) {
+  Result<RunPlan> plan = detail::guard("train", [&] { return plan_run(config); });
+  if (!plan.is_ok()) {
+    tell_the_others(config, plan.status());
+    return plan.status();
+  }
+  return train(*plan, on_step, keep_parameters);
+}
+
+Result<TrainSummary> train(const RunPlan& plan, const StepCallback& on_step, bool keep_parameters) {
   bool stopped_together = false;
-  Result<TrainSummary> result = detail::guard(
-      "train", [&] { return train_ranks(config, on_step, keep_parameters, &stopped_together); });
-  // On an external transport (MPI) an error on this process alone (a file,
-  // a config) must end the other ranks' waits too: they hear of it at once.
-  // A stop every rank agreed on needs no notice, and one would race the
-  // agreement: it may overtake the all-reduce a slower rank is still
-  // finishing, which would then fail with the notice instead of the stop.
-  if (!result.is_ok() && config.transport != nullptr && !stopped_together)
-    config.transport->abort(aborted("rank {} stopped training: {}", config.transport->rank(), result.status().to_string()));
+  Result<TrainSummary> result =
+      detail::guard("train", [&] { return train_ranks(plan, on_step, keep_parameters, &stopped_together); });
+  if (!result.is_ok() && !stopped_together) tell_the_others(plan.config(), result.status());
   return result;
 }
 
+Status detail::check_data(const TrainConfig& config) { return DataSource::create(config).status(); }
+
 namespace {
 
-// What every rank of the run shares: the settings, and what rank 0 gathers
-// for the summary (under `mu`).
+// What every rank of the run shares: the plan, and what rank 0 gathers for
+// the summary (under `mu`).
 struct RunState {
-  RunState(const TrainConfig& c, const StepCallback& s, bool keep, ParallelLayout l)
-      : config(c), on_step(s), keep_parameters(keep), layout(std::move(l)) {}
+  RunState(const RunPlan& p, const StepCallback& s, bool keep)
+      : config(p.config()), layout(p.layout()), run_id(p.config().run_id), model_config(p.model()), on_step(s),
+        keep_parameters(keep) {}
   const TrainConfig& config;
+  const ParallelLayout& layout;
+  const std::string& run_id;  // recorded in every checkpoint
+  ModelConfig model_config;   // the plan's, with EPLB's starting slot maps
+  detail::EplbState eplb;     // EPLB's start: the placement, the window (a resume's from its checkpoint)
   const StepCallback& on_step;
   bool keep_parameters;
-  ParallelLayout layout;
-  ModelConfig model_config;
-  detail::EplbState eplb;  // EPLB's start: the placement, the window (a resume's from its checkpoint)
   std::mutex mu;
   TrainSummary summary;
   std::vector<StepReport> recent;  // the last 10 reports
   double run_seconds = 0, comm_seconds = 0, total_seconds = 0;
   int64_t timed_tokens = 0;
   std::atomic<bool> stopped_together{false};  // every rank agreed to stop after rank 0's on_step failed
-  std::string run_id;                  // resolve_run_id: recorded in every checkpoint
   std::optional<SaveLock> save_lock;   // save_dir's, held by rank 0 (the process, in-process) for the run
   std::atomic<int64_t> preempted_at{-1};      // every rank agreed to save and stop here (TrainConfig::preempt)
 };
 
 // EPLB's start: each layer's slot map into `m` (it decides the Buffers, so
 // it is read before any rank starts) and the window, fresh or from the
-// checkpoint (detail::eplb_start: its placement on the same layout, placed
-// anew from its window loads on another).
-Status prepare_eplb(const TrainConfig& config, ModelConfig* m, detail::EplbState* eplb) {
+// resumed checkpoint (`resumed`, or null; detail::eplb_start: its placement
+// on the same layout, placed anew from its window loads on another).
+Status prepare_eplb(const TrainConfig& config, const detail::CheckpointMeta* resumed, ModelConfig* m,
+                    detail::EplbState* eplb) {
   eplb->placement = detail::eplb_placement_config(config, *m, config.ep_size());
   eplb->expert_bytes = int64_t{9} * m->layer.hidden * m->layer.ffn_hidden * 4;
-  detail::CheckpointMeta saved;
-  if (!config.resume_dir.empty()) {
-    saved.fingerprint = fingerprint(*m);
-    EPX_RETURN_IF_ERROR(detail::read_checkpoint_meta(config.resume_dir, &saved));
-  }
   EPX_ASSIGN_OR_RETURN(detail::EplbStart start,
-                       detail::eplb_start(*eplb, m->num_layers, m->layer.router.num_experts,
-                                          config.resume_dir.empty() ? nullptr : &saved,
+                       detail::eplb_start(*eplb, m->num_layers, m->layer.router.num_experts, resumed,
                                           detail::run_layout(config, *m, config.ep_size())));
   m->layer_slots = std::move(start.layer_slots);
   eplb->window = std::move(start.window);
   return Status::ok();
 }
 
-// Everything checked and decided before any rank starts: the settings, the
-// layout, EPLB's placement; the data and the checkpoint's files are opened
-// once here, so that a bad file fails first.
-Result<std::unique_ptr<RunState>> prepare_run(const TrainConfig& config, const StepCallback& on_step,
-                                              bool keep_parameters) {
-  EPX_RETURN_IF_ERROR(config.validate());
-  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
-  EPX_ASSIGN_OR_RETURN(ParallelLayout layout, ParallelLayout::create(topology, config.ep));
-  auto run = std::make_unique<RunState>(config, on_step, keep_parameters, std::move(layout));
-  EPX_ASSIGN_OR_RETURN(run->model_config, config.resolved_model());
-  if (config.balancing.eplb) EPX_RETURN_IF_ERROR(prepare_eplb(config, &run->model_config, &run->eplb));
-  EPX_RETURN_IF_ERROR(DataSource::create(config).status());
-  EPX_RETURN_IF_ERROR(check_resume(config));
-  EPX_RETURN_IF_ERROR(check_save(config).status());
-  EPX_ASSIGN_OR_RETURN(run->run_id, resolve_run_id(config));
-  // One writer per save folder: rank 0 publishes and prunes, so rank 0 locks it.
+// The run's shared state from its plan (everything is checked there):
+// EPLB's start from the plan's resumed checkpoint, and save_dir's lock (one
+// writer per save folder: rank 0 publishes and prunes, so rank 0 locks it).
+Result<std::unique_ptr<RunState>> prepare_run(const RunPlan& plan, const StepCallback& on_step, bool keep_parameters) {
+  auto run = std::make_unique<RunState>(plan, on_step, keep_parameters);
+  const TrainConfig& config = plan.config();
+  const std::optional<detail::CheckpointMeta>& resumed = plan.state().resumed;
+  if (config.balancing.eplb)
+    EPX_RETURN_IF_ERROR(prepare_eplb(config, resumed ? &*resumed : nullptr, &run->model_config, &run->eplb));
   if (!config.save_dir.empty() && (config.transport == nullptr || config.transport->rank() == 0)) {
     EPX_ASSIGN_OR_RETURN(SaveLock lock, SaveLock::acquire(config.save_dir, run->run_id));
     run->save_lock.emplace(std::move(lock));
@@ -692,7 +364,7 @@ detail::CheckpointMeta checkpoint_meta(Rank& r, int64_t step) {
   const TrainConfig& config = r.config();
   detail::CheckpointMeta meta;
   meta.step = step;
-  meta.fingerprint = fingerprint(r.run.model_config);
+  meta.fingerprint = detail::fingerprint(r.run.model_config);
   meta.num_ranks = config.num_ranks;
   meta.num_nodes = config.num_nodes;
   meta.ep = r.run.layout.ep();
@@ -748,7 +420,7 @@ Status open_rank(Rank& r, Transport& world) {
   r.adam = AdamW(config.adamw);
   if (config.resume_dir.empty()) return Status::ok();
   detail::CheckpointMeta resumed;
-  resumed.fingerprint = fingerprint(r.run.model_config);
+  resumed.fingerprint = detail::fingerprint(r.run.model_config);
   EPX_RETURN_IF_ERROR(detail::load_checkpoint(config.resume_dir, &resumed, *r.groups.world, r.parts.params, r.adam,
                                               r.parts.layers, r.deadline()));
   r.first_step = resumed.step;
@@ -1009,8 +681,7 @@ TrainSummary finish_summary(RunState& run) {
 }
 
 // This process's rank on the caller's transport (MPI).
-Status run_on_transport(RunState& run, Transport& transport) {
-  EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(run.config.num_ranks, run.config.num_nodes));
+Status run_on_transport(RunState& run, const Topology& topology, Transport& transport) {
   if (transport.num_ranks() != topology.num_ranks() || transport.topology().num_nodes() != topology.num_nodes())
     return invalid_argument("the {} transport has {} but the run asks for {}", transport.backend_name(),
                             transport.topology().describe(), topology.describe());
@@ -1025,16 +696,15 @@ Status run_on_transport(RunState& run, Transport& transport) {
   return Status::ok();
 }
 
-Result<TrainSummary> train_ranks(const TrainConfig& config, const StepCallback& on_step, bool keep_parameters,
+Result<TrainSummary> train_ranks(const RunPlan& plan, const StepCallback& on_step, bool keep_parameters,
                                  bool* stopped_together) {
-  EPX_ASSIGN_OR_RETURN(std::unique_ptr<RunState> run, prepare_run(config, on_step, keep_parameters));
-  if (config.transport != nullptr) {
-    Status status = run_on_transport(*run, *config.transport);
+  EPX_ASSIGN_OR_RETURN(std::unique_ptr<RunState> run, prepare_run(plan, on_step, keep_parameters));
+  if (Transport* transport = plan.config().transport; transport != nullptr) {
+    Status status = run_on_transport(*run, plan.topology(), *transport);
     *stopped_together = run->stopped_together.load();
     EPX_RETURN_IF_ERROR(status);
   } else {
-    EPX_ASSIGN_OR_RETURN(Topology topology, Topology::create(config.num_ranks, config.num_nodes));
-    InprocWorld world(topology);
+    InprocWorld world(plan.topology());
     EPX_RETURN_IF_ERROR(first_error(world.run([&](Transport& transport) {
       StepContext where;
       return where.annotate(run_rank(*run, transport, where));

@@ -18,10 +18,15 @@
 #pragma once
 
 #include "epx/core/memory.h"
+#include "epx/train/run_plan.h"
 #include "epx/train/trainer.h"
 
 namespace epx {
 
 [[nodiscard]] Result<MemoryEstimate> estimate_train_memory(const TrainConfig& config);
+// The same for a plan's settings and resolved model (nothing resolved again).
+[[nodiscard]] Result<MemoryEstimate> estimate_train_memory(const RunPlan& plan);
+// The same for `model`, config's resolved model.
+[[nodiscard]] Result<MemoryEstimate> estimate_train_memory(const TrainConfig& config, const ModelConfig& model);
 
 }  // namespace epx
