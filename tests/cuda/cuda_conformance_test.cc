@@ -6,9 +6,11 @@
 // backward passes are compared exactly; combines exactly in the contract's
 // order (the kernels sum in fp32 without FMA, so there is no tolerance to
 // state). CudaGroup has blocking forms only, so a case's form is not
-// exercised here, nor its pass_layout and combine_input knobs (CudaBuffer's
-// asynchronous forms are checked in cuda_buffer_test.cc). Skipped, with the
-// reason, where no GPU is.
+// exercised here, nor its pass_layout and combine_input knobs (CudaGroup has
+// neither; CudaBuffer's dispatch_async and combine_async are checked in
+// cuda_buffer_test.cc). Skipped, with the reason, where no GPU is; like every
+// CUDA test it has been compiled but not yet run on a GPU (docs/design.md,
+// The CUDA backend).
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>

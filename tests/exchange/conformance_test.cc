@@ -9,7 +9,6 @@
 // in a SCOPED_TRACE.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
