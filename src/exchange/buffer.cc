@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "exchange/buffer_impl.h"
+#include "exchange/operation_queue.h"
 #include "exchange/dispatch_header.h"
 
 namespace epx {
@@ -59,7 +60,7 @@ int Handle::topk() const { return data_ ? data_->topk : 0; }
 Buffer::Buffer(std::unique_ptr<Impl> impl)
     : impl_(std::move(impl)),
       split_(std::make_unique<Split>()),
-      progress_(std::make_unique<detail::ProgressThread>(impl_->config.timeout)) {}
+      ops_(std::make_unique<detail::OperationQueue>(impl_->config.timeout)) {}
 Buffer::~Buffer() = default;
 
 const BufferConfig& Buffer::config() const { return impl_->config; }

@@ -1,147 +1,96 @@
-// Buffer's public operations: the blocking forms (after the queued
-// asynchronous ones), the asynchronous forms on the progress thread, and the
+// Buffer's and LowLatencyBuffer's public operations: the blocking and
+// asynchronous forms (one line each on the shared OperationQueue) and the
 // split send/receive forms built on them.
 #include <utility>
 
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/low_latency.h"
-#include "core/guard.h"
-#include "exchange/progress.h"
+#include "exchange/operation_queue.h"
 #include "exchange/split_phase_state.h"
 
 namespace epx {
 
-bool PendingOp::done() const {
-  if (!state_) return true;
-  std::lock_guard lock(state_->mutex);
-  return state_->done;
-}
-
-Status PendingOp::wait(const Deadline& deadline) const {
-  if (!state_) return Status::ok();
-  std::unique_lock lock(state_->mutex);
-  if (!state_->done_cv.wait_until(lock, deadline.when(), [&] { return state_->done; }))
-    return deadline_exceeded("the asynchronous exchange operation had not finished by the deadline; it is still "
-                             "running (wait again)");
-  return state_->status;
-}
-
-Status PendingOp::wait() const { return state_ ? wait(state_->bound) : Status::ok(); }
-
-Status Buffer::settle() { return progress_->drain(); }
-
-PendingOp Buffer::submit(std::function<Status()> op) { return PendingOp(progress_->submit(std::move(op))); }
-
-// Blocking forms.
+// Blocking forms (the queued asynchronous ones first), then the asynchronous
+// forms on the progress thread: operation_queue.h.
 
 Status Buffer::dispatch(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout) {
-  return detail::guard("dispatch", [&] {
-    EPX_RETURN_IF_ERROR(settle());
-    return dispatch_blocking(inputs, out, layout);
-  });
+  return ops_->run("dispatch", [&] { return dispatch_blocking(inputs, out, layout); });
 }
 
 Status Buffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  return detail::guard("dispatch_cached", [&] {
-    EPX_RETURN_IF_ERROR(settle());
-    return dispatch_cached_blocking(x, handle, recv_x);
-  });
+  return ops_->run("dispatch_cached", [&] { return dispatch_cached_blocking(x, handle, recv_x); });
 }
 
+// The view is of the combine region, which a queued combine may still use:
+// run() waits for it first.
 Result<TensorView> Buffer::combine_input(const Handle& handle, DType dtype) {
-  // The view is of the combine region, which a queued combine may still use.
-  return detail::guard("combine_input", [&]() -> Result<TensorView> {
-    EPX_RETURN_IF_ERROR(settle());
-    return combine_input_blocking(handle, dtype);
-  });
+  return ops_->run("combine_input", [&] { return combine_input_blocking(handle, dtype); });
 }
 
 Result<TensorView> Buffer::combine_expanded_input(const Handle& handle, DType dtype) {
-  // As combine_input: the region may still be in use by a queued combine.
-  return detail::guard("combine_expanded_input", [&]() -> Result<TensorView> {
-    EPX_RETURN_IF_ERROR(settle());
-    return combine_expanded_input_blocking(handle, dtype);
-  });
+  return ops_->run("combine_expanded_input", [&] { return combine_expanded_input_blocking(handle, dtype); });
 }
 
 Status Buffer::combine(const TensorView& y, const Handle& handle, const TensorView& out, const CombineOptions& options) {
-  return detail::guard("combine", [&] {
-    EPX_RETURN_IF_ERROR(settle());
-    return combine_blocking(y, handle, out, options);
-  });
+  return ops_->run("combine", [&] { return combine_blocking(y, handle, out, options); });
 }
 
 Status Buffer::dispatch_backward(const TensorView& grad_recv_x, const Handle& handle, const TensorView& grad_x,
                                  const CombineOptions& options) {
-  return detail::guard("dispatch_backward", [&] {
-    EPX_RETURN_IF_ERROR(settle());
-    return dispatch_backward_blocking(grad_recv_x, handle, grad_x, options);
-  });
+  return ops_->run("dispatch_backward",
+                   [&] { return dispatch_backward_blocking(grad_recv_x, handle, grad_x, options); });
 }
 
 Status Buffer::combine_backward(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
-  return detail::guard("combine_backward", [&] {
-    EPX_RETURN_IF_ERROR(settle());
-    return combine_backward_blocking(grad_out, handle, grad_y);
-  });
+  return ops_->run("combine_backward", [&] { return combine_backward_blocking(grad_out, handle, grad_y); });
 }
 
 Status Buffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                 const TensorView& weights, const CombineOptions& options) {
-  return detail::guard("combine_expanded", [&] {
-    EPX_RETURN_IF_ERROR(settle());
-    return combine_expanded_blocking(y_expanded, handle, out, weights, options);
-  });
+  return ops_->run("combine_expanded",
+                   [&] { return combine_expanded_blocking(y_expanded, handle, out, weights, options); });
 }
 
 Status Buffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
                                          const TensorView& y_expanded, const TensorView& weights,
                                          const TensorView& grad_y_expanded, const TensorView& grad_weights) {
-  return detail::guard("combine_expanded_backward", [&] {
-    EPX_RETURN_IF_ERROR(settle());
+  return ops_->run("combine_expanded_backward", [&] {
     return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   });
 }
 
-// Asynchronous forms: the arguments are captured by value (views and
-// handles are cheap to copy); what they point at is the caller's to keep.
-
 PendingOp Buffer::dispatch_async(const DispatchInputs& inputs, DispatchResult* out, const DispatchLayout* layout) {
-  return submit([this, inputs, out, layout] { return dispatch_blocking(inputs, out, layout); });
+  return ops_->submit([=, this] { return dispatch_blocking(inputs, out, layout); });
 }
 
 PendingOp Buffer::dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  return submit([this, x, handle, recv_x] { return dispatch_cached_blocking(x, handle, recv_x); });
+  return ops_->submit([=, this] { return dispatch_cached_blocking(x, handle, recv_x); });
 }
 
 PendingOp Buffer::combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
                                 const CombineOptions& options) {
-  return submit([this, y, handle, out, options] { return combine_blocking(y, handle, out, options); });
+  return ops_->submit([=, this] { return combine_blocking(y, handle, out, options); });
 }
 
 PendingOp Buffer::dispatch_backward_async(const TensorView& grad_recv_x, const Handle& handle,
                                           const TensorView& grad_x, const CombineOptions& options) {
-  return submit([this, grad_recv_x, handle, grad_x, options] {
-    return dispatch_backward_blocking(grad_recv_x, handle, grad_x, options);
-  });
+  return ops_->submit([=, this] { return dispatch_backward_blocking(grad_recv_x, handle, grad_x, options); });
 }
 
 PendingOp Buffer::combine_backward_async(const TensorView& grad_out, const Handle& handle, TensorView* grad_y) {
-  return submit([this, grad_out, handle, grad_y] { return combine_backward_blocking(grad_out, handle, grad_y); });
+  return ops_->submit([=, this] { return combine_backward_blocking(grad_out, handle, grad_y); });
 }
 
 PendingOp Buffer::combine_expanded_async(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                          const TensorView& weights, const CombineOptions& options) {
-  return submit([this, y_expanded, handle, out, weights, options] {
-    return combine_expanded_blocking(y_expanded, handle, out, weights, options);
-  });
+  return ops_->submit([=, this] { return combine_expanded_blocking(y_expanded, handle, out, weights, options); });
 }
 
 PendingOp Buffer::combine_expanded_backward_async(const TensorView& grad_out, const Handle& handle,
                                                   const TensorView& y_expanded, const TensorView& weights,
                                                   const TensorView& grad_y_expanded,
                                                   const TensorView& grad_weights) {
-  return submit([this, grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights] {
+  return ops_->submit([=, this] {
     return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   });
 }
@@ -149,25 +98,19 @@ PendingOp Buffer::combine_expanded_backward_async(const TensorView& grad_out, co
 // The low-latency buffer's forms, the same way.
 
 Status LowLatencyBuffer::dispatch(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {
-  return detail::guard("low-latency dispatch", [&] {
-    EPX_RETURN_IF_ERROR(progress_->drain());
-    return dispatch_blocking(inputs, out);
-  });
+  return ops_->run("low-latency dispatch", [&] { return dispatch_blocking(inputs, out); });
 }
 
 Status LowLatencyBuffer::combine(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
-  return detail::guard("low-latency combine", [&] {
-    EPX_RETURN_IF_ERROR(progress_->drain());
-    return combine_blocking(y, handle, out);
-  });
+  return ops_->run("low-latency combine", [&] { return combine_blocking(y, handle, out); });
 }
 
 PendingOp LowLatencyBuffer::dispatch_async(const LowLatencyDispatchInputs& inputs, LowLatencyDispatchResult* out) {
-  return PendingOp(progress_->submit([this, inputs, out] { return dispatch_blocking(inputs, out); }));
+  return ops_->submit([=, this] { return dispatch_blocking(inputs, out); });
 }
 
 PendingOp LowLatencyBuffer::combine_async(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out) {
-  return PendingOp(progress_->submit([this, y, handle, out] { return combine_blocking(y, handle, out); }));
+  return ops_->submit([=, this] { return combine_blocking(y, handle, out); });
 }
 
 // Split forms.

@@ -18,7 +18,9 @@ struct ForwardPlan {
   std::vector<std::vector<int32_t>> slot;
 };
 
-struct HandleData {
+// Which dispatch made a handle, and of what: what a backend decides before
+// it knows the counts (the CUDA backend passes it to fill_dispatch_result).
+struct HandleIdentity {
   uint64_t buffer_id = 0;
   // Which dispatch of its Buffer made it: the same number on every rank, so
   // ranks passing handles of different dispatches are caught.
@@ -27,6 +29,9 @@ struct HandleData {
   int num_tokens = 0;
   int topk = 0;
   bool has_weights = false;
+};
+
+struct HandleData : HandleIdentity {
 
   // counts[s * R + d]: tokens rank s sends to rank d (deduplicated).
   std::vector<int32_t> counts;

@@ -8,7 +8,7 @@
 #include "epx/core/buffer.h"
 #include "core/guard.h"
 #include "exchange/config_check.h"
-#include "exchange/progress.h"
+#include "exchange/operation_queue.h"
 #include "exchange/row_kernels.h"
 
 namespace epx {
@@ -324,7 +324,7 @@ struct LowLatencyBuffer::Impl {
 };
 
 LowLatencyBuffer::LowLatencyBuffer(std::unique_ptr<Impl> impl)
-    : impl_(std::move(impl)), progress_(std::make_unique<detail::ProgressThread>(impl_->config.timeout)) {}
+    : impl_(std::move(impl)), ops_(std::make_unique<detail::OperationQueue>(impl_->config.timeout)) {}
 LowLatencyBuffer::~LowLatencyBuffer() = default;
 
 const LowLatencyConfig& LowLatencyBuffer::config() const { return impl_->config; }

@@ -1,18 +1,23 @@
-// The exchange conformance table on the CUDA backend: R emulated ranks on one
-// GPU (CudaGroup), every operation against the reference of
-// tests/exchange/reference.h, which the in-process backend matches bit for
-// bit. Dispatch, layouts, the expanded layout and the backward passes are
-// compared exactly; combines exactly in the contract's order (the kernels sum
-// in fp32 without FMA, so there is no tolerance to state). Swept over world
-// sizes {1, 2, 3, 4, 8}, node shapes (1, 2 and 4 nodes), flat and two-hop,
-// f32 and bf16 payloads, top-k {1, 2, 8}, expert counts {R, 4R, 32+} and the
-// routing shapes of harness.h. Skipped, with the reason, where no GPU is.
+// The exchange conformance table (tests/exchange/conformance_table.h: the
+// same shapes, sub-cases and BufferConfig the in-process backend runs) on
+// the CUDA backend: R emulated ranks on one GPU (CudaGroup), every operation
+// against the reference of tests/exchange/reference.h, which the in-process
+// backend matches bit for bit. Dispatch, layouts, the expanded layout and the
+// backward passes are compared exactly; combines exactly in the contract's
+// order (the kernels sum in fp32 without FMA, so there is no tolerance to
+// state). CudaGroup has blocking forms only, so a case's form is not
+// exercised here, nor its pass_layout and combine_input knobs (CudaGroup has
+// neither; CudaBuffer's dispatch_async and combine_async are checked in
+// cuda_buffer_test.cc). Skipped, with the reason, where no GPU is; like every
+// CUDA test it has been compiled but not yet run on a GPU (docs/design.md,
+// The CUDA backend).
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
 #include "device_memory.h"
 #include "epx/exchange/cuda_group.h"
+#include "exchange/conformance_table.h"
 #include "exchange/harness.h"
 #include "exchange/reference.h"
 
@@ -25,83 +30,8 @@ using exchange_test::RefExpanded;
 using exchange_test::RefRecv;
 using exchange_test::Routing;
 
-constexpr int kMaxTokens = 40;
-constexpr int kMaxTopk = 8;
-constexpr float kPaddingGarbage = 1.0e4f;
-
-struct Shape {
-  int num_ranks;
-  int num_nodes;
-  DispatchAlgorithm algorithm;
-  DType dtype;
-};
-
-std::string shape_name(const ::testing::TestParamInfo<Shape>& info) {
-  const Shape& s = info.param;
-  return fmt::format("{}ranks_{}nodes_{}_{}", s.num_ranks, s.num_nodes,
-                     s.algorithm == DispatchAlgorithm::kFlat ? "flat" : "hierarchical", dtype_name(s.dtype));
-}
-
-std::vector<Shape> all_shapes() {
-  std::vector<Shape> shapes;
-  const std::pair<int, int> worlds[] = {{1, 1}, {2, 1}, {3, 1}, {4, 1}, {8, 1}, {2, 2}, {4, 2}, {8, 2}, {8, 4}};
-  for (auto [r, n] : worlds)
-    for (DispatchAlgorithm a : {DispatchAlgorithm::kFlat, DispatchAlgorithm::kHierarchical}) {
-      if (n == 1 && a == DispatchAlgorithm::kHierarchical) continue;
-      for (DType d : {DType::kF32, DType::kBF16}) shapes.push_back({r, n, a, d});
-    }
-  return shapes;
-}
-
-struct Case {
-  int num_experts = 0;
-  int topk = 0;
-  Routing routing = Routing::kUniform;
-  uint32_t seed = 0;
-  int hidden = 0;
-  int alignment = 1;
-  bool with_weights = false;
-  bool with_bias = false;
-  DType expanded_dtype = DType::kF32;
-  bool explicit_expand_weights = false;
-};
-
-std::vector<Case> make_cases(const Shape& shape) {
-  const int r = shape.num_ranks;
-  std::vector<Case> cases;
-  uint32_t index = 0;
-  for (int e : {r, 4 * r, 32 % r == 0 ? 32 : 48})
-    for (int k : {1, 2, 8}) {
-      if (k > e) continue;
-      for (Routing routing : exchange_test::kAllRoutings) {
-        const uint32_t bits = (index * 2654435761u) >> 7;
-        Case c;
-        c.num_experts = e;
-        c.topk = k;
-        c.routing = routing;
-        c.seed = 104729u * static_cast<uint32_t>(r * 8 + shape.num_nodes) + 31u * static_cast<uint32_t>(shape.dtype) +
-                 index * 5u + 3u;
-        // 36 columns of bf16 are 72 bytes: rows copied 8 bytes at a time.
-        c.hidden = index % 3 == 0 ? 8 : index % 3 == 1 ? 36 : 64;
-        c.alignment = (bits & 1u) ? 4 : 1;
-        c.with_weights = (bits & 6u) != 0;
-        c.with_bias = (bits & 16u) != 0;
-        c.expanded_dtype = (bits & 64u) ? DType::kBF16 : DType::kF32;
-        c.explicit_expand_weights = !c.with_weights || (bits & 128u) != 0;
-        cases.push_back(c);
-        ++index;
-      }
-    }
-  return cases;
-}
-
-std::string case_name(const Shape& s, const Case& c) {
-  return fmt::format("{} ranks / {} nodes, {} payload, E={} K={} routing={} seed={} hidden={} alignment={} weights={} "
-                     "bias={} expanded_y={}",
-                     s.num_ranks, s.num_nodes, dtype_name(s.dtype), c.num_experts, c.topk,
-                     exchange_test::routing_name(c.routing), c.seed, c.hidden, c.alignment, c.with_weights, c.with_bias,
-                     dtype_name(c.expanded_dtype));
-}
+using exchange_test::Case;
+using exchange_test::Shape;
 
 template <typename F>
 auto per_rank(int R, F f) {
@@ -133,16 +63,9 @@ void run_case(const Shape& shape, const Case& c) {
   const int R = shape.num_ranks, H = c.hidden, K = c.topk;
   const exchange_test::ExchangeSpec spec{*Topology::create(R, shape.num_nodes),
                                          *ExpertPlacement::contiguous(c.num_experts, R), shape.dtype, H, c.alignment};
-  const std::vector<RankInputs> inputs = exchange_test::make_inputs(spec, c.routing, K, kMaxTokens, c.with_weights, c.seed);
-  BufferConfig config;
-  config.num_experts = c.num_experts;
-  config.hidden = H;
-  config.dtype = shape.dtype;
-  config.max_topk = kMaxTopk;
-  config.max_tokens_per_rank = kMaxTokens;
-  config.expert_alignment = c.alignment;
-  config.algorithm = shape.algorithm;
-  auto group_or = CudaGroup::create(spec.topology, config);
+  const std::vector<RankInputs> inputs = exchange_test::make_inputs(
+      spec, c.routing, K, exchange_test::kConformanceMaxTokens, c.with_weights, c.seed);
+  auto group_or = CudaGroup::create(spec.topology, exchange_test::make_config(c));
   ASSERT_TRUE(group_or.is_ok()) << group_or.status().message();
   CudaGroup& group = **group_or;
   const exchange_test::CombineOrder order = exchange_test::expected_combine_order(spec.topology, shape.algorithm);
@@ -261,7 +184,7 @@ void run_case(const Shape& shape, const Case& c) {
     y_e[r] = exchange_test::expert_output(expanded_x, r, c.expanded_dtype);
     for (int64_t j = 0; j < y_e[r].rows(); ++j)
       if (expanded[r].recv_row[j] < 0)
-        for (int64_t col = 0; col < H; ++col) y_e[r].set(j, col, kPaddingGarbage);
+        for (int64_t col = 0; col < H; ++col) y_e[r].set(j, col, exchange_test::kPaddingGarbage);
     weights_e[r] = c.explicit_expand_weights
                        ? exchange_test::make_random_floats(c.seed + 19u * r, static_cast<std::size_t>(recv[r].num_recv() * K))
                        : recv[r].topk_weights;
@@ -315,14 +238,15 @@ void run_case(const Shape& shape, const Case& c) {
 
 TEST_P(CudaConformance, EveryOperationMatchesTheReference) {
   EPX_SKIP_WITHOUT_GPU();
-  for (const Case& c : make_cases(GetParam())) {
-    SCOPED_TRACE(case_name(GetParam(), c));
+  for (const Case& c : exchange_test::make_cases(GetParam())) {
+    SCOPED_TRACE(c.name());
     run_case(GetParam(), c);
     if (HasFatalFailure() || ::testing::Test::HasFailure()) return;  // the first failing case is enough
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda, CudaConformance, ::testing::ValuesIn(all_shapes()), shape_name);
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaConformance, ::testing::ValuesIn(exchange_test::all_shapes()),
+                         exchange_test::shape_name);
 
 // One hand-checkable scenario first: 2 ranks, 4 experts, hidden 8 (f32).
 TEST(CudaHand, TwoRanksFourExperts) {

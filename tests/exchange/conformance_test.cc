@@ -1,8 +1,6 @@
-// The exchange conformance table: every operation of Buffer, on every rank,
-// against the reference (exchange/reference.h), swept over world sizes
-// {1, 2, 3, 4, 8}, node shapes (1 x R, 2 x 1, 2 x 2, 2 x 4, 4 x 2), flat and
-// two-hop algorithms, f32 and bf16 payloads, top-k {1, 2, 8}, expert counts
-// {R, 4R, 32+} and the routing shapes of harness.h.
+// The exchange conformance table (conformance_table.h) on Buffer: every
+// operation, on every rank, against the reference (exchange/reference.h), in
+// every form (blocking, asynchronous, split).
 //
 // Everything is compared bit for bit: rows and metadata exactly, combines in
 // the order the contract fixes (flat: ranks ascending; two-hop: ranks of a
@@ -11,7 +9,6 @@
 // in a SCOPED_TRACE.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -25,110 +22,13 @@
 
 #include "epx/comm/topology.h"
 #include "epx/exchange/buffer.h"
+#include "exchange/conformance_table.h"
 #include "exchange/harness.h"
 #include "exchange/reference.h"
 #include "exchange/world.h"
 
 namespace epx::exchange_test {
 namespace {
-
-constexpr int kMaxTokens = 40;
-constexpr float kPaddingGarbage = 1.0e4f;  // written into expanded padding rows; must never reach an output
-
-// One (shape, algorithm, payload dtype): a gtest case.
-struct Shape {
-  int num_ranks;
-  int num_nodes;
-  DispatchAlgorithm algorithm;
-  DType dtype;
-};
-
-const char* algorithm_name(DispatchAlgorithm a) {
-  return a == DispatchAlgorithm::kFlat ? "flat" : a == DispatchAlgorithm::kHierarchical ? "hierarchical" : "auto";
-}
-
-std::string shape_name(const ::testing::TestParamInfo<Shape>& info) {
-  const Shape& s = info.param;
-  return fmt::format("{}ranks_{}nodes_{}_{}", s.num_ranks, s.num_nodes, algorithm_name(s.algorithm),
-                     dtype_name(s.dtype));
-}
-
-// How a case calls the operations: the blocking form, the asynchronous form
-// (issued, then waited for), or the split form (dispatch_send/recv and
-// combine_send/recv; the other operations asynchronously). Every form must
-// give the reference's bits.
-enum class Form { kBlocking, kAsync, kSplit };
-const char* form_name(Form f) { return f == Form::kBlocking ? "blocking" : f == Form::kAsync ? "async" : "split"; }
-
-// One sub-case: the routing and the knobs that vary with it.
-struct Case {
-  Shape shape;
-  int num_experts = 0;
-  int topk = 0;
-  Routing routing = Routing::kUniform;
-  uint32_t seed = 0;
-  int hidden = 0;
-  int alignment = 1;
-  bool with_weights = false;
-  bool pass_layout = false;
-  bool with_bias = false;
-  DType combine_input_dtype = DType::kF32;
-  DType expanded_dtype = DType::kF32;
-  bool explicit_expand_weights = false;
-  std::vector<int32_t> expert_map;  // expert -> rank; empty: contiguous blocks
-  Form form = Form::kBlocking;
-
-  [[nodiscard]] std::string name() const {
-    return fmt::format(
-        "{} ranks as {} nodes, {}, {} payload; E={} K={} routing={} seed={} hidden={} alignment={} weights={} "
-        "pass_layout={} bias={} combine_input={} expanded_y={} explicit_expand_weights={} form={}{}",
-        shape.num_ranks, shape.num_nodes, algorithm_name(shape.algorithm), dtype_name(shape.dtype), num_experts, topk,
-        routing_name(routing), seed, hidden, alignment, with_weights, pass_layout, with_bias,
-        dtype_name(combine_input_dtype), dtype_name(expanded_dtype), explicit_expand_weights, form_name(form),
-        expert_map.empty() ? "" : fmt::format(" expert_map={}", fmt::join(expert_map, ",")));
-  }
-};
-
-// Seeds of the per-rank tensors a rank makes up (biases, weights, gradients);
-// the checking side makes the same ones.
-uint32_t sub_seed(const Case& c, int what, int rank) { return c.seed * 1009u + static_cast<uint32_t>(what * 97 + rank); }
-enum : int { kBiasA = 1, kBiasB, kExpandWeights, kGradRecvWeights };
-
-std::vector<Case> make_cases(const Shape& shape) {
-  const int r = shape.num_ranks;
-  std::vector<int> experts = {r, 4 * r, 32 % r == 0 ? 32 : 48};
-  if (experts[2] == experts[1]) experts[2] = 64;
-  std::vector<Case> cases;
-  uint32_t index = 0;
-  for (int e : experts) {
-    for (int k : {1, 2, 8}) {
-      if (k > e) continue;
-      for (Routing routing : kAllRoutings) {
-        Case c;
-        c.shape = shape;
-        c.num_experts = e;
-        c.topk = k;
-        c.routing = routing;
-        c.seed = 7919u * (static_cast<uint32_t>(shape.num_ranks) * 16 + shape.num_nodes) +
-                 131u * static_cast<uint32_t>(shape.dtype) + 17u * static_cast<uint32_t>(shape.algorithm) + index * 3u +
-                 1u;
-        const uint32_t bits = (index * 2654435761u) >> 7;
-        c.hidden = (index % 3 == 0) ? 8 : (index % 3 == 1) ? 36 : 64;
-        c.alignment = (bits & 1u) ? 4 : 1;
-        c.with_weights = (bits & 6u) != 0;  // 3 in 4
-        c.pass_layout = (bits & 8u) != 0;
-        c.with_bias = (bits & 16u) != 0;
-        c.combine_input_dtype = (bits & 32u) ? DType::kBF16 : DType::kF32;
-        c.expanded_dtype = (bits & 64u) ? DType::kBF16 : DType::kF32;
-        c.explicit_expand_weights = !c.with_weights || (bits & 128u) != 0;
-        c.form = static_cast<Form>((index / 3) % 3);  // not index % 3: hidden follows that
-        cases.push_back(c);
-        ++index;
-      }
-    }
-  }
-  return cases;
-}
 
 // What one rank saw.
 struct RankResult {
@@ -169,20 +69,6 @@ struct RankResult {
 Status with_context(const char* what, Status status) {
   if (status.is_ok()) return status;
   return Status(status.code(), std::string(what) + ": " + status.message());
-}
-
-BufferConfig make_config(const Case& c) {
-  BufferConfig config;
-  config.num_experts = c.num_experts;
-  config.hidden = c.hidden;
-  config.dtype = c.shape.dtype;
-  config.max_topk = std::min(8, c.num_experts);  // at least topk; may be wider
-  config.max_tokens_per_rank = kMaxTokens;
-  config.expert_alignment = c.alignment;
-  config.algorithm = c.shape.algorithm;
-  config.timeout = Milliseconds(20000);
-  if (!c.expert_map.empty()) config.placement = *ExpertPlacement::from_map(c.expert_map, c.shape.num_ranks);
-  return config;
 }
 
 // Fills `y` (expanded rows) with expert output, padding rows with garbage.
@@ -392,7 +278,7 @@ CaseRun prepare_case(const Case& c) {
   EXPECT_TRUE(placement.is_ok()) << placement.status().to_string();
   if (!topology.is_ok() || !placement.is_ok()) return run;
   run.spec.emplace(ExchangeSpec{*topology, *placement, c.shape.dtype, c.hidden, c.alignment});
-  run.inputs = make_inputs(*run.spec, c.routing, c.topk, kMaxTokens, c.with_weights, c.seed);
+  run.inputs = make_inputs(*run.spec, c.routing, c.topk, kConformanceMaxTokens, c.with_weights, c.seed);
   run.results.resize(static_cast<std::size_t>(R));
   return run;
 }
@@ -623,29 +509,6 @@ TEST_P(Conformance, MatchesTheReference) {
     // The trace above names the first failing sub-case; the rest would repeat it.
     if (test_world().any(HasFailure())) return;
   }
-}
-
-std::vector<Shape> all_shapes() {
-  std::vector<Shape> shapes;
-  const struct {
-    int ranks;
-    int nodes;
-    std::vector<DispatchAlgorithm> algorithms;
-  } grid[] = {
-      {1, 1, {DispatchAlgorithm::kAuto}},
-      {2, 1, {DispatchAlgorithm::kAuto}},
-      {2, 2, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kHierarchical}},
-      {3, 1, {DispatchAlgorithm::kAuto}},
-      {4, 1, {DispatchAlgorithm::kAuto}},
-      {4, 2, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kAuto}},
-      {8, 1, {DispatchAlgorithm::kAuto}},
-      {8, 2, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kHierarchical}},
-      {8, 4, {DispatchAlgorithm::kFlat, DispatchAlgorithm::kAuto}},
-  };
-  for (const auto& g : grid)
-    for (DispatchAlgorithm a : g.algorithms)
-      for (DType dtype : {DType::kF32, DType::kBF16}) shapes.push_back({g.ranks, g.nodes, a, dtype});
-  return shapes;
 }
 
 INSTANTIATE_TEST_SUITE_P(Exchange, Conformance, ::testing::ValuesIn(all_shapes()), shape_name);

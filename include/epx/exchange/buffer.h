@@ -140,7 +140,7 @@ struct ExchangeStats {
 namespace detail {
 struct HandleData;
 struct PendingState;
-class ProgressThread;
+class OperationQueue;
 }
 
 // What a dispatch decided: the routes, counts and receive metadata. Combine,
@@ -423,15 +423,11 @@ class Buffer {
   Status combine_expanded_backward_blocking(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
                                        const TensorView& weights, const TensorView& grad_y_expanded,
                                        const TensorView& grad_weights);
-  // Waits for every queued asynchronous operation.
-  Status settle();
-  PendingOp submit(std::function<Status()> op);
-
   std::unique_ptr<Impl> impl_;
   std::unique_ptr<Split> split_;
-  // Declared last, destroyed first: queued operations finish before the
-  // memory they use goes away.
-  std::unique_ptr<detail::ProgressThread> progress_;
+  // The blocking and asynchronous forms' queue. Declared last, destroyed
+  // first: queued operations finish before the memory they use goes away.
+  std::unique_ptr<detail::OperationQueue> ops_;
 };
 
 }  // namespace epx

@@ -30,7 +30,6 @@
 //   EPX_RETURN_IF_ERROR(buffer->combine(y, recv.handle, out));
 #pragma once
 
-#include <functional>
 #include <memory>
 
 #include "epx/comm/transport.h"
@@ -121,13 +120,11 @@ class CudaBuffer {
   Status combine_expanded_backward_blocking(const TensorView& grad_out, const Handle& handle, const TensorView& y_expanded,
                                        const TensorView& weights, const TensorView& grad_y_expanded,
                                        const TensorView& grad_weights);
-  Status settle();
-  PendingOp submit(std::function<Status()> op);
-
   std::unique_ptr<Impl> impl_;
   // Declared last, destroyed first: queued operations finish before the
-  // memory they use goes away.
-  std::unique_ptr<detail::ProgressThread> progress_;
+  // memory they use goes away (the destructor resets it before it destroys
+  // the stream).
+  std::unique_ptr<detail::OperationQueue> ops_;
 };
 
 }  // namespace epx

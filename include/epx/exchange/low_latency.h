@@ -156,7 +156,7 @@ class LowLatencyBuffer {
   Status combine_blocking(const TensorView& y, const LowLatencyHandle& handle, const TensorView& out);
   std::unique_ptr<Impl> impl_;
   // Declared last, destroyed first: queued operations finish first.
-  std::unique_ptr<detail::ProgressThread> progress_;
+  std::unique_ptr<detail::OperationQueue> ops_;
 };
 
 }  // namespace epx

@@ -12,7 +12,7 @@
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
-#include "exchange/progress.h"
+#include "exchange/operation_queue.h"
 #include "exchange/host_staged_exchange.h"
 
 namespace epx {
@@ -170,8 +170,10 @@ struct CudaBuffer::Impl {
 };
 
 CudaBuffer::CudaBuffer(std::unique_ptr<Impl> impl)
-    : impl_(std::move(impl)), progress_(std::make_unique<detail::ProgressThread>(impl_->config.timeout)) {}
+    : impl_(std::move(impl)), ops_(std::make_unique<detail::OperationQueue>(impl_->config.timeout)) {}
 CudaBuffer::~CudaBuffer() {
+  // The queued operations run on the stream: they finish before it goes.
+  ops_.reset();
   if (impl_->stream != nullptr && cudaSetDevice(impl_->device) == cudaSuccess) cudaStreamDestroy(impl_->stream);
 }
 
@@ -304,8 +306,8 @@ Status CudaBuffer::dispatch_blocking(const DispatchInputs& in, DispatchResult* o
   // Every rank's rows have landed once every rank has synchronised its stream.
   EPX_RETURN_IF_ERROR(m.transport.barrier(deadline));
 
-  const detail::DispatchFacts facts{m.id, m.dispatch_seq, m.rank, m.num_tokens, m.topk, header(0, 2) != 0, m.dev()};
-  detail::fill_dispatch_result(facts, m.config, m.placement, topo, matrix, node_counts, expert_counts,
+  const detail::HandleIdentity id{m.id, m.dispatch_seq, m.rank, m.num_tokens, m.topk, header(0, 2) != 0};
+  detail::fill_dispatch_result(id, m.dev(), m.config, m.placement, topo, matrix, node_counts, expert_counts,
                                m.regions[m.rank].recv, out);
   out->stats.seconds = watch.seconds();
   return Status::ok();
@@ -486,82 +488,73 @@ Status CudaBuffer::combine_expanded_backward_blocking(const TensorView& grad_out
   return Status::ok();
 }
 
-// The public forms: blocking ones after the queued asynchronous ones, and
-// the asynchronous ones on the progress thread (as Buffer's, buffer_operations.cc).
-
-Status CudaBuffer::settle() { return progress_->drain(); }
-
-PendingOp CudaBuffer::submit(std::function<Status()> op) { return PendingOp(progress_->submit(std::move(op))); }
+// The public forms, one line each on the shared OperationQueue
+// (operation_queue.h), as Buffer's.
 
 Status CudaBuffer::dispatch(const DispatchInputs& inputs, DispatchResult* out) {
-  EPX_RETURN_IF_ERROR(settle());
-  return dispatch_blocking(inputs, out);
+  return ops_->run("dispatch", [&] { return dispatch_blocking(inputs, out); });
 }
 
 Status CudaBuffer::dispatch_cached(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  EPX_RETURN_IF_ERROR(settle());
-  return dispatch_cached_blocking(x, handle, recv_x);
+  return ops_->run("dispatch_cached", [&] { return dispatch_cached_blocking(x, handle, recv_x); });
 }
 
+// A queued combine may still use the region: run() waits for it first.
 Result<TensorView> CudaBuffer::combine_input(const Handle& handle, DType dtype) {
-  EPX_RETURN_IF_ERROR(settle());  // a queued combine may still use the region
-  return combine_input_blocking(handle, dtype);
+  return ops_->run("combine_input", [&] { return combine_input_blocking(handle, dtype); });
 }
 
 Status CudaBuffer::combine(const TensorView& y, const Handle& handle, const TensorView& out,
                            const CombineOptions& options) {
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_blocking(y, handle, out, options);
+  return ops_->run("combine", [&] { return combine_blocking(y, handle, out, options); });
 }
 
+// A queued dispatch would replace the layout: run() waits for it first.
 Result<const ExpandedLayout*> CudaBuffer::expanded_layout(const Handle& handle) {
-  EPX_RETURN_IF_ERROR(settle());  // a queued dispatch would replace it
-  return expanded_layout_blocking(handle);
+  return ops_->run("expanded_layout", [&] { return expanded_layout_blocking(handle); });
 }
 
 Status CudaBuffer::expand(const TensorView& recv_x, const Handle& handle, const TensorView& out) {
-  EPX_RETURN_IF_ERROR(settle());
-  return expand_blocking(recv_x, handle, out);
+  return ops_->run("expand", [&] { return expand_blocking(recv_x, handle, out); });
 }
 
 Status CudaBuffer::combine_expanded(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                     const TensorView& weights, const CombineOptions& options) {
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_expanded_blocking(y_expanded, handle, out, weights, options);
+  return ops_->run("combine_expanded",
+                   [&] { return combine_expanded_blocking(y_expanded, handle, out, weights, options); });
 }
 
 Status CudaBuffer::combine_expanded_backward(const TensorView& grad_out, const Handle& handle,
                                              const TensorView& y_expanded, const TensorView& weights,
                                              const TensorView& grad_y_expanded, const TensorView& grad_weights) {
-  EPX_RETURN_IF_ERROR(settle());
-  return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  return ops_->run("combine_expanded_backward", [&] {
+    return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
+  });
 }
 
 PendingOp CudaBuffer::dispatch_async(const DispatchInputs& inputs, DispatchResult* out) {
-  return submit([this, inputs, out] { return dispatch_blocking(inputs, out); });
+  return ops_->submit([=, this] { return dispatch_blocking(inputs, out); });
 }
 
 PendingOp CudaBuffer::dispatch_cached_async(const TensorView& x, const Handle& handle, TensorView* recv_x) {
-  return submit([this, x, handle, recv_x] { return dispatch_cached_blocking(x, handle, recv_x); });
+  return ops_->submit([=, this] { return dispatch_cached_blocking(x, handle, recv_x); });
 }
 
 PendingOp CudaBuffer::combine_async(const TensorView& y, const Handle& handle, const TensorView& out,
                                     const CombineOptions& options) {
-  return submit([this, y, handle, out, options] { return combine_blocking(y, handle, out, options); });
+  return ops_->submit([=, this] { return combine_blocking(y, handle, out, options); });
 }
 
 PendingOp CudaBuffer::combine_expanded_async(const TensorView& y_expanded, const Handle& handle, const TensorView& out,
                                              const TensorView& weights, const CombineOptions& options) {
-  return submit([this, y_expanded, handle, out, weights, options] {
-    return combine_expanded_blocking(y_expanded, handle, out, weights, options);
-  });
+  return ops_->submit([=, this] { return combine_expanded_blocking(y_expanded, handle, out, weights, options); });
 }
 
 PendingOp CudaBuffer::combine_expanded_backward_async(const TensorView& grad_out, const Handle& handle,
                                                       const TensorView& y_expanded, const TensorView& weights,
                                                       const TensorView& grad_y_expanded,
                                                       const TensorView& grad_weights) {
-  return submit([this, grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights] {
+  return ops_->submit([=, this] {
     return combine_expanded_backward_blocking(grad_out, handle, y_expanded, weights, grad_y_expanded, grad_weights);
   });
 }

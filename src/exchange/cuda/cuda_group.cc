@@ -347,8 +347,8 @@ Status CudaGroup::dispatch(std::span<const DispatchInputs> inputs, std::vector<D
 
   out->assign(R, DispatchResult{});
   for (int r = 0; r < R; ++r) {
-    const detail::DispatchFacts facts{m.id, m.dispatch_seq, r, m.ranks[r].num_tokens, m.topk, m.has_weights, m.devices[r]};
-    detail::fill_dispatch_result(facts, m.config, m.placement, m.topology, counts, node_counts, expert_counts,
+    const detail::HandleIdentity id{m.id, m.dispatch_seq, r, m.ranks[r].num_tokens, m.topk, m.has_weights};
+    detail::fill_dispatch_result(id, m.devices[r], m.config, m.placement, m.topology, counts, node_counts, expert_counts,
                                  m.ranks[r].region.recv, &(*out)[r]);
     (*out)[r].stats.seconds = watch.seconds();
   }

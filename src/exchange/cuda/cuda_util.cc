@@ -108,39 +108,35 @@ void add_dispatch_meta(cuda::DispatchArgs* a, const TensorView& topk_idx, const 
   a->local_id = local_id;
 }
 
-void fill_dispatch_result(const DispatchFacts& f, const BufferConfig& config, const ExpertPlacement& placement,
-                          const Topology& topology, std::span<const int32_t> counts,
+void fill_dispatch_result(const HandleIdentity& id, Device device, const BufferConfig& config,
+                          const ExpertPlacement& placement, const Topology& topology, std::span<const int32_t> counts,
                           std::span<const int32_t> node_counts, std::span<const int64_t> expert_counts,
                           const RecvRegion& mine, DispatchResult* out) {
   const int R = topology.num_ranks();
   auto h = std::make_shared<HandleData>();
-  h->buffer_id = f.buffer_id;
-  h->dispatch_seq = f.dispatch_seq;
-  h->rank = f.rank;
-  h->num_tokens = f.num_tokens;
-  h->topk = f.topk;
-  h->has_weights = f.has_weights;
+  static_cast<HandleIdentity&>(*h) = id;
   h->counts.assign(counts.begin(), counts.end());
   h->node_counts.assign(node_counts.begin(), node_counts.end());
-  h->num_recv = num_recv_rows(counts, R, f.rank);
-  h->num_local_experts = placement.num_local_experts(f.rank);
+  h->num_recv = num_recv_rows(counts, R, id.rank);
+  h->num_local_experts = placement.num_local_experts(id.rank);
   h->expert_alignment = config.expert_alignment;
   h->num_recv_tokens_per_expert =
-      aligned_recv_expert_counts(expert_counts, R, placement, f.rank, config.expert_alignment);
+      aligned_recv_expert_counts(expert_counts, R, placement, id.rank, config.expert_alignment);
   const int64_t n = h->num_recv;
   DispatchResult& o = *out;
   o = DispatchResult{};
-  o.recv_x = TensorView::contiguous(mine.recv_x, config.dtype, {n, config.hidden}, f.device);
-  o.recv_topk_idx = TensorView::contiguous(mine.topk_idx, DType::kI32, {n, f.topk}, f.device);
-  if (f.has_weights) o.recv_topk_weights = TensorView::contiguous(mine.topk_weights, DType::kF32, {n, f.topk}, f.device);
-  o.recv_src_rank = TensorView::contiguous(mine.src_rank, DType::kI32, {n}, f.device);
-  o.recv_src_idx = TensorView::contiguous(mine.src_idx, DType::kI32, {n}, f.device);
+  o.recv_x = TensorView::contiguous(mine.recv_x, config.dtype, {n, config.hidden}, device);
+  o.recv_topk_idx = TensorView::contiguous(mine.topk_idx, DType::kI32, {n, id.topk}, device);
+  if (id.has_weights)
+    o.recv_topk_weights = TensorView::contiguous(mine.topk_weights, DType::kF32, {n, id.topk}, device);
+  o.recv_src_rank = TensorView::contiguous(mine.src_rank, DType::kI32, {n}, device);
+  o.recv_src_idx = TensorView::contiguous(mine.src_idx, DType::kI32, {n}, device);
   o.num_recv_tokens_per_expert = h->num_recv_tokens_per_expert;
   const auto row_bytes = static_cast<int64_t>(config.hidden * dtype_size(config.dtype));
   for (int d = 0; d < R; ++d) {
-    const int64_t rows = counts[static_cast<std::size_t>(f.rank) * R + d];
+    const int64_t rows = counts[static_cast<std::size_t>(id.rank) * R + d];
     o.stats.rows_sent += rows;
-    (topology.same_node(f.rank, d) ? o.stats.intra_node_payload_bytes : o.stats.inter_node_payload_bytes) +=
+    (topology.same_node(id.rank, d) ? o.stats.intra_node_payload_bytes : o.stats.inter_node_payload_bytes) +=
         rows * row_bytes;
   }
   o.stats.rows_received = n;

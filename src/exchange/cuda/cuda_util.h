@@ -13,6 +13,7 @@
 #include "epx/core/tensor.h"
 #include "epx/exchange/buffer.h"
 #include "exchange/cuda/kernels.h"
+#include "exchange/handle_data.h"
 
 // Wraps a CUDA runtime call: a failure returns Internal with the call, file and line.
 #define EPX_CUDA_CHECK(expr)                                                                              \
@@ -114,21 +115,13 @@ cuda::DispatchArgs make_dispatch_args(const TensorView& x, std::size_t row_bytes
 void add_dispatch_meta(cuda::DispatchArgs* args, const TensorView& topk_idx, const TensorView& topk_weights,
                        const int32_t* expert_rank, const int32_t* local_id);
 
-// What one rank's dispatch decided, for its DispatchResult.
-struct DispatchFacts {
-  uint64_t buffer_id = 0;
-  int64_t dispatch_seq = 0;
-  int rank = 0;
-  int num_tokens = 0;
-  int topk = 0;
-  bool has_weights = false;
-  Device device;
-};
-// Fills rank facts.rank's result: device views of its RecvRegion, the
-// handle's host data (counts [R, R], node_counts [R, N], expert_counts
-// [R, E]), aligned per-expert counts and the stats (rows to ranks of other
-// nodes count as inter-node bytes).
-void fill_dispatch_result(const DispatchFacts& facts, const BufferConfig& config, const ExpertPlacement& placement,
+// Fills rank id.rank's result: device views (on `device`) of its RecvRegion,
+// the handle (`id`, then the host data: counts [R, R], node_counts [R, N],
+// expert_counts [R, E] and aligned per-expert counts) and the stats (rows to
+// ranks of other nodes count as inter-node bytes). The handle's data is host
+// memory, as the CPU backend's: combine and backward read the counts there.
+void fill_dispatch_result(const HandleIdentity& id, Device device, const BufferConfig& config,
+                          const ExpertPlacement& placement,
                           const Topology& topology, std::span<const int32_t> counts,
                           std::span<const int32_t> node_counts, std::span<const int64_t> expert_counts,
                           const RecvRegion& mine, DispatchResult* out);
