@@ -23,7 +23,9 @@ shared: --rounds alternates the C++ command and the Python runs so that both
 see the same load, and the medians pool every round's repetitions. Each
 operation's CPU time (the ranks' thread CPU time summed; the C++ bench's
 cpu_ms) is printed too: unlike wall time it does not grow with other load,
-so cpu_ratio = C++ CPU / Python CPU shows the work the Python layer adds.
+so cpu_ratio = C++ CPU / Python CPU shows the work the Python layer adds. spread_ms: the
+median of (last start - first start) + (last end - first end) of the Python ranks, the
+time they took the GIL one after another around the operation.
 Prints one JSON object per line; the last one is the summary.
 """
 import argparse
@@ -80,6 +82,17 @@ class Marks:
         reps = len(per_rank[0])
         return [bu.span([r[i][0] for r in per_rank], [r[i][1] for r in per_rank]) for i in range(skip, reps)]
 
+    def spreads(self, method, skip):
+        """Per repetition, the last start minus the first, plus the last end minus the first: the
+        time the ranks spend taking the GIL one after the other around the operation (C++ ranks
+        start and end together)."""
+        per_rank = self.ranks[method]
+        spreads = []
+        for i in range(skip, len(per_rank[0])):
+            starts, ends = [r[i][0] for r in per_rank], [r[i][1] for r in per_rank]
+            spreads.append(max(starts) - min(starts) + max(ends) - min(ends))
+        return spreads
+
     def cpu_seconds(self, method, skip):
         """The ranks' thread CPU time per repetition, summed (the barrier before each op included)."""
         per_rank = self.cpu[method]
@@ -120,6 +133,7 @@ def python_bench(tokens, ranks, nodes, reps, seed):
     for op in ("dispatch", "combine"):
         res[op] = marks.spans(op, 1)
         res[f"{op}_cpu"] = marks.cpu_seconds(op, 1)
+        res[f"{op}_spread"] = marks.spreads(op, 1)
     return res
 
 
@@ -139,6 +153,7 @@ def compare(tokens, ranks, shape, py, cxx):
         rec[f"cxx_{op}_cpu_ms"] = bu.median(cxx[f"{op}_cpu"])
         rec[f"{op}_ratio"] = rec[f"cxx_{op}"]["median_ms"] / rec[f"python_{op}"]["median_ms"]
         rec[f"{op}_cpu_ratio"] = rec[f"cxx_{op}_cpu_ms"] / rec[f"python_{op}_cpu_ms"]
+        rec[f"python_{op}_spread_ms"] = 1e3 * bu.median(py[f"{op}_spread"])
         rec[f"{op}_overhead_us"] = 1e3 * (rec[f"python_{op}"]["median_ms"] - rec[f"cxx_{op}"]["median_ms"])
     return rec
 
@@ -181,7 +196,8 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"load_average_end": bu.load_average(), "summary": [
         {k: r[k] for k in ("part", "tokens", "ranks", "shape", "dispatch_ratio", "combine_ratio", "dispatch_cpu_ratio",
-                           "combine_cpu_ratio", "dispatch_overhead_us", "combine_overhead_us")} for r in rows]}))
+                           "combine_cpu_ratio", "dispatch_overhead_us", "combine_overhead_us",
+                           "python_dispatch_spread_ms", "python_combine_spread_ms")} for r in rows]}))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ and property setter of the extension once, so that this case raises instead:
   [-2147483648, 2147483647] (int)" for an integer outside the C++ type ("int" is 32 bits,
   "int64" 64 bits, as the signatures say).
 
+Methods whose arguments are all objects (Buffer.dispatch, combine, ...: the binding checks
+them itself, with epx's messages) are left unwrapped: no argument of theirs can be blamed.
+
 Arguments are matched to the signature pybind11 prints first in the docstring; when no
 argument can be blamed, pybind11's own TypeError is raised unchanged.
 """
@@ -174,6 +177,16 @@ def _wrap(fn, where, doc, module, setter=False):
     return call
 
 
+def _takes_any_objects(doc):
+    """True when the one signature in `doc` takes only objects (pybind11's `handle`) besides self:
+    pybind11 then refuses a call only for the number or names of its arguments, which explain()
+    never blames, so a wrapper would add a Python call to every call (the exchange's hot path:
+    dispatch, combine) and explain nothing."""
+    params = parse_signature(doc)
+    return (params is not None and "Overloaded function" not in doc
+            and all(annotation in ("handle", "object") for name, annotation, _, _ in params if name != "self"))
+
+
 def _is_pybind_function(obj):
     return type(obj).__name__ in ("builtin_function_or_method", "instancemethod")
 
@@ -195,6 +208,8 @@ def _explain_class(cls, module):
         if type(member).__name__ != "instancemethod" or name.startswith("__") and name != "__init__":
             continue
         function = member.__func__
+        if _takes_any_objects(function.__doc__):
+            continue
         where = f"{cls.__name__}()" if name == "__init__" else f"{cls.__name__}.{name}()"
         setattr(cls, name, _wrap(function, where, function.__doc__, module))
 

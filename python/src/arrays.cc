@@ -1,4 +1,5 @@
-// numpy arrays (buffer protocol) and torch CPU tensors (DLPack) in and out.
+// numpy arrays (buffer protocol) and torch CPU tensors in (their data pointer,
+// shape, strides and dtype) and out (DLPack).
 #include "arrays.h"
 
 #include <dlpack/dlpack.h>
@@ -8,6 +9,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <pybind11/numpy.h>
@@ -56,54 +59,126 @@ void check_ndim(std::string_view name, int ndim) {
   }
 }
 
-bool is_torch_tensor(pb::handle obj) {
-  PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");  // borrowed; only if imported
-  if (torch == nullptr) return false;
-  pb::object tensor_type = pb::reinterpret_borrow<pb::object>(torch).attr("Tensor");
-  return pb::isinstance(obj, tensor_type);
+// torch's objects that the torch paths use, looked up once torch has been
+// imported (never imported here for a numpy caller), and kept for the life of
+// the process: a tensor argument then costs attribute reads, not a lookup of
+// torch in sys.modules and a DLPack export.
+struct TorchApi {
+  pb::object tensor_type;  // torch.Tensor
+  pb::object strided;      // torch.strided
+  pb::object from_dlpack;  // a DLPack capsule -> a tensor (torch.utils.dlpack)
+  std::vector<std::pair<pb::object, DType>> dtypes;  // torch.float32 -> kF32, ...
+  pb::str requires_grad, is_cpu, device, layout, dtype, shape, stride, data_ptr;
+};
+
+TorchApi* make_torch_api(pb::handle torch) {
+  // torch.utils.dlpack.from_dlpack takes a capsule to the C function
+  // _from_dlpack after a few Python-level checks: call that function directly.
+  const pb::module_ dlpack = pb::module_::import("torch.utils.dlpack");
+  auto* api = new TorchApi;
+  api->tensor_type = torch.attr("Tensor");
+  api->strided = torch.attr("strided");
+  api->from_dlpack = pb::getattr(dlpack, "_from_dlpack", dlpack.attr("from_dlpack"));
+  for (const auto& [attr, dtype] : {std::pair{"float32", DType::kF32}, {"float64", DType::kF64},
+                                    {"bfloat16", DType::kBF16}, {"int32", DType::kI32}, {"int64", DType::kI64},
+                                    {"uint8", DType::kFP8E4M3}}) {
+    api->dtypes.emplace_back(torch.attr(attr), dtype);
+  }
+  const auto interned = [](const char* name) { return pb::reinterpret_steal<pb::str>(PyUnicode_InternFromString(name)); };
+  api->requires_grad = interned("requires_grad");
+  api->is_cpu = interned("is_cpu");
+  api->device = interned("device");
+  api->layout = interned("layout");
+  api->dtype = interned("dtype");
+  api->shape = interned("shape");
+  api->stride = interned("stride");
+  api->data_ptr = interned("data_ptr");
+  return api;
 }
 
-// ---- torch in: DLPack ------------------------------------------------------
-
-Result<DType> dtype_of_dlpack(DLDataType type) {
-  if (type.lanes == 1) {
-    if (type.code == kDLFloat && type.bits == 32) return DType::kF32;
-    if (type.code == kDLFloat && type.bits == 64) return DType::kF64;
-    if (type.code == kDLBfloat && type.bits == 16) return DType::kBF16;
-    if (type.code == kDLInt && type.bits == 32) return DType::kI32;
-    if (type.code == kDLInt && type.bits == 64) return DType::kI64;
-    if (type.code == kDLUInt && type.bits == 8) return DType::kFP8E4M3;
+// torch's objects, or null while torch is not imported; `import`: imports it first.
+const TorchApi* torch_api(bool import = false) {
+  static TorchApi* api = nullptr;  // built with the GIL held; never freed (outlives the interpreter's teardown)
+  if (api != nullptr) return api;
+  if (import) pb::module_::import("torch");
+  PyObject* torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");  // borrowed
+  if (torch == nullptr) return nullptr;
+  TorchApi* built = make_torch_api(torch);
+  if (api == nullptr) {
+    api = built;  // another thread may have built one while an import above let go of the GIL
+  } else {
+    delete built;
   }
-  return invalid_argument("dtype (code {}, {} bits)", type.code, type.bits);
+  return api;
+}
+
+bool is_torch_tensor(pb::handle obj) {
+  const TorchApi* api = torch_api();
+  if (api == nullptr) return false;
+  const int is = PyObject_IsInstance(obj.ptr(), api->tensor_type.ptr());
+  if (is < 0) throw pb::error_already_set();
+  return is != 0;
+}
+
+// ---- torch in: the tensor's own data pointer, shape, strides and dtype -------
+
+DType dtype_of_torch(const TorchApi& api, pb::handle obj, std::string_view name) {
+  const pb::object dtype = obj.attr(api.dtype);
+  for (const auto& [object, value] : api.dtypes) {
+    if (dtype.is(object)) return value;
+  }
+  bad(name, fmt::format("{} is not a dtype epx takes (float32, bfloat16, int32, int64, float64, uint8)",
+                        pb::str(dtype).cast<std::string>()));
+}
+
+// The tensor's sizes and element strides (DLPack's view of them: what torch
+// exports is what epx reads).
+int torch_dims(const TorchApi& api, pb::handle obj, std::string_view name, Dims& sizes, Dims& strides) {
+  const pb::object shape = obj.attr(api.shape);  // torch.Size, a tuple
+  if (!PyTuple_Check(shape.ptr())) bad(name, fmt::format("the tensor's shape is a {}, not a tuple", type_name(shape)));
+  const auto ndim = static_cast<int>(PyTuple_GET_SIZE(shape.ptr()));
+  check_ndim(name, ndim);
+  const pb::object stride = obj.attr(api.stride)();
+  if (!PyTuple_Check(stride.ptr()) || PyTuple_GET_SIZE(stride.ptr()) != ndim) {
+    bad(name, fmt::format("the tensor's stride() is {}, not {} integers", pb::repr(stride).cast<std::string>(), ndim));
+  }
+  for (int d = 0; d < ndim; ++d) {
+    sizes[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), d));
+    strides[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride.ptr(), d));
+  }
+  if (PyErr_Occurred() != nullptr) throw pb::error_already_set();
+  return ndim;
 }
 
 ArrayArg view_torch(pb::handle obj, std::string_view name) {
-  if (obj.attr("requires_grad").cast<bool>()) bad(name, "the tensor requires grad: pass it .detach()ed");
-  if (!obj.attr("is_cpu").cast<bool>()) {
-    bad(name, fmt::format("the tensor is on {}; epx takes CPU tensors", pb::str(obj.attr("device")).cast<std::string>()));
+  const TorchApi& api = *torch_api();
+  if (obj.attr(api.requires_grad).cast<bool>()) bad(name, "the tensor requires grad: pass it .detach()ed");
+  if (!obj.attr(api.is_cpu).cast<bool>()) {
+    bad(name, fmt::format("the tensor is on {}; epx takes CPU tensors", pb::str(obj.attr(api.device)).cast<std::string>()));
   }
+  const pb::object layout = obj.attr(api.layout);
+  if (!layout.is(api.strided)) {
+    bad(name, fmt::format("the tensor's layout is {}; epx takes strided (dense) tensors",
+                          pb::str(layout).cast<std::string>()));
+  }
+  const DType dtype = dtype_of_torch(api, obj, name);
+  Dims sizes{}, strides{};
+  const int ndim = torch_dims(api, obj, name, sizes, strides);
+  // Dimensions of size 1 and empty tensors may have any strides: never used
+  // to address, so those take the dense stride (a [1, H] row is a matrix, a
+  // [0, H] one too).
+  const bool empty = std::any_of(sizes.begin(), sizes.begin() + ndim, [](int64_t n) { return n == 0; });
+  int64_t stride = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (sizes[d] <= 1 || empty) strides[d] = stride;
+    stride *= std::max<int64_t>(sizes[d], 1);
+  }
+  void* data = PyLong_AsVoidPtr(obj.attr(api.data_ptr)().ptr());
+  if (PyErr_Occurred() != nullptr) throw pb::error_already_set();
   ArrayArg arg;
   arg.kind = ArrayKind::kTorch;
-  arg.owner = obj.attr("__dlpack__")();  // the capsule: its destructor frees the export
-  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(arg.owner.ptr(), "dltensor"));
-  if (managed == nullptr) throw pb::error_already_set();
-  const DLTensor& t = managed->dl_tensor;
-  Result<DType> dtype = dtype_of_dlpack(t.dtype);
-  if (!dtype.is_ok()) bad(name, fmt::format("{} is not a dtype epx takes (float32, bfloat16, int32, int64, float64, uint8)",
-                                            pb::str(obj.attr("dtype")).cast<std::string>()));
-  check_ndim(name, t.ndim);
-  Dims sizes{}, strides{};
-  // torch exports dimensions of size 1 with stride 1 and empty tensors with
-  // any strides: never used to address, so those take the dense stride (a
-  // [1, H] row is a matrix, a [0, H] one too).
-  const bool empty = std::any_of(t.shape, t.shape + t.ndim, [](int64_t n) { return n == 0; });
-  int64_t stride = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    sizes[d] = t.shape[d];
-    strides[d] = t.strides != nullptr && t.shape[d] > 1 && !empty ? t.strides[d] : stride;
-    stride *= std::max<int64_t>(t.shape[d], 1);
-  }
-  arg.view = make_view(static_cast<std::byte*>(t.data) + t.byte_offset, *dtype, t.ndim, sizes, strides);
+  arg.owner = pb::reinterpret_borrow<pb::object>(obj);  // the tensor holds its storage
+  arg.view = make_view(data, dtype, ndim, sizes, strides);
   return arg;
 }
 
@@ -223,7 +298,7 @@ pb::object torch_view(const TensorView& view, pb::object owner) {
     throw pb::error_already_set();
   }
   pb::object handle = pb::reinterpret_steal<pb::object>(capsule);
-  return pb::module_::import("torch.utils.dlpack").attr("from_dlpack")(handle);
+  return torch_api(/*import=*/true)->from_dlpack(handle);
 }
 
 // Copies `from` into the same-shaped, same-dtype `to`, any strides.
@@ -313,7 +388,7 @@ ArrayArg view_output(pb::handle obj, std::string_view name) {
   if (arg.kind == ArrayKind::kNumpy && pb::hasattr(obj, "flags") && !obj.attr("flags").attr("writeable").cast<bool>()) {
     throw_error("InvalidArgumentError", fmt::format("{}: the array is read-only", name));
   }
-  arg.owner = pb::reinterpret_borrow<pb::object>(obj);  // the tensor keeps its memory; its capsule may go
+  arg.owner = pb::reinterpret_borrow<pb::object>(obj);  // the array itself, what the call returns
   return arg;
 }
 

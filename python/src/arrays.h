@@ -1,12 +1,13 @@
 // Arrays across the binding: numpy arrays and PyTorch CPU tensors as
 // TensorViews (in), new arrays and zero-copy views of epx's regions (out).
 //
-// In: a numpy array through the buffer protocol, a torch tensor through
-// DLPack (`__dlpack__`), both without copies. dtypes: float32, bfloat16
+// In: a numpy array through the buffer protocol, a torch tensor through its
+// data_ptr(), shape, stride() and dtype (what its DLPack export would say,
+// without making one), both without copies. dtypes: float32, bfloat16
 // (torch.bfloat16, or numpy uint16 holding the bits), int32, int64, float64,
 // uint8 (fp8 e4m3 codes and ue8m0 scales). Anything else, a GPU tensor, a
-// tensor that requires grad or a non-array raises epx.InvalidArgumentError
-// naming the argument; shape and stride checks are left to the C++ call
+// sparse tensor, a tensor that requires grad or a non-array raises
+// epx.InvalidArgumentError naming the argument; shape and stride checks are left to the C++ call
 // (the same checks C++ users get).
 //
 // Out: arrays of the caller's library (ArrayKind): a fresh one owning its

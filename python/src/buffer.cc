@@ -251,14 +251,17 @@ int64_t expanded_rows_bound(int num_ranks, int num_experts, int hidden, int max_
 
 // One operation: its blocking and asynchronous forms (over views and
 // handles only), the Python objects they use, and the result it gives.
+// Lambdas, not std::functions: the blocking form allocates nothing here.
+template <typename Now, typename Start, typename Finish>
 struct Op {
-  std::function<Status()> now;
-  std::function<PendingOp()> start;
+  Now now;
+  Start start;
   std::vector<pb::object> keep;
-  std::function<pb::object()> finish;
+  Finish finish;
 };
 
-pb::object perform(Op op, bool async) {
+template <typename Now, typename Start, typename Finish>
+pb::object perform(Op<Now, Start, Finish> op, bool async) {
   if (!async) {
     call(op.now);
     return op.finish();
@@ -272,7 +275,7 @@ pb::object dispatch(BufferState& self, pb::handle x, pb::handle topk_idx, pb::ha
   const uint64_t generation = begin_write(self, kRecv, "dispatch");
   auto result = std::make_shared<DispatchResult>();
   const DispatchInputs in = args.inputs();
-  return perform({[&buffer, in, result] { return buffer.dispatch(in, result.get()); },
+  return perform(Op{[&buffer, in, result] { return buffer.dispatch(in, result.get()); },
                   [&buffer, in, result] { return buffer.dispatch_async(in, result.get()); }, args.owners(),
                   [state = self.shared_from_this(), result, generation, kind = args.x.kind] {
                     return make_result(state, result, generation, kind);
@@ -307,7 +310,7 @@ pb::object combine_like(const CombineForm& form, BufferState& self, pb::handle y
   std::vector<pb::object> keep = args.owners();
   keep.push_back(in.owner);
   pb::object result = args.grad_recv_w.defined() ? pb::object(pb::make_tuple(o.owner, args.grad_w.owner)) : o.owner;
-  return perform({[&buffer, iv, h, ov, options, now = form.now] { return (buffer.*now)(iv, h, ov, options); },
+  return perform(Op{[&buffer, iv, h, ov, options, now = form.now] { return (buffer.*now)(iv, h, ov, options); },
                   [&buffer, iv, h, ov, options, start = form.start] { return (buffer.*start)(iv, h, ov, options); },
                   keep, [result] { return result; }},
                  async);
@@ -342,7 +345,7 @@ pb::object cached_like(const CachedForm& form, BufferState& self, pb::handle x, 
   begin_write(self, kRecv, form.op);
   auto recv = std::make_shared<TensorView>();
   const TensorView iv = in.view;
-  return perform({[&buffer, iv, h, recv, now = form.now] { return (buffer.*now)(iv, h, recv.get()); },
+  return perform(Op{[&buffer, iv, h, recv, now = form.now] { return (buffer.*now)(iv, h, recv.get()); },
                   [&buffer, iv, h, recv, start = form.start] { return (buffer.*start)(iv, h, recv.get()); },
                   {in.owner},
                   [state = self.shared_from_this(), recv, kind = in.kind] {
@@ -384,7 +387,7 @@ pb::object combine_expanded(BufferState& self, pb::handle y_expanded, pb::handle
   const TensorView yv = y.view, wv = w.view, ov = o.view;
   std::vector<pb::object> keep = args.owners();
   keep.insert(keep.end(), {y.owner, w.owner});
-  return perform({[&buffer, yv, h, ov, wv, options] { return buffer.combine_expanded(yv, h, ov, wv, options); },
+  return perform(Op{[&buffer, yv, h, ov, wv, options] { return buffer.combine_expanded(yv, h, ov, wv, options); },
                   [&buffer, yv, h, ov, wv, options] { return buffer.combine_expanded_async(yv, h, ov, wv, options); },
                   keep, [out = o.owner] { return out; }},
                  async);
@@ -410,7 +413,7 @@ pb::object combine_expanded_backward(BufferState& self, pb::handle grad_out, pb:
   const TensorView gv = g.view, yv = y.view, wv = w.view, gyv = gy.view, gwv = gw.view;
   pb::object result = pb::make_tuple(gy.owner, gw.defined() ? gw.owner : pb::none());
   return perform(
-      {[&buffer, gv, h, yv, wv, gyv, gwv] { return buffer.combine_expanded_backward(gv, h, yv, wv, gyv, gwv); },
+      Op{[&buffer, gv, h, yv, wv, gyv, gwv] { return buffer.combine_expanded_backward(gv, h, yv, wv, gyv, gwv); },
        [&buffer, gv, h, yv, wv, gyv, gwv] { return buffer.combine_expanded_backward_async(gv, h, yv, wv, gyv, gwv); },
        {g.owner, y.owner, w.owner}, [result] { return result; }},
       async);
