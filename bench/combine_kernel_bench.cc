@@ -16,7 +16,7 @@
 
 #include "epx/core/buffer.h"
 #include "epx/core/dtype.h"
-#include "exchange/row_kernels.h"
+#include "exchange/cpu/row_kernels.h"
 
 namespace {
 

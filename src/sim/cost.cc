@@ -127,7 +127,7 @@ void low_latency_loads(const GroupTraffic& tr, const Topology& topo, const AllTo
     }
 }
 
-// epx's CPU low latency (src/exchange/low_latency.cc), in dispatch's
+// epx's CPU low latency (src/exchange/cpu/low_latency.cc), in dispatch's
 // orientation s -> d (combine is transposed after): `rows` (token, rank) rows
 // carry rows x ratio[d] (token, expert) pairs. Links as flat.
 void low_latency_epx_loads(const GroupTraffic& tr, const Topology& topo, const AllToAllOptions& o, double remote,

@@ -1,7 +1,7 @@
 // The exchange's row copy (exchange/row_copy.h): streamed (non-temporal) and
 // cached stores copy exactly the same bytes, whatever the alignment and size,
 // and touch nothing outside the destination.
-#include "exchange/row_copy.h"
+#include "exchange/cpu/row_copy.h"
 
 #include <gtest/gtest.h>
 

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "epx/core/dtype.h"
-#include "exchange/holder_sums.h"
-#include "exchange/row_kernels.h"
+#include "exchange/cpu/holder_sums.h"
+#include "exchange/cpu/row_kernels.h"
 
 namespace epx::detail {
 namespace {

@@ -18,7 +18,7 @@
 //   same node over NVLink, to other nodes through the NIC (no forwarding),
 //   each NIC message occupying the NIC for max(its bytes / B_nic,
 //   message_overhead); then the receive phase copies what arrived (HBM).
-// - kLowLatencyEpx (epx's CPU LowLatencyBuffer, src/exchange/low_latency.cc):
+// - kLowLatencyEpx (epx's CPU LowLatencyBuffer, src/exchange/cpu/low_latency.cc):
 //   dispatch sends one row per (token, destination rank) with its (local
 //   expert, k) pairs (8 B per row, 8 B per pair, + a 4 B weight per pair with
 //   combine_per_rank), none to itself (the owner reads x); the owner's

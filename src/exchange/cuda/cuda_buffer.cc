@@ -7,6 +7,7 @@
 #include "epx/comm/cuda.h"
 #include "epx/exchange/cuda_group.h"
 #include "epx/core/buffer.h"
+#include "exchange/backend_state.h"
 #include "exchange/cuda/cuda_util.h"
 #include "exchange/cuda/kernels.h"
 #include "exchange/exchange_plan.h"
@@ -85,22 +86,11 @@ class CudaCopier final : public detail::DeviceCopier {
 
 }  // namespace
 
-struct CudaBuffer::Impl {
-  Impl(Transport& t, BufferConfig c, ExpertPlacement p, int d)
-      : transport(t), config(std::move(c)), placement(std::move(p)), device(d) {}
-  Transport& transport;
-  BufferConfig config;
-  ExpertPlacement placement;
+struct CudaBuffer::Impl : detail::BackendState<BufferConfig> {
+  Impl(Transport& t, BufferConfig c, ExpertPlacement p, int d) : BackendState(t, std::move(c), std::move(p)), device(d) {}
   int device;
-  uint64_t id = 0;
-  int64_t dispatch_seq = 0;
-  int rank = 0;
-  int num_ranks = 0;
   int64_t max_recv = 0;
-  std::size_t row_bytes = 0;
-  std::size_t combine_row_bytes = 0;
   cudaStream_t stream = nullptr;
-  std::unique_ptr<PeerMemory> memory;
   std::vector<Region> regions;  // by rank (all on this node)
   detail::DeviceMemory scratch_memory;
   detail::RankScratch scratch;

@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "core/guard.h"
-#include "exchange/buffer_impl.h"
+#include "exchange/cpu/buffer_impl.h"
 #include "exchange/group_checks.h"
-#include "exchange/holder_sums.h"
-#include "exchange/row_kernels.h"
+#include "exchange/cpu/holder_sums.h"
+#include "exchange/cpu/row_kernels.h"
 
 namespace epx {
 

@@ -6,7 +6,7 @@
 #include "epx/exchange/buffer.h"
 #include "epx/exchange/low_latency.h"
 #include "exchange/operation_queue.h"
-#include "exchange/split_phase_state.h"
+#include "exchange/cpu/split_phase_state.h"
 
 namespace epx {
 

@@ -1,10 +1,10 @@
-#include "exchange/holder_sums.h"
+#include "exchange/cpu/holder_sums.h"
 
 #include <algorithm>
 
 #include "core/simd_clones.h"
-#include "exchange/row_kernels.h"
-#include "exchange/row_lanes.h"
+#include "exchange/cpu/row_kernels.h"
+#include "exchange/cpu/row_lanes.h"
 
 namespace epx::detail {
 namespace {

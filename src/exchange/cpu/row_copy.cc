@@ -1,4 +1,4 @@
-#include "exchange/row_copy.h"
+#include "exchange/cpu/row_copy.h"
 
 #include <algorithm>
 #include <cstdint>

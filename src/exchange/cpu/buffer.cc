@@ -6,9 +6,9 @@
 #include <mutex>
 #include <numeric>
 
-#include "exchange/buffer_impl.h"
+#include "exchange/cpu/buffer_impl.h"
 #include "exchange/operation_queue.h"
-#include "exchange/dispatch_header.h"
+#include "exchange/cpu/dispatch_header.h"
 
 namespace epx {
 

@@ -4,7 +4,7 @@
 // arrives for this node in two-hop mode.
 #include <cstring>
 
-#include "exchange/buffer_impl.h"
+#include "exchange/cpu/buffer_impl.h"
 
 namespace epx {
 

@@ -11,7 +11,7 @@
 #include <span>
 
 #include "epx/core/dtype.h"
-#include "exchange/row_copy.h"
+#include "exchange/cpu/row_copy.h"
 
 namespace epx::detail {
 

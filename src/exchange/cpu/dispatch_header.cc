@@ -1,4 +1,4 @@
-#include "exchange/dispatch_header.h"
+#include "exchange/cpu/dispatch_header.h"
 
 #include <algorithm>
 

@@ -14,15 +14,16 @@
 #include "core/bf16_rows.h"
 #include "core/guard.h"
 #include "epx/core/memory.h"
+#include "exchange/backend_state.h"
 #include "exchange/config_check.h"
 #include "exchange/exchange_plan.h"
 #include "exchange/group_checks.h"
 #include "exchange/handle_data.h"
-#include "exchange/holder_sums.h"
+#include "exchange/cpu/holder_sums.h"
 #include "exchange/payload.h"
-#include "exchange/row_copy.h"
-#include "exchange/row_kernels.h"
-#include "exchange/split_phase_state.h"
+#include "exchange/cpu/row_copy.h"
+#include "exchange/cpu/row_kernels.h"
+#include "exchange/cpu/split_phase_state.h"
 #include "exchange/waits.h"
 
 namespace epx {
@@ -190,30 +191,18 @@ Status pick_weights(const TensorView& weights, int64_t rows, int K, const std::v
 
 }  // namespace buffer_detail
 
-struct Buffer::Impl {
-  Impl(Transport& t, BufferConfig c, ExpertPlacement p)
-      : transport(t), config(std::move(c)), placement(std::move(p)), topology(t.topology()) {}
+struct Buffer::Impl : detail::BackendState<BufferConfig> {
+  using BackendState::BackendState;
 
-  Transport& transport;
-  BufferConfig config;
-  ExpertPlacement placement;
-  Topology topology;
-  uint64_t id = 0;
-  int64_t dispatch_seq = 0;  // dispatches so far; collective, so equal on every rank
   bool hierarchical = false;
-  int rank = 0;
-  int num_ranks = 0;
   int num_nodes = 0;
   int ranks_per_node = 0;
   int node = 0;
   int local_rank = 0;
   int64_t max_recv = 0;
-  std::size_t row_bytes = 0;
-  std::size_t combine_row_bytes = 0;
   int64_t combine_rows = 0;  // rows of combine_row_bytes in the combine region
   detail::PayloadFormat payload;  // what a dispatch row holds (fp8: codes + scales)
   detail::PayloadFormat gradients;  // what the backward passes' rows hold (fp8: gradient_dtype)
-  std::unique_ptr<PeerMemory> memory;
   std::vector<buffer_detail::Region> regions;  // by rank; only this node's ranks are set
 
   // Private staging, grown as needed and kept between calls.

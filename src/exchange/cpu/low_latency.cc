@@ -7,9 +7,10 @@
 
 #include "epx/core/buffer.h"
 #include "core/guard.h"
+#include "exchange/backend_state.h"
 #include "exchange/config_check.h"
 #include "exchange/operation_queue.h"
-#include "exchange/row_kernels.h"
+#include "exchange/cpu/row_kernels.h"
 
 namespace epx {
 namespace {
@@ -105,27 +106,19 @@ void backoff(int& polls) {
 
 }  // namespace
 
-struct LowLatencyBuffer::Impl {
-  Impl(Transport& t, LowLatencyConfig c, ExpertPlacement p)
-      : transport(t), config(std::move(c)), placement(std::move(p)), topology(t.topology()) {}
+struct LowLatencyBuffer::Impl : detail::BackendState<LowLatencyConfig> {
+  using BackendState::BackendState;
 
-  Transport& transport;
-  LowLatencyConfig config;
-  ExpertPlacement placement;
-  Topology topology;
-  uint64_t id = 0;
-  int rank = 0, num_ranks = 0;
   int num_local = 0;     // experts on this rank
   int max_local = 0;     // the most experts on any rank (region shape)
   int64_t capacity = 0;  // rows per (local expert, source)
-  std::size_t row_bytes = 0, combine_row_bytes = 0, sig_words = 0, header_bytes = 0;
+  std::size_t sig_words = 0, header_bytes = 0;
   std::size_t inbox_bytes = 0;  // one source's DispatchBlock at its largest
   std::size_t peer_stride = 0;  // recv_staging bytes per remote source in dispatch (header + inbox)
-  std::unique_ptr<PeerMemory> memory;
   std::vector<LLRegion> regions;  // by rank; this node's ranks only
 
   // Sequence numbers: collective, so equal on every rank.
-  int64_t dispatch_seq = 0, combine_seq = 0;
+  int64_t combine_seq = 0;
   // The kind of the previous call. A call that follows one of its own kind
   // starts with a barrier: without the other kind between them, a fast peer
   // could overwrite signals (or recv_x) that a slow one has not read yet.

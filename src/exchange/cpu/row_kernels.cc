@@ -1,4 +1,4 @@
-#include "exchange/row_kernels.h"
+#include "exchange/cpu/row_kernels.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -6,7 +6,7 @@
 
 #include "core/bf16_rows.h"
 #include "core/simd_clones.h"
-#include "exchange/row_lanes.h"
+#include "exchange/cpu/row_lanes.h"
 
 namespace epx::detail {
 namespace {

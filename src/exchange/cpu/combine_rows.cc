@@ -5,7 +5,7 @@
 // order: holders by ascending rank (flat) or one group per node, ascending.
 #include <cstring>
 
-#include "exchange/buffer_impl.h"
+#include "exchange/cpu/buffer_impl.h"
 
 namespace epx {
 
