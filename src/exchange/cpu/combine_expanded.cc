@@ -6,10 +6,11 @@
 // its combine region (the view combine_expanded_input returned) publishes
 // their row numbers and weights beside them, and whoever needs its partial
 // (the token's rank on the same node, or the two-hop forwarder) weighs and
-// sums the rows where they lie, a slice at a time in L1: the partial is never
-// written to memory. Only the partials for other nodes are written out, into
-// the messages that carry them. A holder whose rows lie elsewhere writes one
-// f32 partial per received row into its region, as before. Either way the
+// sums the rows where they lie, 64 columns at a time in registers (the last
+// columns of a row in L1): the partial is never written to memory. Only the
+// partials for other nodes are written out, into the messages that carry
+// them. A holder whose rows lie elsewhere writes one f32 partial per received
+// row into its region. Either way the
 // sums keep the order of docs/design.md, so the bits are the same; holders
 // of both kinds may meet in one combine. bf16 partials and weight gradients
 // take the partials-in-region path only (combine_impl).

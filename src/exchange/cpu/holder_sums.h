@@ -34,8 +34,9 @@ struct PartGroup {
 // out = 0 + g_0 + g_1 + ... (+ bias), each group g = 0 + p_0 + p_1 + ...,
 // each p a part's f32 partial, then one rounding to out_dtype: the bits
 // sum_row gives on the partials written out as f32 rows (groups of one
-// row per part). Works a slice of columns at a time, so a part's rows are
-// read once and its partial never leaves L1. `stores` as sum_row's.
+// row per part). Works 64 columns at a time in registers (a slice's last
+// columns in L1), so a part's rows are read once and its partial is never
+// stored. `stores` as sum_row's.
 void sum_parts(std::byte* out, DType out_dtype, std::span<const PartGroup> groups, const std::byte* bias,
                DType bias_dtype, int hidden, RowStores stores = RowStores::kCached);
 

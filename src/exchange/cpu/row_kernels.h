@@ -1,8 +1,9 @@
-// Private: the fp32 row arithmetic of combine, in one place.
+// Private: the fp32 row arithmetic of combine and its backward, in one place.
 //
-// Every function works on a slice of columns [0, n) and keeps a fixed order
-// of additions per element, so splitting a row into slices never changes a
-// bit. They are compiled for AVX-512, AVX2 and baseline x86-64, picked at
+// The slice functions work on columns [0, n); weighted_partial and sum_row
+// take whole rows, 64 columns at a time in registers (row_lanes.h) and the
+// last columns through the slice functions. Every function keeps a fixed
+// order of additions per element, so splitting a row never changes a bit. They are compiled for AVX-512, AVX2 and baseline x86-64, picked at
 // load time; none uses FMA (the project builds with -ffp-contract=off), so
 // every version gives the same bits.
 #pragma once
@@ -66,8 +67,9 @@ struct SumGroup {
 };
 
 // out = 0 + g_0 + g_1 + ... (+ bias), each group g = 0 + r_0 + r_1 + ...,
-// all in fp32, then one rounding to out_dtype. Works in slices that stay in
-// L1, with the same order of additions per element as whole rows would.
+// all in fp32, then one rounding to out_dtype. Works 64 columns at a time in
+// registers (the last columns in L1), with the same order of additions per
+// element as whole rows would.
 // `stores` as copy_row's (the same bits either way); after streamed rows the
 // caller calls finish_streamed_rows() before a reader is told.
 void sum_row(std::byte* out, DType out_dtype, std::span<const SumGroup> groups, const std::byte* bias,

@@ -1,7 +1,7 @@
 // Private: the combine's row sums in registers, a block of columns at a time.
 //
 // The slice functions of row_kernels.h make one pass over an L1 accumulator
-// per row; a sum of many rows read from memory then spends its time on
+// per row (or per two or four rows); a sum of many rows read from memory then spends its time on
 // those passes and on rows read a slice at a time in turn. The block
 // functions here instead read every row of a sum in one pass, side by side,
 // 64 columns at a time, and keep the partial sums in registers, with the
