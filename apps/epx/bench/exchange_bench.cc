@@ -350,21 +350,23 @@ class RankBench {
   void say(const std::string& line) const {
     if (progress_) progress_(line);
   }
+  // The naive baseline's configuration, sized by this shape's plan: the
+  // memory check counts what create_naive then allocates.
+  [[nodiscard]] NaiveConfig naive_config() const {
+    return NaiveConfig{.num_experts = config_.num_experts,
+                       .hidden = config_.hidden,
+                       .dtype = config_.dtype,
+                       .max_topk = config_.topk,
+                       .max_rows = plan_.naive_max_rows,
+                       .placement = plan_.placement,
+                       .timeout = config_.timeout};
+  }
   [[nodiscard]] std::size_t naive_total_bytes() const {
-    const NaiveConfig naive{.num_experts = config_.num_experts, .hidden = config_.hidden, .dtype = config_.dtype,
-                            .max_topk = config_.topk, .max_rows = plan_.naive_max_rows};
-    return static_cast<std::size_t>(config_.num_ranks) * NaiveAllToAll::bytes_needed(naive);
+    return static_cast<std::size_t>(config_.num_ranks) * NaiveAllToAll::bytes_needed(naive_config());
   }
 
   Status create_naive() {
-    NaiveConfig naive_config{.num_experts = config_.num_experts,
-                             .hidden = config_.hidden,
-                             .dtype = config_.dtype,
-                             .max_topk = config_.topk,
-                             .max_rows = plan_.naive_max_rows,
-                             .placement = plan_.placement,
-                             .timeout = config_.timeout};
-    EPX_ASSIGN_OR_RETURN(naive_, NaiveAllToAll::create(t_, naive_config));
+    EPX_ASSIGN_OR_RETURN(naive_, NaiveAllToAll::create(t_, naive_config()));
     if (rank_ == 0) shared_.naive_bytes = naive_->bytes();
     return Status::ok();
   }
