@@ -10,8 +10,17 @@
    the difference.
 2. `epx bench exchange`'s shape (8 in-process ranks, hidden 7168 bf16, top-8
    of 256, experts in blocks of 32 per rank, --tokens 128 1024 4096 per rank,
-   --shapes 1x8 2x4): the C++ command with --json, then the same operations
-   from Python with torch tensors on an epx.InprocWorld of the same shape.
+   --shapes 1x8 2x4): the C++ command with --json and --layer-combine off (its
+   Buffer then keeps a bf16 combine region, as the Python one does, and it
+   needs the memory to run 4096 tokens), then the same operations from Python
+   with torch tensors on an epx.InprocWorld of the same shape.
+3. Paired, in the Python process: every repetition also runs the same
+   dispatch and combine timed from C++ on the same Buffer and memory
+   (Buffer._timed_dispatch and _timed_combine: the transport's barrier and the
+   operation in one call without the GIL), Python first on even repetitions
+   and C++ first on odd ones. paired_ratio is the median over repetitions of
+   the C++ time / the Python time beside it: both sides of a pair see the same
+   machine state, unlike part 2's separate process.
 Timing as the C++ benchmark: every operation starts after the transport's
 barrier and is followed by another, each rank records its start and end, the
 time is the last end minus the first start; one checked warm-up, then --reps repetitions, medians; combine
@@ -20,7 +29,11 @@ The routing is uniform and distinct per token like the C++ one but drawn by
 torch (other rows, the same distribution): the received row counts are printed
 side by side. ratio = C++ time / Python time (1 = no overhead). The machine may be
 shared: --rounds alternates the C++ command and the Python runs so that both
-see the same load, and the medians pool every round's repetitions. Each
+see the same load, and the medians pool every round's repetitions. On a
+shared machine the same operation can run 1.5x slower for seconds at a time
+(in one process, from one repetition to the next), so a ratio needs many
+short rounds: round_ratios gives the lowest and highest of the rounds' own
+median ratios. Each
 operation's CPU time (the ranks' thread CPU time summed; the C++ bench's
 cpu_ms) is printed too: unlike wall time it does not grow with other load,
 so cpu_ratio = C++ CPU / Python CPU shows the work the Python layer adds. spread_ms: the
@@ -47,7 +60,7 @@ import epx  # noqa: E402
 def cxx_bench(binary, tokens, ranks, shapes, reps):
     """`epx bench exchange --json`: {(tokens, "NxM"): {"dispatch", "combine": samples in ms, "dispatch_cpu",
     "combine_cpu": the medians of the ranks' summed CPU ms, "rows"}}."""
-    cmd = [binary, "bench", "exchange", "--json", "--ranks", str(ranks), "--reps", str(reps),
+    cmd = [binary, "bench", "exchange", "--json", "--layer-combine", "off", "--ranks", str(ranks), "--reps", str(reps),
            "--tokens", ",".join(map(str, tokens)), "--nodes-shapes", ",".join(shapes)]
     out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     res = {}
@@ -60,13 +73,17 @@ def cxx_bench(binary, tokens, ranks, shapes, reps):
     return res
 
 
+# Python's calls, and the same operations timed from C++ in the same process.
+METHODS = ("dispatch", "combine", "cxx_dispatch", "cxx_combine")
+
+
 class Marks:
     """Start and end of each rank's operations; spans() = last end - first start per repetition."""
 
     def __init__(self, ranks):
-        self.ranks = {m: [[] for _ in range(ranks)] for m in ("dispatch", "combine")}
+        self.ranks = {m: [[] for _ in range(ranks)] for m in METHODS}
 
-        self.cpu = {m: [[] for _ in range(ranks)] for m in ("dispatch", "combine")}
+        self.cpu = {m: [[] for _ in range(ranks)] for m in METHODS}
 
     def timed(self, t, method, fn):
         cpu = time.thread_time()
@@ -74,6 +91,16 @@ class Marks:
         self.cpu[method][t.rank].append(time.thread_time() - cpu)
         # As the C++ bench: no rank goes on before all have ended, so no rank's
         # next Python work (holding the GIL) delays another rank's end.
+        t.barrier(timeout=60.0)
+        return value
+
+    def timed_cxx(self, t, method, fn):
+        """fn() -> (value, start, end): the transport's barrier and the operation timed from C++ in
+        one call without the GIL (Buffer._timed_dispatch, _timed_combine); as timed() otherwise."""
+        cpu = time.thread_time()
+        value, start, end = fn()
+        self.ranks[method][t.rank].append((start, end))
+        self.cpu[method][t.rank].append(time.thread_time() - cpu)
         t.barrier(timeout=60.0)
         return value
 
@@ -119,29 +146,57 @@ def python_bench(tokens, ranks, nodes, reps, seed):
                          max_recv_tokens=int(per_rank.max()), max_combine_dtype="bf16")
         out = torch.empty(tokens, HIDDEN, dtype=torch.bfloat16)
         for rep in range(1 + reps):
-            r = marks.timed(t, "dispatch", lambda: buf.dispatch(x, idx, w))
-            y = buf.combine_input(r.handle, "bf16", library="torch")
-            y.copy_(r.recv_x)  # the experts' output, written in place
-            marks.timed(t, "combine", lambda: buf.combine(y, r.handle, out=out))
-            y = r = None  # no view of the regions may live into the next dispatch
-            if rep == 0:
-                check_rank(x, idx, out, ranks)
+            # Python first on even repetitions, C++ first on odd ones.
+            for cxx in (False, True) if rep % 2 == 0 else (True, False):
+                exchange(t, buf, (x, idx, w), out, marks, cxx)
+                if rep == 0:
+                    check_rank(x, idx, out, ranks)
         t.barrier(timeout=60.0)
 
     epx.InprocWorld(num_ranks=ranks, num_nodes=nodes).run(rank_fn)
     res = {"rows": int(per_rank.sum())}
-    for op in ("dispatch", "combine"):
+    for op in METHODS:
         res[op] = marks.spans(op, 1)
         res[f"{op}_cpu"] = marks.cpu_seconds(op, 1)
         res[f"{op}_spread"] = marks.spreads(op, 1)
+    for op in ("dispatch", "combine"):
+        res[f"{op}_paired"] = [c / p for c, p in zip(res[f"cxx_{op}"], res[op])]
     return res
 
 
+def exchange(t, buf, inputs, out, marks, cxx):
+    """One dispatch and combine, called from Python (buf.dispatch, buf.combine) or timed from C++
+    (buf._timed_dispatch, buf._timed_combine: the same operations on the same Buffer and memory)."""
+    x, idx, w = inputs
+    if cxx:
+        r = marks.timed_cxx(t, "cxx_dispatch", lambda: buf._timed_dispatch(x, idx, w))
+    else:
+        r = marks.timed(t, "dispatch", lambda: buf.dispatch(x, idx, w))
+    y = buf.combine_input(r.handle, "bf16", library="torch")
+    y.copy_(r.recv_x)  # the experts' output, written in place
+    if cxx:
+        marks.timed_cxx(t, "cxx_combine", lambda: buf._timed_combine(y, r.handle, out))
+    else:
+        marks.timed(t, "combine", lambda: buf.combine(y, r.handle, out=out))
+
+
 def pool(into, res):
-    """Appends one round's samples (lists) to the pooled ones."""
+    """Appends one round's samples (lists) to the pooled ones, and the round's medians to
+    into["rounds"][key]."""
     for k, v in res.items():
-        into[k] = into.get(k, []) + v if isinstance(v, list) else v
+        if isinstance(v, list):
+            into[k] = into.get(k, []) + v
+            into.setdefault("rounds", {}).setdefault(k, []).append(bu.median(v))
+        else:
+            into[k] = v
     return into
+
+
+def round_ratios(py, cxx, op):
+    """[lowest, highest] of C++ median / Python median over the rounds (the i-th C++ round
+    against the i-th Python round)."""
+    ratios = [c * 1e-3 / p for c, p in zip(cxx["rounds"][op], py["rounds"][op])]
+    return [min(ratios), max(ratios)]
 
 
 def compare(tokens, ranks, shape, py, cxx):
@@ -152,6 +207,9 @@ def compare(tokens, ranks, shape, py, cxx):
         rec[f"python_{op}_cpu_ms"] = 1e3 * bu.median(py[f"{op}_cpu"])
         rec[f"cxx_{op}_cpu_ms"] = bu.median(cxx[f"{op}_cpu"])
         rec[f"{op}_ratio"] = rec[f"cxx_{op}"]["median_ms"] / rec[f"python_{op}"]["median_ms"]
+        rec[f"{op}_round_ratios"] = round_ratios(py, cxx, op)
+        rec[f"inproc_cxx_{op}"] = bu.summary_ms(py[f"cxx_{op}"])
+        rec[f"{op}_paired_ratio"] = bu.median(py[f"{op}_paired"])
         rec[f"{op}_cpu_ratio"] = rec[f"cxx_{op}_cpu_ms"] / rec[f"python_{op}_cpu_ms"]
         rec[f"python_{op}_spread_ms"] = 1e3 * bu.median(py[f"{op}_spread"])
         rec[f"{op}_overhead_us"] = 1e3 * (rec[f"python_{op}"]["median_ms"] - rec[f"cxx_{op}"]["median_ms"])
@@ -163,11 +221,11 @@ def main():
     ap.add_argument("--epx", default="build/bin/epx", help="the epx binary (C++ side)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 4096])
     ap.add_argument("--shapes", nargs="+", default=["1x8", "2x4"])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per round")
     ap.add_argument("--overhead-ranks", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--overhead-reps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3, help="C++ and Python alternated this many times, pooled")
+    ap.add_argument("--rounds", type=int, default=6, help="C++ and Python alternated this many times, pooled")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(json.dumps({"run": bu.run_record(), "torch": torch.__version__}), flush=True)
@@ -195,7 +253,9 @@ def main():
             rows.append({"part": "exchange", **compare(tokens, ranks, shape, py[key], cxx[key])})
             print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"load_average_end": bu.load_average(), "summary": [
-        {k: r[k] for k in ("part", "tokens", "ranks", "shape", "dispatch_ratio", "combine_ratio", "dispatch_cpu_ratio",
+        {k: r[k] for k in ("part", "tokens", "ranks", "shape", "dispatch_ratio", "combine_ratio",
+                           "dispatch_round_ratios", "combine_round_ratios", "dispatch_paired_ratio",
+                           "combine_paired_ratio", "dispatch_cpu_ratio",
                            "combine_cpu_ratio", "dispatch_overhead_us", "combine_overhead_us",
                            "python_dispatch_spread_ms", "python_combine_spread_ms")} for r in rows]}))
 

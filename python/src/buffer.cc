@@ -23,6 +23,7 @@
 
 #include "args.h"
 #include "arrays.h"
+#include "epx/core/clock.h"
 #include "epx/core/fp8.h"
 #include "epx/exchange/buffer.h"
 #include "errors.h"
@@ -260,16 +261,45 @@ struct Op {
   Finish finish;
 };
 
+// The C++ side of bench/python_exchange.py's paired timing: the transport's
+// barrier, then the blocking operation timed from C++, in the one stretch
+// without the GIL, so that no Python runs between the barrier and the end.
+struct CxxClock {
+  Transport* transport = nullptr;
+  Deadline deadline;
+  int64_t start_ns = 0;
+  int64_t end_ns = 0;
+
+  template <typename Fn>
+  Status time(Fn& fn) {
+    EPX_RETURN_IF_ERROR(transport->barrier(deadline));
+    start_ns = now_ns();
+    Status status = fn();
+    end_ns = now_ns();
+    return status;
+  }
+  // (value, start, end), in seconds on the monotonic clock.
+  pb::object with(pb::object value) const {
+    return pb::make_tuple(std::move(value), static_cast<double>(start_ns) * 1e-9, static_cast<double>(end_ns) * 1e-9);
+  }
+};
+
+// Blocking (`clock` optional) or, with `async`, queued.
 template <typename Now, typename Start, typename Finish>
-pb::object perform(Op<Now, Start, Finish> op, bool async) {
+pb::object perform(Op<Now, Start, Finish> op, bool async, CxxClock* clock = nullptr) {
   if (!async) {
-    call(op.now);
+    if (clock != nullptr) {
+      call([&] { return clock->time(op.now); });
+    } else {
+      call(op.now);
+    }
     return op.finish();
   }
   return pending(op.start(), std::move(op.keep), std::move(op.finish));
 }
 
-pb::object dispatch(BufferState& self, pb::handle x, pb::handle topk_idx, pb::handle topk_weights, bool async) {
+pb::object dispatch(BufferState& self, pb::handle x, pb::handle topk_idx, pb::handle topk_weights, bool async,
+                    CxxClock* clock = nullptr) {
   Buffer& buffer = self.get();
   const DispatchArgs args = dispatch_args(x, topk_idx, topk_weights);
   const uint64_t generation = begin_write(self, kRecv, "dispatch");
@@ -280,7 +310,7 @@ pb::object dispatch(BufferState& self, pb::handle x, pb::handle topk_idx, pb::ha
                   [state = self.shared_from_this(), result, generation, kind = args.x.kind] {
                     return make_result(state, result, generation, kind);
                   }},
-                 async);
+                 async, clock);
 }
 
 // The combines: combine (y -> out) and dispatch_backward (grad_recv_x ->
@@ -298,7 +328,8 @@ constexpr CombineForm kDispatchBackwardForm{"dispatch_backward", "grad_recv_x", 
 
 // Returns the output, or (output, grad_topk_weights) when grad_recv_topk_weights is given.
 pb::object combine_like(const CombineForm& form, BufferState& self, pb::handle y, pb::handle handle, pb::handle out,
-                        pb::handle bias, pb::handle grad_recv_w, pb::handle grad_w, bool async) {
+                        pb::handle bias, pb::handle grad_recv_w, pb::handle grad_w, bool async,
+                        CxxClock* clock = nullptr) {
   Buffer& buffer = self.get();
   const Handle h = handle_of(handle);
   const ArrayArg in = view_array(y, form.input);
@@ -313,11 +344,16 @@ pb::object combine_like(const CombineForm& form, BufferState& self, pb::handle y
   return perform(Op{[&buffer, iv, h, ov, options, now = form.now] { return (buffer.*now)(iv, h, ov, options); },
                   [&buffer, iv, h, ov, options, start = form.start] { return (buffer.*start)(iv, h, ov, options); },
                   keep, [result] { return result; }},
-                 async);
+                 async, clock);
 }
 
-pb::object combine(BufferState& self, pb::handle y, pb::handle handle, pb::handle out, pb::handle bias, bool async) {
-  return combine_like(kCombineForm, self, y, handle, out, bias, pb::none(), pb::none(), async);
+pb::object combine(BufferState& self, pb::handle y, pb::handle handle, pb::handle out, pb::handle bias, bool async,
+                   CxxClock* clock = nullptr) {
+  return combine_like(kCombineForm, self, y, handle, out, bias, pb::none(), pb::none(), async, clock);
+}
+
+CxxClock cxx_clock(const BufferState& self, pb::handle timeout) {
+  return CxxClock{&self.transport->get(), deadline_after(timeout, 60.0)};
 }
 
 pb::object dispatch_backward(BufferState& self, pb::handle grad_recv_x, pb::handle handle, pb::handle grad_x,
@@ -660,6 +696,18 @@ void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
            "Collective, split form: starts a combine; combine_recv finishes it.")
       .def("combine_recv", &combine_recv, pb::arg("timeout") = none,
            "Finishes combine_send: returns out (timeout in seconds, None = the Buffer's).");
+  // For bench/python_exchange.py: the operation as C++ runs it, on the same Buffer and memory.
+  c.def("_timed_dispatch", [](BufferState& s, pb::handle x, pb::handle i, pb::handle w, pb::handle timeout) {
+    CxxClock clock = cxx_clock(s, timeout);
+    return clock.with(dispatch(s, x, i, w, false, &clock));
+  }, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none, pb::arg("timeout") = 60.0,
+     "Private, for benchmarks: the transport's barrier, then dispatch timed from C++, without the GIL in between; "
+     "returns (DispatchResult, start, end), seconds on the monotonic clock.");
+  c.def("_timed_combine", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle timeout) {
+    CxxClock clock = cxx_clock(s, timeout);
+    return clock.with(combine(s, y, h, o, pb::none(), false, &clock));
+  }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("timeout") = 60.0,
+     "Private, for benchmarks: the transport's barrier, then combine timed from C++; returns (out, start, end).");
 }
 
 }  // namespace

@@ -83,3 +83,29 @@ def test_in_process_ranks_in_python_threads_progress_together():
         th.join(timeout=60)
     assert not errors, errors
     assert all(r is not None for r in results)
+
+
+def test_the_benchmarks_cxx_timed_forms_give_the_public_results_after_a_barrier():
+    """Buffer._timed_dispatch/_timed_combine (bench/python_exchange.py's C++ side) wait for every
+    rank, then run the same operation: the same rows and sums as dispatch and combine."""
+
+    def rank_fn(t):
+        buf = small_buffer(t)
+        x, idx = inputs(t.rank)
+        if t.rank == 1:
+            spin(0.3)  # late: the other ranks' timed operations start after this one arrives
+        arrived = time.monotonic()
+        res, start, end = buf._timed_dispatch(x, idx)
+        timed_rows = np.array(res.recv_x)
+        out, c_start, c_end = buf._timed_combine(np.array(res.recv_x), res.handle)
+        public = buf.dispatch(x, idx)
+        want = buf.combine(np.array(public.recv_x), public.handle)
+        assert start <= end <= c_start <= c_end
+        np.testing.assert_array_equal(timed_rows, np.array(public.recv_x))
+        np.testing.assert_array_equal(out, want)
+        return arrived, start
+
+    results = epx.InprocWorld(2).run(rank_fn)
+    late_arrival = results[1][0]
+    # perf_counter and the C++ clock are both CLOCK_MONOTONIC, as time.monotonic is here.
+    assert results[0][1] >= late_arrival - 0.01, "rank 0's timed dispatch started before rank 1 arrived"
