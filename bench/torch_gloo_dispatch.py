@@ -22,7 +22,10 @@ gloo (what Megatron-LM's MoEAlltoAllTokenDispatcher does, on CPU):
   the same bytes (free).
 epx: Buffer.dispatch(x, topk_idx, topk_weights) on epx.mpi_transport() (one
 row per (token, rank)), Buffer.combine(y, handle) with y in the Buffer's
-combine input region (the experts wrote there; as `epx bench exchange`).
+combine input region (the experts wrote there; as `epx bench exchange`); and
+the same two operations timed from C++ (Buffer._timed_dispatch and
+_timed_combine), alternating with the Python calls: python_{op}_paired_ratio
+is the median over repetitions of the C++ time / the Python time beside it.
 
 Timing: every operation starts after a barrier (gloo's for gloo, the epx
 transport's for epx); each rank records its start and end (perf_counter, one
@@ -150,6 +153,17 @@ class EpxDispatcher:
         del self.y, self.result  # no view of the regions may outlive them into the next dispatch
         return self.out
 
+    # The same operations timed from C++ (the transport's barrier and the operation in one call
+    # without the GIL): (start, end) on perf_counter's clock.
+    def dispatch_cxx(self, x, idx32, w):
+        self.result, start, end = self.buf._timed_dispatch(x, idx32, w)
+        return start, end
+
+    def combine_cxx(self):
+        _, start, end = self.buf._timed_combine(self.y, self.result.handle, self.out)
+        del self.y, self.result
+        return start, end
+
 
 def spans(marks):
     """Per repetition: the last end over ranks minus the first start (all_reduce MAX of -start, end)."""
@@ -192,20 +206,28 @@ def run_shape(args, rank, n, tokens, transport):
     dist.all_reduce(avail, op=dist.ReduceOp.MIN)
     both = plan["common_gib"] + plan["gloo_gib"] + (0 if transport is None else plan["epx_gib"])
     interleaved = both <= 0.85 * float(avail)
-    marks = {"gloo dispatch": [], "gloo combine": [], "epx dispatch": [], "epx combine": []}
+    marks = {k: [] for k in ("gloo dispatch", "gloo combine", "epx dispatch", "epx combine", "epx C++ dispatch",
+                             "epx C++ combine")}
 
-    def run_gloo(g, check):
+    def run_gloo(g, rep):
         recv = bu.timed(dist.barrier, lambda: g.dispatch(x, idx, w), marks["gloo dispatch"])
         out = bu.timed(dist.barrier, lambda: g.combine(recv), marks["gloo combine"])
-        if check:
+        if rep == 0:
             check_gloo(x, out)
 
-    def run_epx(e, check):
-        bu.timed(transport.barrier, lambda: e.dispatch(x, idx32, w), marks["epx dispatch"])
-        e.experts()
-        out = bu.timed(transport.barrier, e.combine, marks["epx combine"])
-        if check:
-            check_epx(x, idx, out, n)
+    def run_epx(e, rep):
+        # From Python, and the same timed from C++: Python first on even repetitions.
+        for cxx in (False, True) if rep % 2 == 0 else (True, False):
+            if cxx:
+                marks["epx C++ dispatch"].append(e.dispatch_cxx(x, idx32, w))
+                e.experts()
+                marks["epx C++ combine"].append(e.combine_cxx())
+            else:
+                bu.timed(transport.barrier, lambda: e.dispatch(x, idx32, w), marks["epx dispatch"])
+                e.experts()
+                bu.timed(transport.barrier, e.combine, marks["epx combine"])
+            if rep == 0:
+                check_epx(x, idx, e.out, n)
 
     methods = [] if args.epx_only else [("gloo", lambda: GlooDispatcher(tokens, n, max_gloo), run_gloo)]
     if transport is not None:
@@ -214,13 +236,13 @@ def run_shape(args, rank, n, tokens, transport):
         objs = [make() for _, make, _ in methods]
         for rep in range(1 + args.reps):
             for obj, (_, _, run) in zip(objs, methods):
-                run(obj, rep == 0)
+                run(obj, rep)
         del objs
     else:
         for _, make, run in methods:
             obj = make()
             for rep in range(1 + args.reps):
-                run(obj, rep == 0)
+                run(obj, rep)
             del obj
     times = {name: spans(m)[1:] for name, m in marks.items() if m}  # drop the warm-ups
     return report(args, n, tokens, recv_rows, plan, interleaved, times)
@@ -233,6 +255,10 @@ def report(args, n, tokens, recv_rows, plan, interleaved, times):
            "torch": torch.__version__, **{k: bu.summary_ms(v) for k, v in times.items()}}
     if "epx dispatch" in times:
         rec["epx_dispatch_gbps_all_ranks"] = rec["epx_rows_received"] * HIDDEN * 2 / rec["epx dispatch"]["median_ms"] / 1e6
+    if "epx dispatch" in times:
+        for op in ("dispatch", "combine"):
+            paired = [c / p for c, p in zip(times[f"epx C++ {op}"], times[f"epx {op}"])]
+            rec[f"python_{op}_paired_ratio"] = bu.median(paired)
     if "epx dispatch" in times and "gloo dispatch" in times:
         for op in ("dispatch", "combine"):
             rec[f"{op}_ratio"] = rec[f"gloo {op}"]["median_ms"] / rec[f"epx {op}"]["median_ms"]
