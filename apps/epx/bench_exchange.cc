@@ -70,6 +70,7 @@ nlohmann::json result_json(const bench::ExchangeBenchResult& r) {
             {"naive_dispatch", r.naive_dispatch_inter_node_bytes},
             {"naive_combine", r.naive_combine_inter_node_bytes}}},
           {"memory_per_rank_bytes", {{"epx_regions", r.epx_region_bytes}, {"naive", r.naive_bytes}}},
+          {"memory_bytes", {{"planned", r.planned_bytes}, {"peak_rss", r.peak_rss_bytes}}},
           {"other_cpu_share", r.other_cpu_share},
           {"dispatch", timing_json(r.dispatch)},
           {"combine", timing_json(r.combine)},

@@ -164,11 +164,13 @@ BufferConfig bench_buffer_config(const ExchangeBenchConfig& c) {
 }
 
 // The layer combine's own buffers on one rank: y_expanded (one f32 row per
-// received (token, local expert) pair: `expanded_rows`) and the f32 out.
+// received (token, local expert) pair: `expanded_rows`) and the f32 out, and
+// with the rows in place a second out, the checked y-outside output.
 std::size_t layer_combine_bytes(const ExchangeBenchConfig& c, int64_t expanded_rows) {
   if (!c.layer_combine) return 0;
   const std::size_t f32_row = static_cast<std::size_t>(c.hidden) * 4;
-  return (static_cast<std::size_t>(std::max<int64_t>(expanded_rows, 1)) + static_cast<std::size_t>(c.num_tokens)) *
+  const std::size_t outs = rows_in_place(c) ? 2 : 1;
+  return (static_cast<std::size_t>(std::max<int64_t>(expanded_rows, 1)) + outs * static_cast<std::size_t>(c.num_tokens)) *
          f32_row;
 }
 
@@ -435,46 +437,62 @@ class RankBench {
   // repetition, so it is filled once, untimed).
   Status layer_combine(bool record, bool check) {
     if (layer_y_.size() == 0) prepare_layer_inputs();
-    if (check) std::memset(layer_out_.data(), 0, layer_out_.size());
     CombineOptions options;
     options.partial_dtype = config_.layer_combine_dtype;
     options.weights_at = config_.layer_combine_weights;
+    // With the rows in place, the same combine with y outside the Buffer
+    // runs first: the in-place combine keeps its rows for a backward (pinned
+    // with the handle), and a later writer of the region would first copy
+    // them out, time and memory that belong to neither path.
+    std::vector<std::byte> outside;  // its output, when checked
+    if (rows_in_place(config_)) EPX_RETURN_IF_ERROR(layer_combine_outside(options, record, check, &outside));
+    if (check) std::memset(layer_out_.data(), 0, layer_out_.size());
     TensorView y = layer_y_view_;
     if (receiver() || rows_in_place(config_)) {
-      // The experts' rows, written into the region untimed (the other
-      // combines overwrite it between repetitions): bf16 with receiver
-      // weights, f32 in place.
-      EPX_ASSIGN_OR_RETURN(y, buffer_->combine_expanded_input(recv_.handle, receiver() ? kReceiverY : DType::kF32));
-      for (int64_t i = 0; i < y.size(0); ++i) {
-        const float* row = layer_y_view_.row<float>(i);
-        if (receiver()) {
-          uint16_t* out = y.row<uint16_t>(i);
-          for (int64_t c = 0; c < config_.hidden; ++c) out[c] = f32_to_bf16(row[c]);
-        } else {
-          std::memcpy(y.row<float>(i), row, sizeof(float) * config_.hidden);
-        }
-      }
+      EPX_ASSIGN_OR_RETURN(y, layer_rows_in_region());
     }
     EPX_RETURN_IF_ERROR(timed(kLayerCombine, record, [&] {
       return buffer_->combine_expanded(y, recv_.handle, layer_out_view_, {}, options);
     }));
+    if (!check) return Status::ok();
     // bf16 partials: each (token, rank) partial is rounded once to bf16.
     // Receiver weights round f32 payload rows to bf16 in y.
     const bool rounded = config_.layer_combine_dtype == DType::kBF16 || (receiver() && config_.dtype != DType::kBF16);
-    const double tolerance = rounded ? 1e-2 : 1e-5;
-    if (check)
-      EPX_RETURN_IF_ERROR(
-          check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32, tolerance));
-    if (!rows_in_place(config_)) return Status::ok();
-    // The same combine with y outside the Buffer: each holder writes its
-    // partials into its region first. The same bits.
-    if (check) layer_in_place_ = std::vector<std::byte>(layer_out_.data(), layer_out_.data() + layer_out_.size());
+    EPX_RETURN_IF_ERROR(check_weighted_combine("layer combine (combine_expanded)", layer_out_.data(), DType::kF32,
+                                               rounded ? 1e-2 : 1e-5));
+    if (rows_in_place(config_) && std::memcmp(outside.data(), layer_out_.data(), layer_out_.size()) != 0)
+      return internal_error("rank {}: the layer combine with y in place and with y outside differ in bits", rank_);
+    return Status::ok();
+  }
+
+  // The holder-weighted combine with y outside the Buffer: each holder
+  // writes its partials into its region first. When checked, its output
+  // goes to `bits` for the comparison with the in-place combine.
+  Status layer_combine_outside(const CombineOptions& options, bool record, bool check, std::vector<std::byte>* bits) {
+    if (check) std::memset(layer_out_.data(), 0, layer_out_.size());
     EPX_RETURN_IF_ERROR(timed(kLayerCombineOutside, record, [&] {
       return buffer_->combine_expanded(layer_y_view_, recv_.handle, layer_out_view_, {}, options);
     }));
-    if (check && std::memcmp(layer_in_place_.data(), layer_out_.data(), layer_out_.size()) != 0)
-      return internal_error("rank {}: the layer combine with y in place and with y outside differ in bits", rank_);
+    if (check) bits->assign(layer_out_.data(), layer_out_.data() + layer_out_.size());
     return Status::ok();
+  }
+
+  // The experts' rows, written into the combine region untimed (the other
+  // combines overwrite it between repetitions): bf16 with receiver weights,
+  // f32 in place.
+  Result<TensorView> layer_rows_in_region() {
+    EPX_ASSIGN_OR_RETURN(TensorView y,
+                         buffer_->combine_expanded_input(recv_.handle, receiver() ? kReceiverY : DType::kF32));
+    for (int64_t i = 0; i < y.size(0); ++i) {
+      const float* row = layer_y_view_.row<float>(i);
+      if (receiver()) {
+        uint16_t* out = y.row<uint16_t>(i);
+        for (int64_t c = 0; c < config_.hidden; ++c) out[c] = f32_to_bf16(row[c]);
+      } else {
+        std::memcpy(y.row<float>(i), row, sizeof(float) * config_.hidden);
+      }
+    }
+    return y;
   }
 
   void prepare_layer_inputs() {
@@ -669,7 +687,6 @@ class RankBench {
   NaiveDispatchResult naive_recv_;
   AlignedBuffer layer_y_;    // the layer combine's y_expanded (f32)
   AlignedBuffer layer_out_;  // and its f32 out
-  std::vector<std::byte> layer_in_place_;  // out of the combine with y in place, when checked
   TensorView layer_y_view_;
   TensorView layer_out_view_;
 };
@@ -741,6 +758,13 @@ void set_ratios(ExchangeBenchResult& r) {
   r.layer_outside_vs_memcpy = ratio(r.memcpy_layer.time_ms, r.layer_combine_outside.time_ms);
   r.layer_outside_vs_naive = ratio(r.naive_combine.time_ms, r.layer_combine_outside.time_ms);
   r.layer_combine_vs_memcpy_cpu = ratio(r.memcpy_layer.cpu_ms, r.layer_combine.cpu_ms);
+}
+
+// The process's peak resident memory so far (getrusage's ru_maxrss, KiB on Linux).
+std::size_t peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::size_t>(usage.ru_maxrss) * 1024;
 }
 
 }  // namespace
@@ -836,10 +860,11 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
     return resource_exhausted(
         "{} tokens/rank x {} ranks at hidden {} {} needs about {} (inputs/outputs {}, epx {}, naive baseline {}) "
         "even running the methods one after the other, but the budget is {} ({:.0f}% of {} available); "
-        "use fewer tokens",
+        "use fewer tokens{}",
         config.num_tokens, config.num_ranks, config.hidden, dtype_name(config.dtype),
         gib(memory.common + std::max(memory.epx, memory.naive)), gib(memory.common), gib(memory.epx),
-        gib(memory.naive), gib(memory.budget), config.memory_fraction * 100, gib(memory.available));
+        gib(memory.naive), gib(memory.budget), config.memory_fraction * 100, gib(memory.available),
+        config.layer_combine ? " or --layer-combine off (the layer's f32 rows are most of epx's share)" : "");
 
   Shared shared(config.num_ranks);
   shared.interleaved = memory.fits_interleaved();
@@ -855,6 +880,9 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   const CpuSnapshot cpu_after = cpu_snapshot();
   ExchangeBenchResult r = collect_result(config, plan, shared);
   r.other_cpu_share = other_cpu_share(cpu_before, cpu_after);
+  r.planned_bytes = memory.at_once();
+  r.peak_rss_bytes = peak_rss_bytes();
+  if (progress) progress(fmt::format("memory: peak {} resident, planned {}", gib(r.peak_rss_bytes), gib(r.planned_bytes)));
   set_ratios(r);
   return r;
 }

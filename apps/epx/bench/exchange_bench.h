@@ -108,6 +108,11 @@ struct ExchangeBenchResult {
   // interleaved, and cpu_ms least.
   double other_cpu_share = 0;
   std::size_t naive_bytes = 0;       // the naive baseline's buffers on one rank
+  // Memory the plan expected the shape to hold at once (all ranks, inputs
+  // included), and the process's peak resident memory after it (getrusage;
+  // the peak of every earlier shape of the run too).
+  std::size_t planned_bytes = 0;
+  std::size_t peak_rss_bytes = 0;
 
   MethodTiming dispatch;         // Buffer::dispatch
   MethodTiming combine;          // Buffer::combine, y already in combine_input (zero-copy)
@@ -157,6 +162,10 @@ struct MemoryPlan {
   std::size_t budget = 0;  // available * memory_fraction
   [[nodiscard]] bool fits_interleaved() const { return common + epx + naive <= budget; }
   [[nodiscard]] bool fits_phased() const { return common + std::max(epx, naive) <= budget; }
+  // What the shape holds at once: everything interleaved, else the larger of epx and naive.
+  [[nodiscard]] std::size_t at_once() const {
+    return common + (fits_interleaved() ? epx + naive : std::max(epx, naive));
+  }
 };
 
 // InvalidArgument naming the first bad field and its limit.
