@@ -53,13 +53,20 @@ struct LLCase {
   // (which changes with the seed), instead of the blocking calls.
   bool async = false;
   bool per_rank = false;  // LowLatencyConfig::combine_per_rank
+  bool last_rank_bf16_y = false;  // the last rank's experts give bf16 y, the others y_dtype
+
+  // The dtype of the y rows `rank`'s experts give.
+  [[nodiscard]] DType y_dtype_of(int rank) const {
+    return last_rank_bf16_y && rank == num_ranks - 1 ? DType::kBF16 : y_dtype;
+  }
 
   [[nodiscard]] std::string name() const {
     return fmt::format("{} ranks as {} nodes, x {} y {} out {}, E={} K={} routing={} weights={} tight={} async={} "
-                       "per_rank={} seed={}{}",
+                       "per_rank={} seed={}{}{}",
                        num_ranks, num_nodes, dtype_name(dtype), dtype_name(y_dtype), dtype_name(out_dtype),
                        num_experts, topk, routing_name(routing), with_weights, tight_capacity, async, per_rank, seed,
-                       expert_map.empty() ? "" : " uneven map, last rank holds no expert");
+                       expert_map.empty() ? "" : " uneven map, last rank holds no expert",
+                       last_rank_bf16_y ? " last rank's y bf16" : "");
   }
   [[nodiscard]] Result<ExpertPlacement> placement() const {
     return expert_map.empty() ? ExpertPlacement::contiguous(num_experts, num_ranks)
@@ -85,33 +92,35 @@ int max_rows_per_source_expert(const std::vector<RankInputs>& inputs, int num_ex
 
 // sum over k ascending of w[t][k] * y(t, k) in fp32, over the slots whose
 // expert sits on rank `only` (all slots when -1).
-std::vector<float> top_k_sum(const LLCase& c, const RankInputs& in, int t, int only,
-                             const ExpertPlacement* placement = nullptr) {
+std::vector<float> top_k_sum(const LLCase& c, const ExpertPlacement& placement, const RankInputs& in, int t,
+                             int only) {
   const int H = c.hidden;
-  Matrix y(c.y_dtype, 1, H);
   std::vector<float> acc(H, 0.0f);
   for (int k = 0; k < c.topk; ++k) {
     const int g = in.expert(t, k);
-    if (g < 0 || (only >= 0 && placement->rank_of(g) != only)) continue;
+    if (g < 0) continue;
+    const int owner = placement.rank_of(g);
+    if (only >= 0 && owner != only) continue;
     const float w = in.has_weights() ? in.topk_weights[static_cast<std::size_t>(t) * c.topk + k] : 1.0f;
-    expert_row(in.x.row(t), c.dtype, g, H, y.row(0), c.y_dtype);
+    Matrix y(c.y_dtype_of(owner), 1, H);
+    expert_row(in.x.row(t), c.dtype, g, H, y.row(0), c.y_dtype_of(owner));
     for (int col = 0; col < H; ++col) acc[col] += w * y.get(0, col);
   }
   return acc;
 }
 
-// combine_per_rank: each owner rank's top_k_sum rounded to y's dtype, added in
-// fp32 in the order of the owners' first slots k.
+// combine_per_rank: each owner rank's top_k_sum rounded to its y's dtype,
+// added in fp32 in the order of the owners' first slots k.
 std::vector<float> per_rank_sum(const LLCase& c, const ExpertPlacement& placement, const RankInputs& in, int t) {
   const int H = c.hidden;
-  Matrix partial(c.y_dtype, 1, H);
   std::vector<float> acc(H, 0.0f);
   std::vector<int> owners;
   for (int k = 0; k < c.topk; ++k) {
     const int g = in.expert(t, k);
     if (g < 0 || std::find(owners.begin(), owners.end(), placement.rank_of(g)) != owners.end()) continue;
     owners.push_back(placement.rank_of(g));
-    const std::vector<float> p = top_k_sum(c, in, t, owners.back(), &placement);
+    Matrix partial(c.y_dtype_of(owners.back()), 1, H);
+    const std::vector<float> p = top_k_sum(c, placement, in, t, owners.back());
     for (int col = 0; col < H; ++col) partial.set(0, col, p[col]);
     for (int col = 0; col < H; ++col) acc[col] += partial.get(0, col);
   }
@@ -146,7 +155,7 @@ Expected reference(const LLCase& c, const ExpertPlacement& placement, const std:
   const RankInputs& in = inputs[d];
   ex.out = Matrix(c.out_dtype, in.num_tokens(), H);
   for (int t = 0; t < in.num_tokens(); ++t) {
-    const std::vector<float> acc = c.per_rank ? per_rank_sum(c, placement, in, t) : top_k_sum(c, in, t, -1);
+    const std::vector<float> acc = c.per_rank ? per_rank_sum(c, placement, in, t) : top_k_sum(c, placement, in, t, -1);
     for (int col = 0; col < H; ++col) ex.out.set(t, col, acc[col]);
   }
   return ex;
@@ -238,11 +247,12 @@ Status dispatch_and_combine(LowLatencyBuffer& ll, const LLCase& c, int rank, con
       }
     y = d.recv_x;
   } else {
-    y_own = Matrix::filled(c.y_dtype, EL * rows, H, kGarbage);
+    const DType y_dtype = c.y_dtype_of(rank);
+    y_own = Matrix::filled(y_dtype, EL * rows, H, kGarbage);
     for (int e = 0; e < EL; ++e)
       for (int j = 0; j < counts[e]; ++j)
-        expert_row(x_row(e, j), c.dtype, ll.placement().global_id(rank, e), H, y_own.row(e * rows + j), c.y_dtype);
-    y = TensorView::contiguous(y_own.row(0), c.y_dtype, {EL, rows, H});
+        expert_row(x_row(e, j), c.dtype, ll.placement().global_id(rank, e), H, y_own.row(e * rows + j), y_dtype);
+    y = TensorView::contiguous(y_own.row(0), y_dtype, {EL, rows, H});
   }
   *out = Matrix::filled(c.out_dtype, in.num_tokens(), H, kUnwritten);
   return with_context("combine", c.async ? finish(ll.combine_async(y, d.handle, out->view()))
@@ -257,7 +267,7 @@ Status run_rank(Transport& transport, const LLCase& c, int capacity, const RankI
   const void* second = nullptr;
   EPX_RETURN_IF_ERROR(dispatch_and_combine(*ll, c, r, in, false, &got->recv, &got->src, &got->out, &first));
   std::vector<std::vector<int32_t>> src_again;
-  EPX_RETURN_IF_ERROR(dispatch_and_combine(*ll, c, r, in, c.y_dtype == c.dtype, &got->recv_again, &src_again,
+  EPX_RETURN_IF_ERROR(dispatch_and_combine(*ll, c, r, in, c.y_dtype_of(r) == c.dtype, &got->recv_again, &src_again,
                                            &got->out_again, &second));
   got->same_memory = first == second && staging == ll->staging_bytes() && src_again == got->src;
   return Status::ok();
@@ -419,6 +429,33 @@ TEST_P(LowLatency, CombinePerRankMatchesItsFormula) {
         check_case(c, &nonzero);
         if (test_world().any(::testing::Test::HasFailure())) return;
       }
+    }
+  }
+  EXPECT_GT(nonzero, 0) << "every compared tensor was zero";
+}
+
+// Owners may give y of different dtypes (each up to max_combine_dtype): here
+// the last rank's experts give bf16 rows and the others f32, so a token's
+// rows differ in dtype where it reaches the last rank and the others. The
+// combine sums each token's rows in its fixed order whatever their dtypes:
+// exactly the formula, with and without combine_per_rank.
+TEST_P(LowLatency, OwnersMayGiveYOfDifferentDtypes) {
+  const Shape shape = GetParam();
+  EPX_SKIP_UNLESS_RUNNABLE(shape.num_ranks, shape.num_nodes);
+  if (shape.num_ranks < 2) GTEST_SKIP() << "one rank: one dtype";
+  uint32_t index = 0;
+  int64_t nonzero = 0;
+  for (int topk : {2, 8}) {
+    const int experts = 4 * shape.num_ranks;
+    for (Routing routing : {Routing::kUniform, Routing::kHoles}) {
+      LLCase c = case_on(shape, DType::kF32, experts, topk, routing,
+                         11000u + 64u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
+      c.last_rank_bf16_y = true;
+      for (bool per_rank : {false, true}) {
+        c.per_rank = per_rank;
+        check_case(c, &nonzero);
+      }
+      if (test_world().any(::testing::Test::HasFailure())) return;
     }
   }
   EXPECT_GT(nonzero, 0) << "every compared tensor was zero";

@@ -161,10 +161,13 @@ struct LowLatencyBuffer::Impl : detail::BackendState<LowLatencyConfig> {
   std::vector<int64_t> held_rows;         // [R]
   std::vector<int64_t> held_pair_row;     // [R][max_tokens * pairs_per_row]
   std::vector<float> held_pair_weight;    // [R][max_tokens * pairs_per_row]
-  std::vector<float> partial;             // [hidden]
   std::vector<Request> requests;
   AlignedBuffer send_staging, recv_staging;
-  std::vector<float> acc;             // [hidden]
+  // One token's rows and weights for a sum (weighted_partial): [max_topk].
+  std::vector<const std::byte*> sum_rows;
+  std::vector<float> sum_weights;
+  std::vector<DType> row_dtypes;
+  std::vector<float> acc;  // [hidden]: rows of different dtypes, summed one at a time
 
   const LLRegion& local() const { return regions[rank]; }
   bool same_node(int r) const { return topology.same_node(r, rank); }
@@ -298,6 +301,7 @@ struct LowLatencyBuffer::Impl : detail::BackendState<LowLatencyConfig> {
   Status record_combine_signal(int owner, const int64_t* sig);
   Status unpack_combine_message(int owner, const int64_t* sig, std::size_t bytes);
   void sum_combine(const TensorView& y, std::size_t y_row, const TensorView& out);
+  void sum_mixed_rows(int n, std::byte* out, DType out_dtype);
   // The first slot of a token's top-k row `idx` (up to k) naming an expert of `owner`.
   int first_slot_on(const int32_t* idx, int k, int owner) const {
     for (int j = 0; j < k; ++j)
@@ -498,9 +502,11 @@ void LowLatencyBuffer::Impl::size_scratch() {
     held.assign(R * c.max_tokens_per_rank, Impl::HeldRow{});
     held_pair_row.assign(R * c.max_tokens_per_rank * pairs_per_row(), 0);
     held_pair_weight.assign(R * c.max_tokens_per_rank * pairs_per_row(), 0.0f);
-    partial.assign(c.hidden, 0.0f);
   }
   requests.reserve(R);
+  sum_rows.assign(c.max_topk, nullptr);
+  sum_weights.assign(c.max_topk, 0.0f);
+  row_dtypes.assign(c.max_topk, DType::kF32);
   acc.assign(c.hidden, 0.0f);
 }
 
@@ -1024,41 +1030,58 @@ void LowLatencyBuffer::Impl::stage_rank_sums(const TensorView& y, std::size_t y_
   for (int s = 0; s < num_ranks; ++s) {
     for (int64_t i = 0; i < held_rows[s]; ++i) {
       const HeldRow& h = held[static_cast<std::size_t>(s) * config.max_tokens_per_rank + i];
-      std::fill(partial.begin(), partial.end(), 0.0f);
-      for (int64_t p = h.first_pair; p < h.first_pair + h.num_pairs; ++p) {
-        const std::size_t q = s * pairs_per_source + p;
-        detail::accumulate_weighted(partial.data(), held_pair_weight[q],
-                                    y.data_as<std::byte>() + held_pair_row[q] * y_row, y.dtype(), config.hidden);
+      for (int64_t p = 0; p < h.num_pairs; ++p) {
+        const std::size_t q = s * pairs_per_source + h.first_pair + p;
+        sum_rows[p] = y.data_as<std::byte>() + held_pair_row[q] * y_row;
+        sum_weights[p] = held_pair_weight[q];
       }
-      detail::store(combine_dst(s, h.token, h.first_slot, y_row), y.dtype(), partial.data(), config.hidden);
+      detail::weighted_partial(combine_dst(s, h.token, h.first_slot, y_row), y.dtype(), sum_rows.data(),
+                               sum_weights.data(), static_cast<int>(h.num_pairs), y.dtype(), config.hidden);
     }
   }
 }
 
 // out[t] = sum over k ascending of w[t][k] * y(t, k), in fp32; with
 // combine_per_rank, the sum of the owners' rows in the order of their first
-// slot k. One rounding to out's dtype.
+// slot k. One rounding to out's dtype. A token's rows are summed side by side
+// (weighted_partial) when they share a dtype, as they do unless owners sent
+// y of different dtypes; then one row at a time, with the same order.
 void LowLatencyBuffer::Impl::sum_combine(const TensorView& y, std::size_t y_row, const TensorView& out) {
-  const int H = config.hidden, MK = config.max_topk;
+  const int MK = config.max_topk;
   for (int t = 0; t < num_tokens; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
     const int32_t* idx = &topk_idx[static_cast<std::size_t>(t) * MK];
+    int n = 0;
+    DType dtype = y.dtype();
+    bool one_dtype = true;
     for (int k = 0; k < topk; ++k) {
       if (idx[k] < 0) continue;
       const std::size_t slot = static_cast<std::size_t>(t) * MK + k;
       const int owner = placement.rank_of(idx[k]);
-      const auto dtype = static_cast<DType>(owner_dtype[owner]);
-      if (config.combine_per_rank) {
-        if (first_slot_on(idx, k, owner) != k) continue;
-        detail::accumulate_weighted(acc.data(), 1.0f, local().combine + slot * combine_row_bytes, dtype, H);
-        continue;
-      }
-      const std::byte* row = owner == rank ? y.data_as<std::byte>() + own_row[slot] * y_row
-                                           : local().combine + slot * combine_row_bytes;
-      detail::accumulate_weighted(acc.data(), weights[slot], row, dtype, H);
+      if (config.combine_per_rank && first_slot_on(idx, k, owner) != k) continue;
+      const auto row_dtype = static_cast<DType>(owner_dtype[owner]);
+      one_dtype = one_dtype && (n == 0 || row_dtype == dtype);
+      dtype = row_dtype;
+      const bool own = owner == rank && !config.combine_per_rank;
+      sum_rows[n] = own ? y.data_as<std::byte>() + own_row[slot] * y_row : local().combine + slot * combine_row_bytes;
+      sum_weights[n] = config.combine_per_rank ? 1.0f : weights[slot];
+      row_dtypes[n++] = row_dtype;
     }
-    detail::store(out.row<std::byte>(t), out.dtype(), acc.data(), H);
+    if (one_dtype) {
+      detail::weighted_partial(out.row<std::byte>(t), out.dtype(), sum_rows.data(), sum_weights.data(), n, dtype,
+                               config.hidden);
+    } else {
+      sum_mixed_rows(n, out.row<std::byte>(t), out.dtype());
+    }
   }
+}
+
+// One token's n rows of sum_rows (dtypes row_dtypes) weighted and added one
+// at a time, in fp32 from 0, into out.
+void LowLatencyBuffer::Impl::sum_mixed_rows(int n, std::byte* out, DType out_dtype) {
+  std::fill(acc.begin(), acc.end(), 0.0f);
+  for (int i = 0; i < n; ++i)
+    detail::accumulate_weighted(acc.data(), sum_weights[i], sum_rows[i], row_dtypes[i], config.hidden);
+  detail::store(out, out_dtype, acc.data(), config.hidden);
 }
 
 }  // namespace epx
