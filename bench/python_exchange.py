@@ -30,10 +30,10 @@ torch (other rows, the same distribution): the received row counts are printed
 side by side. ratio = C++ time / Python time (1 = no overhead). The machine may be
 shared: --rounds alternates the C++ command and the Python runs so that both
 see the same load, and the medians pool every round's repetitions. On a
-shared machine the same operation can run 1.5x slower for seconds at a time
-(in one process, from one repetition to the next), so a ratio needs many
-short rounds: round_ratios gives the lowest and highest of the rounds' own
-median ratios. Each
+shared machine the same operation can run much slower for seconds at a time
+(in one process, from one repetition to the next), so a ratio across
+processes needs many short rounds: round_ratios gives the lowest and highest
+of the rounds' own median ratios. Each
 operation's CPU time (the ranks' thread CPU time summed; the C++ bench's
 cpu_ms) is printed too: unlike wall time it does not grow with other load,
 so cpu_ratio = C++ CPU / Python CPU shows the work the Python layer adds. spread_ms: the
@@ -133,8 +133,9 @@ def check_rank(x, idx, out, num_ranks):
 
 
 def python_bench(tokens, ranks, nodes, reps, seed):
-    """The same operations from Python on an InprocWorld: {"dispatch", "combine": spans in s,
-    "dispatch_cpu", "combine_cpu": summed CPU s, "rows"}."""
+    """The same operations from Python on an InprocWorld, and timed from C++ beside them:
+    {op: spans in s, f"{op}_cpu": summed CPU s, f"{op}_spread": GIL spreads in s for op in METHODS;
+    "dispatch_paired", "combine_paired": C++ span / Python span per repetition; "rows"}."""
     inputs = [make_inputs(r, tokens, seed) for r in range(ranks)]
     per_rank = sum(rows_per_rank(idx, ranks)[0] for _, idx, _ in inputs)
     marks = Marks(ranks)

@@ -352,8 +352,10 @@ pb::object combine(BufferState& self, pb::handle y, pb::handle handle, pb::handl
   return combine_like(kCombineForm, self, y, handle, out, bias, pb::none(), pb::none(), async, clock);
 }
 
+// The barrier waits up to `timeout` seconds (None: the Buffer's timeout).
 CxxClock cxx_clock(const BufferState& self, pb::handle timeout) {
-  return CxxClock{&self.transport->get(), deadline_after(timeout, 60.0)};
+  const double fallback = static_cast<double>(self.get().config().timeout.count()) / 1000;
+  return CxxClock{&self.transport->get(), deadline_after(timeout, fallback)};
 }
 
 pb::object dispatch_backward(BufferState& self, pb::handle grad_recv_x, pb::handle handle, pb::handle grad_x,
@@ -700,14 +702,15 @@ void register_buffer_local(pb::class_<BufferState, StatePtr>& c) {
   c.def("_timed_dispatch", [](BufferState& s, pb::handle x, pb::handle i, pb::handle w, pb::handle timeout) {
     CxxClock clock = cxx_clock(s, timeout);
     return clock.with(dispatch(s, x, i, w, false, &clock));
-  }, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none, pb::arg("timeout") = 60.0,
-     "Private, for benchmarks: the transport's barrier, then dispatch timed from C++, without the GIL in between; "
-     "returns (DispatchResult, start, end), seconds on the monotonic clock.");
+  }, pb::arg("x"), pb::arg("topk_idx"), pb::arg("topk_weights") = none, pb::arg("timeout") = none,
+     "Private, for benchmarks: the transport's barrier (timeout in seconds, None = the Buffer's), then dispatch "
+     "timed from C++, all without the GIL; returns (DispatchResult, start, end), seconds on the monotonic clock.");
   c.def("_timed_combine", [](BufferState& s, pb::handle y, pb::handle h, pb::handle o, pb::handle timeout) {
     CxxClock clock = cxx_clock(s, timeout);
     return clock.with(combine(s, y, h, o, pb::none(), false, &clock));
-  }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("timeout") = 60.0,
-     "Private, for benchmarks: the transport's barrier, then combine timed from C++; returns (out, start, end).");
+  }, pb::arg("y"), pb::arg("handle"), pb::arg("out") = none, pb::arg("timeout") = none,
+     "Private, for benchmarks: the transport's barrier (timeout in seconds, None = the Buffer's), then combine "
+     "timed from C++, all without the GIL; returns (out, start, end).");
 }
 
 }  // namespace

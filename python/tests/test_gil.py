@@ -91,7 +91,9 @@ def test_the_benchmarks_cxx_timed_forms_give_the_public_results_after_a_barrier(
 
     def rank_fn(t):
         buf = small_buffer(t)
-        x, idx = inputs(t.rank)
+        _, idx = inputs(t.rank)
+        # Values that name the rank, the token and the column.
+        x = (100 * (t.rank + 1) + 10 * np.arange(4)[:, None] + np.arange(8)[None, :]).astype(np.float32)
         if t.rank == 1:
             spin(0.3)  # late: the other ranks' timed operations start after this one arrives
         arrived = time.monotonic()
@@ -103,6 +105,7 @@ def test_the_benchmarks_cxx_timed_forms_give_the_public_results_after_a_barrier(
         assert start <= end <= c_start <= c_end
         np.testing.assert_array_equal(timed_rows, np.array(public.recv_x))
         np.testing.assert_array_equal(out, want)
+        assert np.all(want != 0), "every token reaches a rank: no row of the combine may be zero"
         return arrived, start
 
     results = epx.InprocWorld(2).run(rank_fn)

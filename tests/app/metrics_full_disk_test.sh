@@ -60,7 +60,9 @@ if [[ -n "$mpiexec" ]]; then
   (( code != 0 )) && code=1  # mpirun reports a rank's failure as its own exit code
   step=$(check_stopped "mpi" "$out" $code) || exit 1
   if ! printf '%s\n' "$out" | grep -q "rank 1: rank 0 stopped the run after step $step"; then
-    echo "FAIL mpi: rank 1 does not say it stopped after step $step"; exit 1
+    echo "FAIL mpi: rank 1 does not say it stopped after step $step; the run printed:"
+    printf '%s\n' "$out" | tail -n 30
+    exit 1
   fi
   echo "ok mpi: both ranks stopped after step $step of 500, $((step - 1)) whole JSON lines kept"
 fi

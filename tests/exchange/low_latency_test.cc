@@ -438,7 +438,8 @@ TEST_P(LowLatency, CombinePerRankMatchesItsFormula) {
 // the last rank's experts give bf16 rows and the others f32, so a token's
 // rows differ in dtype where it reaches the last rank and the others. The
 // combine sums each token's rows in its fixed order whatever their dtypes:
-// exactly the formula, with and without combine_per_rank.
+// exactly the formula, with and without combine_per_rank. Hidden 80 takes a
+// 64-column block in registers and a tail; bf16 out rounds once.
 TEST_P(LowLatency, OwnersMayGiveYOfDifferentDtypes) {
   const Shape shape = GetParam();
   EPX_SKIP_UNLESS_RUNNABLE(shape.num_ranks, shape.num_nodes);
@@ -451,6 +452,8 @@ TEST_P(LowLatency, OwnersMayGiveYOfDifferentDtypes) {
       LLCase c = case_on(shape, DType::kF32, experts, topk, routing,
                          11000u + 64u * static_cast<uint32_t>(shape.num_ranks * 4 + shape.num_nodes) + ++index);
       c.last_rank_bf16_y = true;
+      c.hidden = routing == Routing::kUniform ? 80 : 16;
+      c.out_dtype = topk == 8 ? DType::kBF16 : DType::kF32;
       for (bool per_rank : {false, true}) {
         c.per_rank = per_rank;
         check_case(c, &nonzero);

@@ -7,8 +7,10 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <string>
 #include <string_view>
 
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -760,8 +762,25 @@ void set_ratios(ExchangeBenchResult& r) {
   r.layer_combine_vs_memcpy_cpu = ratio(r.memcpy_layer.cpu_ms, r.layer_combine.cpu_ms);
 }
 
-// The process's peak resident memory so far (getrusage's ru_maxrss, KiB on Linux).
+// Before a shape: the heap's free memory back to the system (malloc_trim),
+// and the peak resident memory reset to the current one (clear_refs 5), so
+// that peak_rss_bytes() after it is this shape's. False where the kernel
+// refuses the reset: the peak is then the process's so far.
+bool reset_peak_rss() {
+  malloc_trim(0);
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+// The peak resident memory since reset_peak_rss() (VmHWM), else since the
+// process started (getrusage's ru_maxrss, KiB on Linux).
 std::size_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return static_cast<std::size_t>(std::stoull(line.substr(6))) * 1024;
+  }
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<std::size_t>(usage.ru_maxrss) * 1024;
@@ -866,6 +885,7 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
         gib(memory.naive), gib(memory.budget), config.memory_fraction * 100, gib(memory.available),
         config.layer_combine ? " or --layer-combine off (the layer's f32 rows are most of epx's share)" : "");
 
+  reset_peak_rss();
   Shared shared(config.num_ranks);
   shared.interleaved = memory.fits_interleaved();
   const CpuSnapshot cpu_before = cpu_snapshot();

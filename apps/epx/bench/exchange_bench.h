@@ -109,8 +109,9 @@ struct ExchangeBenchResult {
   double other_cpu_share = 0;
   std::size_t naive_bytes = 0;       // the naive baseline's buffers on one rank
   // Memory the plan expected the shape to hold at once (all ranks, inputs
-  // included), and the process's peak resident memory after it (getrusage;
-  // the peak of every earlier shape of the run too).
+  // included), and the process's peak resident memory while it ran (VmHWM,
+  // reset before the shape after the heap's free memory went back to the
+  // system; where the kernel refuses the reset, the process's peak so far).
   std::size_t planned_bytes = 0;
   std::size_t peak_rss_bytes = 0;
 
