@@ -172,8 +172,8 @@ std::size_t layer_combine_bytes(const ExchangeBenchConfig& c, int64_t expanded_r
   if (!c.layer_combine) return 0;
   const std::size_t f32_row = static_cast<std::size_t>(c.hidden) * 4;
   const std::size_t outs = rows_in_place(c) ? 2 : 1;
-  return (static_cast<std::size_t>(std::max<int64_t>(expanded_rows, 1)) + outs * static_cast<std::size_t>(c.num_tokens)) *
-         f32_row;
+  const auto rows = static_cast<std::size_t>(std::max<int64_t>(expanded_rows, 1));
+  return (rows + outs * static_cast<std::size_t>(c.num_tokens)) * f32_row;
 }
 
 // Receiver weights: the f32 combine-region rows that hold the most bf16
@@ -764,14 +764,12 @@ void set_ratios(ExchangeBenchResult& r) {
 
 // Before a shape: the heap's free memory back to the system (malloc_trim),
 // and the peak resident memory reset to the current one (clear_refs 5), so
-// that peak_rss_bytes() after it is this shape's. False where the kernel
-// refuses the reset: the peak is then the process's so far.
-bool reset_peak_rss() {
+// that peak_rss_bytes() after it is this shape's. Where the kernel refuses
+// the reset, the peak stays the process's so far.
+void reset_peak_rss() {
   malloc_trim(0);
   std::ofstream clear("/proc/self/clear_refs");
   clear << "5";
-  clear.flush();
-  return static_cast<bool>(clear);
 }
 
 // The peak resident memory since reset_peak_rss() (VmHWM), else since the
@@ -902,7 +900,8 @@ Result<ExchangeBenchResult> run_exchange_bench(const ExchangeBenchConfig& config
   r.other_cpu_share = other_cpu_share(cpu_before, cpu_after);
   r.planned_bytes = memory.at_once();
   r.peak_rss_bytes = peak_rss_bytes();
-  if (progress) progress(fmt::format("memory: peak {} resident, planned {}", gib(r.peak_rss_bytes), gib(r.planned_bytes)));
+  if (progress)
+    progress(fmt::format("memory: peak {} resident, planned {}", gib(r.peak_rss_bytes), gib(r.planned_bytes)));
   set_ratios(r);
   return r;
 }
