@@ -25,6 +25,7 @@
 #include <xxhash.h>
 
 #include "epx/core/input_file.h"
+#include "epx/train/checkpoint_lock.h"
 
 namespace epx::detail {
 namespace {
@@ -472,10 +473,12 @@ Status check_save_dir(const std::string& dir) {
   fs::directory_iterator it(path, ec);
   if (ec) return invalid_argument("--save {}: cannot list the folder: {}", dir, ec.message());
   // Another process's probe file (every MPI process probes) does not count,
-  // nor the marker that rank 0 made since the check above (a new folder).
+  // nor the marker that rank 0 made since the check above (a new folder),
+  // nor the lock file rank 0 may have taken meanwhile (the lock itself
+  // refuses a second run).
   const auto ours = [](const fs::path& p) {
     const std::string name = p.filename().string();
-    return name.rfind(".epx-probe-", 0) == 0 || name == kCheckpointMarker;
+    return name.rfind(".epx-probe-", 0) == 0 || name == kCheckpointMarker || name == kSaveLockFile;
   };
   while (it != fs::directory_iterator() && ours(it->path())) it.increment(ec);
   if (ec || it == fs::directory_iterator()) return Status::ok();

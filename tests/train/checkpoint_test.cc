@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "epx/train/checkpoint_lock.h"
 #include "epx/train/trainer.h"
 #include "observe/temp_dir.h"
 #include "train/tiny_config.h"
@@ -351,6 +352,21 @@ TEST(Checkpoint, RefusesAFileAndAForeignFolderAndTouchesNothing) {
   fs::create_directory(c.save_dir);
   ASSERT_TRUE(train(c).is_ok());
   EXPECT_TRUE(fs::exists(fs::path(c.save_dir) / "latest"));
+}
+
+// Under MPI every rank checks the folder while rank 0 may already hold the
+// lock of a new folder: a folder holding only epx's lock file (and probes)
+// is epx's, not a foreign one.
+TEST(Checkpoint, AFolderWithOnlyTheLockFileIsEpxs) {
+  testing::TempDir tmp;
+  const fs::path dir = tmp.path() / "new";
+  fs::create_directory(dir);
+  write_text(dir / kSaveLockFile, "host 1 0 run");
+  write_text(dir / ".epx-probe-host-42", "");
+  EXPECT_TRUE(detail::check_save_dir(dir.string()).is_ok()) << detail::check_save_dir(dir.string()).to_string();
+  write_text(dir / "thesis.tex", "x");
+  const Status s = detail::check_save_dir(dir.string());
+  EXPECT_NE(s.message().find("holds other files (e.g. 'thesis.tex')"), std::string::npos) << s.to_string();
 }
 
 // The estimate is an upper bound of the real size, within 10 %.
