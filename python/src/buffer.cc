@@ -248,6 +248,11 @@ int64_t expanded_rows_bound(int num_ranks, int num_experts, int hidden, int max_
   return Buffer::expanded_rows_bound(config, num_ranks, unwrap_arg(parse_dtype(y_dtype), "y_dtype"));
 }
 
+// `timeout` seconds from now; None: the Buffer's own timeout.
+Deadline buffer_deadline(const Buffer& buffer, pb::handle timeout) {
+  return deadline_after(timeout, static_cast<double>(buffer.config().timeout.count()) / 1000);
+}
+
 // ---- the operations: each blocking (GIL released) or asynchronous ---------------------
 
 // One operation: its blocking and asynchronous forms (over views and
@@ -354,8 +359,7 @@ pb::object combine(BufferState& self, pb::handle y, pb::handle handle, pb::handl
 
 // The barrier waits up to `timeout` seconds (None: the Buffer's timeout).
 CxxClock cxx_clock(const BufferState& self, pb::handle timeout) {
-  const double fallback = static_cast<double>(self.get().config().timeout.count()) / 1000;
-  return CxxClock{&self.transport->get(), deadline_after(timeout, fallback)};
+  return CxxClock{&self.transport->get(), buffer_deadline(self.get(), timeout)};
 }
 
 pb::object dispatch_backward(BufferState& self, pb::handle grad_recv_x, pb::handle handle, pb::handle grad_x,
@@ -508,7 +512,7 @@ void dispatch_send(BufferState& self, pb::handle x, pb::handle topk_idx, pb::han
 
 pb::object dispatch_recv(BufferState& self, pb::handle timeout) {
   Buffer& buffer = self.get();
-  const Deadline deadline = deadline_after(timeout, static_cast<double>(buffer.config().timeout.count()) / 1000);
+  const Deadline deadline = buffer_deadline(buffer, timeout);
   auto result = std::make_shared<DispatchResult>();
   call([&] { return buffer.dispatch_recv(result.get(), deadline); });
   self.split_dispatch_args.clear();
@@ -530,7 +534,7 @@ void combine_send(BufferState& self, pb::handle y, pb::handle handle, pb::handle
 
 pb::object combine_recv(BufferState& self, pb::handle timeout) {
   Buffer& buffer = self.get();
-  const Deadline deadline = deadline_after(timeout, static_cast<double>(buffer.config().timeout.count()) / 1000);
+  const Deadline deadline = buffer_deadline(buffer, timeout);
   call([&] { return buffer.combine_recv(deadline); });
   self.split_combine_args.clear();
   pb::object out = self.split_combine_out;

@@ -185,6 +185,18 @@ int64_t expanded_region_rows(const ExchangeBenchConfig& c, const ShapePlan& plan
   return receiver_weights(c) ? most / 2 + 1 : most + 1;
 }
 
+// The naive baseline's configuration, sized by a shape's plan: the memory
+// plan counts what RankBench::create_naive then allocates.
+NaiveConfig naive_config(const ExchangeBenchConfig& c, const ShapePlan& plan) {
+  return NaiveConfig{.num_experts = c.num_experts,
+                     .hidden = c.hidden,
+                     .dtype = c.dtype,
+                     .max_topk = c.topk,
+                     .max_rows = plan.naive_max_rows,
+                     .placement = plan.placement,
+                     .timeout = c.timeout};
+}
+
 MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan) {
   const std::size_t row_bytes = static_cast<std::size_t>(config.hidden) * dtype_size(config.dtype);
   const std::size_t num_ranks = static_cast<std::size_t>(config.num_ranks);
@@ -202,9 +214,7 @@ MemoryPlan plan_memory(const ExchangeBenchConfig& config, const ShapePlan& plan)
   for (int r = 0; r < config.num_ranks; ++r) m.epx_after_create += layer_combine_bytes(config, plan.naive_recv[r]);
   m.epx = num_ranks * static_cast<std::size_t>(Buffer::estimate_region_bytes(buffer, config.num_ranks)) +
           m.epx_after_create;
-  const NaiveConfig naive{.num_experts = config.num_experts, .hidden = config.hidden, .dtype = config.dtype,
-                          .max_topk = config.topk, .max_rows = plan.naive_max_rows};
-  m.naive = num_ranks * NaiveAllToAll::bytes_needed(naive);  // inproc messages are not copied
+  m.naive = num_ranks * NaiveAllToAll::bytes_needed(naive_config(config, plan));  // inproc messages are not copied
   m.available = available_memory_bytes();
   m.budget = m.available == 0 ? SIZE_MAX / 4 : static_cast<std::size_t>(m.available * config.memory_fraction);
   return m;
@@ -354,23 +364,12 @@ class RankBench {
   void say(const std::string& line) const {
     if (progress_) progress_(line);
   }
-  // The naive baseline's configuration, sized by this shape's plan: the
-  // memory check counts what create_naive then allocates.
-  [[nodiscard]] NaiveConfig naive_config() const {
-    return NaiveConfig{.num_experts = config_.num_experts,
-                       .hidden = config_.hidden,
-                       .dtype = config_.dtype,
-                       .max_topk = config_.topk,
-                       .max_rows = plan_.naive_max_rows,
-                       .placement = plan_.placement,
-                       .timeout = config_.timeout};
-  }
   [[nodiscard]] std::size_t naive_total_bytes() const {
-    return static_cast<std::size_t>(config_.num_ranks) * NaiveAllToAll::bytes_needed(naive_config());
+    return static_cast<std::size_t>(config_.num_ranks) * NaiveAllToAll::bytes_needed(naive_config(config_, plan_));
   }
 
   Status create_naive() {
-    EPX_ASSIGN_OR_RETURN(naive_, NaiveAllToAll::create(t_, naive_config()));
+    EPX_ASSIGN_OR_RETURN(naive_, NaiveAllToAll::create(t_, naive_config(config_, plan_)));
     if (rank_ == 0) shared_.naive_bytes = naive_->bytes();
     return Status::ok();
   }
